@@ -1,0 +1,497 @@
+//! Code maps: sorted tables of at most 2^bits values in [-1, 1] that a code indexes. A block-wise
+//! quantizer stores `code` and a scale; the value is `map[code] * scale`.
+//!
+//! Every map here is built by code, reproducing the anchors' constructions (bitsandbytes'
+//! `create_dynamic_map`, `create_normal_map`, lpmm's linear maps) including the f32 arithmetic
+//! they do, so the 8-bit dynamic maps equal bitsandbytes' bit for bit (tested against
+//! `shared/spec/dynamic-map-8bit.tsv`).
+
+use crate::error::FormatError;
+use crate::float::Rounding;
+
+/// A sorted table of code values with its precomputed decision thresholds.
+#[derive(Clone, PartialEq)]
+pub struct CodeMap {
+    bits: u32,
+    values: Box<[f32]>,
+    /// `thresholds[j]` is the smallest f32 whose nearest code is above `j`; see [`CodeMap::nearest`].
+    thresholds: Box<[f32]>,
+    /// A search accelerator: `start[bucket(y)]` is a lower bound of `nearest(y)`, exact for the
+    /// lowest value of the bucket, so `nearest` only scans the few thresholds inside the bucket.
+    start: Box<[u8]>,
+    /// The most thresholds any bucket holds: `nearest` takes this many branch-free steps.
+    scan: usize,
+    /// `thresholds` followed by `scan` NaNs, so the steps never leave the table (`NaN <= y` is
+    /// false for every `y`).
+    padded: Box<[f32]>,
+}
+
+/// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the
+/// first mantissa bits (2^14 one-byte entries, 16 KiB, which stays in L1).
+const BUCKET_MANTISSA_BITS: u32 = 5;
+const BUCKET_SHIFT: u32 = 23 - BUCKET_MANTISSA_BITS;
+
+#[inline]
+fn bucket(y: f32) -> usize {
+    (y.to_bits() >> BUCKET_SHIFT) as usize
+}
+
+/// The lowest and highest non-NaN f32 whose bit patterns fall in `bucket` (None for NaN-only
+/// buckets). Positive patterns grow with the value, negative ones shrink.
+fn bucket_range(bucket: usize) -> Option<(f32, f32)> {
+    let base = (bucket as u32) << BUCKET_SHIFT;
+    let top = base | ((1 << BUCKET_SHIFT) - 1);
+    let (lo, hi) = if base >> 31 == 0 {
+        (base, top)
+    } else {
+        (top, base)
+    };
+    let (lo, hi) = (f32::from_bits(lo), f32::from_bits(hi));
+    match (lo.is_nan(), hi.is_nan()) {
+        (false, false) => Some((lo, hi)),
+        (false, true) => Some((lo, f32::INFINITY)),
+        (true, false) => Some((f32::NEG_INFINITY, hi)),
+        (true, true) => None,
+    }
+}
+
+impl std::fmt::Debug for CodeMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The thresholds and the search table derive from the values.
+        f.debug_struct("CodeMap")
+            .field("bits", &self.bits)
+            .field("values", &self.values)
+            .finish()
+    }
+}
+
+fn check_bits(bits: u32) -> Result<(), FormatError> {
+    if (1..=8).contains(&bits) {
+        Ok(())
+    } else {
+        Err(FormatError::BitWidth { bits })
+    }
+}
+
+impl CodeMap {
+    /// A map from explicit values (e.g. `qmap1` read from a bitsandbytes checkpoint).
+    ///
+    /// Errors unless `bits` is 1..=8 and `values` holds 2..=2^bits finite, strictly increasing
+    /// values in [-1, 1].
+    pub fn from_values(bits: u32, values: &[f32]) -> Result<Self, FormatError> {
+        check_bits(bits)?;
+        if values.len() < 2 || values.len() > 1 << bits {
+            return Err(FormatError::CodeMapLength {
+                bits,
+                len: values.len(),
+            });
+        }
+        for (index, &value) in values.iter().enumerate() {
+            if !(-1.0..=1.0).contains(&value) {
+                return Err(FormatError::CodeMapOutOfRange { index, value });
+            }
+            if index > 0 && value <= values[index - 1] {
+                return Err(FormatError::CodeMapUnsorted { index, value });
+            }
+        }
+        let thresholds: Box<[f32]> = values.windows(2).map(|w| threshold(w[0], w[1])).collect();
+        let count = |y: f32| thresholds.partition_point(|&t| t <= y);
+        let mut scan = 0;
+        let start = (0..1usize << (32 - BUCKET_SHIFT))
+            .map(|b| match bucket_range(b) {
+                Some((lo, hi)) => {
+                    scan = scan.max(count(hi) - count(lo));
+                    count(lo) as u8
+                }
+                None => 0, // NaN only: nearest() handles NaN before the table
+            })
+            .collect();
+        let padded = thresholds
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(f32::NAN, scan))
+            .collect();
+        Ok(Self {
+            bits,
+            values: values.into(),
+            thresholds,
+            start,
+            scan,
+            padded,
+        })
+    }
+
+    /// The width of a code in bits.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    /// The code values, sorted ascending.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
+    /// The decision thresholds: `thresholds()[j]` is the smallest f32 `y` whose nearest code is
+    /// `j + 1` or above. A GPU kernel can upload this table and reproduce [`CodeMap::nearest`]
+    /// with f32 comparisons only.
+    pub fn thresholds(&self) -> &[f32] {
+        &self.thresholds
+    }
+
+    /// The number of codes.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Always false: a map holds at least two values.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The value of `code`; codes past the end decode as the last value.
+    #[inline]
+    pub fn value(&self, code: u8) -> f32 {
+        self.values[usize::from(code).min(self.values.len() - 1)]
+    }
+
+    /// The code nearest to `y` in exact arithmetic. Ties (y exactly half-way between two codes)
+    /// go to the code of lower magnitude, and to the lower code if both magnitudes are equal.
+    /// Values below the first code give code 0, above the last the last code; NaN gives code 0.
+    #[inline]
+    pub fn nearest(&self, y: f32) -> u8 {
+        if y.is_nan() {
+            return 0;
+        }
+        // Exactly `thresholds.partition_point(|t| t <= y)`: start from the count at the bucket's
+        // lowest value and step over the thresholds between it and `y`.
+        let mut c = usize::from(self.start[bucket(y)]);
+        for _ in 0..self.scan {
+            c += usize::from(self.padded[c] <= y);
+        }
+        c as u8
+    }
+
+    /// Stochastic rounding of `y` between its neighbours `lo <= y < hi`: `hi` iff
+    /// `bits < floor(frac * 2^32)` with `frac = (y - lo) / (hi - lo)` evaluated in f32. Values at
+    /// or outside the ends clamp to the end codes; NaN gives code 0.
+    #[inline]
+    pub fn stochastic(&self, y: f32, bits: u32) -> u8 {
+        if y.is_nan() {
+            return 0;
+        }
+        // The nearest code is one of the two neighbours; the lower one is `lo`. Branch-free in the
+        // common case: which neighbour is nearest is a coin toss for the branch predictor.
+        let c = usize::from(self.nearest(y));
+        let below = usize::from(self.values[c] > y);
+        if below > c {
+            return 0; // below the first value
+        }
+        let lo = c - below;
+        if lo + 1 == self.values.len() {
+            return lo as u8;
+        }
+        let (lo_v, hi_v) = (self.values[lo], self.values[lo + 1]);
+        let frac = (y - lo_v) / (hi_v - lo_v);
+        // `as` saturates: frac in [0, 1] -> [0, 2^32 - 1].
+        let cut = (frac * 4_294_967_296.0) as u32;
+        (lo + usize::from(bits < cut)) as u8
+    }
+
+    /// Rounds `y` to a code with the given rounding.
+    #[inline]
+    pub fn encode(&self, y: f32, rounding: Rounding) -> u8 {
+        match rounding {
+            Rounding::NearestEven => self.nearest(y),
+            Rounding::Stochastic(bits) => self.stochastic(y, bits),
+        }
+    }
+
+    /// bitsandbytes' dynamic (tree) map, `create_dynamic_map(signed, total_bits - 1, total_bits)`:
+    /// the 8-bit signed map is bitsandbytes' first-moment map, the unsigned one its second-moment
+    /// map, and `dynamic(true, 4)` the signed dynamic-exponent 4-bit map of lpmm and torchao.
+    pub fn dynamic(signed: bool, total_bits: u32) -> Result<Self, FormatError> {
+        check_bits(total_bits)?;
+        Self::dynamic_with_exponent_bits(signed, total_bits - 1, total_bits)
+    }
+
+    /// bitsandbytes' `create_dynamic_map(signed, max_exponent_bits, total_bits)`.
+    ///
+    /// For each decade `i < max_exponent_bits` the map holds the midpoints of an f32
+    /// `linspace(0.1, 1, k + 1)` scaled by `10^(i - max_exponent_bits + 1)`, with
+    /// `k = 2^(i + total_bits - 1 - max_exponent_bits)` (twice that, unsigned), negated copies if
+    /// signed, then `2^(total_bits - 1 - max_exponent_bits) - 1` linear fraction items at the last
+    /// decade's scale, then 0 and 1. Unsigned maps need `max_exponent_bits = total_bits - 1`
+    /// (otherwise bitsandbytes' construction does not give 2^bits values).
+    pub fn dynamic_with_exponent_bits(
+        signed: bool,
+        max_exponent_bits: u32,
+        total_bits: u32,
+    ) -> Result<Self, FormatError> {
+        check_bits(total_bits)?;
+        let non_sign_bits = total_bits - 1;
+        let valid = max_exponent_bits <= non_sign_bits
+            && (signed || max_exponent_bits == non_sign_bits)
+            && (max_exponent_bits > 0 || non_sign_bits == 0);
+        if !valid {
+            return Err(FormatError::NoMapAtWidth {
+                what: "dynamic",
+                bits: total_bits,
+            });
+        }
+        let mut data: Vec<f32> = Vec::with_capacity(1 << total_bits);
+        let mut push_decade = |items: usize, decade: i32| {
+            let points = torch_linspace_f32(0.1, 1.0, items + 1);
+            // torch multiplies an f32 tensor by a Python float scalar in f32.
+            // `10 ** decade` is a correctly rounded f64 in Python; parsing gives the same value.
+            let scale = format!("1e{decade}").parse::<f64>().unwrap_or(1.0) as f32;
+            let means: Vec<f32> = points.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+            data.extend(means.iter().map(|m| scale * m));
+            if signed {
+                data.extend(means.iter().map(|m| -scale * m));
+            }
+        };
+        let first_decade = 1 - max_exponent_bits as i32;
+        for i in 0..max_exponent_bits {
+            let exponent = i + non_sign_bits - max_exponent_bits + u32::from(!signed);
+            push_decade(1 << exponent, first_decade + i as i32);
+        }
+        let additional = (1usize << (non_sign_bits - max_exponent_bits)) - 1;
+        if additional > 0 {
+            push_decade(additional, 0);
+        }
+        data.push(0.0);
+        data.push(1.0);
+        data.sort_by(f32::total_cmp);
+        Self::from_values(total_bits, &data)
+    }
+
+    /// The symmetric linear map `k / L`, `k = -L..=L`, `L = 2^(bits-1) - 1` (2^bits - 1 codes,
+    /// zero included): the LPMM parameter format at 8 bits (int8 in [-127, 127], code = k + 127).
+    pub fn linear_signed(bits: u32) -> Result<Self, FormatError> {
+        check_bits(bits)?;
+        if bits < 2 {
+            return Err(FormatError::NoMapAtWidth {
+                what: "linear signed",
+                bits,
+            });
+        }
+        let l = (1i32 << (bits - 1)) - 1;
+        let values: Vec<f32> = (-l..=l).map(|k| k as f32 / l as f32).collect();
+        Self::from_values(bits, &values)
+    }
+
+    /// The linear map `k / (2^bits - 1)`, `k = 0..2^bits`.
+    pub fn linear_unsigned(bits: u32) -> Result<Self, FormatError> {
+        check_bits(bits)?;
+        let l = (1u32 << bits) - 1;
+        let values: Vec<f32> = (0..=l).map(|k| k as f32 / l as f32).collect();
+        Self::from_values(bits, &values)
+    }
+
+    /// The linear map without zero, `(i + 1) / 2^bits`, `i = 0..2^bits`: lpmm's 4-bit
+    /// second-moment map (a second moment never decodes to 0, so `1/sqrt(v)` stays finite).
+    pub fn linear_without_zero(bits: u32) -> Result<Self, FormatError> {
+        check_bits(bits)?;
+        let n = 1u32 << bits;
+        let values: Vec<f32> = (1..=n).map(|k| k as f32 / n as f32).collect();
+        Self::from_values(bits, &values)
+    }
+
+    /// The NormalFloat map (QLoRA's NF4 at 4 bits), bitsandbytes' `create_normal_map`
+    /// generalised: `2^(bits-1)` positive values `ppf(linspace(offset, 0.5, 2^(bits-1) + 1))`
+    /// (last point dropped), `2^(bits-1) - 1` negative ones `-ppf(linspace(offset, 0.5,
+    /// 2^(bits-1)))` (last dropped), and 0, divided by the largest in f32. The offset is the mean
+    /// of `1 - 1/(2(2^bits - 1))` and `1 - 1/2^(bits+1)`, rounded to 7 decimals (bitsandbytes'
+    /// literal `0.9677083` at 4 bits).
+    pub fn normal_float(bits: u32) -> Result<Self, FormatError> {
+        check_bits(bits)?;
+        let n = f64::from(1u32 << bits);
+        let offset =
+            ((1.0 - 1.0 / (2.0 * (n - 1.0)) + 1.0 - 1.0 / (2.0 * n)) / 2.0 * 1e7).round() / 1e7;
+        let half = 1usize << (bits - 1);
+        let ppf = |p: f32| -> f32 {
+            // Normal quantile via the inverse complementary error function, in f64, rounded
+            // to f32 once (scipy's `ndtri` float32 loop does the same).
+            (-std::f64::consts::SQRT_2 * statrs::function::erf::erfc_inv(2.0 * f64::from(p))) as f32
+        };
+        let positive = torch_linspace_f32(offset, 0.5, half + 1);
+        let negative = torch_linspace_f32(offset, 0.5, half);
+        let mut values: Vec<f32> = positive[..half].iter().map(|&p| ppf(p)).collect();
+        values.extend(negative[..half - 1].iter().map(|&p| -ppf(p)));
+        values.push(0.0);
+        values.sort_by(f32::total_cmp);
+        let max = values[values.len() - 1];
+        values.iter_mut().for_each(|v| *v /= max);
+        Self::from_values(bits, &values)
+    }
+}
+
+/// The smallest f32 that rounds to `hi` rather than `lo` (both f32, `lo < hi`) under the tie rule
+/// of [`CodeMap::nearest`]. The midpoint is exact in f64 for any two f32 whose magnitudes differ
+/// by less than 2^29; beyond that the rounding error is below an f32 ulp of the larger value.
+fn threshold(lo: f32, hi: f32) -> f32 {
+    let mid = (f64::from(lo) + f64::from(hi)) / 2.0;
+    let tie_goes_up = hi.abs() < lo.abs();
+    // The smallest f32 >= mid, or > mid.
+    let mut t = mid as f32; // round to nearest
+    if f64::from(t) < mid {
+        t = t.next_up();
+    } else if f64::from(t) > mid {
+        let below = t.next_down();
+        if f64::from(below) >= mid {
+            t = below;
+        }
+    }
+    if f64::from(t) == mid && !tie_goes_up {
+        t = t.next_up();
+    }
+    t
+}
+
+/// `torch.linspace(start, end, steps, dtype=torch.float32)` as torch 2.15's CPU kernel computes
+/// it (aten/src/ATen/native/cpu/RangeFactoriesKernel.cpp, AVX2/AVX-512 build): `step = (end -
+/// start) / (steps - 1)` in f32; element `i < steps / 2` is `fma(step, i, start)`, the others
+/// `fma(-step, steps - 1 - i, end)`, each with a single rounding (the compiler contracts the
+/// multiply-add). Checked against torch's output and against all 512 values of the reference table.
+fn torch_linspace_f32(start: f64, end: f64, steps: usize) -> Vec<f32> {
+    let (start, end) = (start as f32, end as f32);
+    if steps == 1 {
+        return vec![start];
+    }
+    let step = (end - start) / (steps - 1) as f32;
+    let halfway = steps / 2;
+    (0..steps)
+        .map(|i| {
+            if i < halfway {
+                step.mul_add(i as f32, start)
+            } else {
+                (-step).mul_add((steps - 1 - i) as f32, end)
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_examples() {
+        let m = CodeMap::dynamic(true, 8).unwrap();
+        assert_eq!(m.values()[0], -0.992_968_75);
+        assert_eq!(m.values()[127], 0.0);
+        assert_eq!(m.values()[255], 1.0);
+        let u = CodeMap::dynamic(false, 8).unwrap();
+        assert_eq!(u.values()[0], 0.0);
+        let de4: Vec<f32> = CodeMap::dynamic(true, 4).unwrap().values().to_vec();
+        let want = [
+            -0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0, 0.0055, 0.0325,
+            0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0,
+        ];
+        for (a, b) in de4.iter().zip(want) {
+            assert!((a - b).abs() < 1e-7, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn thresholds_follow_the_tie_rule() {
+        // 0.25 is exactly half-way between 0 and 0.5: it goes to 0 (lower magnitude).
+        let m = CodeMap::from_values(2, &[-0.5, 0.0, 0.5, 1.0]).unwrap();
+        assert_eq!(m.nearest(0.25), 1);
+        assert_eq!(m.nearest(0.25f32.next_up()), 2);
+        assert_eq!(m.nearest(-0.25), 1);
+        assert_eq!(m.nearest((-0.25f32).next_down()), 0);
+        assert_eq!(m.nearest(0.75), 2);
+        assert_eq!(m.nearest(-2.0), 0);
+        assert_eq!(m.nearest(2.0), 3);
+        assert_eq!(m.nearest(f32::NAN), 0);
+        // Equal magnitudes: the lower code.
+        let sym = CodeMap::from_values(1, &[-0.5, 0.5]).unwrap();
+        assert_eq!(sym.nearest(0.0), 0);
+        assert_eq!(sym.nearest(1e-30), 1);
+    }
+
+    #[test]
+    fn nearest_agrees_with_brute_force_on_every_map() {
+        let maps = [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::normal_float(4).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::linear_without_zero(4).unwrap(),
+        ];
+        for m in &maps {
+            for k in 0..200_000u32 {
+                let y = (k as f32 / 100_000.0 - 1.0) * 1.01 + (k % 7) as f32 * 1e-9;
+                let c = m.nearest(y) as usize;
+                let d = (f64::from(y) - f64::from(m.values()[c])).abs();
+                for (j, &v) in m.values().iter().enumerate() {
+                    let dj = (f64::from(y) - f64::from(v)).abs();
+                    assert!(d <= dj, "{y}: code {c} at {d}, but {j} at {dj}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn accelerated_search_equals_a_plain_binary_search() {
+        let maps = [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::dynamic(true, 4).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::from_values(2, &[-1.0, -1e-30, 1e-30, 1.0]).unwrap(),
+        ];
+        for m in &maps {
+            // Every threshold and its f32 neighbours, plus a sweep over bit patterns.
+            let mut ys: Vec<f32> = m
+                .thresholds()
+                .iter()
+                .flat_map(|&t| [t.next_down(), t, t.next_up()])
+                .collect();
+            ys.extend(
+                (0..=u32::MAX)
+                    .step_by(9973)
+                    .map(f32::from_bits)
+                    .filter(|v| !v.is_nan()),
+            );
+            ys.extend([f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
+            for y in ys {
+                let want = m.thresholds().partition_point(|&t| t <= y) as u8;
+                assert_eq!(m.nearest(y), want, "{y:e} ({:#x})", y.to_bits());
+                let lo = m.values().partition_point(|&v| v <= y).saturating_sub(1);
+                let s = m.stochastic(y, u32::MAX);
+                assert_eq!(usize::from(s), lo, "stochastic lower neighbour of {y:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_maps_are_rejected() {
+        assert_eq!(
+            CodeMap::from_values(9, &[0.0, 1.0]),
+            Err(FormatError::BitWidth { bits: 9 })
+        );
+        assert_eq!(
+            CodeMap::from_values(1, &[0.0, 0.5, 1.0]),
+            Err(FormatError::CodeMapLength { bits: 1, len: 3 })
+        );
+        assert_eq!(
+            CodeMap::from_values(2, &[0.0, 0.5, 0.5]),
+            Err(FormatError::CodeMapUnsorted {
+                index: 2,
+                value: 0.5
+            })
+        );
+        assert!(matches!(
+            CodeMap::from_values(2, &[0.0, f32::NAN]),
+            Err(FormatError::CodeMapOutOfRange { index: 1, .. })
+        ));
+        assert!(matches!(
+            CodeMap::from_values(2, &[0.0, 1.5]),
+            Err(FormatError::CodeMapOutOfRange { index: 1, .. })
+        ));
+        assert!(CodeMap::linear_signed(1).is_err());
+        assert!(CodeMap::dynamic_with_exponent_bits(false, 3, 8).is_err());
+    }
+}

@@ -1,0 +1,245 @@
+//! The two 8-bit floating-point formats of the OCP FP8 specification (and of torch, torchao and
+//! TransformerEngine): E4M3FN (no infinities, NaN = S.1111.111, max 448) and E5M2 (IEEE-like, max
+//! 57344).
+
+use crate::float::{Grid, Rounding, pow2, round_to_grid};
+
+/// An 8-bit floating-point format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8 {
+    /// 4 exponent bits (bias 7), 3 mantissa bits, finite only: max 448, NaN = `0x7F`/`0xFF`.
+    E4M3Fn,
+    /// 5 exponent bits (bias 15), 2 mantissa bits, IEEE: max 57344, ±Inf = `0x7C`/`0xFC`, NaN
+    /// = exponent 31 with a non-zero mantissa.
+    E5M2,
+}
+
+/// What happens to finite values beyond the largest finite code when encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Overflow {
+    /// Clamp to ±max finite; ±Inf inputs become ±max finite too (NaN stays NaN). This is what
+    /// torch 2.15's `x.to(torch.float8_e4m3fn)` does (tested against it).
+    Saturate,
+    /// IEEE behaviour: values that round beyond max become ±Inf (E5M2; torch's
+    /// `x.to(torch.float8_e5m2)`, tested) or NaN (E4M3FN, which has no infinity: the OCP
+    /// specification's non-saturating mode).
+    NonSaturating,
+}
+
+impl Fp8 {
+    /// Every format this module knows, for tests and tables.
+    pub const ALL: [Fp8; 2] = [Fp8::E4M3Fn, Fp8::E5M2];
+
+    const fn grid(self) -> Grid {
+        match self {
+            Fp8::E4M3Fn => Grid {
+                mantissa_bits: 3,
+                min_normal_exp: -6,
+            },
+            Fp8::E5M2 => Grid {
+                mantissa_bits: 2,
+                min_normal_exp: -14,
+            },
+        }
+    }
+
+    const fn bias(self) -> i32 {
+        match self {
+            Fp8::E4M3Fn => 7,
+            Fp8::E5M2 => 15,
+        }
+    }
+
+    /// The largest finite value.
+    pub const fn max_finite(self) -> f32 {
+        match self {
+            Fp8::E4M3Fn => 448.0,
+            Fp8::E5M2 => 57344.0,
+        }
+    }
+
+    /// The canonical positive NaN code (the sign bit is set for negative NaN inputs).
+    pub const fn nan_code(self) -> u8 {
+        match self {
+            Fp8::E4M3Fn => 0x7F,
+            Fp8::E5M2 => 0x7E,
+        }
+    }
+
+    const fn max_code(self) -> u8 {
+        match self {
+            Fp8::E4M3Fn => 0x7E,
+            Fp8::E5M2 => 0x7B,
+        }
+    }
+
+    /// Whether `code` is a NaN.
+    pub const fn is_nan_code(self, code: u8) -> bool {
+        match self {
+            Fp8::E4M3Fn => code & 0x7F == 0x7F,
+            Fp8::E5M2 => code & 0x7F > 0x7C,
+        }
+    }
+
+    /// The f32 value of `code` (exact: every fp8 value is an f32).
+    pub fn decode(self, code: u8) -> f32 {
+        if self.is_nan_code(code) {
+            return if code & 0x80 != 0 {
+                -f32::NAN
+            } else {
+                f32::NAN
+            };
+        }
+        let Grid {
+            mantissa_bits: p,
+            min_normal_exp: emin,
+        } = self.grid();
+        let sign = if code & 0x80 != 0 { -1.0f32 } else { 1.0 };
+        let field = i32::from((code & 0x7F) >> p);
+        let mantissa = u32::from(code) & ((1 << p) - 1);
+        if self == Fp8::E5M2 && field == 31 {
+            return sign * f32::INFINITY;
+        }
+        let magnitude = if field == 0 {
+            mantissa as f32 * pow2(emin - p as i32)
+        } else {
+            ((1 << p) | mantissa) as f32 * pow2(field - self.bias() - p as i32)
+        };
+        sign * magnitude
+    }
+
+    /// Encodes `x` with the given rounding and overflow behaviour.
+    ///
+    /// NaN gives the NaN code with `x`'s sign; ±0 keep their sign; ±Inf give ±Inf (E5M2) or NaN
+    /// (E4M3FN) unless saturating. Stochastic rounding never overflows where nearest-even
+    /// rounding would not: a stochastic result beyond max is replaced by the nearest-even one.
+    pub fn encode(self, x: f32, rounding: Rounding, overflow: Overflow) -> u8 {
+        let bits = x.to_bits();
+        let sign = ((bits >> 31) as u8) << 7;
+        let abs = bits & 0x7FFF_FFFF;
+        if abs > 0x7F80_0000 {
+            return sign | self.nan_code();
+        }
+        let overflowed = || match (overflow, self) {
+            (Overflow::Saturate, _) => sign | self.max_code(),
+            (Overflow::NonSaturating, Fp8::E5M2) => sign | 0x7C,
+            (Overflow::NonSaturating, Fp8::E4M3Fn) => sign | self.nan_code(),
+        };
+        if abs == 0x7F80_0000 {
+            return overflowed();
+        }
+        let mut magnitude = round_to_grid(abs, self.grid(), rounding);
+        if magnitude > self.max_finite() {
+            let nearest = round_to_grid(abs, self.grid(), Rounding::NearestEven);
+            if matches!(rounding, Rounding::Stochastic(_)) && nearest <= self.max_finite() {
+                magnitude = nearest;
+            } else {
+                return overflowed();
+            }
+        }
+        sign | self.encode_grid_magnitude(magnitude)
+    }
+
+    /// The code of a non-negative value that lies exactly on this format's finite grid.
+    fn encode_grid_magnitude(self, magnitude: f32) -> u8 {
+        if magnitude == 0.0 {
+            return 0;
+        }
+        let Grid {
+            mantissa_bits: p,
+            min_normal_exp: emin,
+        } = self.grid();
+        let b = magnitude.to_bits(); // a normal f32: the smallest fp8 subnormal is 2^-17
+        let e = (b >> 23) as i32 - 127;
+        let significand = (b & 0x007F_FFFF) | 0x0080_0000;
+        if e >= emin {
+            let field = (e + self.bias()) as u32;
+            let mantissa = (significand >> (23 - p)) & ((1 << p) - 1);
+            ((field << p) | mantissa) as u8
+        } else {
+            (significand >> (23 - p as i32 + (emin - e)) as u32) as u8
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_round_trips() {
+        for fmt in Fp8::ALL {
+            for code in 0..=255u8 {
+                let v = fmt.decode(code);
+                for rounding in [Rounding::NearestEven, Rounding::Stochastic(0x1234_5678)] {
+                    for overflow in [Overflow::Saturate, Overflow::NonSaturating] {
+                        let back = fmt.encode(v, rounding, overflow);
+                        if fmt.is_nan_code(code) {
+                            assert!(fmt.is_nan_code(back), "{fmt:?} {code:#04x}");
+                            assert_eq!(back & 0x80, code & 0x80);
+                        } else if v.is_infinite() && overflow == Overflow::Saturate {
+                            assert_eq!(fmt.decode(back), v.signum() * fmt.max_finite());
+                        } else {
+                            assert_eq!(back, code, "{fmt:?} {code:#04x} {v} {rounding:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decoded_values_are_sorted_and_span_the_documented_range() {
+        for fmt in Fp8::ALL {
+            let positives: Vec<f32> = (0..0x80u8)
+                .map(|c| fmt.decode(c))
+                .filter(|v| v.is_finite())
+                .collect();
+            assert!(positives.windows(2).all(|w| w[0] < w[1]), "{fmt:?}");
+            assert_eq!(*positives.last().unwrap(), fmt.max_finite());
+        }
+        assert_eq!(Fp8::E4M3Fn.decode(1), pow2(-9));
+        assert_eq!(Fp8::E5M2.decode(1), pow2(-16));
+        assert_eq!(Fp8::E5M2.decode(0x7C), f32::INFINITY);
+    }
+
+    #[test]
+    fn overflow_rules() {
+        let e4 = Fp8::E4M3Fn;
+        // 464 is the midpoint of 448 and (the NaN slot) 480: ties to even keep 448.
+        assert_eq!(
+            e4.encode(464.0, Rounding::NearestEven, Overflow::NonSaturating),
+            0x7E
+        );
+        assert_eq!(
+            e4.encode(465.0, Rounding::NearestEven, Overflow::NonSaturating),
+            0x7F
+        );
+        assert_eq!(
+            e4.encode(1e9, Rounding::NearestEven, Overflow::Saturate),
+            0x7E
+        );
+        assert_eq!(
+            e4.encode(f32::NEG_INFINITY, Rounding::NearestEven, Overflow::Saturate),
+            0xFE
+        );
+        // Stochastic rounding of 450 may not produce NaN: nearest gives 448, so 448.
+        assert_eq!(
+            e4.encode(450.0, Rounding::Stochastic(0), Overflow::NonSaturating),
+            0x7E
+        );
+        let e5 = Fp8::E5M2;
+        assert_eq!(
+            e5.encode(61440.0, Rounding::NearestEven, Overflow::NonSaturating),
+            0x7C
+        );
+        assert_eq!(
+            e5.encode(61439.0, Rounding::NearestEven, Overflow::NonSaturating),
+            0x7B
+        );
+        assert_eq!(
+            e5.encode(-1e30, Rounding::Stochastic(7), Overflow::NonSaturating),
+            0xFC
+        );
+    }
+}

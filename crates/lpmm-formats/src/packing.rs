@@ -1,0 +1,155 @@
+//! Packing of 1- to 8-bit codes into bytes.
+//!
+//! Order (docs/FORMATS.md): codes form a little-endian bit stream. Code `i` of width `b`
+//! occupies bits `i*b .. i*b + b` of the stream, where bit `k` of the stream is bit `k % 8` of byte
+//! `k / 8` (least significant bit first). At 4 bits element `2k` is the low nibble of byte `k`
+//! (lpmm's order; torchao uses the high nibble). A run of 8 codes always fills exactly `b` bytes,
+//! so any block of a multiple of 8 elements starts on a byte boundary and blocks can be packed
+//! independently.
+
+use crate::error::FormatError;
+
+/// Bytes needed to hold `n` codes of `bits` bits.
+pub const fn packed_len(n: usize, bits: u32) -> usize {
+    (n * bits as usize).div_ceil(8)
+}
+
+fn check(bits: u32) -> Result<(), FormatError> {
+    if (1..=8).contains(&bits) {
+        Ok(())
+    } else {
+        Err(FormatError::BitWidth { bits })
+    }
+}
+
+/// Packs `codes` (each `< 2^bits`) into `out` (`packed_len(codes.len(), bits)` bytes).
+/// Unused high bits of the last byte are zero.
+pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<(), FormatError> {
+    check(bits)?;
+    let expected = packed_len(codes.len(), bits);
+    if out.len() != expected {
+        return Err(FormatError::LengthMismatch {
+            what: "packed codes",
+            expected,
+            actual: out.len(),
+        });
+    }
+    if let Some((index, &code)) = codes
+        .iter()
+        .enumerate()
+        .find(|(_, c)| u32::from(**c) >> bits != 0)
+    {
+        return Err(FormatError::CodeTooWide { index, code, bits });
+    }
+    if bits == 8 {
+        out.copy_from_slice(codes);
+        return Ok(());
+    }
+    out.fill(0);
+    let mut acc: u32 = 0;
+    let mut filled = 0u32;
+    let mut byte = 0usize;
+    for &code in codes {
+        acc |= u32::from(code) << filled;
+        filled += bits;
+        while filled >= 8 {
+            out[byte] = acc as u8;
+            byte += 1;
+            acc >>= 8;
+            filled -= 8;
+        }
+    }
+    if filled > 0 {
+        out[byte] = acc as u8;
+    }
+    Ok(())
+}
+
+/// Unpacks `codes.len()` codes of `bits` bits from `packed`.
+pub fn unpack(packed: &[u8], bits: u32, codes: &mut [u8]) -> Result<(), FormatError> {
+    check(bits)?;
+    let expected = packed_len(codes.len(), bits);
+    if packed.len() != expected {
+        return Err(FormatError::LengthMismatch {
+            what: "packed codes",
+            expected,
+            actual: packed.len(),
+        });
+    }
+    if bits == 8 {
+        codes.copy_from_slice(packed);
+        return Ok(());
+    }
+    let mask = (1u32 << bits) - 1;
+    let mut acc: u32 = 0;
+    let mut filled = 0u32;
+    let mut bytes = packed.iter();
+    for code in codes.iter_mut() {
+        while filled < bits {
+            // The length check above guarantees enough bytes.
+            acc |= u32::from(*bytes.next().unwrap_or(&0)) << filled;
+            filled += 8;
+        }
+        *code = (acc & mask) as u8;
+        acc >>= bits;
+        filled -= bits;
+    }
+    Ok(())
+}
+
+/// Reads code `i` from a packed stream of `bits`-bit codes (no bounds beyond the slice's own).
+#[inline]
+pub fn get(packed: &[u8], bits: u32, i: usize) -> u8 {
+    let bit = i * bits as usize;
+    let (byte, shift) = (bit / 8, bit % 8);
+    let lo = u16::from(packed[byte]);
+    let hi = if shift + bits as usize > 8 {
+        u16::from(packed[byte + 1])
+    } else {
+        0
+    };
+    (((lo | hi << 8) >> shift) & ((1u16 << bits) - 1)) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documented_order() {
+        let mut out = [0u8; 1];
+        pack(&[0x3, 0xA], 4, &mut out).unwrap();
+        assert_eq!(out, [0xA3]); // element 0 in the low nibble
+        let mut out = [0u8; 2];
+        pack(&[0b101, 0b011, 0b110], 3, &mut out).unwrap();
+        // stream (LSB first): 101 | 011<<3 | 110<<6 = 0b1_1001_1101 = 0x19D
+        assert_eq!(out, [0x9D, 0x01]);
+        assert_eq!(get(&out, 3, 2), 0b110);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        let mut out = [0u8; 1];
+        assert_eq!(
+            pack(&[16], 4, &mut out),
+            Err(FormatError::CodeTooWide {
+                index: 0,
+                code: 16,
+                bits: 4
+            })
+        );
+        assert!(matches!(
+            pack(&[1, 2, 3], 4, &mut out),
+            Err(FormatError::LengthMismatch { .. })
+        ));
+        assert_eq!(
+            pack(&[1], 0, &mut out),
+            Err(FormatError::BitWidth { bits: 0 })
+        );
+        let mut codes = [0u8; 3];
+        assert!(matches!(
+            unpack(&out, 4, &mut codes),
+            Err(FormatError::LengthMismatch { .. })
+        ));
+    }
+}

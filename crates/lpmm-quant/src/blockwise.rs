@@ -1,0 +1,308 @@
+//! Block-wise absmax quantization onto any code map (bitsandbytes' and torchao's state format,
+//! and with a linear map the LPMM parameter format).
+
+use lpmm_formats::{CodeMap, packing};
+use rayon::prelude::*;
+
+use crate::error::QuantError;
+use crate::random::{RandomBits, RandomStream};
+
+/// Elements handed to one rayon task; also the size below which work stays on the calling thread.
+const CHUNK_ELEMENTS: usize = 1 << 16;
+
+/// The largest block size; per-block scratch lives on the stack at this size.
+pub const MAX_BLOCK: usize = 4096;
+
+/// A quantization block size: a power of two from 32 to 4096 elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockSize(u32);
+
+impl BlockSize {
+    /// bitsandbytes' and torchao's 8-bit optimizer block.
+    pub const B256: BlockSize = BlockSize(256);
+    /// lpmm's and torchao's 4-bit optimizer block.
+    pub const B128: BlockSize = BlockSize(128);
+    /// The LPMM parameter format's group.
+    pub const B64: BlockSize = BlockSize(64);
+
+    /// Validates `size`.
+    pub fn new(size: usize) -> Result<Self, QuantError> {
+        if size.is_power_of_two() && (32..=MAX_BLOCK).contains(&size) {
+            Ok(Self(size as u32))
+        } else {
+            Err(QuantError::BlockSize { size })
+        }
+    }
+
+    /// The size in elements.
+    pub const fn get(self) -> usize {
+        self.0 as usize
+    }
+
+    /// Blocks needed for `n` elements (the last one may be partial).
+    pub const fn blocks(self, n: usize) -> usize {
+        n.div_ceil(self.0 as usize)
+    }
+}
+
+/// How a quantizer rounds onto the code map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantRounding {
+    /// The exact nearest code ([`CodeMap::nearest`]: ties to the code of lower magnitude).
+    Nearest,
+    /// Stochastic rounding between neighbouring codes ([`CodeMap::stochastic`]), element `j` of
+    /// the input using the bits of element `offset + j` of `stream`. `offset` is the input's
+    /// position in the whole tensor, so a shard or chunk draws the same bits as the whole.
+    Stochastic {
+        /// Where the random bits come from.
+        stream: RandomStream,
+        /// The global index of the input's first element.
+        offset: u64,
+    },
+}
+
+/// Block-wise absmax quantization: the input is cut into blocks of `block` consecutive elements
+/// (the last one partial); each block stores `absmax = max |x|` as f32 and, per element, the code
+/// of `y = x / absmax` (f32 division; `y = 0` for an all-zero block) in `map`, packed at
+/// `map.bits()` bits per code ([`lpmm_formats::packing`] order). Dequantization gives
+/// `map[code] * absmax`, so an all-zero block decodes to exact zeros with any map.
+///
+/// Non-finite inputs: a block holding NaN or ±Inf is refused with
+/// [`QuantError::NonFinite`] naming the first such element; the input is never changed, and the
+/// outputs (which may be partly written) never hold out-of-range codes.
+#[derive(Debug, Clone, Copy)]
+pub struct Blockwise<'m> {
+    map: &'m CodeMap,
+    block: BlockSize,
+    sign_fix: bool,
+}
+
+impl<'m> Blockwise<'m> {
+    /// A quantizer onto `map` with blocks of `block` elements.
+    pub fn new(map: &'m CodeMap, block: BlockSize) -> Self {
+        Self {
+            map,
+            block,
+            sign_fix: false,
+        }
+    }
+
+    /// bitsandbytes' first-moment sign fix: if the chosen code's sign bit differs from the value's,
+    /// move one code toward the value, so a small negative momentum never decodes as zero or
+    /// positive. Zero counts as positive (its sign bit is clear), so a small positive value may
+    /// still decode as zero. Unlike bitsandbytes, an exact zero (of either sign) keeps its code.
+    pub fn with_sign_fix(mut self, on: bool) -> Self {
+        self.sign_fix = on;
+        self
+    }
+
+    /// The code map.
+    pub fn map(&self) -> &CodeMap {
+        self.map
+    }
+
+    /// The block size.
+    pub fn block(&self) -> BlockSize {
+        self.block
+    }
+
+    /// Bytes of packed codes for `n` elements.
+    pub fn codes_len(&self, n: usize) -> usize {
+        packing::packed_len(n, self.map.bits())
+    }
+
+    /// Number of absmax scales for `n` elements.
+    pub fn scales_len(&self, n: usize) -> usize {
+        self.block.blocks(n)
+    }
+
+    fn check_lengths(&self, n: usize, codes: usize, scales: usize) -> Result<(), QuantError> {
+        let want_codes = self.codes_len(n);
+        if codes != want_codes {
+            return Err(QuantError::Length {
+                what: "codes",
+                expected: want_codes,
+                actual: codes,
+            });
+        }
+        let want_scales = self.scales_len(n);
+        if scales != want_scales {
+            return Err(QuantError::Length {
+                what: "absmax",
+                expected: want_scales,
+                actual: scales,
+            });
+        }
+        Ok(())
+    }
+
+    /// Quantizes `x` into `codes` (`codes_len(x.len())` bytes) and `absmax`
+    /// (`scales_len(x.len())` values). Multi-threaded over chunks of blocks; the result does not
+    /// depend on the number of threads.
+    pub fn quantize(
+        &self,
+        x: &[f32],
+        codes: &mut [u8],
+        absmax: &mut [f32],
+        rounding: QuantRounding,
+    ) -> Result<(), QuantError> {
+        self.check_lengths(x.len(), codes.len(), absmax.len())?;
+        let block = self.block.get();
+        let blocks_per_chunk = (CHUNK_ELEMENTS / block).max(1);
+        let chunk = blocks_per_chunk * block;
+        let chunk_bytes = packing::packed_len(chunk, self.map.bits());
+        let run = |index: usize, (x, (codes, absmax)): (&[f32], (&mut [u8], &mut [f32]))| {
+            let start = index * chunk;
+            let mut bits = match rounding {
+                QuantRounding::Nearest => None,
+                QuantRounding::Stochastic { stream, offset } => {
+                    Some(stream.at(offset + start as u64))
+                }
+            };
+            let block_bytes = packing::packed_len(block, self.map.bits());
+            for ((x, codes), absmax) in x
+                .chunks(block)
+                .zip(codes.chunks_mut(block_bytes))
+                .zip(absmax.iter_mut())
+            {
+                *absmax = self.quantize_block(x, codes, bits.as_mut()).ok_or(())?;
+            }
+            Ok::<(), ()>(())
+        };
+        let result = if x.len() <= chunk {
+            run(0, (x, (codes, absmax)))
+        } else {
+            x.par_chunks(chunk)
+                .zip(
+                    codes
+                        .par_chunks_mut(chunk_bytes)
+                        .zip(absmax.par_chunks_mut(blocks_per_chunk)),
+                )
+                .enumerate()
+                .try_for_each(|(i, parts)| run(i, parts))
+        };
+        result.map_err(|()| {
+            let index = x.iter().position(|v| !v.is_finite()).unwrap_or(0);
+            QuantError::NonFinite {
+                index,
+                value: x.get(index).copied().unwrap_or(f32::NAN),
+            }
+        })
+    }
+
+    /// Quantizes one block; `None` if it holds a non-finite value.
+    fn quantize_block(
+        &self,
+        x: &[f32],
+        out: &mut [u8],
+        bits: Option<&mut RandomBits>,
+    ) -> Option<f32> {
+        // The largest |x| bit pattern: NaN and Inf patterns exceed every finite one.
+        let max_bits = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF));
+        if max_bits >= 0x7F80_0000 {
+            return None;
+        }
+        let absmax = f32::from_bits(max_bits);
+        let map = self.map;
+        match bits {
+            None => self.encode_block(x, absmax, out, |_, y| map.nearest(y)),
+            Some(bits) => {
+                let mut random = [0u32; MAX_BLOCK];
+                // Always drawn, also for all-zero blocks, so each element keeps its own bits.
+                bits.fill(&mut random[..x.len()]);
+                self.encode_block(x, absmax, out, |j, y| map.stochastic(y, random[j]))
+            }
+        }?;
+        Some(absmax)
+    }
+
+    /// Encodes `x / absmax` with `pick(index, y)`, applies the sign fix and packs into `out`.
+    #[inline]
+    fn encode_block(
+        &self,
+        x: &[f32],
+        absmax: f32,
+        out: &mut [u8],
+        pick: impl Fn(usize, f32) -> u8,
+    ) -> Option<()> {
+        let map = self.map;
+        let last = (map.len() - 1) as u8;
+        let code = |j: usize, v: f32| {
+            let y = if absmax == 0.0 { 0.0 } else { v / absmax };
+            let c = pick(j, y);
+            if self.sign_fix && y != 0.0 && map.value(c).is_sign_negative() != y.is_sign_negative()
+            {
+                if y > 0.0 {
+                    (c + 1).min(last)
+                } else {
+                    c.saturating_sub(1)
+                }
+            } else {
+                c
+            }
+        };
+        if map.bits() == 8 {
+            for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+                *o = code(j, v);
+            }
+            return Some(());
+        }
+        let mut codes = [0u8; MAX_BLOCK];
+        let codes = &mut codes[..x.len()];
+        for (j, (o, &v)) in codes.iter_mut().zip(x).enumerate() {
+            *o = code(j, v);
+        }
+        // Codes come from the map, so they fit its width; lengths match by construction.
+        packing::pack(codes, map.bits(), out).ok()
+    }
+
+    /// Dequantizes `codes` and `absmax` into `out` (`map[code] * absmax`).
+    pub fn dequantize(
+        &self,
+        codes: &[u8],
+        absmax: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
+        self.check_lengths(out.len(), codes.len(), absmax.len())?;
+        let block = self.block.get();
+        let bits = self.map.bits();
+        let blocks_per_chunk = (CHUNK_ELEMENTS / block).max(1);
+        let chunk = blocks_per_chunk * block;
+        let run = |(out, (codes, absmax)): (&mut [f32], (&[u8], &[f32]))| {
+            let block_bytes = packing::packed_len(block, bits);
+            let mut unpacked = [0u8; MAX_BLOCK];
+            for ((out, codes), &scale) in out
+                .chunks_mut(block)
+                .zip(codes.chunks(block_bytes))
+                .zip(absmax)
+            {
+                let unpacked = &mut unpacked[..out.len()];
+                if packing::unpack(codes, bits, unpacked).is_err() {
+                    return Err(());
+                }
+                for (o, &c) in out.iter_mut().zip(unpacked.iter()) {
+                    *o = self.map.value(c) * scale;
+                }
+            }
+            Ok(())
+        };
+        let result = if out.len() <= chunk {
+            run((out, (codes, absmax)))
+        } else {
+            let chunk_bytes = packing::packed_len(chunk, bits);
+            out.par_chunks_mut(chunk)
+                .zip(
+                    codes
+                        .par_chunks(chunk_bytes)
+                        .zip(absmax.par_chunks(blocks_per_chunk)),
+                )
+                .try_for_each(run)
+        };
+        // Unreachable after the length check: every chunk's byte count matches its elements.
+        result.map_err(|()| QuantError::Length {
+            what: "codes",
+            expected: self.codes_len(out.len()),
+            actual: codes.len(),
+        })
+    }
+}

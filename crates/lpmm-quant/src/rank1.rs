@@ -1,0 +1,306 @@
+//! Rank-1 normalization (lpmm's best 4-bit second-moment setting): a tensor of shape
+//! `(n_0, ..., n_{d-1})` keeps one max vector per dimension, `max_k[i] = max |x|` over all elements
+//! whose index along dimension `k` is `i`, and scales element `(i_0, ..., i_{d-1})` by
+//! `s = min_k max_k[i_k]`. Every `|x| <= s`, and `s` is much tighter than one tensor-wide scale.
+//! Storage: `sum(n_k)` f32 instead of one per block.
+
+use lpmm_formats::{CodeMap, packing};
+use rayon::prelude::*;
+
+use crate::blockwise::{BlockSize, Blockwise, MAX_BLOCK, QuantRounding};
+use crate::error::QuantError;
+
+/// Elements per rayon task (a multiple of 8, so every task starts on a byte boundary).
+const CHUNK_ELEMENTS: usize = 1 << 16;
+
+/// Rank-1 quantization of a tensor of 2 or more dimensions onto a code map.
+#[derive(Debug, Clone)]
+pub struct Rank1<'m> {
+    map: &'m CodeMap,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+impl<'m> Rank1<'m> {
+    /// A quantizer for tensors of `shape` (row-major, at least 2 dimensions, none of them 0).
+    pub fn new(map: &'m CodeMap, shape: &[usize]) -> Result<Self, QuantError> {
+        if shape.len() < 2 {
+            return Err(QuantError::Rank1Dims { ndim: shape.len() });
+        }
+        let len = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|&n| n > 0);
+        let len = len.ok_or(QuantError::Shape {
+            shape: shape.to_vec(),
+            len: 0,
+        })?;
+        Ok(Self {
+            map,
+            shape: shape.to_vec(),
+            len,
+        })
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: zero-sized shapes are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Bytes of packed codes.
+    pub fn codes_len(&self) -> usize {
+        packing::packed_len(self.len, self.map.bits())
+    }
+
+    /// Number of f32 scales: the per-dimension max vectors, dimension 0's first.
+    pub fn scales_len(&self) -> usize {
+        self.shape.iter().sum()
+    }
+
+    fn check(&self, n: usize, codes: usize, scales: usize) -> Result<(), QuantError> {
+        if n != self.len {
+            return Err(QuantError::Shape {
+                shape: self.shape.clone(),
+                len: n,
+            });
+        }
+        for (what, expected, actual) in [
+            ("codes", self.codes_len(), codes),
+            ("rank-1 scales", self.scales_len(), scales),
+        ] {
+            if expected != actual {
+                return Err(QuantError::Length {
+                    what,
+                    expected,
+                    actual,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Where each dimension's max vector starts in the scales buffer.
+    fn offsets(&self) -> Vec<usize> {
+        self.shape
+            .iter()
+            .scan(0, |acc, &d| Some(std::mem::replace(acc, *acc + d)))
+            .collect()
+    }
+
+    /// Calls `f(flat_index, scale)` for every element of `start .. start + count`, in order.
+    fn for_each_scale(
+        &self,
+        scales: &[f32],
+        start: usize,
+        count: usize,
+        mut f: impl FnMut(usize, f32),
+    ) {
+        let nd = self.shape.len();
+        let offsets = self.offsets();
+        // Multi-index of `start` (row-major).
+        let mut index = vec![0usize; nd];
+        let mut rest = start;
+        for k in (0..nd).rev() {
+            index[k] = rest % self.shape[k];
+            rest /= self.shape[k];
+        }
+        let last = nd - 1;
+        let inner = self.shape[last];
+        let mut flat = start;
+        let end = start + count;
+        while flat < end {
+            // Min over the outer dimensions, constant along the last one.
+            let outer = (0..last)
+                .map(|k| scales[offsets[k] + index[k]])
+                .fold(f32::INFINITY, f32::min);
+            let run = (inner - index[last]).min(end - flat);
+            let cols = &scales[offsets[last] + index[last]..][..run];
+            for (j, &c) in cols.iter().enumerate() {
+                f(flat + j, outer.min(c));
+            }
+            flat += run;
+            index[last] += run;
+            // Carry into the outer dimensions.
+            let mut k = last;
+            while k > 0 && index[k] == self.shape[k] {
+                index[k] = 0;
+                k -= 1;
+                index[k] += 1;
+            }
+        }
+    }
+
+    /// Quantizes `x` (row-major, `len()` elements) into `codes` and the max vectors `scales`.
+    pub fn quantize(
+        &self,
+        x: &[f32],
+        codes: &mut [u8],
+        scales: &mut [f32],
+        rounding: QuantRounding,
+    ) -> Result<(), QuantError> {
+        self.check(x.len(), codes.len(), scales.len())?;
+        if let Some(index) = x.iter().position(|v| !v.is_finite()) {
+            return Err(QuantError::NonFinite {
+                index,
+                value: x[index],
+            });
+        }
+        // Pass 1: the per-dimension max vectors, one run along the last dimension at a time.
+        scales.fill(0.0);
+        let offsets = self.offsets();
+        let last = self.shape.len() - 1;
+        let mut outer = vec![0usize; last];
+        for run in x.chunks(self.shape[last]) {
+            let mut run_max = 0.0f32;
+            for (m, &v) in scales[offsets[last]..].iter_mut().zip(run) {
+                *m = m.max(v.abs());
+                run_max = run_max.max(v.abs());
+            }
+            for (k, &i) in outer.iter().enumerate() {
+                let m = &mut scales[offsets[k] + i];
+                *m = m.max(run_max);
+            }
+            // Next outer multi-index (row-major odometer).
+            for k in (0..last).rev() {
+                outer[k] += 1;
+                if outer[k] < self.shape[k] {
+                    break;
+                }
+                outer[k] = 0;
+            }
+        }
+        // Pass 2: codes, in parallel chunks.
+        let scales: &[f32] = scales;
+        let bits = self.map.bits();
+        let chunk_bytes = packing::packed_len(CHUNK_ELEMENTS, bits);
+        let map = self.map;
+        codes
+            .par_chunks_mut(chunk_bytes)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let start = c * CHUNK_ELEMENTS;
+                let count = CHUNK_ELEMENTS.min(self.len - start);
+                let mut random = match rounding {
+                    QuantRounding::Nearest => None,
+                    QuantRounding::Stochastic { stream, offset } => {
+                        Some(stream.at(offset + start as u64))
+                    }
+                };
+                let mut buf = [0u8; MAX_BLOCK];
+                let mut filled = 0;
+                let mut written = 0;
+                self.for_each_scale(scales, start, count, |i, s| {
+                    let y = if s == 0.0 { 0.0 } else { x[i] / s };
+                    buf[filled] = match random.as_mut() {
+                        None => map.nearest(y),
+                        Some(r) => map.stochastic(y, r.next()),
+                    };
+                    filled += 1;
+                    if filled == MAX_BLOCK || i + 1 == start + count {
+                        let bytes = packing::packed_len(filled, bits);
+                        // Lengths match and codes fit by construction.
+                        let _ =
+                            packing::pack(&buf[..filled], bits, &mut out[written..written + bytes]);
+                        written += bytes;
+                        filled = 0;
+                    }
+                });
+            });
+        Ok(())
+    }
+
+    /// Dequantizes: `map[code] * min_k max_k[i_k]`.
+    pub fn dequantize(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
+        self.check(out.len(), codes.len(), scales.len())?;
+        let bits = self.map.bits();
+        out.par_chunks_mut(CHUNK_ELEMENTS)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let start = c * CHUNK_ELEMENTS;
+                let byte0 = start * bits as usize / 8;
+                self.for_each_scale(scales, start, out.len(), |i, s| {
+                    let code = packing::get(&codes[byte0..], bits, i - start);
+                    out[i - start] = self.map.value(code) * s;
+                });
+            });
+        Ok(())
+    }
+}
+
+/// The normalization a tensor's state uses: rank-1 for 2 or more dimensions, blocks for 1-D
+/// (lpmm's rule for its 4-bit second moment).
+#[derive(Debug, Clone)]
+pub enum Rank1OrBlock<'m> {
+    /// A matrix or N-d tensor.
+    Rank1(Rank1<'m>),
+    /// A vector (or a tensor whose shape is unknown).
+    Block(Blockwise<'m>),
+}
+
+impl<'m> Rank1OrBlock<'m> {
+    /// Rank-1 if `shape` has 2 or more dimensions, otherwise blocks of `fallback`.
+    pub fn for_shape(
+        map: &'m CodeMap,
+        shape: &[usize],
+        fallback: BlockSize,
+    ) -> Result<Self, QuantError> {
+        if shape.len() >= 2 {
+            Ok(Self::Rank1(Rank1::new(map, shape)?))
+        } else {
+            Ok(Self::Block(Blockwise::new(map, fallback)))
+        }
+    }
+
+    /// Bytes of packed codes for `n` elements.
+    pub fn codes_len(&self, n: usize) -> usize {
+        match self {
+            Self::Rank1(r) => r.codes_len(),
+            Self::Block(b) => b.codes_len(n),
+        }
+    }
+
+    /// Number of f32 scales for `n` elements.
+    pub fn scales_len(&self, n: usize) -> usize {
+        match self {
+            Self::Rank1(r) => r.scales_len(),
+            Self::Block(b) => b.scales_len(n),
+        }
+    }
+
+    /// Quantizes (see [`Rank1::quantize`] and [`Blockwise::quantize`]).
+    pub fn quantize(
+        &self,
+        x: &[f32],
+        codes: &mut [u8],
+        scales: &mut [f32],
+        rounding: QuantRounding,
+    ) -> Result<(), QuantError> {
+        match self {
+            Self::Rank1(r) => r.quantize(x, codes, scales, rounding),
+            Self::Block(b) => b.quantize(x, codes, scales, rounding),
+        }
+    }
+
+    /// Dequantizes (see [`Rank1::dequantize`] and [`Blockwise::dequantize`]).
+    pub fn dequantize(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
+        match self {
+            Self::Rank1(r) => r.dequantize(codes, scales, out),
+            Self::Block(b) => b.dequantize(codes, scales, out),
+        }
+    }
+}
