@@ -10,7 +10,7 @@ use crate::error::FormatError;
 use crate::float::Rounding;
 
 /// A sorted table of code values with its precomputed decision thresholds.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 pub struct CodeMap {
     bits: u32,
     values: Box<[f32]>,
@@ -55,6 +55,20 @@ fn bucket_range(bucket: usize) -> Option<(f32, f32)> {
     }
 }
 
+/// Two maps are equal when they have the same width and the same value bit patterns (everything
+/// else derives from those).
+impl PartialEq for CodeMap {
+    fn eq(&self, other: &Self) -> bool {
+        self.bits == other.bits
+            && self.values.len() == other.values.len()
+            && self
+                .values
+                .iter()
+                .zip(other.values.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+}
+
 impl std::fmt::Debug for CodeMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The thresholds and the search table derive from the values.
@@ -92,6 +106,15 @@ impl CodeMap {
             }
             if index > 0 && value <= values[index - 1] {
                 return Err(FormatError::CodeMapUnsorted { index, value });
+            }
+            // The f64 midpoint of two f32 is exact when both are zero-free and their exponents
+            // differ by at most 28 (53 - 24 - 1 bits of headroom), or when one of them is zero.
+            if index > 0 {
+                let prev = values[index - 1];
+                let exponent = |v: f32| (v.to_bits() >> 23 & 0xFF).max(1) as i32;
+                if prev != 0.0 && value != 0.0 && (exponent(prev) - exponent(value)).abs() > 28 {
+                    return Err(FormatError::CodeMapSpread { index });
+                }
             }
         }
         let thresholds: Box<[f32]> = values.windows(2).map(|w| threshold(w[0], w[1])).collect();
@@ -327,8 +350,8 @@ impl CodeMap {
 }
 
 /// The smallest f32 that rounds to `hi` rather than `lo` (both f32, `lo < hi`) under the tie rule
-/// of [`CodeMap::nearest`]. The midpoint is exact in f64 for any two f32 whose magnitudes differ
-/// by less than 2^29; beyond that the rounding error is below an f32 ulp of the larger value.
+/// of [`CodeMap::nearest`]. The midpoint is exact in f64: [`CodeMap::from_values`] refuses
+/// neighbours whose exponents differ by more than 28.
 fn threshold(lo: f32, hi: f32) -> f32 {
     let mid = (f64::from(lo) + f64::from(hi)) / 2.0;
     let tie_goes_up = hi.abs() < lo.abs();
@@ -440,7 +463,7 @@ mod tests {
             CodeMap::dynamic(false, 8).unwrap(),
             CodeMap::dynamic(true, 4).unwrap(),
             CodeMap::linear_signed(8).unwrap(),
-            CodeMap::from_values(2, &[-1.0, -1e-30, 1e-30, 1.0]).unwrap(),
+            CodeMap::from_values(2, &[-1.0, -1e-8, 1e-8, 1.0]).unwrap(),
         ];
         for m in &maps {
             // Every threshold and its f32 neighbours, plus a sweep over bit patterns.
@@ -492,6 +515,14 @@ mod tests {
             Err(FormatError::CodeMapOutOfRange { index: 1, .. })
         ));
         assert!(CodeMap::linear_signed(1).is_err());
+        assert_eq!(
+            CodeMap::from_values(2, &[-1.0, 2f32.powi(-60), 1.0]),
+            Err(FormatError::CodeMapSpread { index: 1 })
+        );
+        let m = CodeMap::dynamic(true, 8).unwrap();
+        assert_eq!(m, m.clone());
+        assert_eq!(m, CodeMap::from_values(8, m.values()).unwrap());
+        assert_ne!(m, CodeMap::dynamic(false, 8).unwrap());
         assert!(CodeMap::dynamic_with_exponent_bits(false, 3, 8).is_err());
     }
 }

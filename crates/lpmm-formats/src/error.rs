@@ -21,6 +21,10 @@ pub enum FormatError {
     /// Code map values must be finite and lie in [-1, 1] (they are multiplied by a scale).
     #[error("code map value {index} ({value}) is outside [-1, 1] or not finite")]
     CodeMapOutOfRange { index: usize, value: f32 },
+    /// Neighbouring non-zero values whose exponents differ by more than 28 (their midpoint would
+    /// not be exact in f64, and with it the nearest-code rule).
+    #[error("code map values {index} and the one before it are more than 2^28 apart in magnitude")]
+    CodeMapSpread { index: usize },
     /// Packed and unpacked buffers disagree in length.
     #[error("buffer length mismatch: {what} needs {expected} elements, got {actual}")]
     LengthMismatch {

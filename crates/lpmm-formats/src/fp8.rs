@@ -58,11 +58,12 @@ impl Fp8 {
         }
     }
 
-    /// The canonical positive NaN code (the sign bit is set for negative NaN inputs).
+    /// The canonical positive NaN code, as torch writes it (the sign bit is set for negative NaN
+    /// inputs).
     pub const fn nan_code(self) -> u8 {
         match self {
             Fp8::E4M3Fn => 0x7F,
-            Fp8::E5M2 => 0x7E,
+            Fp8::E5M2 => 0x7F, // torch's choice
         }
     }
 

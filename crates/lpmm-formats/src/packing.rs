@@ -97,18 +97,22 @@ pub fn unpack(packed: &[u8], bits: u32, codes: &mut [u8]) -> Result<(), FormatEr
     Ok(())
 }
 
-/// Reads code `i` from a packed stream of `bits`-bit codes (no bounds beyond the slice's own).
+/// Reads code `i` from a packed stream of `bits`-bit codes; `None` if `bits` is not 1..=8 or the
+/// code lies beyond `packed`.
 #[inline]
-pub fn get(packed: &[u8], bits: u32, i: usize) -> u8 {
-    let bit = i * bits as usize;
+pub fn get(packed: &[u8], bits: u32, i: usize) -> Option<u8> {
+    if !(1..=8).contains(&bits) {
+        return None;
+    }
+    let bit = i.checked_mul(bits as usize)?;
     let (byte, shift) = (bit / 8, bit % 8);
-    let lo = u16::from(packed[byte]);
+    let lo = u16::from(*packed.get(byte)?);
     let hi = if shift + bits as usize > 8 {
-        u16::from(packed[byte + 1])
+        u16::from(*packed.get(byte + 1)?)
     } else {
         0
     };
-    (((lo | hi << 8) >> shift) & ((1u16 << bits) - 1)) as u8
+    Some((((lo | hi << 8) >> shift) & ((1u16 << bits) - 1)) as u8)
 }
 
 #[cfg(test)]
@@ -124,7 +128,9 @@ mod tests {
         pack(&[0b101, 0b011, 0b110], 3, &mut out).unwrap();
         // stream (LSB first): 101 | 011<<3 | 110<<6 = 0b1_1001_1101 = 0x19D
         assert_eq!(out, [0x9D, 0x01]);
-        assert_eq!(get(&out, 3, 2), 0b110);
+        assert_eq!(get(&out, 3, 2), Some(0b110));
+        assert_eq!(get(&out, 3, 6), None);
+        assert_eq!(get(&out, 9, 0), None);
     }
 
     #[test]

@@ -8,7 +8,9 @@ use crate::float::bf16_nearest;
 /// An f32 stored as a bf16 "visible" half plus a 16-bit remainder, TransformerEngine's
 /// `store_param_remainders` layout (round-to-nearest variant). The bf16 half is what a forward pass
 /// reads: it equals round-to-nearest(x) except at exact ties, which it rounds away from zero.
-/// Together the two halves hold every f32 bit pattern losslessly (NaNs included).
+/// Together the two halves hold every non-NaN f32 bit pattern losslessly; a NaN is stored as the
+/// quiet NaN with its sign (`0x7FC00000` / `0xFFC00000`), so the visible half of a NaN is a NaN
+/// too (without this, the carry of `0x7FFF8000` would wrap the visible half to -0.0).
 ///
 /// Split: `hi = bits >> 16; rem = bits & 0xFFFF; if rem as i16 < 0 { hi += 1 }`.
 /// Join: `if rem as i16 < 0 { hi -= 1 }; bits = hi << 16 | rem` (wrapping, 16-bit).
@@ -24,7 +26,11 @@ impl SplitF32 {
     /// Splits `x`.
     #[inline]
     pub fn from_f32(x: f32) -> Self {
-        let bits = x.to_bits();
+        let bits = if x.is_nan() {
+            x.to_bits() & 0x8000_0000 | 0x7FC0_0000
+        } else {
+            x.to_bits()
+        };
         let rem = bits as u16;
         let hi = ((bits >> 16) as u16).wrapping_add(u16::from((rem as i16) < 0));
         Self {

@@ -4,8 +4,9 @@ use lpmm_formats::{Fp8, Overflow, Rounding, SplitF32, bf16, float};
 use proptest::prelude::*;
 use rayon::prelude::*;
 
-/// All 2^32 bit patterns, NaNs included, split and join back to the same bits. Takes a few
-/// seconds on 2 cores in release (the README's test command), minutes in debug.
+/// All 2^32 bit patterns split and join back to the same bits, except NaNs, which come back as a
+/// NaN and show a NaN in the visible half. Takes a few seconds on 2 cores in release (the README's
+/// test command), minutes in debug.
 #[test]
 fn split_f32_is_lossless_for_every_bit_pattern() {
     let failures: u64 = (0..=u16::MAX)
@@ -17,7 +18,15 @@ fn split_f32_is_lossless_for_every_bit_pattern() {
                 // black_box keeps the optimizer from proving split-then-join the identity and
                 // deleting the loop: the halves are really stored and read back.
                 let s = std::hint::black_box(SplitF32::from_f32(f32::from_bits(bits)));
-                bad += u64::from(s.to_f32().to_bits() != bits);
+                let x = f32::from_bits(bits);
+                let ok = if x.is_nan() {
+                    s.to_f32().is_nan()
+                        && s.hi.is_nan()
+                        && s.to_f32().is_sign_negative() == x.is_sign_negative()
+                } else {
+                    s.to_f32().to_bits() == bits
+                };
+                bad += u64::from(!ok);
             }
             bad
         })

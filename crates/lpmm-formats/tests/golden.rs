@@ -30,8 +30,8 @@ fn load() -> SafeTensors<'static> {
     SafeTensors::deserialize(FILE).expect("golden file parses")
 }
 
-/// `got` equals `want` bit for bit, except that a NaN only has to be a NaN (torch's NaN bits depend
-/// on which CPU kernel ran; see quirk 3 in golden/README.md).
+/// `got` equals `want` bit for bit; for NaN inputs, where `is_nan` accepts both it is enough that
+/// both are NaN (torch's bf16 NaN bits depend on which CPU kernel ran: quirk 3 in golden/README.md).
 fn check<T: Copy + PartialEq + std::fmt::Debug>(
     what: &str,
     x: &[f32],
@@ -91,6 +91,7 @@ fn fp8_encode_equals_torch() {
     let st = load();
     let x = f32s(&st, "x");
     // torch's e4m3fn cast saturates (±Inf and everything past 464 give ±448); its e5m2 cast is IEEE.
+    // NaN codes too are torch's bit for bit (0x7F with the input's sign).
     let e4 = bytes(&st, "e4m3fn_rne");
     check(
         "e4m3fn",

@@ -51,7 +51,7 @@ pub enum QuantRounding {
     /// The exact nearest code ([`CodeMap::nearest`]: ties to the code of lower magnitude).
     Nearest,
     /// Stochastic rounding between neighbouring codes ([`CodeMap::stochastic`]), element `j` of
-    /// the input using the bits of element `offset + j` of `stream`. `offset` is the input's
+    /// the input using the bits of element `offset + j` (mod 2^64) of `stream`. `offset` is the input's
     /// position in the whole tensor, so a shard or chunk draws the same bits as the whole.
     Stochastic {
         /// Where the random bits come from.
@@ -156,7 +156,7 @@ impl<'m> Blockwise<'m> {
             let mut bits = match rounding {
                 QuantRounding::Nearest => None,
                 QuantRounding::Stochastic { stream, offset } => {
-                    Some(stream.at(offset + start as u64))
+                    Some(stream.at(offset.wrapping_add(start as u64)))
                 }
             };
             let block_bytes = packing::packed_len(block, self.map.bits());

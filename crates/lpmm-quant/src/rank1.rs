@@ -27,10 +27,11 @@ impl<'m> Rank1<'m> {
         if shape.len() < 2 {
             return Err(QuantError::Rank1Dims { ndim: shape.len() });
         }
+        // Codes are addressed in bits: keep `len * 8` representable.
         let len = shape
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .filter(|&n| n > 0);
+            .filter(|&n| n > 0 && n <= usize::MAX / 8);
         let len = len.ok_or(QuantError::Shape {
             shape: shape.to_vec(),
             len: 0,
@@ -150,29 +151,28 @@ impl<'m> Rank1<'m> {
                 value: x[index],
             });
         }
-        // Pass 1: the per-dimension max vectors, one run along the last dimension at a time.
-        scales.fill(0.0);
-        let offsets = self.offsets();
-        let last = self.shape.len() - 1;
-        let mut outer = vec![0usize; last];
-        for run in x.chunks(self.shape[last]) {
-            let mut run_max = 0.0f32;
-            for (m, &v) in scales[offsets[last]..].iter_mut().zip(run) {
-                *m = m.max(v.abs());
-                run_max = run_max.max(v.abs());
-            }
-            for (k, &i) in outer.iter().enumerate() {
-                let m = &mut scales[offsets[k] + i];
-                *m = m.max(run_max);
-            }
-            // Next outer multi-index (row-major odometer).
-            for k in (0..last).rev() {
-                outer[k] += 1;
-                if outer[k] < self.shape[k] {
-                    break;
+        // Pass 1: the per-dimension max vectors. Tasks take ranges of dimension 0 (contiguous
+        // memory), write dimension 0's maxima directly and reduce the others by element-wise max.
+        let (dim0, rest) = scales.split_at_mut(self.shape[0]);
+        let inner_shape = &self.shape[1..];
+        let stride0 = self.len / self.shape[0];
+        let rows_per_task = (CHUNK_ELEMENTS / stride0).max(1);
+        let partial = x
+            .par_chunks(stride0 * rows_per_task)
+            .zip(dim0.par_chunks_mut(rows_per_task))
+            .map(|(xs, d0)| {
+                let mut local = vec![0f32; rest.len()];
+                for (row, m0) in xs.chunks(stride0).zip(d0.iter_mut()) {
+                    *m0 = inner_maxima(inner_shape, row, &mut local);
                 }
-                outer[k] = 0;
-            }
+                local
+            })
+            .reduce_with(|mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(m, &v)| *m = m.max(v));
+                a
+            });
+        if let Some(partial) = partial {
+            rest.copy_from_slice(&partial);
         }
         // Pass 2: codes, in parallel chunks.
         let scales: &[f32] = scales;
@@ -188,7 +188,7 @@ impl<'m> Rank1<'m> {
                 let mut random = match rounding {
                     QuantRounding::Nearest => None,
                     QuantRounding::Stochastic { stream, offset } => {
-                        Some(stream.at(offset + start as u64))
+                        Some(stream.at(offset.wrapping_add(start as u64)))
                     }
                 };
                 let mut buf = [0u8; MAX_BLOCK];
@@ -229,12 +229,47 @@ impl<'m> Rank1<'m> {
                 let start = c * CHUNK_ELEMENTS;
                 let byte0 = start * bits as usize / 8;
                 self.for_each_scale(scales, start, out.len(), |i, s| {
-                    let code = packing::get(&codes[byte0..], bits, i - start);
+                    // In range after the length check above.
+                    let code = packing::get(&codes[byte0..], bits, i - start).unwrap_or(0);
                     out[i - start] = self.map.value(code) * s;
                 });
             });
         Ok(())
     }
+}
+
+/// Folds `|x|` of one slice along dimension 0 (a tensor of `shape`, row-major) into the max
+/// vectors `maxima` (those of `shape`'s dimensions, concatenated) and returns the slice's max.
+fn inner_maxima(shape: &[usize], x: &[f32], maxima: &mut [f32]) -> f32 {
+    let last = shape.len() - 1;
+    let last_offset = maxima.len() - shape[last];
+    let mut outer = vec![0usize; last];
+    let offsets: Vec<usize> = shape
+        .iter()
+        .scan(0, |acc, &d| Some(std::mem::replace(acc, *acc + d)))
+        .collect();
+    let mut total = 0.0f32;
+    for run in x.chunks(shape[last]) {
+        let mut run_max = 0.0f32;
+        for (m, &v) in maxima[last_offset..].iter_mut().zip(run) {
+            *m = m.max(v.abs());
+            run_max = run_max.max(v.abs());
+        }
+        total = total.max(run_max);
+        for (k, &i) in outer.iter().enumerate() {
+            let m = &mut maxima[offsets[k] + i];
+            *m = m.max(run_max);
+        }
+        // Next outer multi-index (row-major odometer).
+        for k in (0..last).rev() {
+            outer[k] += 1;
+            if outer[k] < shape[k] {
+                break;
+            }
+            outer[k] = 0;
+        }
+    }
+    total
 }
 
 /// The normalization a tensor's state uses: rank-1 for 2 or more dimensions, blocks for 1-D
