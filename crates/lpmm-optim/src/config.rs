@@ -22,6 +22,13 @@ pub enum MapKind {
 }
 
 impl MapKind {
+    /// The map, built once per process and shared by every slot that uses it.
+    pub fn shared(self) -> &'static CodeMap {
+        use std::sync::OnceLock;
+        static MAPS: [OnceLock<CodeMap>; 5] = [const { OnceLock::new() }; 5];
+        MAPS[self as usize].get_or_init(|| self.build())
+    }
+
     /// Builds the map.
     pub fn build(self) -> CodeMap {
         let map = match self {
@@ -60,7 +67,10 @@ impl MapKind {
 
     /// Whether the map holds negative values.
     pub fn signed(self) -> bool {
-        !matches!(self, MapKind::DynamicUnsigned8 | MapKind::LinearWithoutZero4)
+        !matches!(
+            self,
+            MapKind::DynamicUnsigned8 | MapKind::LinearWithoutZero4
+        )
     }
 }
 
@@ -110,11 +120,17 @@ pub enum Storage {
 
 impl Storage {
     /// bitsandbytes' 8-bit first moment: dynamic signed map, blocks of 256, nearest.
-    pub const DYNAMIC8_SIGNED: Storage =
-        Storage::Quantized { map: MapKind::DynamicSigned8, block: BlockSize::B256, rounding: StoreRounding::Nearest };
+    pub const DYNAMIC8_SIGNED: Storage = Storage::Quantized {
+        map: MapKind::DynamicSigned8,
+        block: BlockSize::B256,
+        rounding: StoreRounding::Nearest,
+    };
     /// bitsandbytes' 8-bit second moment: dynamic unsigned map, blocks of 256, nearest.
-    pub const DYNAMIC8_UNSIGNED: Storage =
-        Storage::Quantized { map: MapKind::DynamicUnsigned8, block: BlockSize::B256, rounding: StoreRounding::Nearest };
+    pub const DYNAMIC8_UNSIGNED: Storage = Storage::Quantized {
+        map: MapKind::DynamicUnsigned8,
+        block: BlockSize::B256,
+        rounding: StoreRounding::Nearest,
+    };
     /// lpmm's 4-bit first moment: signed dynamic-exponent map, blocks of 128.
     pub const FOUR_BIT_SIGNED: Storage = Storage::Quantized {
         map: MapKind::DynamicExponentSigned4,
@@ -122,15 +138,24 @@ impl Storage {
         rounding: StoreRounding::Nearest,
     };
     /// lpmm's 4-bit second moment: linear without zero, blocks of 128.
-    pub const FOUR_BIT_UNSIGNED: Storage =
-        Storage::Quantized { map: MapKind::LinearWithoutZero4, block: BlockSize::B128, rounding: StoreRounding::Nearest };
+    pub const FOUR_BIT_UNSIGNED: Storage = Storage::Quantized {
+        map: MapKind::LinearWithoutZero4,
+        block: BlockSize::B128,
+        rounding: StoreRounding::Nearest,
+    };
     /// The LPMM format: 8-bit linear, groups of 64, stochastic rounding.
-    pub const LINEAR8_GROUP64_SR: Storage =
-        Storage::Quantized { map: MapKind::LinearSigned8, block: BlockSize::B64, rounding: StoreRounding::Stochastic };
+    pub const LINEAR8_GROUP64_SR: Storage = Storage::Quantized {
+        map: MapKind::LinearSigned8,
+        block: BlockSize::B64,
+        rounding: StoreRounding::Stochastic,
+    };
 
     /// Whether this storage is quantized (subject to the minimum-size policy).
     pub fn is_quantized(self) -> bool {
-        matches!(self, Storage::Quantized { .. } | Storage::Rank1 { .. } | Storage::Factorized)
+        matches!(
+            self,
+            Storage::Quantized { .. } | Storage::Rank1 { .. } | Storage::Factorized
+        )
     }
 
     /// A short name for reports and checkpoints.
@@ -141,11 +166,19 @@ impl Storage {
             Storage::Bf16(StoreRounding::Stochastic) => "bf16-sr".into(),
             Storage::Bf16Kahan => "bf16+kahan".into(),
             Storage::SplitF32 => "split-f32".into(),
-            Storage::Quantized { map, block, rounding } => format!(
+            Storage::Quantized {
+                map,
+                block,
+                rounding,
+            } => format!(
                 "{}/b{}{}",
                 map.name(),
                 block.get(),
-                if rounding == StoreRounding::Stochastic { "-sr" } else { "" }
+                if rounding == StoreRounding::Stochastic {
+                    "-sr"
+                } else {
+                    ""
+                }
             ),
             Storage::Rank1 { map, .. } => format!("{}/rank1", map.name()),
             Storage::Factorized => "factorized".into(),
@@ -199,22 +232,44 @@ pub enum Hyper {
 impl Hyper {
     /// `torch.optim.SGD(lr, momentum)` defaults otherwise.
     pub fn sgd(lr: f64, momentum: f64) -> Self {
-        Hyper::Sgd { lr, momentum, dampening: 0.0, nesterov: false, weight_decay: 0.0 }
+        Hyper::Sgd {
+            lr,
+            momentum,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
     }
 
     /// `torch.optim.AdamW(lr)` defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     pub fn adamw(lr: f64) -> Self {
-        Hyper::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, decoupled: true }
+        Hyper::Adam {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decoupled: true,
+        }
     }
 
     /// `torch.optim.Adam(lr)` defaults: betas (0.9, 0.999), eps 1e-8, no weight decay.
     pub fn adam(lr: f64) -> Self {
-        Hyper::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false }
+        Hyper::Adam {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled: false,
+        }
     }
 
     /// lion-pytorch defaults: betas (0.9, 0.99), no weight decay.
     pub fn lion(lr: f64) -> Self {
-        Hyper::Lion { lr, betas: (0.9, 0.99), weight_decay: 0.0 }
+        Hyper::Lion {
+            lr,
+            betas: (0.9, 0.99),
+            weight_decay: 0.0,
+        }
     }
 
     /// The learning rate.
@@ -243,29 +298,54 @@ impl Hyper {
     /// Checks every hyperparameter; an invalid one is a typed error naming it.
     pub fn validate(&self) -> Result<(), OptimError> {
         let finite_non_negative = |name: &'static str, v: f64| {
-            if v.is_finite() && v >= 0.0 { Ok(()) } else { Err(OptimError::Hyperparameter { name, value: v }) }
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(OptimError::Hyperparameter { name, value: v })
+            }
         };
         let beta = |name: &'static str, v: f64| {
-            if (0.0..1.0).contains(&v) { Ok(()) } else { Err(OptimError::Hyperparameter { name, value: v }) }
+            if (0.0..1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(OptimError::Hyperparameter { name, value: v })
+            }
         };
         match *self {
-            Hyper::Sgd { lr, momentum, dampening, nesterov, weight_decay } => {
+            Hyper::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => {
                 finite_non_negative("lr", lr)?;
                 finite_non_negative("momentum", momentum)?;
-                beta("dampening", dampening).or_else(|e| if dampening == 1.0 { Ok(()) } else { Err(e) })?;
+                beta("dampening", dampening)
+                    .or_else(|e| if dampening == 1.0 { Ok(()) } else { Err(e) })?;
                 finite_non_negative("weight_decay", weight_decay)?;
                 if nesterov && (momentum <= 0.0 || dampening != 0.0) {
                     return Err(OptimError::Nesterov);
                 }
             }
-            Hyper::Adam { lr, betas, eps, weight_decay, .. } => {
+            Hyper::Adam {
+                lr,
+                betas,
+                eps,
+                weight_decay,
+                ..
+            } => {
                 finite_non_negative("lr", lr)?;
                 beta("beta1", betas.0)?;
                 beta("beta2", betas.1)?;
                 finite_non_negative("eps", eps)?;
                 finite_non_negative("weight_decay", weight_decay)?;
             }
-            Hyper::Lion { lr, betas, weight_decay } => {
+            Hyper::Lion {
+                lr,
+                betas,
+                weight_decay,
+            } => {
                 finite_non_negative("lr", lr)?;
                 beta("beta1", betas.0).or_else(|e| if betas.0 == 1.0 { Ok(()) } else { Err(e) })?;
                 beta("beta2", betas.1)?;
@@ -317,9 +397,11 @@ impl ParamConfig {
                 return Storage::F32;
             }
             match s {
-                Storage::Rank1 { map, fallback } if shape.len() < 2 => {
-                    Storage::Quantized { map, block: fallback, rounding: StoreRounding::Nearest }
-                }
+                Storage::Rank1 { map, fallback } if shape.len() < 2 => Storage::Quantized {
+                    map,
+                    block: fallback,
+                    rounding: StoreRounding::Nearest,
+                },
                 Storage::Factorized if shape.len() < 2 => Storage::F32,
                 other => other,
             }
@@ -337,21 +419,38 @@ impl ParamConfig {
     pub fn validate(&self) -> Result<(), OptimError> {
         self.hyper.validate()?;
         let param_only = |slot: &'static str, s: Storage| match s {
-            Storage::Bf16Kahan | Storage::SplitF32 => Err(OptimError::StorageNotAllowed { slot, storage: s.describe() }),
+            Storage::Bf16Kahan | Storage::SplitF32 => Err(OptimError::StorageNotAllowed {
+                slot,
+                storage: s.describe(),
+            }),
             _ => Ok(()),
         };
         param_only("gradient", self.grad)?;
         param_only("state1", self.state1)?;
         param_only("state2", self.state2)?;
-        for (slot, s) in [("parameter", self.param), ("gradient", self.grad), ("state1", self.state1)] {
+        for (slot, s) in [
+            ("parameter", self.param),
+            ("gradient", self.grad),
+            ("state1", self.state1),
+        ] {
             if matches!(s, Storage::Rank1 { .. } | Storage::Factorized) {
-                return Err(OptimError::StorageNotAllowed { slot, storage: s.describe() });
+                return Err(OptimError::StorageNotAllowed {
+                    slot,
+                    storage: s.describe(),
+                });
             }
         }
-        for (slot, s) in [("parameter", self.param), ("gradient", self.grad), ("state1", self.state1)] {
+        for (slot, s) in [
+            ("parameter", self.param),
+            ("gradient", self.grad),
+            ("state1", self.state1),
+        ] {
             if let Storage::Quantized { map, .. } = s {
                 if !map.signed() {
-                    return Err(OptimError::StorageNotAllowed { slot, storage: s.describe() });
+                    return Err(OptimError::StorageNotAllowed {
+                        slot,
+                        storage: s.describe(),
+                    });
                 }
             }
         }

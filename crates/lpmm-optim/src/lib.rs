@@ -1,3 +1,17 @@
-//! The optimizer core: optimizers, state layouts, fused steps, checkpoints, memory accounting. Empty until the optimizer-core issue lands.
+//! The optimizer core of lpmm: optimizers (SGD with momentum, Adam/AdamW, Lion) whose parameters,
+//! gradient accumulators and states can each be stored in low precision, stepped in one fused
+//! pass per chunk. The CPU implementation here is the reference every backend must reproduce.
 //!
-//! This crate deliberately exposes no API yet (see docs/ARCHITECTURE.md).
+//! Work in progress (issue "Optimizer core on CPU"): see docs/OPTIMIZERS.md for what is in place.
+
+mod config;
+mod error;
+mod memory;
+mod optimizer;
+mod rule;
+mod slot;
+
+pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
+pub use error::OptimError;
+pub use memory::{MemoryReport, ParamMemory};
+pub use optimizer::{NonFinitePolicy, Optimizer, OptimizerOptions, ParamId, StepReport};

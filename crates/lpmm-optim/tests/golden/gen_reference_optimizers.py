@@ -19,7 +19,7 @@ Gradients do not depend on the parameters.  Every configuration starts from p0.
 
 What is stored (little-endian safetensors; F32 tensors first, then U8, each group by name):
   init.{name}, grad1.{name}                 f32   p0 and g_1, to check the regeneration bit for bit
-  {config}.step{k}.{name}                   f32   parameters after step k (see SNAPSHOTS below)
+  {config}.step{k}.{name}                   f32   parameters after step k (see snapshot_tensors())
   adamw.m.{name}, adamw.v.{name}            f32   torch AdamW exp_avg / exp_avg_sq after step 100
   bnb_adamw8bit.{state1,state2}.{name}      u8    raw 8-bit codes after step 50 (w1, w2, w3)
   bnb_adamw8bit.{absmax1,absmax2}.{name}    f32   per-256-block absmax
@@ -42,6 +42,7 @@ kernel uses one) and prints how far the anchor's trajectory is from it (stdout, 
 import importlib.util
 import json
 import math
+from fractions import Fraction
 import sys
 from pathlib import Path
 
@@ -117,7 +118,9 @@ class Scenario:
 
 # --------------------------------------------------------------------------- configurations
 
-# (name, steps, stored steps, factory(params) -> optimizer, hyper-parameters for metadata / replay)
+# Each configuration: name, kind (selects the replay), steps, store (the stored steps),
+# hp (hyper-parameters, for the metadata and the replay), make(params) -> the anchor optimizer.
+# torch optimizers run with foreach=False, fused=False (the single-tensor code path).
 SGD_RUNS = [
     ("sgd_plain", dict(lr=0.01, momentum=0.0)),
     ("sgd_momentum", dict(lr=0.01, momentum=0.9)),
@@ -371,7 +374,7 @@ def replay_bnb8(scen, hp, steps, store, sqrt, quantizer="bnb"):
                 ps[k] = fma(upd, f32(-lr * c2 / c1), ps[k])            # add_(update, alpha=step_size)
         if t in store:
             snaps[t] = [p.copy() for p in ps]
-    return snaps
+    return snaps, st
 
 
 def ao_qmaps():
@@ -393,6 +396,16 @@ def ao_quantize(x, qmap, block):
     return codes.astype(np.uint8), scale
 
 
+def powf_cr(base, t):
+    """Correctly rounded f32 power f32(base)**t (torch's f32 pow agrees on every step used here;
+    numpy's float32 power does not)."""
+    b = f32(base)
+    x = Fraction(float(b)) ** t
+    c = f32(float(x))
+    cands = [np.nextafter(c, f32(-np.inf)), c, np.nextafter(c, f32(np.inf))]
+    return min(cands, key=lambda y: abs(Fraction(float(y)) - x))
+
+
 def replay_ao4(scen, hp, steps, store, sqrt):
     """torchao 0.18.0 AdamW4bit (adam.py single_param_adam, compiled by inductor on the CPU)."""
     lr, (b1, b2), eps, wd, block = f32(hp["lr"]), hp["betas"], hp["eps"], hp["weight_decay"], hp["block"]
@@ -400,11 +413,11 @@ def replay_ao4(scen, hp, steps, store, sqrt):
     ps = [p.copy() for p in scen.p0]
     quant = [len(p) >= 4096 and len(p) % block == 0 for p in ps]
     st = [dict(m=np.zeros_like(p), v=np.zeros_like(p)) for p in ps]   # dequantized values
+    raw = [dict() for _ in ps]                                       # packed codes and scales
     snaps = {}
     for t in range(1, steps + 1):
-        step = f32(t)
-        bc1 = f32(1) - np.power(f32(b1), step)                         # f32 pow (step is an f32 tensor)
-        bc2 = f32(1) - np.power(f32(b2), step)
+        bc1 = f32(1) - powf_cr(b1, t)                                # f32 pow: step is an f32 tensor
+        bc2 = f32(1) - powf_cr(b2, t)
         for k, g in enumerate(scen.grad(t)):
             p = ps[k]
             p = p - (lr * f32(wd)) * p                                 # p - lr*wd*p
@@ -417,11 +430,14 @@ def replay_ao4(scen, hp, steps, store, sqrt):
                 cv, sv = ao_quantize(v, qu, block)
                 st[k]["m"] = (qs[cm].reshape(-1, block) * sm[:, None]).reshape(-1)
                 st[k]["v"] = (qu[cv].reshape(-1, block) * sv[:, None]).reshape(-1)
+                # packing: element 2j in the high nibble, 2j+1 in the low nibble (subclass_4bit.py:158)
+                raw[k] = dict(m_codes=(cm[0::2] << 4) | cm[1::2], m_scale=sm,
+                              v_codes=(cv[0::2] << 4) | cv[1::2], v_scale=sv)
             else:
                 st[k]["m"], st[k]["v"] = m, v
         if t in store:
             snaps[t] = [p.copy() for p in ps]
-    return snaps
+    return snaps, st, raw
 
 
 # --------------------------------------------------------------------------- comparison
@@ -442,7 +458,7 @@ def compare(a, b):
 def report_replay(label, anchor_snaps, replay_snaps):
     rows = []
     for t in sorted(anchor_snaps):
-        n_diff = n_tot = 0
+        n_diff = n_tot = n_big = 0
         max_ulp = 0
         max_abs = 0.0
         for a, r in zip(anchor_snaps[t], replay_snaps[t]):
@@ -451,7 +467,9 @@ def report_replay(label, anchor_snaps, replay_snaps):
             n_tot += len(a)
             max_ulp = max(max_ulp, mu)
             max_abs = max(max_abs, ma)
-        rows.append(f"{label:<34} step {t:>3}: {n_diff:>6} of {n_tot} differ, max {max_ulp:>6} ulp, max |d| {max_abs:.3e}")
+            n_big += int((np.abs(a.astype(np.float64) - r.astype(np.float64)) > 1e-6).sum())
+        rows.append(f"{label:<48} step {t:>3}: {n_diff:>6} of {n_tot} differ, max {max_ulp:>7} ulp, "
+                    f"max |d| {max_abs:.3e}, |d| > 1e-6: {n_big}")
     return rows
 
 
@@ -536,6 +554,15 @@ def main():
                     if key in s:
                         tensors[f"{name}.{key}.{tname}"] = s[key].numpy().copy()
             summary["bnb_state_keys"] = info
+            # the maps bnb keeps are the lpmm-quant golden maps (bnb_blockwise.safetensors)
+            quant_golden = REPO / "crates" / "lpmm-quant" / "tests" / "golden" / "bnb_blockwise.safetensors"
+            if quant_golden.exists():
+                from safetensors.numpy import load_file
+                maps = load_file(str(quant_golden))
+                same = all(np.array_equal(tensors[f"{name}.qmap{j}.{tname}"].view(np.uint32), maps[f"map.{m}"].view(np.uint32))
+                           for tname in ("w1", "w2", "w3") for j, m in ((1, "signed"), (2, "unsigned")))
+                print(f"\nbnb qmap1 / qmap2 equal lpmm-quant map.signed / map.unsigned bit for bit: {same}")
+                assert same
 
         if name == "torchao_adamw4bit":
             from torchao.optim.subclass_4bit import OptimState4bit
@@ -569,17 +596,38 @@ def main():
                     v_anchor = np.concatenate([tensors[f"adamw.v.{n}"].reshape(-1) for n in NAMES])
                     for sname, a, b in (("m", m_anchor, np.concatenate(ms)), ("v", v_anchor, np.concatenate(vs))):
                         nd, mu, ma = compare(a, b)
-                        replay_rows.append(f"{'adamw.' + sname + ' (replay, ' + label + ')':<34} step 100: "
-                                           f"{nd:>6} of {len(a)} differ, max {mu:>6} ulp, max |d| {ma:.3e}")
+                        replay_rows.append(f"{'adamw.' + sname + ' (replay, ' + label + ')':<48} step 100: "
+                                           f"{nd:>6} of {len(a)} differ, max {mu:>7} ulp, max |d| {ma:.3e}")
         elif kind == "lion":
             replay_rows += report_replay(f"{name} (replay)", snaps, replay_lion(scen, hp, steps, store))
         elif kind == "bnb8":
-            replay_rows += report_replay(f"{name} (replay, bnb quant, torch sqrt)", snaps,
-                                         replay_bnb8(scen, hp, steps, store, sqrt_torch, "bnb"))
-            replay_rows += report_replay(f"{name} (replay, exact quant, exact sqrt)", snaps,
-                                         replay_bnb8(scen, hp, steps, store, sqrt_exact, "exact"))
+            r, st = replay_bnb8(scen, hp, steps, store, sqrt_torch, "bnb")
+            replay_rows += report_replay(f"{name} (replay, bnb quant, torch sqrt)", snaps, r)
+            same = all(np.array_equal(tensors[f"{name}.{key}.{tname}"].reshape(-1), st[k][short])
+                       for k, tname in enumerate(NAMES)
+                       for key, short in (("state1", "c1"), ("state2", "c2"), ("absmax1", "a1"), ("absmax2", "a2"),
+                                          ("state1", "m"), ("state2", "v"))
+                       if short in st[k])
+            replay_rows.append(f"{name + ' final state (replay, bnb quant)':<48} step {steps:>3}: bit for bit: {same}")
+            r, _ = replay_bnb8(scen, hp, steps, store, sqrt_exact, "exact")
+            replay_rows += report_replay(f"{name} (replay, exact quant, exact sqrt)", snaps, r)
+            # the states after step 1 are the same f32 values for both quantizers: count the codes
+            # on which bnb's CPU quantizer and the exact rule disagree
+            _, s_bnb = replay_bnb8(scen, hp, 1, (), sqrt_torch, "bnb")
+            _, s_ex = replay_bnb8(scen, hp, 1, (), sqrt_torch, "exact")
+            for key, label in (("c1", "m (signed map)"), ("c2", "v (unsigned map)")):
+                nd = sum(int((a[key] != b[key]).sum()) for a, b in zip(s_bnb, s_ex) if key in a)
+                nt = sum(len(a[key]) for a in s_bnb if key in a)
+                replay_rows.append(f"{name + ' step-1 ' + label + ' codes':<48} bnb CPU quantizer vs exact rule: "
+                                   f"{nd} of {nt} differ")
         elif kind == "ao4":
-            replay_rows += report_replay(f"{name} (replay, exact sqrt)", snaps, replay_ao4(scen, hp, steps, store, sqrt_exact))
+            r, st, raw = replay_ao4(scen, hp, steps, store, sqrt_exact)
+            replay_rows += report_replay(f"{name} (replay, exact sqrt)", snaps, r)
+            same = all(np.array_equal(tensors[f"{name}.{short}.{tname}"].reshape(-1), st[k][short])
+                       for k, tname in enumerate(NAMES) for short in ("m", "v"))
+            same &= all(np.array_equal(tensors[f"{name}.{key.replace('_', '.')}.{tname}"], raw[k][key])
+                        for k, tname in enumerate(NAMES) for key in raw[k])
+            replay_rows.append(f"{name + ' final state (replay)':<48} step {steps:>3}: bit for bit: {same}")
 
     print("\nbitsandbytes AdamW8bit optimizer.state[p] after step 50:")
     for k, v in summary["bnb_state_keys"].items():
@@ -588,7 +636,7 @@ def main():
     for k, v in summary["torchao_state"].items():
         print(f"   {k}: {v}")
 
-    print("\nanchor vs float32 replay of the documented op sequence (all stored tensors of the step):")
+    print("\nanchor vs float32 replay of the documented op sequence (all four tensors at each stored step):")
     for row in replay_rows:
         print("  ", row)
 

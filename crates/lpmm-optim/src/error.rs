@@ -1,0 +1,51 @@
+use lpmm_quant::QuantError;
+use thiserror::Error;
+
+/// Everything that can go wrong in the optimizer core. Each variant says what to change.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum OptimError {
+    /// A hyperparameter is out of its range (negative or non-finite learning rate, beta outside
+    /// [0, 1), ...).
+    #[error("hyperparameter {name} = {value} is out of range")]
+    Hyperparameter { name: &'static str, value: f64 },
+    /// PyTorch's rule: Nesterov momentum needs momentum > 0 and dampening = 0.
+    #[error("nesterov momentum needs momentum > 0 and dampening = 0")]
+    Nesterov,
+    /// A storage format was asked for in a slot that cannot use it.
+    #[error("the {slot} slot cannot be stored as {storage}")]
+    StorageNotAllowed { slot: &'static str, storage: String },
+    /// No parameter has this id or name.
+    #[error("unknown parameter {0}")]
+    UnknownParam(String),
+    /// A parameter with this name is registered already.
+    #[error("a parameter named {0} exists already")]
+    DuplicateName(String),
+    /// A buffer's length does not match the parameter it is for.
+    #[error("parameter {param}: {what} has {actual} elements, {expected} expected")]
+    Length {
+        param: String,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    /// A shape with a zero dimension, or whose element count overflows.
+    #[error("parameter {param}: shape {shape:?} is empty or too large")]
+    Shape { param: String, shape: Vec<usize> },
+    /// Initial parameter values must be finite.
+    #[error("parameter {param}: initial value {index} is {value}")]
+    NonFiniteParam {
+        param: String,
+        index: usize,
+        value: f32,
+    },
+    /// No parameter group has this index.
+    #[error("unknown parameter group {0}")]
+    UnknownGroup(usize),
+    /// A checkpoint could not be written or read.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+    /// An error from the quantization layer.
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+}

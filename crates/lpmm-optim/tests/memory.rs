@@ -1,0 +1,117 @@
+//! Memory accounting against what the allocator really hands out, and no allocation in `step`.
+//! One test in this binary, so no other test allocates while it measures.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+
+use lpmm_optim::{
+    Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage, StoreRounding,
+};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every method forwards to the system allocator with the caller's own arguments, which
+// upholds GlobalAlloc's contract; the counters are atomics and never affect the allocation.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        CALLS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: forwarded unchanged; the caller guarantees a non-zero-size layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: `ptr` was allocated by `System` with `layout` (every allocation goes through
+        // `alloc` or `realloc` above).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::SeqCst);
+        CALLS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: forwarded unchanged; `ptr` came from `System` with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+#[test]
+fn accounting_equals_allocation_and_step_allocates_nothing() {
+    // The code maps are built once per process and shared (~20 KiB each): not model memory.
+    for map in [
+        MapKind::DynamicSigned8,
+        MapKind::DynamicUnsigned8,
+        MapKind::DynamicExponentSigned4,
+        MapKind::LinearWithoutZero4,
+        MapKind::LinearSigned8,
+    ] {
+        map.shared();
+    }
+    let configs = [
+        ParamConfig::f32(Hyper::sgd(0.1, 0.9)),
+        ParamConfig {
+            param: Storage::Bf16(StoreRounding::Stochastic),
+            grad: Storage::Bf16(StoreRounding::Stochastic),
+            state1: Storage::DYNAMIC8_SIGNED,
+            state2: Storage::DYNAMIC8_UNSIGNED,
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        },
+        ParamConfig {
+            param: Storage::SplitF32,
+            grad: Storage::Bf16(StoreRounding::Nearest),
+            state1: Storage::FOUR_BIT_SIGNED,
+            state2: Storage::FOUR_BIT_UNSIGNED,
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        },
+        ParamConfig {
+            param: Storage::LINEAR8_GROUP64_SR,
+            grad: Storage::LINEAR8_GROUP64_SR,
+            state1: Storage::LINEAR8_GROUP64_SR,
+            ..ParamConfig::f32(Hyper::sgd(0.1, 0.9))
+        },
+        ParamConfig {
+            param: Storage::Bf16Kahan,
+            ..ParamConfig::f32(Hyper::lion(1e-4))
+        },
+    ];
+    let n = 3 << 20; // three pieces per parameter
+    let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
+    let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
+    for config in configs {
+        let mut opt = Optimizer::new(OptimizerOptions {
+            max_grad_norm: Some(1.0),
+            ..Default::default()
+        })
+        .unwrap();
+        let group = opt.add_group(config).unwrap();
+        let before = LIVE.load(Ordering::SeqCst);
+        let id = opt.add_param("w", &[3, 1 << 20], &init, group).unwrap();
+        let grown = LIVE.load(Ordering::SeqCst) - before;
+        let report = opt.memory_report();
+        let accounted = report.total() as isize;
+        // Model memory is what was allocated, up to the optimizer's bookkeeping (names, shapes,
+        // the piece list: well under 4 KiB).
+        assert!(
+            (grown - accounted).abs() < 4096,
+            "{config:?}: allocated {grown}, accounted {accounted}"
+        );
+
+        opt.accumulate(id, &grad).unwrap();
+        opt.step().unwrap(); // warms up the thread pool
+        opt.accumulate(id, &grad).unwrap();
+        let calls = CALLS.load(Ordering::SeqCst);
+        let step = opt.step().unwrap();
+        assert_eq!(
+            CALLS.load(Ordering::SeqCst) - calls,
+            0,
+            "{config:?}: step allocated"
+        );
+        assert_eq!(step.updated, 1);
+    }
+}
