@@ -3,11 +3,12 @@
 
 use lpmm_formats::CodeMap;
 use lpmm_quant::BlockSize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 
 /// A code map by name, so configurations and checkpoints can say which one a slot uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum MapKind {
     /// bitsandbytes' signed 8-bit dynamic map (first moments, momentum).
     DynamicSigned8,
@@ -75,7 +76,7 @@ impl MapKind {
 }
 
 /// How a value is rounded when it is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum StoreRounding {
     /// Round to nearest (ties to even for floats, the map's tie rule for codes).
     Nearest,
@@ -85,7 +86,7 @@ pub enum StoreRounding {
 }
 
 /// How one slot of model memory (parameter, gradient accumulator or optimizer state) is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Storage {
     /// 4 bytes per element.
     F32,
@@ -101,6 +102,7 @@ pub enum Storage {
         /// The code map.
         map: MapKind,
         /// Elements per absmax scale.
+        #[serde(with = "block_size")]
         block: BlockSize,
         /// Rounding onto the map.
         rounding: StoreRounding,
@@ -111,6 +113,7 @@ pub enum Storage {
         /// The code map.
         map: MapKind,
         /// The block size for 1-D tensors.
+        #[serde(with = "block_size")]
         fallback: BlockSize,
     },
     /// Adafactor's factorized second moment: row and column statistics of a matrix (second
@@ -189,7 +192,7 @@ impl Storage {
 /// The optimizer and its hyperparameters. Defaults are PyTorch's. Hyperparameters are f64, as
 /// PyTorch's are Python floats: derived factors such as `1 - beta1` are computed in f64 and
 /// rounded to f32 once, as PyTorch does.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Hyper {
     /// SGD with momentum, `torch.optim.SGD` semantics.
     Sgd {
@@ -357,7 +360,7 @@ impl Hyper {
 }
 
 /// Everything that decides how one parameter tensor is stored and stepped.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ParamConfig {
     /// The optimizer and its hyperparameters.
     pub hyper: Hyper,
@@ -455,5 +458,20 @@ impl ParamConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// `BlockSize` as its element count in checkpoints, validated when read back.
+mod block_size {
+    use lpmm_quant::BlockSize;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(b: &BlockSize, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(b.get() as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BlockSize, D::Error> {
+        let n = u64::deserialize(d)?;
+        BlockSize::new(n as usize).map_err(serde::de::Error::custom)
     }
 }

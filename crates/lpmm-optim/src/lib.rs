@@ -4,6 +4,7 @@
 //!
 //! Work in progress (issue "Optimizer core on CPU"): see docs/OPTIMIZERS.md for what is in place.
 
+mod checkpoint;
 mod config;
 mod error;
 mod memory;
@@ -11,6 +12,7 @@ mod optimizer;
 mod rule;
 mod slot;
 
+pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION};
 pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
 pub use error::OptimError;
 pub use memory::{MemoryReport, ParamMemory};

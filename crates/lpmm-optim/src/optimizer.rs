@@ -4,6 +4,7 @@
 
 use lpmm_quant::RandomStream;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{ParamConfig, Storage};
 use crate::error::OptimError;
@@ -36,7 +37,7 @@ impl ParamId {
 }
 
 /// What to do with a gradient that holds NaN or ±Inf.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum NonFinitePolicy {
     /// Skip the whole step (no parameter or state changes), consume the gradients, and report
     /// it (like AMP's GradScaler). Costs one read of the gradients before the step.
@@ -48,7 +49,7 @@ pub enum NonFinitePolicy {
 }
 
 /// Settings that apply to the whole optimizer.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerOptions {
     /// Seed of every stochastic-rounding stream.
     pub seed: u64,

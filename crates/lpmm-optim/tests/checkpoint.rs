@@ -1,0 +1,229 @@
+//! Checkpoints: exact resume (stochastic rounding included), atomic writes, typed errors for
+//! truncated, corrupt and mismatched files that leave the live optimizer untouched.
+
+use lpmm_optim::{
+    Hyper, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, StoreRounding,
+};
+
+/// Every storage kind at once: SR bf16, Kahan, split f32, 8-bit linear SR parameters; SR
+/// gradient accumulators; 8-bit and 4-bit states; one tensor above the piece size.
+fn build() -> (Optimizer, Vec<(ParamId, usize)>) {
+    let mut opt = Optimizer::new(OptimizerOptions {
+        seed: 77,
+        max_grad_norm: Some(10.0),
+        ..Default::default()
+    })
+    .unwrap();
+    let adam8 = opt
+        .add_group(ParamConfig {
+            param: Storage::Bf16(StoreRounding::Stochastic),
+            grad: Storage::Bf16(StoreRounding::Stochastic),
+            state1: Storage::DYNAMIC8_SIGNED,
+            state2: Storage::DYNAMIC8_UNSIGNED,
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        })
+        .unwrap();
+    let lpmm = opt
+        .add_group(ParamConfig {
+            param: Storage::LINEAR8_GROUP64_SR,
+            grad: Storage::LINEAR8_GROUP64_SR,
+            state1: Storage::LINEAR8_GROUP64_SR,
+            ..ParamConfig::f32(Hyper::sgd(0.05, 0.9))
+        })
+        .unwrap();
+    let shapes: [(&str, usize, usize, Option<ParamConfig>); 5] = [
+        ("a", 5000, adam8, None),
+        ("big", (1 << 20) + 4321, adam8, None),
+        ("lpmm", 9000, lpmm, None),
+        (
+            "kahan",
+            4096,
+            adam8,
+            Some(ParamConfig {
+                param: Storage::Bf16Kahan,
+                state1: Storage::FOUR_BIT_SIGNED,
+                state2: Storage::FOUR_BIT_UNSIGNED,
+                ..ParamConfig::f32(Hyper::lion(1e-4))
+            }),
+        ),
+        (
+            "split",
+            100,
+            adam8,
+            Some(ParamConfig {
+                param: Storage::SplitF32,
+                ..ParamConfig::f32(Hyper::adamw(1e-2))
+            }),
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (name, n, group, own) in shapes {
+        let init: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let id = match own {
+            Some(c) => opt.add_param_with(name, &[n], &init, group, c).unwrap(),
+            None => opt.add_param(name, &[n], &init, group).unwrap(),
+        };
+        ids.push((id, n));
+    }
+    (opt, ids)
+}
+
+fn train(opt: &mut Optimizer, ids: &[(ParamId, usize)], steps: std::ops::Range<u64>) {
+    for t in steps {
+        for &(id, n) in ids {
+            let g: Vec<f32> = (0..n)
+                .map(|i| (((i as u64 * 31 + t * 17) % 200) as f32 - 100.0) * 1e-4)
+                .collect();
+            // Two micro-batches, the second one left pending at a save point on odd steps.
+            opt.accumulate(id, &g).unwrap();
+            opt.accumulate(id, &g).unwrap();
+        }
+        opt.set_lr(1e-3 / (1.0 + t as f64)).unwrap();
+        opt.step().unwrap();
+    }
+}
+
+fn snapshot(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for &(id, n) in ids {
+        let mut v = vec![0f32; n];
+        opt.read_param(id, &mut v).unwrap();
+        out.extend(v.iter().map(|x| x.to_bits()));
+        for s in [1, 2] {
+            opt.read_state(id, s, &mut v).unwrap();
+            out.extend(v.iter().map(|x| x.to_bits()));
+        }
+    }
+    out
+}
+
+#[test]
+fn resume_is_exact_with_stochastic_rounding() {
+    let dir = tempdir();
+    let (mut first, ids2) = build();
+    train(&mut first, &ids2, 1..4);
+    // A pending micro-batch at the save point must survive too.
+    first.accumulate(ids2[0].0, &vec![1e-3; ids2[0].1]).unwrap();
+    let path = dir.join("ckpt.safetensors");
+    first.save(&path).unwrap();
+    let mut resumed = Optimizer::load(&path).unwrap();
+    assert_eq!(
+        snapshot(&resumed, &ids2),
+        snapshot(&first, &ids2),
+        "loading reproduces the state"
+    );
+    train(&mut resumed, &ids2, 4..9);
+
+    let (mut reference, ids3) = build();
+    train(&mut reference, &ids3, 1..4);
+    reference
+        .accumulate(ids3[0].0, &vec![1e-3; ids3[0].1])
+        .unwrap();
+    train(&mut reference, &ids3, 4..9);
+    assert_eq!(
+        snapshot(&resumed, &ids2),
+        snapshot(&reference, &ids3),
+        "N steps straight = k, save, load, N-k"
+    );
+    assert_eq!(resumed.steps(), 8);
+}
+
+#[test]
+fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() {
+    let dir = tempdir();
+    let (mut opt, ids) = build();
+    train(&mut opt, &ids, 1..3);
+    let path = dir.join("good.safetensors");
+    opt.save(&path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let before = snapshot(&opt, &ids);
+
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated", bytes[..bytes.len() / 2].to_vec()),
+        ("empty", Vec::new()),
+        ("garbage", vec![0xAB; 4096]),
+        ("header only", bytes[..64].to_vec()),
+    ];
+    for (what, content) in cases {
+        let bad = dir.join(format!("{}.safetensors", what.replace(' ', "_")));
+        std::fs::write(&bad, content).unwrap();
+        let e = opt.load_state(&bad).unwrap_err();
+        assert!(matches!(e, OptimError::Checkpoint { .. }), "{what}: {e}");
+        assert_eq!(
+            snapshot(&opt, &ids),
+            before,
+            "{what}: the live optimizer changed"
+        );
+    }
+
+    // A future version: refused by name.
+    // The metadata JSON sits (escaped) in the header: patch the digit in place, same length.
+    let needle = b"\\\"version\\\":1";
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("version in the header");
+    let mut patched = bytes.clone();
+    patched[at + needle.len() - 1] = b'9';
+    let future = dir.join("future.safetensors");
+    std::fs::write(&future, &patched).unwrap();
+    let e = Optimizer::load(&future).unwrap_err().to_string();
+    assert!(e.contains("version 9"), "{e}");
+
+    // Another model's checkpoint.
+    let mut other = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = other
+        .add_group(ParamConfig::f32(Hyper::sgd(0.1, 0.0)))
+        .unwrap();
+    other.add_param("a", &[7], &[0.0; 7], g).unwrap();
+    let other_path = dir.join("other.safetensors");
+    other.save(&other_path).unwrap();
+    assert!(matches!(
+        opt.load_state(&other_path),
+        Err(OptimError::Checkpoint { .. })
+    ));
+    assert_eq!(snapshot(&opt, &ids), before);
+
+    // A missing file.
+    assert!(matches!(
+        Optimizer::load(dir.join("nope")),
+        Err(OptimError::Checkpoint { .. })
+    ));
+}
+
+#[test]
+fn saving_is_atomic() {
+    let dir = tempdir();
+    let (mut opt, ids) = build();
+    let path = dir.join("ckpt.safetensors");
+    opt.save(&path).unwrap();
+    let old = std::fs::read(&path).unwrap();
+    train(&mut opt, &ids, 1..2);
+    // Saving into a directory that does not exist fails and leaves nothing behind.
+    assert!(opt.save(dir.join("missing/ckpt.safetensors")).is_err());
+    // A successful save replaces the file whole, and leaves no temporary file.
+    opt.save(&path).unwrap();
+    let new = std::fs::read(&path).unwrap();
+    assert_ne!(old, new);
+    assert!(Optimizer::load(&path).is_ok());
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+fn tempdir() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "lpmm-ckpt-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
