@@ -9,6 +9,7 @@ mod config;
 mod error;
 mod memory;
 mod optimizer;
+pub mod presets;
 mod rule;
 mod slot;
 
