@@ -91,6 +91,11 @@ fn slot_tensors(data: &[&SlotData]) -> Vec<(&'static str, Dtype, usize, Vec<u8>)
                 main.extend_from_slice(codes);
                 absmax.extend(a.iter().flat_map(|x| x.to_le_bytes()));
             }
+            // The tensor-wide scales are saved by the caller.
+            SlotData::Rank1(codes) => {
+                kind = Some(Dtype::U8);
+                main.extend_from_slice(codes);
+            }
         }
     }
     let Some(kind) = kind else { return Vec::new() };
@@ -155,9 +160,22 @@ impl Optimizer {
                     ));
                 }
             }
+            if let Some(r) = &m.rank1 {
+                let bytes = r
+                    .scales
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>();
+                tensors.push((
+                    format!("{}/state2.scales", m.name),
+                    Dtype::F32,
+                    vec![r.scales.len()],
+                    bytes,
+                ));
+            }
             let c = m.config;
             for storage in [c.param, c.grad, c.state1, c.state2] {
-                if let Storage::Quantized { map, .. } = storage {
+                if let Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } = storage {
                     if !maps.contains(&map) {
                         maps.push(map);
                     }
@@ -291,6 +309,24 @@ impl Optimizer {
                 fill_slot(&st, &format!("{name}/{slot_name}"), &mut pieces)
                     .map_err(|reason| err(path, reason))?;
             }
+            if let Some(r) = &mut opt.metas[i].rank1 {
+                let key = format!("{name}/state2.scales");
+                let t = st
+                    .tensor(&key)
+                    .map_err(|_| err(path, format!("tensor {key} missing")))?;
+                if t.dtype() != Dtype::F32 || t.data().len() != 4 * r.scales.len() {
+                    return Err(err(
+                        path,
+                        format!("tensor {key} has the wrong type or length"),
+                    ));
+                }
+                for (x, c) in r.scales.iter_mut().zip(t.data().chunks_exact(4)) {
+                    *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    if !x.is_finite() || *x < 0.0 {
+                        return Err(err(path, format!("tensor {key} holds {x}")));
+                    }
+                }
+            }
         }
         Ok(opt)
     }
@@ -339,7 +375,7 @@ fn fill_slot(st: &SafeTensors<'_>, key: &str, pieces: &mut [&mut SlotData]) -> R
     let (mut a, mut b) = (0usize, 0usize);
     let main_dtype = match pieces[0] {
         SlotData::F32(_) => Dtype::F32,
-        SlotData::Quantized { .. } => Dtype::U8,
+        SlotData::Quantized { .. } | SlotData::Rank1(_) => Dtype::U8,
         _ => Dtype::BF16,
     };
     let main = get(key, main_dtype)?;
@@ -390,6 +426,10 @@ fn fill_slot(st: &SafeTensors<'_>, key: &str, pieces: &mut [&mut SlotData]) -> R
                         rem: u16::from_le_bytes([r[0], r[1]]),
                     };
                 }
+            }
+            SlotData::Rank1(codes) => {
+                let bytes = take(&main, &mut a, codes.len(), key)?;
+                codes.copy_from_slice(bytes);
             }
             SlotData::Quantized { codes, absmax } => {
                 let bytes = take(&main, &mut a, codes.len(), key)?;

@@ -116,9 +116,6 @@ pub enum Storage {
         #[serde(with = "block_size")]
         fallback: BlockSize,
     },
-    /// Adafactor's factorized second moment: row and column statistics of a matrix (second
-    /// moments only; 1-D tensors keep a full f32 state).
-    Factorized,
 }
 
 impl Storage {
@@ -155,10 +152,7 @@ impl Storage {
 
     /// Whether this storage is quantized (subject to the minimum-size policy).
     pub fn is_quantized(self) -> bool {
-        matches!(
-            self,
-            Storage::Quantized { .. } | Storage::Rank1 { .. } | Storage::Factorized
-        )
+        matches!(self, Storage::Quantized { .. } | Storage::Rank1 { .. })
     }
 
     /// A short name for reports and checkpoints.
@@ -184,7 +178,6 @@ impl Storage {
                 }
             ),
             Storage::Rank1 { map, .. } => format!("{}/rank1", map.name()),
-            Storage::Factorized => "factorized".into(),
         }
     }
 }
@@ -391,7 +384,7 @@ impl ParamConfig {
     }
 
     /// The storage each slot will really use for a tensor of `numel` elements and `shape`:
-    /// quantized slots of tensors below `min_quantized_size` are f32, rank-1 and factorized
+    /// quantized slots of tensors below `min_quantized_size` are f32, rank-1
     /// second moments of 1-D tensors fall back to blocks / f32.
     pub fn resolve(&self, numel: usize, shape: &[usize]) -> ParamConfig {
         let small = numel < self.min_quantized_size;
@@ -400,12 +393,15 @@ impl ParamConfig {
                 return Storage::F32;
             }
             match s {
-                Storage::Rank1 { map, fallback } if shape.len() < 2 => Storage::Quantized {
-                    map,
-                    block: fallback,
-                    rounding: StoreRounding::Nearest,
-                },
-                Storage::Factorized if shape.len() < 2 => Storage::F32,
+                Storage::Rank1 { map, fallback }
+                    if shape.len() < 2 || shape.len() > lpmm_quant::RANK1_MAX_DIMS =>
+                {
+                    Storage::Quantized {
+                        map,
+                        block: fallback,
+                        rounding: StoreRounding::Nearest,
+                    }
+                }
                 other => other,
             }
         };
@@ -436,7 +432,7 @@ impl ParamConfig {
             ("gradient", self.grad),
             ("state1", self.state1),
         ] {
-            if matches!(s, Storage::Rank1 { .. } | Storage::Factorized) {
+            if matches!(s, Storage::Rank1 { .. }) {
                 return Err(OptimError::StorageNotAllowed {
                     slot,
                     storage: s.describe(),

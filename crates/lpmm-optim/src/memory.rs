@@ -79,6 +79,15 @@ impl Optimizer {
                         *b += slot.bytes();
                     }
                 }
+                // A rank-1 state's tensor-wide scales, the next step's maxima and each piece's
+                // share of them.
+                if let Some(r) = &m.rank1 {
+                    let partials: usize = self.pieces[m.first_piece..m.first_piece + m.pieces]
+                        .iter()
+                        .map(|p| p.partial.len())
+                        .sum();
+                    bytes[3] += 4 * (r.scales.len() + r.next.len() + partials);
+                }
                 let states = m.config.hyper.states();
                 let c = m.config;
                 ParamMemory {

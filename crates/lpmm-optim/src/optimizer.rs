@@ -10,6 +10,7 @@ use crate::config::{ParamConfig, Storage};
 use crate::error::OptimError;
 use crate::rule::Rule;
 use crate::slot::{CHUNK, Slot, SlotData};
+use lpmm_quant::Rank1;
 
 /// Elements per piece: large tensors are cut into pieces of this size (a multiple of every block
 /// size) so the step can run pieces of one tensor, and many small tensors, in parallel without
@@ -106,6 +107,17 @@ pub(crate) struct Meta {
     pub rule: Rule,
     /// Whether this parameter takes part in the current fused pass.
     pub active: bool,
+    /// Tensor-wide scales of a rank-1 second moment.
+    pub rank1: Option<Rank1State>,
+}
+
+/// The per-dimension maxima of a rank-1 normalized second moment: `scales` decode the stored
+/// codes; `next` receives the maxima of the updated state during a step, then the two swap.
+#[derive(Debug, Clone)]
+pub(crate) struct Rank1State {
+    pub q: Rank1<'static>,
+    pub scales: Vec<f32>,
+    pub next: Vec<f32>,
 }
 
 /// A contiguous range of one parameter with its slots.
@@ -123,6 +135,8 @@ pub(crate) struct Piece {
     pub grad_sum_squares: f64,
     pub grad_finite: bool,
     pub saw_non_finite: bool,
+    /// This piece's share of a rank-1 state's new maxima (empty otherwise).
+    pub partial: Vec<f32>,
 }
 
 /// The optimizer over all registered parameters (CPU backend).
@@ -226,6 +240,18 @@ impl Optimizer {
         }
         let index = self.metas.len();
         let resolved = config.resolve(numel, shape);
+        let rank1 = match resolved.state2 {
+            Storage::Rank1 { map, .. } if resolved.hyper.states() >= 2 => {
+                let q = Rank1::new(map.shared(), shape)?;
+                let n = q.scales_len();
+                Some(Rank1State {
+                    q,
+                    scales: vec![0.0; n],
+                    next: vec![0.0; n],
+                })
+            }
+            _ => None,
+        };
         let states = resolved.hyper.states();
         let first_piece = self.pieces.len();
         for (k, values) in init.chunks(PIECE).enumerate() {
@@ -259,6 +285,10 @@ impl Optimizer {
                 grad_sum_squares: 0.0,
                 grad_finite: true,
                 saw_non_finite: false,
+                partial: match (&rank1, states >= 2) {
+                    (Some(r), true) => vec![0.0; r.scales.len()],
+                    _ => Vec::new(),
+                },
             });
         }
         self.metas.push(Meta {
@@ -274,6 +304,7 @@ impl Optimizer {
             first_piece,
             pieces: self.pieces.len() - first_piece,
             rule: Rule::new(&resolved.hyper, 1),
+            rank1,
             active: false,
         });
         Ok(ParamId(index))
@@ -424,7 +455,12 @@ impl Optimizer {
             };
             let out = &mut out[piece.offset..piece.offset + piece.len];
             for (c, o) in out.chunks_mut(CHUNK).enumerate() {
-                slot.decode(c * CHUNK, o);
+                match (&meta.rank1, state) {
+                    (Some(r), 2) => {
+                        slot.decode_rank1(c * CHUNK, piece.offset + c * CHUNK, o, &r.q, &r.scales)
+                    }
+                    _ => slot.decode(c * CHUNK, o),
+                }
             }
         }
         Ok(())
@@ -489,6 +525,7 @@ impl Optimizer {
             }
         }
         let seed = self.options.seed;
+        self.rank1_maxima(clip, None);
         let metas = &self.metas;
         self.pieces
             .par_iter_mut()
@@ -503,6 +540,9 @@ impl Optimizer {
             }
         }
         for meta in self.metas.iter_mut().filter(|m| m.active) {
+            if let Some(r) = &mut meta.rank1 {
+                std::mem::swap(&mut r.scales, &mut r.next);
+            }
             meta.steps += 1;
             meta.pending = false;
             meta.active = false;
@@ -510,6 +550,34 @@ impl Optimizer {
         }
         self.global_steps += 1;
         Ok(report)
+    }
+
+    /// Phase A for active parameters with a rank-1 second moment: each piece folds the maxima of
+    /// its updated second moment (recomputed, nothing written), then the pieces' maxima are
+    /// combined in a fixed order into `next`. `grad`: the gradient of `step_param` (one active
+    /// parameter), added to the accumulator as in the fused pass.
+    fn rank1_maxima(&mut self, clip: f32, grad: Option<&[f32]>) {
+        if !self.metas.iter().any(|m| m.active && m.rank1.is_some()) {
+            return;
+        }
+        let metas = &self.metas;
+        self.pieces
+            .par_iter_mut()
+            .filter(|p| metas[p.param_index].active && metas[p.param_index].rank1.is_some())
+            .for_each(|piece| {
+                let g = grad.map(|g| &g[piece.offset..piece.offset + piece.len]);
+                rank1_fold(piece, &metas[piece.param_index], clip, g);
+            });
+        for meta in self.metas.iter_mut().filter(|m| m.active) {
+            let Some(r) = &mut meta.rank1 else { continue };
+            r.next.fill(0.0);
+            for piece in &self.pieces[meta.first_piece..meta.first_piece + meta.pieces] {
+                r.next
+                    .iter_mut()
+                    .zip(&piece.partial)
+                    .for_each(|(a, &b)| *a = a.max(b));
+            }
+        }
     }
 
     /// Gradient release: steps one parameter now with `grad` (plus anything its accumulator
@@ -527,19 +595,24 @@ impl Optimizer {
         }
         let rule = Rule::new(&meta.config.hyper, meta.steps + 1);
         let (first, count) = (meta.first_piece, meta.pieces);
-        let meta = {
-            let m = &mut self.metas[id.0];
-            m.rule = rule;
-            m.clone()
-        };
+        for (i, m) in self.metas.iter_mut().enumerate() {
+            m.active = i == id.0;
+        }
+        self.metas[id.0].rule = rule;
+        self.rank1_maxima(1.0, Some(grad));
         let seed = self.options.seed;
+        let meta = &self.metas[id.0];
         self.pieces[first..first + count]
             .par_iter_mut()
             .for_each(|piece| {
                 let g = &grad[piece.offset..piece.offset + piece.len];
-                fused_step(piece, &meta, seed, 1.0, Some(g));
+                piece.saw_non_finite = fused_step(piece, meta, seed, 1.0, Some(g));
             });
         let m = &mut self.metas[id.0];
+        m.active = false;
+        if let Some(r) = &mut m.rank1 {
+            std::mem::swap(&mut r.scales, &mut r.next);
+        }
         m.steps += 1;
         m.pending = false;
         report.updated = 1;
@@ -581,7 +654,12 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
         }
         piece.param.decode(start, p);
         piece.state1.decode(start, m);
-        piece.state2.decode(start, v);
+        match &meta.rank1 {
+            Some(r) => piece
+                .state2
+                .decode_rank1(start, piece.offset + start, v, &r.q, &r.scales),
+            None => piece.state2.decode(start, v),
+        }
         for i in 0..n {
             let gi = g[i] * clip;
             if !gi.is_finite() {
@@ -600,6 +678,11 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
         piece
             .state2
             .encode_keyed(start, v, stream(seed, index, SlotKind::State2, t), global);
+        if let Some(r) = &meta.rank1 {
+            piece
+                .state2
+                .encode_rank1(start, piece.offset + start, v, &r.q, &r.next);
+        }
         if kahan {
             piece.param.kahan_add(start, d);
         } else {
@@ -610,4 +693,35 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
         piece.grad.clear(start, n);
     }
     saw_non_finite
+}
+
+/// Phase A of a rank-1 step for one piece: recompute the updated second moment exactly as
+/// [`fused_step`] will, and fold its per-dimension maxima into `piece.partial`.
+fn rank1_fold(piece: &mut Piece, meta: &Meta, clip: f32, grad: Option<&[f32]>) {
+    let Some(r) = &meta.rank1 else { return };
+    let first = meta.steps == 0;
+    piece.partial.fill(0.0);
+    let (mut g, mut p, mut m, mut v) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+    for start in (0..piece.len).step_by(CHUNK) {
+        let n = CHUNK.min(piece.len - start);
+        let (g, p, m, v) = (&mut g[..n], &mut p[..n], &mut m[..n], &mut v[..n]);
+        piece.grad.decode(start, g);
+        if let Some(extra) = grad {
+            g.iter_mut()
+                .zip(&extra[start..start + n])
+                .for_each(|(a, &b)| *a += b);
+        }
+        piece.param.decode(start, p);
+        piece.state1.decode(start, m);
+        piece
+            .state2
+            .decode_rank1(start, piece.offset + start, v, &r.q, &r.scales);
+        for i in 0..n {
+            let gi = g[i] * clip;
+            if gi.is_finite() {
+                meta.rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+            }
+        }
+        r.q.fold_maxima(v, piece.offset + start, &mut piece.partial);
+    }
 }

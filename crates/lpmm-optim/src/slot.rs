@@ -1,8 +1,9 @@
 //! One slot of model memory (a parameter, gradient accumulator or optimizer state) held by the
 //! CPU backend, and the chunk-wise decode / encode the fused step is made of.
 
+use lpmm_formats::packing;
 use lpmm_formats::{CodeMap, SplitF32, bf16, float, kahan_add};
-use lpmm_quant::{BlockSize, Blockwise, QuantRounding, RandomStream};
+use lpmm_quant::{BlockSize, Blockwise, QuantRounding, RandomStream, Rank1};
 
 use crate::config::{Storage, StoreRounding};
 
@@ -27,6 +28,9 @@ pub(crate) enum SlotData {
         codes: Vec<u8>,
         absmax: Vec<f32>,
     },
+    /// Packed codes of a rank-1 normalized state; its scales are tensor-wide and live in the
+    /// parameter's bookkeeping (they span pieces).
+    Rank1(Vec<u8>),
 }
 
 /// A slot: its storage, its code map if quantized, and its data.
@@ -38,11 +42,10 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// A slot of `n` zeros. `storage` must be resolved (rank-1 and factorized storages are
-    /// resolved by the optimizer before slots are built).
+    /// A slot of `n` zeros (a rank-1 slot's scales live in the parameter's bookkeeping).
     pub fn new(storage: Storage, n: usize) -> Self {
         let map = match storage {
-            Storage::Quantized { map, .. } => Some(map.shared()),
+            Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } => Some(map.shared()),
             _ => None,
         };
         let data = match (storage, map) {
@@ -57,6 +60,9 @@ impl Slot {
                 codes: vec![map.nearest(0.0); lpmm_formats::packing::packed_len(n, map.bits())],
                 absmax: vec![0.0; block.blocks(n)],
             },
+            (Storage::Rank1 { .. }, Some(map)) => {
+                SlotData::Rank1(vec![0; lpmm_formats::packing::packed_len(n, map.bits())])
+            }
             _ => SlotData::Empty,
         };
         Slot { storage, map, data }
@@ -80,7 +86,58 @@ impl Slot {
             SlotData::Kahan { value, comp } => 2 * (value.len() + comp.len()),
             SlotData::Split(v) => 4 * v.len(),
             SlotData::Quantized { codes, absmax } => codes.len() + 4 * absmax.len(),
+            SlotData::Rank1(codes) => codes.len(),
         }
+    }
+
+    /// Decodes elements `start ..` of a rank-1 slot; `global` is the first element's index in
+    /// the tensor, `scales` the tensor's per-dimension maxima.
+    pub fn decode_rank1(
+        &self,
+        start: usize,
+        global: usize,
+        out: &mut [f32],
+        q: &Rank1<'_>,
+        scales: &[f32],
+    ) {
+        let (SlotData::Rank1(codes), Some(map)) = (&self.data, self.map) else {
+            return;
+        };
+        let bits = map.bits() as usize;
+        let mut unpacked = [0u8; CHUNK];
+        let unpacked = &mut unpacked[..out.len()];
+        let bytes = &codes[start * bits / 8..((start + out.len()) * bits).div_ceil(8)];
+        // Lengths agree by construction (start is a multiple of CHUNK).
+        let _ = packing::unpack(bytes, map.bits(), unpacked);
+        q.for_each_scale(scales, global, out.len(), |e, s| {
+            let j = e - global;
+            out[j] = map.value(unpacked[j]) * s;
+        });
+    }
+
+    /// Stores `values` as elements `start ..` of a rank-1 slot with the (new) `scales`: the code
+    /// nearest to `value / scale` (0 when the scale is 0).
+    pub fn encode_rank1(
+        &mut self,
+        start: usize,
+        global: usize,
+        values: &[f32],
+        q: &Rank1<'_>,
+        scales: &[f32],
+    ) {
+        let Some(map) = self.map else { return };
+        let SlotData::Rank1(codes) = &mut self.data else {
+            return;
+        };
+        let bits = map.bits() as usize;
+        let mut unpacked = [0u8; CHUNK];
+        let unpacked = &mut unpacked[..values.len()];
+        q.for_each_scale(scales, global, values.len(), |e, s| {
+            let j = e - global;
+            unpacked[j] = map.nearest(if s == 0.0 { 0.0 } else { values[j] / s });
+        });
+        let bytes = &mut codes[start * bits / 8..((start + values.len()) * bits).div_ceil(8)];
+        let _ = packing::pack(unpacked, map.bits(), bytes);
     }
 
     fn quantizer(&self) -> Option<(Blockwise<'_>, StoreRounding)> {
@@ -106,7 +163,8 @@ impl Slot {
     pub fn decode(&self, start: usize, out: &mut [f32]) {
         let end = start + out.len();
         match &self.data {
-            SlotData::Empty => out.fill(0.0),
+            // Rank-1 slots need their tensor's scales: callers use `decode_rank1`.
+            SlotData::Empty | SlotData::Rank1(_) => out.fill(0.0),
             SlotData::F32(v) => out.copy_from_slice(&v[start..end]),
             SlotData::Bf16(v) => out
                 .iter_mut()
@@ -149,7 +207,8 @@ impl Slot {
         let block = self.block().get();
         let bits_for = |j: usize| stream.at(global + j as u64);
         match &mut self.data {
-            SlotData::Empty => {}
+            // Rank-1 slots need their tensor's scales: callers use `encode_rank1`.
+            SlotData::Empty | SlotData::Rank1(_) => {}
             SlotData::F32(v) => v[start..end].copy_from_slice(values),
             SlotData::Bf16(v) => match storage {
                 Storage::Bf16(StoreRounding::Stochastic) => {
@@ -220,7 +279,7 @@ impl Slot {
         let end = start + len;
         let block = self.block().get();
         match &mut self.data {
-            SlotData::Empty => {}
+            SlotData::Empty | SlotData::Rank1(_) => {}
             SlotData::F32(v) => v[start..end].fill(0.0),
             SlotData::Bf16(v) => v[start..end].fill(bf16::ZERO),
             SlotData::Kahan { value, comp } => {

@@ -79,6 +79,14 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
             param: Storage::Bf16Kahan,
             ..ParamConfig::f32(Hyper::lion(1e-4))
         },
+        ParamConfig {
+            state1: Storage::FOUR_BIT_SIGNED,
+            state2: Storage::Rank1 {
+                map: MapKind::LinearWithoutZero4,
+                fallback: lpmm_quant::BlockSize::B128,
+            },
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        },
     ];
     let n = 3 << 20; // three pieces per parameter
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
@@ -91,7 +99,10 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
         .unwrap();
         let group = opt.add_group(config).unwrap();
         let before = LIVE.load(Ordering::SeqCst);
-        let id = opt.add_param("w", &[3, 1 << 20], &init, group).unwrap();
+        // A matrix (rank-1 states need 2 dimensions) of three pieces.
+        let id = opt
+            .add_param("w", &[3 << 10, 1 << 10], &init, group)
+            .unwrap();
         let grown = LIVE.load(Ordering::SeqCst) - before;
         let report = opt.memory_report();
         let accounted = report.total() as isize;

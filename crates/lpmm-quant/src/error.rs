@@ -21,8 +21,8 @@ pub enum QuantError {
     /// A tensor shape does not match its data, or has a zero dimension.
     #[error("shape {shape:?} does not fit {len} elements")]
     Shape { shape: Vec<usize>, len: usize },
-    /// Rank-1 normalization needs at least two dimensions.
-    #[error("rank-1 normalization needs a tensor of 2 or more dimensions, got {ndim}")]
+    /// Rank-1 normalization needs 2 to 8 dimensions.
+    #[error("rank-1 normalization needs a tensor of 2 to 8 dimensions, got {ndim}")]
     Rank1Dims { ndim: usize },
     /// An error from the formats layer (a bad code map or bit width).
     #[error(transparent)]

@@ -10,6 +10,9 @@ use rayon::prelude::*;
 use crate::blockwise::{BlockSize, Blockwise, MAX_BLOCK, QuantRounding};
 use crate::error::QuantError;
 
+/// The most dimensions a rank-1 tensor may have (scratch lives on the stack).
+pub const MAX_DIMS: usize = 8;
+
 /// Elements per rayon task (a multiple of 8, so every task starts on a byte boundary).
 const CHUNK_ELEMENTS: usize = 1 << 16;
 
@@ -24,7 +27,7 @@ pub struct Rank1<'m> {
 impl<'m> Rank1<'m> {
     /// A quantizer for tensors of `shape` (row-major, at least 2 dimensions, none of them 0).
     pub fn new(map: &'m CodeMap, shape: &[usize]) -> Result<Self, QuantError> {
-        if shape.len() < 2 {
+        if shape.len() < 2 || shape.len() > MAX_DIMS {
             return Err(QuantError::Rank1Dims { ndim: shape.len() });
         }
         // Codes are addressed in bits: keep `len * 8` representable.
@@ -85,45 +88,33 @@ impl<'m> Rank1<'m> {
         Ok(())
     }
 
-    /// Where each dimension's max vector starts in the scales buffer.
-    fn offsets(&self) -> Vec<usize> {
-        self.shape
-            .iter()
-            .scan(0, |acc, &d| Some(std::mem::replace(acc, *acc + d)))
-            .collect()
-    }
-
-    /// Calls `f(flat_index, scale)` for every element of `start .. start + count`, in order.
-    fn for_each_scale(
-        &self,
-        scales: &[f32],
-        start: usize,
-        count: usize,
-        mut f: impl FnMut(usize, f32),
-    ) {
-        let nd = self.shape.len();
-        let offsets = self.offsets();
-        // Multi-index of `start` (row-major).
-        let mut index = vec![0usize; nd];
+    /// The multi-index of flat element `start` and where each dimension's max vector starts.
+    fn position(&self, start: usize) -> ([usize; MAX_DIMS], [usize; MAX_DIMS]) {
+        let (mut index, mut offsets) = ([0usize; MAX_DIMS], [0usize; MAX_DIMS]);
+        let mut acc = 0;
+        for (k, &d) in self.shape.iter().enumerate() {
+            offsets[k] = acc;
+            acc += d;
+        }
         let mut rest = start;
-        for k in (0..nd).rev() {
+        for k in (0..self.shape.len()).rev() {
             index[k] = rest % self.shape[k];
             rest /= self.shape[k];
         }
+        (index, offsets)
+    }
+
+    /// Walks `start .. start + count` in runs along the last dimension: `f(flat, index, run)`
+    /// with the multi-index of the run's first element. Allocation-free.
+    fn for_each_run(&self, start: usize, count: usize, mut f: impl FnMut(usize, &[usize], usize)) {
+        let nd = self.shape.len();
+        let (mut index, _) = self.position(start);
         let last = nd - 1;
-        let inner = self.shape[last];
         let mut flat = start;
         let end = start + count;
         while flat < end {
-            // Min over the outer dimensions, constant along the last one.
-            let outer = (0..last)
-                .map(|k| scales[offsets[k] + index[k]])
-                .fold(f32::INFINITY, f32::min);
-            let run = (inner - index[last]).min(end - flat);
-            let cols = &scales[offsets[last] + index[last]..][..run];
-            for (j, &c) in cols.iter().enumerate() {
-                f(flat + j, outer.min(c));
-            }
+            let run = (self.shape[last] - index[last]).min(end - flat);
+            f(flat, &index[..nd], run);
             flat += run;
             index[last] += run;
             // Carry into the outer dimensions.
@@ -134,6 +125,53 @@ impl<'m> Rank1<'m> {
                 index[k] += 1;
             }
         }
+    }
+
+    /// Calls `f(flat_index, scale)` for every element of `start .. start + count`, in order,
+    /// with `scale = min_k scales[k][i_k]` (the scales laid out as [`Rank1::scales_len`] says).
+    /// Allocation-free, so a fused optimizer step can decode and encode any range with it.
+    pub fn for_each_scale(
+        &self,
+        scales: &[f32],
+        start: usize,
+        count: usize,
+        mut f: impl FnMut(usize, f32),
+    ) {
+        let (_, offsets) = self.position(0);
+        let last = self.shape.len() - 1;
+        self.for_each_run(start, count, |flat, index, run| {
+            // Min over the outer dimensions, constant along the last one.
+            let outer = (0..last)
+                .map(|k| scales[offsets[k] + index[k]])
+                .fold(f32::INFINITY, f32::min);
+            let cols = &scales[offsets[last] + index[last]..][..run];
+            for (j, &c) in cols.iter().enumerate() {
+                f(flat + j, outer.min(c));
+            }
+        });
+    }
+
+    /// Folds `|values|` (elements `start ..` of the tensor) into the per-dimension max vectors
+    /// `maxima` (laid out as the scales). Allocation-free: a sharded or chunked computation of
+    /// the scales folds each part and then takes the element-wise max of the parts.
+    pub fn fold_maxima(&self, values: &[f32], start: usize, maxima: &mut [f32]) {
+        let (_, offsets) = self.position(0);
+        let last = self.shape.len() - 1;
+        self.for_each_run(start, values.len(), |flat, index, run| {
+            let run_values = &values[flat - start..][..run];
+            let mut run_max = 0.0f32;
+            for (m, &v) in maxima[offsets[last] + index[last]..][..run]
+                .iter_mut()
+                .zip(run_values)
+            {
+                *m = m.max(v.abs());
+                run_max = run_max.max(v.abs());
+            }
+            for k in 0..last {
+                let m = &mut maxima[offsets[k] + index[k]];
+                *m = m.max(run_max);
+            }
+        });
     }
 
     /// Quantizes `x` (row-major, `len()` elements) into `codes` and the max vectors `scales`.

@@ -120,6 +120,13 @@ proptest! {
             want[d0 + d1 + k] = want[d0 + d1 + k].max(a);
         }}}
         prop_assert_eq!(&scales, &want);
+        // Folding the maxima over arbitrary cuts of the tensor gives the same scales.
+        let mut folded = vec![0f32; q.scales_len()];
+        let cuts = [0, n / 3, n / 3 + n / 5, n];
+        for w in cuts.windows(2) {
+            q.fold_maxima(&x[w[0]..w[1]], w[0], &mut folded);
+        }
+        prop_assert_eq!(&folded, &want);
         let mut back = vec![0f32; n];
         q.dequantize(&codes, &scales, &mut back).unwrap();
         for i in 0..d0 { for j in 0..d1 { for k in 0..d2 {

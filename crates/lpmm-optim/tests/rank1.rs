@@ -1,0 +1,109 @@
+//! Rank-1 normalized 4-bit second moments in the fused step.
+
+use lpmm_optim::{Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage};
+use lpmm_quant::{BlockSize, QuantRounding, Rank1};
+
+fn config() -> ParamConfig {
+    ParamConfig {
+        state1: Storage::FOUR_BIT_SIGNED,
+        state2: Storage::Rank1 {
+            map: MapKind::LinearWithoutZero4,
+            fallback: BlockSize::B128,
+        },
+        ..ParamConfig::f32(Hyper::adamw(1e-3))
+    }
+}
+
+/// A tensor of 2 pieces (1100 x 1000 > 2^20 elements) with row/column structure.
+const SHAPE: [usize; 2] = [1100, 1000];
+
+fn grad(t: usize) -> Vec<f32> {
+    (0..SHAPE[0] * SHAPE[1])
+        .map(|e| {
+            let (i, j) = (e / SHAPE[1], e % SHAPE[1]);
+            (((e * 7 + t * 13) % 101) as f32 - 50.0)
+                * 1e-4
+                * (1.0 + (i % 9) as f32)
+                * (1.0 + (j % 4) as f32)
+        })
+        .collect()
+}
+
+#[test]
+fn the_first_step_stores_exactly_the_rank1_quantization_of_the_new_second_moment() {
+    let n = SHAPE[0] * SHAPE[1];
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(config()).unwrap();
+    let id = opt.add_param("w", &SHAPE, &vec![0.1; n], g).unwrap();
+    let grad = grad(1);
+    opt.accumulate(id, &grad).unwrap();
+    opt.step().unwrap();
+    // v after one step from zero: fma((1 - b2) * g, g, 0 * b2).
+    let w2 = (1.0f64 - 0.999) as f32;
+    let v: Vec<f32> = grad.iter().map(|&g| (w2 * g).mul_add(g, 0.0)).collect();
+    let map = MapKind::LinearWithoutZero4.shared();
+    let q = Rank1::new(map, &SHAPE).unwrap();
+    let mut codes = vec![0u8; q.codes_len()];
+    let mut scales = vec![0f32; q.scales_len()];
+    q.quantize(&v, &mut codes, &mut scales, QuantRounding::Nearest)
+        .unwrap();
+    let mut want = vec![0f32; n];
+    q.dequantize(&codes, &scales, &mut want).unwrap();
+    let mut got = vec![0f32; n];
+    opt.read_state(id, 2, &mut got).unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
+    let n = SHAPE[0] * SHAPE[1];
+    let init: Vec<f32> = (0..n).map(|e| ((e % 997) as f32 - 498.0) * 1e-3).collect();
+    let run = |steps: std::ops::Range<usize>, opt: &mut Optimizer| {
+        let id = opt.param_id("w").unwrap();
+        for t in steps {
+            opt.accumulate(id, &grad(t)).unwrap();
+            opt.step().unwrap();
+        }
+    };
+    let fresh = || {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        let g = opt.add_group(config()).unwrap();
+        opt.add_param("w", &SHAPE, &init, g).unwrap();
+        opt
+    };
+    let read = |opt: &Optimizer| {
+        let id = opt.param_id("w").unwrap();
+        let (mut p, mut v) = (vec![0f32; n], vec![0f32; n]);
+        opt.read_param(id, &mut p).unwrap();
+        opt.read_state(id, 2, &mut v).unwrap();
+        (p, v)
+    };
+    let mut two = fresh();
+    run(1..5, &mut two);
+    let mut one = fresh();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(|| run(1..5, &mut one));
+    assert_eq!(read(&one), read(&two));
+
+    let dir = std::env::temp_dir().join(format!("lpmm-rank1-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut first = fresh();
+    run(1..3, &mut first);
+    first.save(dir.join("r.safetensors")).unwrap();
+    let mut resumed = Optimizer::load(dir.join("r.safetensors")).unwrap();
+    run(3..5, &mut resumed);
+    assert_eq!(read(&resumed), read(&two));
+}
+
+#[test]
+fn one_dimensional_tensors_fall_back_to_blocks() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(config()).unwrap();
+    let id = opt.add_param("bias", &[5000], &[0.0; 5000], g).unwrap();
+    assert!(
+        matches!(opt.config(id).unwrap().state2, Storage::Quantized { block, .. } if block == BlockSize::B128)
+    );
+}
