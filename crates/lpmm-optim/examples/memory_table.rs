@@ -44,7 +44,7 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 4], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 8] = [
+    let rows: [(&str, ParamConfig, &str); 9] = [
         ("f32 SGDM", presets::sgdm_f32(lr, 0.9), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
@@ -75,6 +75,11 @@ fn main() {
         (
             "bf16 AdamW, round to nearest",
             presets::bf16_nearest(Hyper::adamw(lr)),
+            "f32 AdamW",
+        ),
+        (
+            "4-bit AdamW, bf16 SR param, gradients released",
+            presets::adamw_4bit_bf16_sr_released(lr),
             "f32 AdamW",
         ),
     ];

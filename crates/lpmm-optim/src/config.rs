@@ -88,6 +88,9 @@ pub enum StoreRounding {
 /// How one slot of model memory (parameter, gradient accumulator or optimizer state) is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Storage {
+    /// Nothing stored (gradient slot only): gradients arrive with `step_param` or
+    /// `accumulate_states` (gradient release) and no accumulator is allocated.
+    None,
     /// 4 bytes per element.
     F32,
     /// 2 bytes per element.
@@ -158,6 +161,7 @@ impl Storage {
     /// A short name for reports and checkpoints.
     pub fn describe(self) -> String {
         match self {
+            Storage::None => "none".into(),
             Storage::F32 => "f32".into(),
             Storage::Bf16(StoreRounding::Nearest) => "bf16".into(),
             Storage::Bf16(StoreRounding::Stochastic) => "bf16-sr".into(),
@@ -425,6 +429,18 @@ impl ParamConfig {
             _ => Ok(()),
         };
         param_only("gradient", self.grad)?;
+        for (slot, s) in [
+            ("parameter", self.param),
+            ("state1", self.state1),
+            ("state2", self.state2),
+        ] {
+            if s == Storage::None {
+                return Err(OptimError::StorageNotAllowed {
+                    slot,
+                    storage: s.describe(),
+                });
+            }
+        }
         param_only("state1", self.state1)?;
         param_only("state2", self.state2)?;
         for (slot, s) in [

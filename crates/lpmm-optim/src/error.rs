@@ -39,6 +39,12 @@ pub enum OptimError {
         index: usize,
         value: f32,
     },
+    /// The parameter has no gradient accumulator (`Storage::None`): use `step_param` or
+    /// `accumulate_states`.
+    #[error(
+        "parameter {0} has no gradient accumulator (gradient storage None): use step_param or accumulate_states"
+    )]
+    NoAccumulator(String),
     /// No parameter group has this index.
     #[error("unknown parameter group {0}")]
     UnknownGroup(usize),

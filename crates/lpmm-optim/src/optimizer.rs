@@ -109,6 +109,8 @@ pub(crate) struct Meta {
     pub active: bool,
     /// Tensor-wide scales of a rank-1 second moment.
     pub rank1: Option<Rank1State>,
+    /// False during an optimizer-accumulation pass: states are updated, the parameter is not.
+    pub update_param: bool,
 }
 
 /// The per-dimension maxima of a rank-1 normalized second moment: `scales` decode the stored
@@ -305,6 +307,7 @@ impl Optimizer {
             pieces: self.pieces.len() - first_piece,
             rule: Rule::new(&resolved.hyper, 1),
             rank1,
+            update_param: true,
             active: false,
         });
         Ok(ParamId(index))
@@ -397,6 +400,9 @@ impl Optimizer {
     /// quantized accumulators, which cannot hold them: there the call fails and nothing changes.
     pub fn accumulate(&mut self, id: ParamId, grad: &[f32]) -> Result<(), OptimError> {
         let meta = self.check_len(id, "gradient", grad.len())?;
+        if meta.config.grad == Storage::None {
+            return Err(OptimError::NoAccumulator(meta.name.clone()));
+        }
         if matches!(meta.config.grad, Storage::Quantized { .. }) {
             if let Some(index) = grad.iter().position(|v| !v.is_finite()) {
                 return Err(lpmm_quant::QuantError::NonFinite {
@@ -584,6 +590,28 @@ impl Optimizer {
     /// holds), so a training loop can step each parameter from its backward hook and never hold
     /// all gradients. Global-norm clipping needs every gradient and is not applied here.
     pub fn step_param(&mut self, id: ParamId, grad: &[f32]) -> Result<StepReport, OptimError> {
+        self.release_step(id, grad, true)
+    }
+
+    /// Optimizer accumulation (optimi's, after Zhang et al.'s AdamAccumulation): folds a
+    /// micro-batch gradient straight into the optimizer states — the rule's state update with
+    /// this gradient, the step counter advancing — without weight decay and without moving the
+    /// parameter. Finish the accumulation with [`Optimizer::step_param`] on the last micro-batch.
+    /// With gradient storage `None` no gradient memory is ever held.
+    pub fn accumulate_states(
+        &mut self,
+        id: ParamId,
+        grad: &[f32],
+    ) -> Result<StepReport, OptimError> {
+        self.release_step(id, grad, false)
+    }
+
+    fn release_step(
+        &mut self,
+        id: ParamId,
+        grad: &[f32],
+        update_param: bool,
+    ) -> Result<StepReport, OptimError> {
         let meta = self.check_len(id, "gradient", grad.len())?;
         let mut report = StepReport::default();
         if grad.iter().any(|g| !g.is_finite()) {
@@ -599,6 +627,7 @@ impl Optimizer {
             m.active = i == id.0;
         }
         self.metas[id.0].rule = rule;
+        self.metas[id.0].update_param = update_param;
         self.rank1_maxima(1.0, Some(grad));
         let seed = self.options.seed;
         let meta = &self.metas[id.0];
@@ -610,6 +639,7 @@ impl Optimizer {
             });
         let m = &mut self.metas[id.0];
         m.active = false;
+        m.update_param = true;
         if let Some(r) = &mut m.rank1 {
             std::mem::swap(&mut r.scales, &mut r.next);
         }
@@ -627,7 +657,11 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
     let index = piece.param_index;
     let t = meta.steps + 1;
     let first = meta.steps == 0;
-    let rule = meta.rule;
+    let rule = if meta.update_param {
+        meta.rule
+    } else {
+        meta.rule.without_decay()
+    };
     let kahan = matches!(piece.param.data, SlotData::Kahan { .. });
     let (mut g, mut p, mut m, mut v, mut d) = (
         [0f32; CHUNK],
@@ -683,12 +717,14 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
                 .state2
                 .encode_rank1(start, piece.offset + start, v, &r.q, &r.next);
         }
-        if kahan {
-            piece.param.kahan_add(start, d);
-        } else {
-            piece
-                .param
-                .encode_keyed(start, p, stream(seed, index, SlotKind::Param, t), global);
+        if meta.update_param {
+            if kahan {
+                piece.param.kahan_add(start, d);
+            } else {
+                piece
+                    .param
+                    .encode_keyed(start, p, stream(seed, index, SlotKind::Param, t), global);
+            }
         }
         piece.grad.clear(start, n);
     }
@@ -700,6 +736,11 @@ fn fused_step(piece: &mut Piece, meta: &Meta, seed: u64, clip: f32, grad: Option
 fn rank1_fold(piece: &mut Piece, meta: &Meta, clip: f32, grad: Option<&[f32]>) {
     let Some(r) = &meta.rank1 else { return };
     let first = meta.steps == 0;
+    let rule = if meta.update_param {
+        meta.rule
+    } else {
+        meta.rule.without_decay()
+    };
     piece.partial.fill(0.0);
     let (mut g, mut p, mut m, mut v) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
     for start in (0..piece.len).step_by(CHUNK) {
@@ -719,7 +760,7 @@ fn rank1_fold(piece: &mut Piece, meta: &Meta, clip: f32, grad: Option<&[f32]>) {
         for i in 0..n {
             let gi = g[i] * clip;
             if gi.is_finite() {
-                meta.rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+                rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
             }
         }
         r.q.fold_maxima(v, piece.offset + start, &mut piece.partial);

@@ -69,3 +69,16 @@ pub fn bf16_nearest(hyper: Hyper) -> ParamConfig {
         ..ParamConfig::f32(hyper)
     }
 }
+
+/// The smallest AdamW: bf16 parameters with stochastic rounding, 4-bit states, and no gradient
+/// memory at all: gradients are released in the backward pass (`step_param`) or folded into the
+/// states (`accumulate_states`).
+pub fn adamw_4bit_bf16_sr_released(lr: f64) -> ParamConfig {
+    ParamConfig {
+        param: Storage::Bf16(StoreRounding::Stochastic),
+        grad: Storage::None,
+        state1: Storage::FOUR_BIT_SIGNED,
+        state2: Storage::FOUR_BIT_UNSIGNED,
+        ..ParamConfig::f32(Hyper::adamw(lr))
+    }
+}

@@ -107,6 +107,65 @@ impl Rule {
         }
     }
 
+    /// The same rule without weight decay: optimizer accumulation updates the states with a
+    /// micro-batch gradient but neither decays nor moves the parameter (optimi's
+    /// `update_parameters=False`).
+    pub fn without_decay(self) -> Self {
+        match self {
+            Rule::Sgd {
+                neg_lr,
+                momentum,
+                one_minus_dampening,
+                nesterov,
+                has_momentum,
+                ..
+            } => Rule::Sgd {
+                neg_lr,
+                wd: 0.0,
+                momentum,
+                one_minus_dampening,
+                nesterov,
+                has_momentum,
+            },
+            Rule::Adam {
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                bias_correction2_sqrt,
+                eps,
+                neg_step_size,
+                ..
+            } => Rule::Adam {
+                decoupled: false,
+                decay: 1.0,
+                neg_lr_wd: 0.0,
+                wd: 0.0,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                bias_correction2_sqrt,
+                eps,
+                neg_step_size,
+            },
+            Rule::Lion {
+                neg_lr,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                ..
+            } => Rule::Lion {
+                decay: 1.0,
+                neg_lr_wd: 0.0,
+                neg_lr,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+            },
+        }
+    }
+
     /// Updates one element: parameter `p`, gradient `g`, states `m` and `v` (unused ones are
     /// ignored). `first` is true on the parameter's first step (SGD initialises its momentum
     /// buffer with the gradient then, as PyTorch does).

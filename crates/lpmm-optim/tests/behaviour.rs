@@ -351,3 +351,119 @@ fn small_tensors_keep_f32_states_decided_on_the_whole_tensor() {
     assert_eq!(opt.config(small).unwrap().state1, Storage::F32);
     assert_eq!(opt.config(big).unwrap().state1, Storage::DYNAMIC8_SIGNED);
 }
+
+#[test]
+fn optimizer_accumulation_folds_micro_batches_into_the_states() {
+    // SGD with momentum mu, no dampening: micro-batch g1 into the states (m = g1, first step),
+    // then the step with g2: m = mu*g1 + g2 (one fma), p = p0 - lr*m.
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let config = ParamConfig {
+        grad: Storage::None,
+        ..ParamConfig::f32(Hyper::sgd(0.1, 0.9))
+    };
+    let group = opt.add_group(config).unwrap();
+    let id = opt.add_param("p", &[3], &[1.0, 2.0, 3.0], group).unwrap();
+    let (g1, g2) = ([0.5f32, -0.25, 2.0], [1.0f32, 1.0, -1.0]);
+    opt.accumulate_states(id, &g1).unwrap();
+    let mut p = [0f32; 3];
+    opt.read_param(id, &mut p).unwrap();
+    assert_eq!(
+        p,
+        [1.0, 2.0, 3.0],
+        "accumulation does not move the parameter"
+    );
+    opt.step_param(id, &g2).unwrap();
+    opt.read_param(id, &mut p).unwrap();
+    for i in 0..3 {
+        let m = g2[i].mul_add(1.0, g1[i] * 0.9);
+        assert_eq!(p[i], m.mul_add(-0.1, [1.0f32, 2.0, 3.0][i]), "element {i}");
+    }
+    // No gradient accumulator: accumulate() is refused, and no gradient memory is held.
+    assert!(matches!(
+        opt.accumulate(id, &g1),
+        Err(OptimError::NoAccumulator(_))
+    ));
+    assert_eq!(opt.memory_report().slot_totals()[1], 0);
+}
+
+#[test]
+fn optimizer_accumulation_skips_weight_decay_and_counts_steps() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let group = opt
+        .add_group(ParamConfig {
+            grad: Storage::None,
+            ..ParamConfig::f32(Hyper::adamw(1e-2))
+        })
+        .unwrap();
+    let id = opt.add_param("p", &[2], &[1.0, -1.0], group).unwrap();
+    opt.accumulate_states(id, &[0.5, 0.5]).unwrap();
+    let (mut p, mut m, mut v) = ([0f32; 2], [0f32; 2], [0f32; 2]);
+    opt.read_param(id, &mut p).unwrap();
+    opt.read_state(id, 1, &mut m).unwrap();
+    opt.read_state(id, 2, &mut v).unwrap();
+    assert_eq!(p, [1.0, -1.0], "no decay, no step");
+    let w1 = (1.0f64 - 0.9) as f32;
+    let w2 = (1.0f64 - 0.999) as f32;
+    assert_eq!(m, [(0.5f32 - 0.0).mul_add(w1, 0.0); 2]);
+    assert_eq!(v, [(w2 * 0.5f32).mul_add(0.5, 0.0); 2]);
+}
+
+/// LPMM's micro-batching, measured: 64 per-sample gradients summed into an 8-bit group-64
+/// stochastic-rounding accumulator, as 64 additions of one sample, 8 of eight samples (summed in
+/// f32 first) or 1 of all 64. Each addition adds rounding variance of at most (step/2)^2, so the
+/// error of the accumulated gradient falls with the number of additions, and it stays unbiased.
+#[test]
+fn larger_micro_batches_accumulate_with_less_error_and_no_bias() {
+    let n = 4096;
+    let samples: Vec<Vec<f32>> = (0..64u64)
+        .map(|s| {
+            (0..n as u64)
+                .map(|i| ((i * 2654435761 + s * 40503) % 2001) as f32 / 1000.0 - 1.0)
+                .map(|x| x * 1e-2)
+                .collect()
+        })
+        .collect();
+    let exact: Vec<f64> = (0..n)
+        .map(|i| samples.iter().map(|s| f64::from(s[i])).sum())
+        .collect();
+    let rms_exact = (exact.iter().map(|x| x * x).sum::<f64>() / n as f64).sqrt();
+    let run = |micro: usize| -> (f64, f64) {
+        let config = ParamConfig {
+            grad: Storage::LINEAR8_GROUP64_SR,
+            ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+        };
+        let mut opt = Optimizer::new(OptimizerOptions {
+            seed: micro as u64,
+            ..Default::default()
+        })
+        .unwrap();
+        let g = opt.add_group(config).unwrap();
+        let id = opt.add_param("p", &[n], &vec![0.0; n], g).unwrap();
+        for batch in samples.chunks(micro) {
+            let sum: Vec<f32> = (0..n).map(|i| batch.iter().map(|s| s[i]).sum()).collect();
+            opt.accumulate(id, &sum).unwrap();
+        }
+        opt.step().unwrap(); // p = 0 - 1 * accumulated gradient, exactly
+        let mut p = vec![0f32; n];
+        opt.read_param(id, &mut p).unwrap();
+        let err: Vec<f64> = p
+            .iter()
+            .zip(&exact)
+            .map(|(&p, &e)| -f64::from(p) - e)
+            .collect();
+        let rms = (err.iter().map(|x| x * x).sum::<f64>() / n as f64).sqrt() / rms_exact;
+        let mean = err.iter().sum::<f64>() / n as f64 / rms_exact;
+        (rms, mean)
+    };
+    let (e1, m1) = run(1);
+    let (e8, m8) = run(8);
+    let (e64, m64) = run(64);
+    println!(
+        "relative RMS error: micro-batch 1: {e1:.3e}, 8: {e8:.3e}, 64: {e64:.3e}; mean error {m1:.1e} {m8:.1e} {m64:.1e}"
+    );
+    assert!(e1 > 1.5 * e8 && e8 > 1.5 * e64, "{e1} {e8} {e64}");
+    // Unbiased: the mean error over 4096 elements is within 4 standard errors of 0.
+    for (e, m) in [(e1, m1), (e8, m8), (e64, m64)] {
+        assert!(m.abs() < 4.0 * e / (n as f64).sqrt(), "mean {m} vs rms {e}");
+    }
+}
