@@ -34,6 +34,45 @@ fn step(c: &mut Criterion) {
             pool.install(|| b.iter(|| opt.step_param(id, black_box(&grad)).expect("step")))
         });
     }
+    // Per-tensor overhead: 10,000 tensors of 1,000 parameters against one tensor of 10M, both
+    // 8-bit AdamW with bf16 parameters, all gradients accumulated then one `step`.
+    let small_init = vec![0.01f32; 1000];
+    let small_grad = vec![1e-3f32; 1000];
+    let mut many = Optimizer::new(OptimizerOptions::default()).expect("options");
+    let g = many
+        .add_group(presets::adamw_8bit_bf16(1e-3))
+        .expect("preset");
+    let ids: Vec<_> = (0..10_000)
+        .map(|i| {
+            many.add_param(&format!("t{i}"), &[1000], &small_init, g)
+                .expect("parameter")
+        })
+        .collect();
+    let mut one = Optimizer::new(OptimizerOptions::default()).expect("options");
+    let g1 = one
+        .add_group(presets::adamw_8bit_bf16(1e-3))
+        .expect("preset");
+    let big = one
+        .add_param("w", &[10_000_000], &vec![0.01f32; 10_000_000], g1)
+        .expect("parameter");
+    let big_grad = vec![1e-3f32; 10_000_000];
+    group.throughput(Throughput::Elements(10_000_000));
+    group.bench_function("adamw8bit_bf16_10000x1000_accumulate_step", |b| {
+        b.iter(|| {
+            for &id in &ids {
+                many.accumulate(id, black_box(&small_grad))
+                    .expect("accumulate");
+            }
+            many.step().expect("step")
+        })
+    });
+    group.bench_function("adamw8bit_bf16_1x10M_accumulate_step", |b| {
+        b.iter(|| {
+            one.accumulate(big, black_box(&big_grad))
+                .expect("accumulate");
+            one.step().expect("step")
+        })
+    });
     group.finish();
 }
 

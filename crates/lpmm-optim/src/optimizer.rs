@@ -415,22 +415,21 @@ impl Optimizer {
         let seed = self.options.seed;
         let counter = meta.accumulations;
         let (first, count) = (meta.first_piece, meta.pieces);
-        self.pieces[first..first + count]
-            .par_iter_mut()
-            .for_each(|piece| {
-                let s = stream(seed, id.0, SlotKind::Grad, counter);
-                let mut acc = [0f32; CHUNK];
-                let g = &grad[piece.offset..piece.offset + piece.len];
-                for (c, gc) in g.chunks(CHUNK).enumerate() {
-                    let start = c * CHUNK;
-                    let acc = &mut acc[..gc.len()];
-                    piece.grad.decode(start, acc);
-                    acc.iter_mut().zip(gc).for_each(|(a, &x)| *a += x);
-                    piece
-                        .grad
-                        .encode_keyed(start, acc, s, (piece.offset + start) as u64);
-                }
-            });
+        let add = |piece: &mut Piece| {
+            let s = stream(seed, id.0, SlotKind::Grad, counter);
+            let mut acc = [0f32; CHUNK];
+            let g = &grad[piece.offset..piece.offset + piece.len];
+            for (c, gc) in g.chunks(CHUNK).enumerate() {
+                let start = c * CHUNK;
+                let acc = &mut acc[..gc.len()];
+                piece.grad.decode(start, acc);
+                acc.iter_mut().zip(gc).for_each(|(a, &x)| *a += x);
+                piece
+                    .grad
+                    .encode_keyed(start, acc, s, (piece.offset + start) as u64);
+            }
+        };
+        for_pieces(&mut self.pieces[first..first + count], add);
         let meta = &mut self.metas[id.0];
         meta.accumulations += 1;
         meta.pending = true;
@@ -631,12 +630,10 @@ impl Optimizer {
         self.rank1_maxima(1.0, Some(grad));
         let seed = self.options.seed;
         let meta = &self.metas[id.0];
-        self.pieces[first..first + count]
-            .par_iter_mut()
-            .for_each(|piece| {
-                let g = &grad[piece.offset..piece.offset + piece.len];
-                piece.saw_non_finite = fused_step(piece, meta, seed, 1.0, Some(g));
-            });
+        for_pieces(&mut self.pieces[first..first + count], |piece| {
+            let g = &grad[piece.offset..piece.offset + piece.len];
+            piece.saw_non_finite = fused_step(piece, meta, seed, 1.0, Some(g));
+        });
         let m = &mut self.metas[id.0];
         m.active = false;
         m.update_param = true;
@@ -647,6 +644,15 @@ impl Optimizer {
         m.pending = false;
         report.updated = 1;
         Ok(report)
+    }
+}
+
+/// Runs `f` on every piece of one parameter: inline for a single piece (a small tensor must not
+/// pay a thread-pool dispatch per call), in parallel otherwise.
+fn for_pieces(pieces: &mut [Piece], f: impl Fn(&mut Piece) + Sync + Send) {
+    match pieces {
+        [one] => f(one),
+        many => many.par_iter_mut().for_each(f),
     }
 }
 

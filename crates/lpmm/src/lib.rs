@@ -1,10 +1,12 @@
 //! lpmm: train neural networks with the whole model memory in low precision.
 //!
 //! This facade re-exports the layers a user needs: [`formats`] (bf16/f16/fp8, code maps,
-//! packing, split f32) and [`quant`] (block-wise and rank-1 quantization, counter-based random
-//! bits). Optimizers and backends are added by later layers behind features.
+//! packing, split f32), [`quant`] (block-wise and rank-1 quantization, counter-based random
+//! bits) and [`optim`] (the optimizer core and its CPU reference). GPU backends and framework
+//! integrations are added by later layers behind features.
 
 pub use lpmm_formats as formats;
+pub use lpmm_optim as optim;
 pub use lpmm_quant as quant;
 
 /// The README's code examples, compiled and run as doctests so they stay true.
