@@ -13,22 +13,20 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 
-use lpmm_formats::{SplitF32, bf16};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{Backend, HostSlot, SlotKind};
 use crate::config::{MapKind, ParamConfig, Storage};
+use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::optimizer::{Optimizer, OptimizerOptions};
-use crate::slot::SlotData;
 
 /// The checkpoint format's name and version, checked on load.
 pub const FORMAT: &str = "lpmm-optim-checkpoint";
 /// Bumped whenever the layout changes; older versions get a typed error naming both.
 pub const VERSION: u32 = 1;
-
-const SLOTS: [&str; 4] = ["param", "grad", "state1", "state2"];
 
 /// What the metadata holds besides the tensors.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,64 +57,92 @@ fn err(path: &Path, reason: impl std::fmt::Display) -> OptimError {
     }
 }
 
-/// One slot's bytes over all pieces, as (suffix, dtype, element count, bytes).
-fn slot_tensors(data: &[&SlotData]) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
-    let mut main = Vec::new();
-    let mut extra = Vec::new();
-    let mut absmax = Vec::new();
-    let mut kind = None;
-    for d in data {
-        match d {
-            SlotData::Empty => return Vec::new(),
-            SlotData::F32(v) => {
-                kind = Some(Dtype::F32);
-                main.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            }
-            SlotData::Bf16(v) => {
-                kind = Some(Dtype::BF16);
-                main.extend(v.iter().flat_map(|x| x.to_bits().to_le_bytes()));
-            }
-            SlotData::Kahan { value, comp } => {
-                kind = Some(Dtype::BF16);
-                main.extend(value.iter().flat_map(|x| x.to_bits().to_le_bytes()));
-                extra.extend(comp.iter().flat_map(|x| x.to_bits().to_le_bytes()));
-            }
-            SlotData::Split(v) => {
-                kind = Some(Dtype::BF16);
-                main.extend(v.iter().flat_map(|s| s.hi.to_bits().to_le_bytes()));
-                extra.extend(v.iter().flat_map(|s| s.rem.to_le_bytes()));
-            }
-            SlotData::Quantized { codes, absmax: a } => {
-                kind = Some(Dtype::U8);
-                main.extend_from_slice(codes);
-                absmax.extend(a.iter().flat_map(|x| x.to_le_bytes()));
-            }
-            // The tensor-wide scales are saved by the caller.
-            SlotData::Rank1(codes) => {
-                kind = Some(Dtype::U8);
-                main.extend_from_slice(codes);
-            }
+/// A slot's tensors: (suffix, dtype, element count, little-endian bytes).
+fn host_tensors(host: &HostSlot) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let u16s = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    match host {
+        HostSlot::Empty => Vec::new(),
+        HostSlot::F32(v) => vec![("", Dtype::F32, v.len(), f32s(v))],
+        HostSlot::Bf16(v) => vec![("", Dtype::BF16, v.len(), u16s(v))],
+        HostSlot::Kahan { value, comp } => {
+            vec![
+                ("", Dtype::BF16, value.len(), u16s(value)),
+                (".comp", Dtype::BF16, comp.len(), u16s(comp)),
+            ]
+        }
+        HostSlot::Split { hi, rem } => {
+            vec![
+                ("", Dtype::BF16, hi.len(), u16s(hi)),
+                (".rem", Dtype::U16, rem.len(), u16s(rem)),
+            ]
+        }
+        HostSlot::Quantized { codes, absmax } => {
+            vec![
+                ("", Dtype::U8, codes.len(), codes.clone()),
+                (".absmax", Dtype::F32, absmax.len(), f32s(absmax)),
+            ]
+        }
+        HostSlot::Rank1 { codes, scales } => {
+            vec![
+                ("", Dtype::U8, codes.len(), codes.clone()),
+                (".scales", Dtype::F32, scales.len(), f32s(scales)),
+            ]
         }
     }
-    let Some(kind) = kind else { return Vec::new() };
-    let size = |d: Dtype| match d {
-        Dtype::F32 => 4,
-        Dtype::BF16 | Dtype::U16 => 2,
-        _ => 1,
-    };
-    let mut out = vec![("", kind, main.len() / size(kind), main)];
-    match data.first() {
-        Some(SlotData::Kahan { .. }) => out.push((".comp", Dtype::BF16, extra.len() / 2, extra)),
-        Some(SlotData::Split(_)) => out.push((".rem", Dtype::U16, extra.len() / 2, extra)),
-        Some(SlotData::Quantized { .. }) => {
-            out.push((".absmax", Dtype::F32, absmax.len() / 4, absmax))
-        }
-        _ => {}
-    }
-    out
 }
 
-impl Optimizer {
+/// Reads the tensors of slot `key` in the layout of `template` (the fresh slot's export).
+fn read_host(st: &SafeTensors<'_>, key: &str, template: &HostSlot) -> Result<HostSlot, String> {
+    let get = |k: &str, dtype: Dtype| -> Result<Vec<u8>, String> {
+        let t = st.tensor(k).map_err(|_| format!("tensor {k} missing"))?;
+        if t.dtype() != dtype {
+            return Err(format!("tensor {k} is {:?}, expected {dtype:?}", t.dtype()));
+        }
+        Ok(t.data().to_vec())
+    };
+    let f32s = |b: Vec<u8>| {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect::<Vec<f32>>()
+    };
+    let u16s = |b: Vec<u8>| {
+        b.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect::<Vec<u16>>()
+    };
+    Ok(match template {
+        HostSlot::Empty => HostSlot::Empty,
+        HostSlot::F32(_) => HostSlot::F32(f32s(get(key, Dtype::F32)?)),
+        HostSlot::Bf16(_) => HostSlot::Bf16(u16s(get(key, Dtype::BF16)?)),
+        HostSlot::Kahan { .. } => HostSlot::Kahan {
+            value: u16s(get(key, Dtype::BF16)?),
+            comp: u16s(get(&format!("{key}.comp"), Dtype::BF16)?),
+        },
+        HostSlot::Split { .. } => HostSlot::Split {
+            hi: u16s(get(key, Dtype::BF16)?),
+            rem: u16s(get(&format!("{key}.rem"), Dtype::U16)?),
+        },
+        HostSlot::Quantized { .. } => HostSlot::Quantized {
+            codes: get(key, Dtype::U8)?,
+            absmax: f32s(get(&format!("{key}.absmax"), Dtype::F32)?),
+        },
+        HostSlot::Rank1 { .. } => HostSlot::Rank1 {
+            codes: get(key, Dtype::U8)?,
+            scales: f32s(get(&format!("{key}.scales"), Dtype::F32)?),
+        },
+    })
+}
+
+impl Optimizer<Cpu> {
+    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
+    /// the CPU backend.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, OptimError> {
+        Self::load_with(Cpu, path)
+    }
+}
+
+impl<B: Backend> Optimizer<B> {
     /// Writes the complete state to `path` atomically: a temporary file in the same directory,
     /// flushed to disk, then renamed over `path`. A crash leaves the old file or the new one,
     /// never a partial one.
@@ -144,34 +170,17 @@ impl Optimizer {
         };
         let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut maps: Vec<MapKind> = Vec::new();
-        for m in &self.metas {
-            let pieces = &self.pieces[m.first_piece..m.first_piece + m.pieces];
-            for (s, slot_name) in SLOTS.iter().enumerate() {
-                let data: Vec<&SlotData> = pieces
-                    .iter()
-                    .map(|p| [&p.param.data, &p.grad.data, &p.state1.data, &p.state2.data][s])
-                    .collect();
-                for (suffix, dtype, n, bytes) in slot_tensors(&data) {
+        for (m, p) in self.metas.iter().zip(&self.params) {
+            for slot in SlotKind::ALL {
+                let host = self.backend.export(p, m, slot);
+                for (suffix, dtype, n, bytes) in host_tensors(&host) {
                     tensors.push((
-                        format!("{}/{slot_name}{suffix}", m.name),
+                        format!("{}/{}{suffix}", m.name, slot.name()),
                         dtype,
                         vec![n],
                         bytes,
                     ));
                 }
-            }
-            if let Some(r) = &m.rank1 {
-                let bytes = r
-                    .scales
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect::<Vec<u8>>();
-                tensors.push((
-                    format!("{}/state2.scales", m.name),
-                    Dtype::F32,
-                    vec![r.scales.len()],
-                    bytes,
-                ));
             }
             let c = m.config;
             for storage in [c.param, c.grad, c.state1, c.state2] {
@@ -210,8 +219,9 @@ impl Optimizer {
         write_atomically(path, &bytes)
     }
 
-    /// Reads a checkpoint written by [`Optimizer::save`] into a new optimizer.
-    pub fn load(path: impl AsRef<Path>) -> Result<Optimizer, OptimError> {
+    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
+    /// `backend`.
+    pub fn load_with(backend: B, path: impl AsRef<Path>) -> Result<Self, OptimError> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| err(path, e))?;
         let st = SafeTensors::deserialize(&bytes)
@@ -240,7 +250,7 @@ impl Optimizer {
             ));
         }
         // Rebuild the structure, then overwrite every slot with the stored bytes.
-        let mut opt = Optimizer::new(meta.options)?;
+        let mut opt = Optimizer::with_backend(backend, meta.options)?;
         for g in &meta.groups {
             opt.add_group(*g)?;
         }
@@ -291,41 +301,15 @@ impl Optimizer {
             }
         }
         for i in 0..opt.metas.len() {
-            let (name, first, count) = (
-                opt.metas[i].name.clone(),
-                opt.metas[i].first_piece,
-                opt.metas[i].pieces,
-            );
-            for (s, slot_name) in SLOTS.iter().enumerate() {
-                let mut pieces: Vec<&mut SlotData> = opt.pieces[first..first + count]
-                    .iter_mut()
-                    .map(|p| match s {
-                        0 => &mut p.param.data,
-                        1 => &mut p.grad.data,
-                        2 => &mut p.state1.data,
-                        _ => &mut p.state2.data,
-                    })
-                    .collect();
-                fill_slot(&st, &format!("{name}/{slot_name}"), &mut pieces)
-                    .map_err(|reason| err(path, reason))?;
-            }
-            if let Some(r) = &mut opt.metas[i].rank1 {
-                let key = format!("{name}/state2.scales");
-                let t = st
-                    .tensor(&key)
-                    .map_err(|_| err(path, format!("tensor {key} missing")))?;
-                if t.dtype() != Dtype::F32 || t.data().len() != 4 * r.scales.len() {
-                    return Err(err(
-                        path,
-                        format!("tensor {key} has the wrong type or length"),
-                    ));
-                }
-                for (x, c) in r.scales.iter_mut().zip(t.data().chunks_exact(4)) {
-                    *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                    if !x.is_finite() || *x < 0.0 {
-                        return Err(err(path, format!("tensor {key} holds {x}")));
-                    }
-                }
+            for slot in SlotKind::ALL {
+                let key = format!("{}/{}", opt.metas[i].name, slot.name());
+                let template = opt.backend.export(&opt.params[i], &opt.metas[i], slot);
+                let host = read_host(&st, &key, &template).map_err(|reason| err(path, reason))?;
+                opt.backend
+                    .import(&mut opt.params[i], &opt.metas[i], slot, host)
+                    .map_err(|reason| {
+                        err(path, format!("parameter {}: {reason}", opt.metas[i].name))
+                    })?;
             }
         }
         Ok(opt)
@@ -335,7 +319,7 @@ impl Optimizer {
     /// parameters (names, shapes, order). On any error nothing changes.
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<(), OptimError> {
         let path = path.as_ref();
-        let loaded = Optimizer::load(path)?;
+        let loaded = Optimizer::load_with(self.backend.clone(), path)?;
         let same = loaded.metas.len() == self.metas.len()
             && loaded
                 .metas
@@ -351,103 +335,6 @@ impl Optimizer {
         *self = loaded;
         Ok(())
     }
-}
-
-/// Reads `key` (and its side tensors) into the pieces of one slot, checking dtype and length.
-fn fill_slot(st: &SafeTensors<'_>, key: &str, pieces: &mut [&mut SlotData]) -> Result<(), String> {
-    let get = |k: &str, dtype: Dtype| -> Result<Vec<u8>, String> {
-        let t = st.tensor(k).map_err(|_| format!("tensor {k} missing"))?;
-        if t.dtype() != dtype {
-            return Err(format!("tensor {k} is {:?}, expected {dtype:?}", t.dtype()));
-        }
-        Ok(t.data().to_vec())
-    };
-    fn take<'a>(bytes: &'a [u8], at: &mut usize, n: usize, key: &str) -> Result<&'a [u8], String> {
-        let s = bytes
-            .get(*at..*at + n)
-            .ok_or_else(|| format!("tensor {key} is too short"))?;
-        *at += n;
-        Ok(s)
-    }
-    if matches!(pieces.first().map(|p| &**p), None | Some(SlotData::Empty)) {
-        return Ok(());
-    }
-    let (mut a, mut b) = (0usize, 0usize);
-    let main_dtype = match pieces[0] {
-        SlotData::F32(_) => Dtype::F32,
-        SlotData::Quantized { .. } | SlotData::Rank1(_) => Dtype::U8,
-        _ => Dtype::BF16,
-    };
-    let main = get(key, main_dtype)?;
-    let side = match pieces[0] {
-        SlotData::Kahan { .. } => Some(get(&format!("{key}.comp"), Dtype::BF16)?),
-        SlotData::Split(_) => Some(get(&format!("{key}.rem"), Dtype::U16)?),
-        SlotData::Quantized { .. } => Some(get(&format!("{key}.absmax"), Dtype::F32)?),
-        _ => None,
-    };
-    let side = side.unwrap_or_default();
-    let bf = |c: &[u8]| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]));
-    for piece in pieces.iter_mut() {
-        match &mut **piece {
-            SlotData::Empty => {}
-            SlotData::F32(v) => {
-                let bytes = take(&main, &mut a, 4 * v.len(), key)?;
-                v.iter_mut()
-                    .zip(bytes.chunks_exact(4))
-                    .for_each(|(x, c)| *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-            }
-            SlotData::Bf16(v) => {
-                let bytes = take(&main, &mut a, 2 * v.len(), key)?;
-                v.iter_mut()
-                    .zip(bytes.chunks_exact(2))
-                    .for_each(|(x, c)| *x = bf(c));
-            }
-            SlotData::Kahan { value, comp } => {
-                let bytes = take(&main, &mut a, 2 * value.len(), key)?;
-                value
-                    .iter_mut()
-                    .zip(bytes.chunks_exact(2))
-                    .for_each(|(x, c)| *x = bf(c));
-                let bytes = take(&side, &mut b, 2 * comp.len(), key)?;
-                comp.iter_mut()
-                    .zip(bytes.chunks_exact(2))
-                    .for_each(|(x, c)| *x = bf(c));
-            }
-            SlotData::Split(v) => {
-                let hi = take(&main, &mut a, 2 * v.len(), key)?;
-                let rem = take(&side, &mut b, 2 * v.len(), key)?;
-                for ((s, h), r) in v
-                    .iter_mut()
-                    .zip(hi.chunks_exact(2))
-                    .zip(rem.chunks_exact(2))
-                {
-                    *s = SplitF32 {
-                        hi: bf(h),
-                        rem: u16::from_le_bytes([r[0], r[1]]),
-                    };
-                }
-            }
-            SlotData::Rank1(codes) => {
-                let bytes = take(&main, &mut a, codes.len(), key)?;
-                codes.copy_from_slice(bytes);
-            }
-            SlotData::Quantized { codes, absmax } => {
-                let bytes = take(&main, &mut a, codes.len(), key)?;
-                codes.copy_from_slice(bytes);
-                let bytes = take(&side, &mut b, 4 * absmax.len(), key)?;
-                for (x, c) in absmax.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                    if !x.is_finite() || *x < 0.0 {
-                        return Err(format!("tensor {key}.absmax holds {x}"));
-                    }
-                }
-            }
-        }
-    }
-    if a != main.len() || b != side.len() {
-        return Err(format!("tensor {key} has the wrong length"));
-    }
-    Ok(())
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), OptimError> {

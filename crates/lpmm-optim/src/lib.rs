@@ -4,8 +4,10 @@
 //!
 //! Work in progress (issue "Optimizer core on CPU"): see docs/OPTIMIZERS.md for what is in place.
 
+pub mod backend;
 mod checkpoint;
 mod config;
+mod cpu;
 mod error;
 mod memory;
 mod optimizer;
@@ -13,8 +15,11 @@ pub mod presets;
 mod rule;
 mod slot;
 
+pub use backend::{Backend, HostSlot, ParamMeta, SlotKind};
 pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION};
 pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
+pub use cpu::Cpu;
 pub use error::OptimError;
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{NonFinitePolicy, Optimizer, OptimizerOptions, ParamId, StepReport};
+pub use rule::{Rule, Updated};

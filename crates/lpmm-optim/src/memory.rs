@@ -1,5 +1,6 @@
 //! Memory accounting: the bytes each slot of each parameter allocates.
 
+use crate::backend::Backend;
 use crate::config::Storage;
 use crate::optimizer::Optimizer;
 
@@ -60,34 +61,16 @@ impl MemoryReport {
     }
 }
 
-impl Optimizer {
-    /// The bytes each slot of each parameter allocates (the code maps, shared by all slots of a
-    /// kind, and per-parameter bookkeeping are not model memory and are not counted).
+impl<B: Backend> Optimizer<B> {
+    /// The bytes each slot of each parameter occupies on the backend, scratch it keeps for the
+    /// parameter included (the code maps, shared by all slots of a kind, and the optimizer's
+    /// bookkeeping are not model memory and are not counted).
     pub fn memory_report(&self) -> MemoryReport {
         let params = self
             .metas
             .iter()
-            .map(|m| {
-                let mut bytes = [0usize; 4];
-                for piece in &self.pieces[m.first_piece..m.first_piece + m.pieces] {
-                    for (b, slot) in bytes.iter_mut().zip([
-                        &piece.param,
-                        &piece.grad,
-                        &piece.state1,
-                        &piece.state2,
-                    ]) {
-                        *b += slot.bytes();
-                    }
-                }
-                // A rank-1 state's tensor-wide scales, the next step's maxima and each piece's
-                // share of them.
-                if let Some(r) = &m.rank1 {
-                    let partials: usize = self.pieces[m.first_piece..m.first_piece + m.pieces]
-                        .iter()
-                        .map(|p| p.partial.len())
-                        .sum();
-                    bytes[3] += 4 * (r.scales.len() + r.next.len() + partials);
-                }
+            .zip(&self.params)
+            .map(|(m, p)| {
                 let states = m.config.hyper.states();
                 let c = m.config;
                 ParamMemory {
@@ -97,10 +80,10 @@ impl Optimizer {
                     storage: [
                         c.param,
                         c.grad,
-                        if states >= 1 { c.state1 } else { Storage::F32 },
-                        if states >= 2 { c.state2 } else { Storage::F32 },
+                        if states >= 1 { c.state1 } else { Storage::None },
+                        if states >= 2 { c.state2 } else { Storage::None },
                     ],
-                    bytes,
+                    bytes: self.backend.bytes(p),
                 }
             })
             .collect();

@@ -7,8 +7,11 @@
 use crate::config::Hyper;
 
 /// The per-step constants of one parameter's rule.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Rule {
+/// One parameter's update rule for one step: the f32 constants every backend uses, derived
+/// from the hyperparameters in f64 (docs/OPTIMIZERS.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[allow(missing_docs)]
+pub enum Rule {
     Sgd {
         neg_lr: f32,
         wd: f32,
@@ -41,8 +44,9 @@ pub(crate) enum Rule {
 }
 
 /// What one element's update produced.
+/// What one element's update produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Updated {
+pub struct Updated {
     /// The new parameter, rounded as PyTorch rounds it.
     pub param: f32,
     /// The same update as one increment (decay folded in), for Kahan-compensated storage, which

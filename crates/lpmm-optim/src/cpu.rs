@@ -1,0 +1,678 @@
+//! The CPU backend: the reference implementation of every [`Backend`] operation.
+//!
+//! A parameter is held as pieces of at most 2^20 elements (a multiple of every block size); the
+//! step runs the pieces of all active parameters in parallel (rayon), so one big tensor uses every
+//! thread and thousands of small ones are batched into a few tasks. Each piece is processed in
+//! chunks of 4096 elements with f32 scratch on the stack: nothing is allocated during a step.
+
+use lpmm_formats::{SplitF32, bf16};
+use lpmm_quant::{RandomStream, Rank1};
+use rayon::prelude::*;
+
+use crate::backend::{Backend, HostSlot, ParamMeta, SlotKind};
+use crate::config::Storage;
+use crate::error::OptimError;
+use crate::slot::{CHUNK, Slot, SlotData};
+
+/// Elements per piece.
+pub(crate) const PIECE: usize = 1 << 20;
+
+/// The CPU backend (multi-threaded with rayon's global pool, or the pool the caller installs).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cpu;
+
+/// The random stream of slot `slot` of parameter `param` at counter `counter` (the step, or the
+/// accumulate count for the gradient slot): docs/OPTIMIZERS.md.
+pub(crate) fn stream(seed: u64, param: usize, slot: SlotKind, counter: u64) -> RandomStream {
+    RandomStream::new(seed, (param as u64) << 2 | slot as u64, counter)
+}
+
+/// One parameter on the CPU.
+#[derive(Debug, Clone)]
+pub struct CpuParam {
+    pieces: Vec<Piece>,
+    rank1: Option<Rank1State>,
+}
+
+/// The per-dimension maxima of a rank-1 second moment: `scales` decode the stored codes; `next`
+/// receives the maxima of the updated state during a step, then the two swap.
+#[derive(Debug, Clone)]
+struct Rank1State {
+    q: Rank1<'static>,
+    scales: Vec<f32>,
+    next: Vec<f32>,
+}
+
+/// A contiguous range of one parameter with its slots.
+#[derive(Debug, Clone)]
+struct Piece {
+    offset: usize,
+    len: usize,
+    slots: [Slot; 4],
+    /// Results of the last pass, kept here so a step allocates nothing.
+    grad_sum_squares: f64,
+    grad_finite: bool,
+    saw_non_finite: bool,
+    /// This piece's share of a rank-1 state's new maxima (empty otherwise).
+    partial: Vec<f32>,
+}
+
+impl Piece {
+    fn slot(&self, kind: SlotKind) -> &Slot {
+        &self.slots[kind as usize]
+    }
+}
+
+/// Runs `f` on every piece of one parameter: inline for a single piece (a small tensor must not
+/// pay a thread-pool dispatch per call), in parallel otherwise.
+fn for_pieces(pieces: &mut [Piece], f: impl Fn(&mut Piece) + Sync + Send) {
+    match pieces {
+        [one] => f(one),
+        many => many.par_iter_mut().for_each(f),
+    }
+}
+
+impl Backend for Cpu {
+    type Param = CpuParam;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn allocate(
+        &self,
+        index: usize,
+        meta: &ParamMeta,
+        init: &[f32],
+        seed: u64,
+    ) -> Result<CpuParam, OptimError> {
+        let c = meta.config;
+        let states = c.hyper.states();
+        let rank1 = match c.state2 {
+            Storage::Rank1 { map, .. } if states >= 2 => {
+                let q = Rank1::new(map.shared(), &meta.shape)?;
+                let n = q.scales_len();
+                Some(Rank1State {
+                    q,
+                    scales: vec![0.0; n],
+                    next: vec![0.0; n],
+                })
+            }
+            _ => None,
+        };
+        let pieces = init
+            .chunks(PIECE)
+            .enumerate()
+            .map(|(k, values)| {
+                let offset = k * PIECE;
+                let used = |s: Storage, needed: bool| {
+                    if needed {
+                        Slot::new(s, values.len())
+                    } else {
+                        Slot::empty()
+                    }
+                };
+                let mut param = Slot::new(c.param, values.len());
+                for (j, chunk) in values.chunks(CHUNK).enumerate() {
+                    let at = j * CHUNK;
+                    param.encode_keyed(
+                        at,
+                        chunk,
+                        stream(seed, index, SlotKind::Param, 0),
+                        (offset + at) as u64,
+                    );
+                }
+                Piece {
+                    offset,
+                    len: values.len(),
+                    slots: [
+                        param,
+                        Slot::new(c.grad, values.len()),
+                        used(c.state1, states >= 1),
+                        used(c.state2, states >= 2),
+                    ],
+                    grad_sum_squares: 0.0,
+                    grad_finite: true,
+                    saw_non_finite: false,
+                    partial: rank1
+                        .as_ref()
+                        .map_or_else(Vec::new, |r| vec![0.0; r.scales.len()]),
+                }
+            })
+            .collect();
+        Ok(CpuParam { pieces, rank1 })
+    }
+
+    fn accumulate(
+        &self,
+        index: usize,
+        param: &mut CpuParam,
+        meta: &ParamMeta,
+        grad: &[f32],
+        seed: u64,
+    ) {
+        let s = stream(seed, index, SlotKind::Grad, meta.accumulations);
+        for_pieces(&mut param.pieces, |piece| {
+            let mut acc = [0f32; CHUNK];
+            let g = &grad[piece.offset..piece.offset + piece.len];
+            for (c, gc) in g.chunks(CHUNK).enumerate() {
+                let start = c * CHUNK;
+                let acc = &mut acc[..gc.len()];
+                let slot = &mut piece.slots[SlotKind::Grad as usize];
+                slot.decode(start, acc);
+                acc.iter_mut().zip(gc).for_each(|(a, &x)| *a += x);
+                slot.encode_keyed(start, acc, s, (piece.offset + start) as u64);
+            }
+        });
+    }
+
+    fn gradient_stats(
+        &self,
+        params: &mut [CpuParam],
+        metas: &[ParamMeta],
+        out: &mut [(f64, bool)],
+    ) {
+        params
+            .par_iter_mut()
+            .zip(metas.par_iter())
+            .filter(|(_, m)| m.active)
+            .flat_map(|(p, _)| p.pieces.par_iter_mut())
+            .for_each(|p| {
+                let mut acc = [0f32; CHUNK];
+                let (mut sum, mut finite) = (0.0f64, true);
+                for c in (0..p.len).step_by(CHUNK) {
+                    let a = &mut acc[..CHUNK.min(p.len - c)];
+                    p.slot(SlotKind::Grad).decode(c, a);
+                    for &g in a.iter() {
+                        finite &= g.is_finite();
+                        sum += f64::from(g) * f64::from(g);
+                    }
+                }
+                p.grad_sum_squares = sum;
+                p.grad_finite = finite;
+            });
+        // A fixed-order sum: the same norm for any thread count.
+        for ((p, m), o) in params.iter().zip(metas).zip(out.iter_mut()) {
+            *o = (0.0, true);
+            if m.active {
+                for piece in &p.pieces {
+                    o.0 += piece.grad_sum_squares;
+                    o.1 &= piece.grad_finite;
+                }
+            }
+        }
+    }
+
+    fn step(
+        &self,
+        params: &mut [CpuParam],
+        metas: &[ParamMeta],
+        seed: u64,
+        clip: f32,
+        released: Option<(usize, &[f32])>,
+        non_finite: &mut [bool],
+    ) {
+        let extra = |index: usize, piece: &Piece| match released {
+            Some((i, g)) if i == index => Some(&g[piece.offset..piece.offset + piece.len]),
+            _ => None,
+        };
+        // Phase A (rank-1 second moments only): fold the maxima of the updated states.
+        if params
+            .iter()
+            .zip(metas)
+            .any(|(p, m)| m.active && p.rank1.is_some())
+        {
+            params
+                .par_iter_mut()
+                .zip(metas.par_iter())
+                .enumerate()
+                .filter(|(_, (p, m))| m.active && p.rank1.is_some())
+                .for_each(|(index, (p, meta))| {
+                    let CpuParam { pieces, rank1 } = p;
+                    if let Some(r) = rank1.as_ref() {
+                        for_pieces(pieces, |piece| {
+                            rank1_fold(piece, meta, r, clip, extra(index, piece))
+                        });
+                    }
+                });
+            for (p, m) in params.iter_mut().zip(metas) {
+                let CpuParam {
+                    pieces,
+                    rank1: Some(r),
+                } = p
+                else {
+                    continue;
+                };
+                if !m.active {
+                    continue;
+                }
+                r.next.fill(0.0);
+                for piece in pieces.iter() {
+                    r.next
+                        .iter_mut()
+                        .zip(&piece.partial)
+                        .for_each(|(a, &b)| *a = a.max(b));
+                }
+            }
+        }
+        // Phase B: the fused pass.
+        let run = |index: usize, p: &mut CpuParam, meta: &ParamMeta| {
+            let CpuParam { pieces, rank1 } = p;
+            let rank1 = rank1.as_ref();
+            for_pieces(pieces, |piece| {
+                piece.saw_non_finite =
+                    fused_step(index, piece, meta, rank1, seed, clip, extra(index, piece));
+            });
+        };
+        match released {
+            Some((index, _)) => run(index, &mut params[index], &metas[index]),
+            None => params
+                .par_iter_mut()
+                .zip(metas.par_iter())
+                .enumerate()
+                .filter(|(_, (_, m))| m.active)
+                .for_each(|(index, (p, meta))| run(index, p, meta)),
+        }
+        for ((p, m), flag) in params.iter_mut().zip(metas).zip(non_finite.iter_mut()) {
+            *flag = m.active && p.pieces.iter().any(|piece| piece.saw_non_finite);
+            if m.active {
+                if let Some(r) = &mut p.rank1 {
+                    std::mem::swap(&mut r.scales, &mut r.next);
+                }
+            }
+        }
+    }
+
+    fn clear_gradients(&self, params: &mut [CpuParam]) {
+        for piece in params.iter_mut().flat_map(|p| p.pieces.iter_mut()) {
+            let len = piece.len;
+            piece.slots[SlotKind::Grad as usize].clear(0, len);
+        }
+    }
+
+    fn read(&self, param: &CpuParam, _meta: &ParamMeta, slot: SlotKind, out: &mut [f32]) {
+        for piece in &param.pieces {
+            let out = &mut out[piece.offset..piece.offset + piece.len];
+            for (c, o) in out.chunks_mut(CHUNK).enumerate() {
+                match (&param.rank1, slot) {
+                    (Some(r), SlotKind::State2) => piece.slot(slot).decode_rank1(
+                        c * CHUNK,
+                        piece.offset + c * CHUNK,
+                        o,
+                        &r.q,
+                        &r.scales,
+                    ),
+                    _ => piece.slot(slot).decode(c * CHUNK, o),
+                }
+            }
+        }
+    }
+
+    fn export(&self, param: &CpuParam, _meta: &ParamMeta, slot: SlotKind) -> HostSlot {
+        let datas = param.pieces.iter().map(|p| &p.slot(slot).data);
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        let mut host = HostSlot::Empty;
+        for d in datas {
+            host = match (host, d) {
+                (h, SlotData::Empty) => h,
+                (HostSlot::Empty, SlotData::F32(v)) => HostSlot::F32(v.clone()),
+                (HostSlot::F32(mut a), SlotData::F32(v)) => {
+                    a.extend_from_slice(v);
+                    HostSlot::F32(a)
+                }
+                (HostSlot::Empty, SlotData::Bf16(v)) => HostSlot::Bf16(bits(v)),
+                (HostSlot::Bf16(mut a), SlotData::Bf16(v)) => {
+                    a.extend(bits(v));
+                    HostSlot::Bf16(a)
+                }
+                (HostSlot::Empty, SlotData::Kahan { value, comp }) => HostSlot::Kahan {
+                    value: bits(value),
+                    comp: bits(comp),
+                },
+                (
+                    HostSlot::Kahan {
+                        value: mut a,
+                        comp: mut b,
+                    },
+                    SlotData::Kahan { value, comp },
+                ) => {
+                    a.extend(bits(value));
+                    b.extend(bits(comp));
+                    HostSlot::Kahan { value: a, comp: b }
+                }
+                (HostSlot::Empty, SlotData::Split(v)) => HostSlot::Split {
+                    hi: v.iter().map(|s| s.hi.to_bits()).collect(),
+                    rem: v.iter().map(|s| s.rem).collect(),
+                },
+                (HostSlot::Split { mut hi, mut rem }, SlotData::Split(v)) => {
+                    hi.extend(v.iter().map(|s| s.hi.to_bits()));
+                    rem.extend(v.iter().map(|s| s.rem));
+                    HostSlot::Split { hi, rem }
+                }
+                (HostSlot::Empty, SlotData::Quantized { codes, absmax }) => HostSlot::Quantized {
+                    codes: codes.clone(),
+                    absmax: absmax.clone(),
+                },
+                (
+                    HostSlot::Quantized {
+                        codes: mut c,
+                        absmax: mut a,
+                    },
+                    SlotData::Quantized { codes, absmax },
+                ) => {
+                    c.extend_from_slice(codes);
+                    a.extend_from_slice(absmax);
+                    HostSlot::Quantized {
+                        codes: c,
+                        absmax: a,
+                    }
+                }
+                (HostSlot::Empty, SlotData::Rank1(codes)) => HostSlot::Rank1 {
+                    codes: codes.clone(),
+                    scales: param
+                        .rank1
+                        .as_ref()
+                        .map_or_else(Vec::new, |r| r.scales.clone()),
+                },
+                (
+                    HostSlot::Rank1 {
+                        codes: mut c,
+                        scales,
+                    },
+                    SlotData::Rank1(codes),
+                ) => {
+                    c.extend_from_slice(codes);
+                    HostSlot::Rank1 { codes: c, scales }
+                }
+                // Every piece of a slot has the same storage.
+                (h, _) => h,
+            };
+        }
+        host
+    }
+
+    fn import(
+        &self,
+        param: &mut CpuParam,
+        _meta: &ParamMeta,
+        slot: SlotKind,
+        host: HostSlot,
+    ) -> Result<(), String> {
+        // Validate everything first, then write: an error leaves the slot unchanged.
+        let lens: Vec<(usize, usize)> = param
+            .pieces
+            .iter()
+            .map(|p| data_lens(&p.slot(slot).data))
+            .collect();
+        let want: (usize, usize) = lens.iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let kind = param
+            .pieces
+            .first()
+            .map(|p| std::mem::discriminant(&p.slot(slot).data));
+        let host_lens = host_lens(&host);
+        let matches = match (&host, param.pieces.first().map(|p| &p.slot(slot).data)) {
+            (HostSlot::Empty, None | Some(SlotData::Empty)) => true,
+            (HostSlot::F32(_), Some(SlotData::F32(_)))
+            | (HostSlot::Bf16(_), Some(SlotData::Bf16(_)))
+            | (HostSlot::Kahan { .. }, Some(SlotData::Kahan { .. }))
+            | (HostSlot::Split { .. }, Some(SlotData::Split(_)))
+            | (HostSlot::Quantized { .. }, Some(SlotData::Quantized { .. }))
+            | (HostSlot::Rank1 { .. }, Some(SlotData::Rank1(_))) => host_lens == want,
+            _ => false,
+        };
+        let _ = kind;
+        if !matches {
+            return Err(format!(
+                "{} slot: stored layout or length does not match the configuration",
+                slot.name()
+            ));
+        }
+        if let HostSlot::Quantized { absmax, .. } | HostSlot::Rank1 { scales: absmax, .. } = &host {
+            if let Some(bad) = absmax.iter().find(|x| !x.is_finite() || **x < 0.0) {
+                return Err(format!(
+                    "{} slot: scale {bad} is not a finite non-negative number",
+                    slot.name()
+                ));
+            }
+        }
+        if let HostSlot::Rank1 { scales, .. } = &host {
+            match &mut param.rank1 {
+                Some(r) if r.scales.len() == scales.len() => r.scales.copy_from_slice(scales),
+                _ => {
+                    return Err(format!(
+                        "{} slot: rank-1 scales do not match the shape",
+                        slot.name()
+                    ));
+                }
+            }
+        }
+        let (mut a, mut b) = (0usize, 0usize);
+        for (piece, (la, lb)) in param.pieces.iter_mut().zip(lens) {
+            let data = &mut piece.slots[slot as usize].data;
+            match (data, &host) {
+                (SlotData::F32(v), HostSlot::F32(h)) => v.copy_from_slice(&h[a..a + la]),
+                (SlotData::Bf16(v), HostSlot::Bf16(h)) => v
+                    .iter_mut()
+                    .zip(&h[a..a + la])
+                    .for_each(|(x, &y)| *x = bf16::from_bits(y)),
+                (
+                    SlotData::Kahan { value, comp },
+                    HostSlot::Kahan {
+                        value: hv,
+                        comp: hc,
+                    },
+                ) => {
+                    value
+                        .iter_mut()
+                        .zip(&hv[a..a + la])
+                        .for_each(|(x, &y)| *x = bf16::from_bits(y));
+                    comp.iter_mut()
+                        .zip(&hc[b..b + lb])
+                        .for_each(|(x, &y)| *x = bf16::from_bits(y));
+                }
+                (SlotData::Split(v), HostSlot::Split { hi, rem }) => {
+                    for ((s, &h), &r) in v.iter_mut().zip(&hi[a..a + la]).zip(&rem[b..b + lb]) {
+                        *s = SplitF32 {
+                            hi: bf16::from_bits(h),
+                            rem: r,
+                        };
+                    }
+                }
+                (
+                    SlotData::Quantized { codes, absmax },
+                    HostSlot::Quantized {
+                        codes: hc,
+                        absmax: ha,
+                    },
+                ) => {
+                    codes.copy_from_slice(&hc[a..a + la]);
+                    absmax.copy_from_slice(&ha[b..b + lb]);
+                }
+                (SlotData::Rank1(codes), HostSlot::Rank1 { codes: hc, .. }) => {
+                    codes.copy_from_slice(&hc[a..a + la])
+                }
+                _ => {}
+            }
+            a += la;
+            b += lb;
+        }
+        Ok(())
+    }
+
+    fn bytes(&self, param: &CpuParam) -> [usize; 4] {
+        let mut bytes = [0usize; 4];
+        for piece in &param.pieces {
+            for (b, slot) in bytes.iter_mut().zip(&piece.slots) {
+                *b += slot.bytes();
+            }
+        }
+        // A rank-1 state's tensor-wide scales, the next step's maxima and each piece's share.
+        if let Some(r) = &param.rank1 {
+            let partials: usize = param.pieces.iter().map(|p| p.partial.len()).sum();
+            bytes[3] += 4 * (r.scales.len() + r.next.len() + partials);
+        }
+        bytes
+    }
+}
+
+/// Element counts of a piece's slot data: (main, side) — side is the Kahan compensation, the
+/// split remainder or the block scales.
+fn data_lens(d: &SlotData) -> (usize, usize) {
+    match d {
+        SlotData::Empty => (0, 0),
+        SlotData::F32(v) => (v.len(), 0),
+        SlotData::Bf16(v) => (v.len(), 0),
+        SlotData::Kahan { value, comp } => (value.len(), comp.len()),
+        SlotData::Split(v) => (v.len(), v.len()),
+        SlotData::Quantized { codes, absmax } => (codes.len(), absmax.len()),
+        SlotData::Rank1(codes) => (codes.len(), 0),
+    }
+}
+
+fn host_lens(h: &HostSlot) -> (usize, usize) {
+    match h {
+        HostSlot::Empty => (0, 0),
+        HostSlot::F32(v) => (v.len(), 0),
+        HostSlot::Bf16(v) => (v.len(), 0),
+        HostSlot::Kahan { value, comp } => (value.len(), comp.len()),
+        HostSlot::Split { hi, rem } => (hi.len(), rem.len()),
+        HostSlot::Quantized { codes, absmax } => (codes.len(), absmax.len()),
+        HostSlot::Rank1 { codes, .. } => (codes.len(), 0),
+    }
+}
+
+/// The fused step of one piece: for each chunk, decode gradient, parameter and states, apply the
+/// rule, requantize the states with their new absmax, store the parameter, clear the gradient.
+/// Returns whether a non-finite gradient was met (its elements were left unchanged).
+fn fused_step(
+    index: usize,
+    piece: &mut Piece,
+    meta: &ParamMeta,
+    rank1: Option<&Rank1State>,
+    seed: u64,
+    clip: f32,
+    grad: Option<&[f32]>,
+) -> bool {
+    let t = meta.steps + 1;
+    let first = meta.steps == 0;
+    let rule = if meta.update_param {
+        meta.rule
+    } else {
+        meta.rule.without_decay()
+    };
+    let [param, grad_slot, state1, state2] = &mut piece.slots;
+    let kahan = matches!(param.data, SlotData::Kahan { .. });
+    let (mut g, mut p, mut m, mut v, mut d) = (
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+    );
+    let mut saw_non_finite = false;
+    for start in (0..piece.len).step_by(CHUNK) {
+        let n = CHUNK.min(piece.len - start);
+        let (g, p, m, v, d) = (
+            &mut g[..n],
+            &mut p[..n],
+            &mut m[..n],
+            &mut v[..n],
+            &mut d[..n],
+        );
+        let global = piece.offset + start;
+        grad_slot.decode(start, g);
+        if let Some(extra) = grad {
+            g.iter_mut()
+                .zip(&extra[start..start + n])
+                .for_each(|(a, &b)| *a += b);
+        }
+        param.decode(start, p);
+        state1.decode(start, m);
+        match rank1 {
+            Some(r) => state2.decode_rank1(start, global, v, &r.q, &r.scales),
+            None => state2.decode(start, v),
+        }
+        for i in 0..n {
+            let gi = g[i] * clip;
+            if !gi.is_finite() {
+                saw_non_finite = true;
+                d[i] = 0.0;
+                continue;
+            }
+            let u = rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+            p[i] = u.param;
+            d[i] = u.delta;
+        }
+        state1.encode_keyed(
+            start,
+            m,
+            stream(seed, index, SlotKind::State1, t),
+            global as u64,
+        );
+        match rank1 {
+            Some(r) => state2.encode_rank1(start, global, v, &r.q, &r.next),
+            None => state2.encode_keyed(
+                start,
+                v,
+                stream(seed, index, SlotKind::State2, t),
+                global as u64,
+            ),
+        }
+        if meta.update_param {
+            if kahan {
+                param.kahan_add(start, d);
+            } else {
+                param.encode_keyed(
+                    start,
+                    p,
+                    stream(seed, index, SlotKind::Param, t),
+                    global as u64,
+                );
+            }
+        }
+        grad_slot.clear(start, n);
+    }
+    saw_non_finite
+}
+
+/// Phase A of a rank-1 step for one piece: recompute the updated second moment exactly as
+/// [`fused_step`] will, and fold its per-dimension maxima into `piece.partial`.
+fn rank1_fold(
+    piece: &mut Piece,
+    meta: &ParamMeta,
+    r: &Rank1State,
+    clip: f32,
+    grad: Option<&[f32]>,
+) {
+    let first = meta.steps == 0;
+    let rule = if meta.update_param {
+        meta.rule
+    } else {
+        meta.rule.without_decay()
+    };
+    piece.partial.fill(0.0);
+    let (mut g, mut p, mut m, mut v) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+    for start in (0..piece.len).step_by(CHUNK) {
+        let n = CHUNK.min(piece.len - start);
+        let (g, p, m, v) = (&mut g[..n], &mut p[..n], &mut m[..n], &mut v[..n]);
+        let global = piece.offset + start;
+        piece.slot(SlotKind::Grad).decode(start, g);
+        if let Some(extra) = grad {
+            g.iter_mut()
+                .zip(&extra[start..start + n])
+                .for_each(|(a, &b)| *a += b);
+        }
+        piece.slot(SlotKind::Param).decode(start, p);
+        piece.slot(SlotKind::State1).decode(start, m);
+        piece
+            .slot(SlotKind::State2)
+            .decode_rank1(start, global, v, &r.q, &r.scales);
+        for i in 0..n {
+            let gi = g[i] * clip;
+            if gi.is_finite() {
+                rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+            }
+        }
+        r.q.fold_maxima(v, global, &mut piece.partial);
+    }
+}
