@@ -70,6 +70,20 @@ pub struct ParamMeta {
     pub active: bool,
     /// False during optimizer accumulation: states are updated, the parameter is not.
     pub update_param: bool,
+    /// How the parameter's learning rate follows its group's.
+    pub lr_rule: LrRule,
+}
+
+/// How a parameter's learning rate follows its group's when the group's changes.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize, Default)]
+pub enum LrRule {
+    /// The group's learning rate.
+    #[default]
+    Group,
+    /// The group's learning rate times this factor (a parameter registered with its own rate).
+    Scaled(f64),
+    /// Its own learning rate, unchanged (registered with its own rate while the group's was 0).
+    Fixed,
 }
 
 /// One slot's contents in the canonical host layout (the whole tensor, unsharded): the

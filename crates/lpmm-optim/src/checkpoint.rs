@@ -48,6 +48,8 @@ struct ParamMeta {
     steps: u64,
     accumulations: u64,
     pending: bool,
+    #[serde(default)]
+    lr_rule: crate::backend::LrRule,
 }
 
 fn err(path: &Path, reason: impl std::fmt::Display) -> OptimError {
@@ -165,6 +167,7 @@ impl<B: Backend> Optimizer<B> {
                     steps: m.steps,
                     accumulations: m.accumulations,
                     pending: m.pending,
+                    lr_rule: m.lr_rule,
                 })
                 .collect(),
         };
@@ -254,23 +257,40 @@ impl<B: Backend> Optimizer<B> {
         for g in &meta.groups {
             opt.add_group(*g)?;
         }
+        // Every storage takes at least 4 bits per element: a checkpoint cannot hold more than
+        // 2 elements per byte, in all parameters together. Checked before allocating anything,
+        // so a forged header cannot make us allocate for it.
+        let mut total = 0usize;
         for p in &meta.params {
-            let numel = p
-                .shape
-                .iter()
-                .try_fold(1usize, |n, &d| n.checked_mul(d))
-                .unwrap_or(usize::MAX);
-            // Every storage takes at least 4 bits per element: a larger shape cannot be in this
-            // file (and must not make us allocate for it).
-            if numel > 2 * bytes.len() {
+            let numel = p.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            total = match numel.and_then(|n| total.checked_add(n)) {
+                Some(t) if t <= 2 * bytes.len() => t,
+                _ => {
+                    return Err(err(
+                        path,
+                        format!(
+                            "parameter {} has shape {:?}: more elements than the file can hold",
+                            p.name, p.shape
+                        ),
+                    ));
+                }
+            };
+            // Counters beyond 2^53 are not exact in the f64 bias corrections (and would overflow).
+            if p.steps > 1 << 53 || p.accumulations > 1 << 53 {
                 return Err(err(
                     path,
                     format!(
-                        "parameter {} has shape {:?}, larger than the file",
-                        p.name, p.shape
+                        "parameter {}: step or accumulation counter out of range",
+                        p.name
                     ),
                 ));
             }
+        }
+        if meta.global_steps > 1 << 53 {
+            return Err(err(path, "step counter out of range"));
+        }
+        for p in &meta.params {
+            let numel = p.shape.iter().product();
             let zeros = vec![0f32; numel];
             opt.add_param_with(&p.name, &p.shape, &zeros, p.group, p.requested)?;
         }
@@ -279,6 +299,7 @@ impl<B: Backend> Optimizer<B> {
             m.steps = p.steps;
             m.accumulations = p.accumulations;
             m.pending = p.pending;
+            m.lr_rule = p.lr_rule;
         }
         opt.global_steps = meta.global_steps;
         // Code maps must be the ones this build constructs.
@@ -345,13 +366,19 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), OptimError> {
     let file_name = path
         .file_name()
         .ok_or_else(|| err(path, "not a file path"))?;
+    // Unique per process and per call, created exclusively: concurrent saves never share it.
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(
-        ".{}.tmp-{}",
+        ".{}.tmp-{}-{n}",
         file_name.to_string_lossy(),
         std::process::id()
     ));
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;

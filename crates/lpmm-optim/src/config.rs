@@ -297,8 +297,11 @@ impl Hyper {
 
     /// Checks every hyperparameter; an invalid one is a typed error naming it.
     pub fn validate(&self) -> Result<(), OptimError> {
+        // Every hyperparameter is used as f32 (or through an f32 factor): it must stay finite
+        // there too (lr = 1e39 is finite in f64 and Inf in f32).
         let finite_non_negative = |name: &'static str, v: f64| {
-            if v.is_finite() && v >= 0.0 {
+            // A positive value must not round to 0 in f32 either (eps = 1e-50 would).
+            if v.is_finite() && v >= 0.0 && (v as f32).is_finite() && (v == 0.0 || v as f32 > 0.0) {
                 Ok(())
             } else {
                 Err(OptimError::Hyperparameter { name, value: v })

@@ -184,8 +184,13 @@ impl Backend for Cpu {
                     let a = &mut acc[..CHUNK.min(p.len - c)];
                     p.slot(SlotKind::Grad).decode(c, a);
                     for &g in a.iter() {
-                        finite &= g.is_finite();
-                        sum += f64::from(g) * f64::from(g);
+                        // Only finite values count towards the norm: under SkipElements one Inf
+                        // must not turn clipping off for the rest.
+                        if g.is_finite() {
+                            sum += f64::from(g) * f64::from(g);
+                        } else {
+                            finite = false;
+                        }
                     }
                 }
                 p.grad_sum_squares = sum;
@@ -435,6 +440,28 @@ impl Backend for Cpu {
                 ));
             }
         }
+        // Parameters and states must be finite (a gradient accumulator may hold a pending
+        // non-finite value for the step's policy).
+        if slot != SlotKind::Grad {
+            let bf_ok = |b: &u16| b & 0x7F80 != 0x7F80;
+            let ok = match &host {
+                HostSlot::F32(v) => v.iter().all(|x| x.is_finite()),
+                HostSlot::Bf16(v) => v.iter().all(bf_ok),
+                HostSlot::Kahan { value, comp } => value.iter().chain(comp).all(bf_ok),
+                HostSlot::Split { hi, rem } => hi.iter().zip(rem).all(|(&h, &r)| {
+                    SplitF32 {
+                        hi: bf16::from_bits(h),
+                        rem: r,
+                    }
+                    .to_f32()
+                    .is_finite()
+                }),
+                _ => true,
+            };
+            if !ok {
+                return Err(format!("{} slot holds a non-finite value", slot.name()));
+            }
+        }
         if let HostSlot::Rank1 { scales, .. } = &host {
             match &mut param.rank1 {
                 Some(r) if r.scales.len() == scales.len() => r.scales.copy_from_slice(scales),
@@ -599,7 +626,15 @@ fn fused_step(
                 d[i] = 0.0;
                 continue;
             }
-            let u = rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+            let (p0, m0, v0) = (p[i], m[i], v[i]);
+            let u = rule.apply(p0, gi, &mut m[i], &mut v[i], first);
+            if !updated_finite(&u, m[i], v[i]) {
+                // A finite but huge gradient can overflow the update (g^2 in v): keep the element
+                // unchanged rather than store Inf/NaN in a state.
+                (m[i], v[i], d[i]) = (m0, v0, 0.0);
+                saw_non_finite = true;
+                continue;
+            }
             p[i] = u.param;
             d[i] = u.delta;
         }
@@ -633,6 +668,12 @@ fn fused_step(
         grad_slot.clear(start, n);
     }
     saw_non_finite
+}
+
+/// Whether an element's update produced only finite values.
+#[inline]
+fn updated_finite(u: &crate::rule::Updated, m: f32, v: f32) -> bool {
+    u.param.is_finite() && u.delta.is_finite() && m.is_finite() && v.is_finite()
 }
 
 /// Phase A of a rank-1 step for one piece: recompute the updated second moment exactly as
@@ -670,7 +711,12 @@ fn rank1_fold(
         for i in 0..n {
             let gi = g[i] * clip;
             if gi.is_finite() {
-                rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+                // Exactly the fused pass's rule, restore included, so both phases agree.
+                let (m0, v0) = (m[i], v[i]);
+                let u = rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
+                if !updated_finite(&u, m[i], v[i]) {
+                    (m[i], v[i]) = (m0, v0);
+                }
             }
         }
         r.q.fold_maxima(v, global, &mut piece.partial);

@@ -15,7 +15,7 @@ pub mod presets;
 mod rule;
 mod slot;
 
-pub use backend::{Backend, HostSlot, ParamMeta, SlotKind};
+pub use backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
 pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION};
 pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
 pub use cpu::Cpu;

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backend, ParamMeta, SlotKind};
+use crate::backend::{Backend, LrRule, ParamMeta, SlotKind};
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
@@ -184,6 +184,14 @@ impl<B: Backend> Optimizer<B> {
             });
         }
         let resolved = config.resolve(numel, shape);
+        let (group_lr, own_lr) = (self.groups[group].hyper.lr(), config.hyper.lr());
+        let lr_rule = if own_lr == group_lr {
+            LrRule::Group
+        } else if group_lr > 0.0 {
+            LrRule::Scaled(own_lr / group_lr)
+        } else {
+            LrRule::Fixed
+        };
         let meta = ParamMeta {
             name: name.to_string(),
             shape: shape.to_vec(),
@@ -197,6 +205,7 @@ impl<B: Backend> Optimizer<B> {
             rule: Rule::new(&resolved.hyper, 1),
             active: false,
             update_param: true,
+            lr_rule,
         };
         let index = self.metas.len();
         let param = self
@@ -257,22 +266,41 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Sets the learning rate of every parameter of `group` (those with their own configuration
-    /// too), effective from the next step.
+    /// Sets the learning rate of `group`, effective from the next step. Parameters that follow
+    /// the group take `lr`; a parameter registered with its own learning rate keeps its ratio to
+    /// the group's (`LrRule::Scaled`), or keeps its learning rate if the group's was 0 when it was
+    /// registered (`LrRule::Fixed`).
     pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<(), OptimError> {
         if group >= self.groups.len() {
             return Err(OptimError::UnknownGroup(group));
         }
-        if !(lr.is_finite() && lr >= 0.0) {
+        let valid = |v: f64| v.is_finite() && v >= 0.0 && (v as f32).is_finite();
+        if !valid(lr) {
             return Err(OptimError::Hyperparameter {
                 name: "lr",
                 value: lr,
             });
         }
+        // Check every resulting rate before changing anything.
+        for m in self.metas.iter().filter(|m| m.group == group) {
+            if let LrRule::Scaled(k) = m.lr_rule {
+                if !valid(lr * k) {
+                    return Err(OptimError::Hyperparameter {
+                        name: "lr",
+                        value: lr * k,
+                    });
+                }
+            }
+        }
         self.groups[group].hyper.set_lr(lr);
         for m in self.metas.iter_mut().filter(|m| m.group == group) {
-            m.config.hyper.set_lr(lr);
-            m.requested.hyper.set_lr(lr);
+            let own = match m.lr_rule {
+                LrRule::Group => lr,
+                LrRule::Scaled(k) => lr * k,
+                LrRule::Fixed => continue,
+            };
+            m.config.hyper.set_lr(own);
+            m.requested.hyper.set_lr(own);
         }
         Ok(())
     }
@@ -441,16 +469,30 @@ impl<B: Backend> Optimizer<B> {
     ) -> Result<StepReport, OptimError> {
         self.check_len(id, "gradient", grad.len())?;
         let mut report = StepReport::default();
-        if grad.iter().any(|g| !g.is_finite()) {
-            report.non_finite.push(id);
-            if self.options.non_finite == NonFinitePolicy::SkipStep {
-                report.skipped = true;
-                return Ok(report);
-            }
-        }
         for (i, m) in self.metas.iter_mut().enumerate() {
             m.active = i == id.0;
         }
+        // The gradient is `grad` plus whatever the accumulator holds: both must be finite.
+        let mut finite = grad.iter().all(|g| g.is_finite());
+        if self.metas[id.0].pending {
+            self.backend
+                .gradient_stats(&mut self.params, &self.metas, &mut self.stats);
+            finite &= self.stats[id.0].1;
+        }
+        if !finite {
+            report.non_finite.push(id);
+            if self.options.non_finite == NonFinitePolicy::SkipStep {
+                // Skipped and consumed, as `step` does.
+                report.skipped = true;
+                self.backend
+                    .clear_gradients(std::slice::from_mut(&mut self.params[id.0]));
+                let m = &mut self.metas[id.0];
+                m.pending = false;
+                m.active = false;
+                return Ok(report);
+            }
+        }
+
         let meta = &mut self.metas[id.0];
         meta.rule = Rule::new(&meta.config.hyper, meta.steps + 1);
         meta.update_param = update_param;
@@ -462,6 +504,9 @@ impl<B: Backend> Optimizer<B> {
             Some((id.0, grad)),
             &mut self.flags,
         );
+        if self.flags[id.0] && !report.non_finite.contains(&id) {
+            report.non_finite.push(id);
+        }
         let m = &mut self.metas[id.0];
         m.active = false;
         m.update_param = true;

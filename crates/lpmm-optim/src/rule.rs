@@ -223,8 +223,13 @@ impl Rule {
                 } else {
                     (g, p, 0.0)
                 };
-                // exp_avg.lerp_(grad, 1-beta1)
-                *m = (g - *m).mul_add(one_minus_beta1, *m);
+                // exp_avg.lerp_(grad, w = 1-beta1): torch's kernel is fma(w, g - m, m) for
+                // |w| < 0.5 and fma(w - 1, g - m, g) otherwise (w - 1 in f32).
+                *m = if one_minus_beta1 < 0.5 {
+                    (g - *m).mul_add(one_minus_beta1, *m)
+                } else {
+                    (g - *m).mul_add(one_minus_beta1 - 1.0, g)
+                };
                 // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2): torch's kernel is
                 // fma(value * grad, grad, self)
                 *v = (one_minus_beta2 * g).mul_add(g, *v * beta2);

@@ -467,3 +467,196 @@ fn larger_micro_batches_accumulate_with_less_error_and_no_bias() {
         assert!(m.abs() < 4.0 * e / (n as f64).sqrt(), "mean {m} vs rms {e}");
     }
 }
+
+#[test]
+fn a_huge_finite_gradient_never_poisons_the_states() {
+    for (state1, state2) in [
+        (Storage::F32, Storage::F32),
+        (Storage::DYNAMIC8_SIGNED, Storage::DYNAMIC8_UNSIGNED),
+    ] {
+        let mut opt = Optimizer::new(OptimizerOptions {
+            non_finite: NonFinitePolicy::SkipElements,
+            ..Default::default()
+        })
+        .unwrap();
+        let config = ParamConfig {
+            state1,
+            state2,
+            min_quantized_size: 0,
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        };
+        let g = opt.add_group(config).unwrap();
+        let n = 512;
+        let id = opt.add_param("p", &[n], &vec![0.5; n], g).unwrap();
+        let mut grad = vec![1e-3f32; n];
+        grad[300] = 1e21; // finite, but its square overflows f32
+        opt.accumulate(id, &grad).unwrap();
+        let report = opt.step().unwrap();
+        assert_eq!(report.non_finite, vec![id], "{state1:?}");
+        let (mut p, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        opt.read_param(id, &mut p).unwrap();
+        opt.read_state(id, 1, &mut m).unwrap();
+        opt.read_state(id, 2, &mut v).unwrap();
+        assert!(
+            m.iter().chain(&v).chain(&p).all(|x| x.is_finite()),
+            "{state1:?}"
+        );
+        assert_eq!(p[300], 0.5, "the overflowing element is left unchanged");
+        assert!(p[0] < 0.5 && p[511] < 0.5, "the other elements are updated");
+        // The next, ordinary step works from finite states everywhere.
+        opt.accumulate(id, &vec![1e-3f32; n]).unwrap();
+        assert!(opt.step().unwrap().non_finite.is_empty());
+    }
+}
+
+#[test]
+fn gradient_release_skips_when_the_accumulator_holds_a_non_finite_value() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig::f32(Hyper::sgd(1.0, 0.0)))
+        .unwrap();
+    let id = opt.add_param("p", &[3], &[0.0; 3], g).unwrap();
+    opt.accumulate(id, &[0.0, f32::NAN, 0.0]).unwrap();
+    let report = opt.step_param(id, &[1.0; 3]).unwrap();
+    assert!(report.skipped);
+    assert_eq!(report.non_finite, vec![id]);
+    let mut p = [0f32; 3];
+    opt.read_param(id, &mut p).unwrap();
+    assert_eq!(p, [0.0; 3]);
+    // The bad gradient was consumed: the next release step is clean.
+    assert!(!opt.step_param(id, &[1.0; 3]).unwrap().skipped);
+    opt.read_param(id, &mut p).unwrap();
+    assert_eq!(p, [-1.0; 3]);
+}
+
+#[test]
+fn clipping_still_applies_to_finite_gradients_under_skip_elements() {
+    let mut opt = Optimizer::new(OptimizerOptions {
+        max_grad_norm: Some(1.0),
+        non_finite: NonFinitePolicy::SkipElements,
+        ..Default::default()
+    })
+    .unwrap();
+    let g = opt
+        .add_group(ParamConfig::f32(Hyper::sgd(1.0, 0.0)))
+        .unwrap();
+    let id = opt.add_param("p", &[3], &[0.0; 3], g).unwrap();
+    opt.accumulate(id, &[f32::INFINITY, 100.0, 100.0]).unwrap();
+    let report = opt.step().unwrap();
+    let norm = (2.0f64 * 100.0 * 100.0).sqrt();
+    assert_eq!(
+        report.grad_norm,
+        Some(norm),
+        "the norm of the finite elements"
+    );
+    let mut p = [0f32; 3];
+    opt.read_param(id, &mut p).unwrap();
+    let clipped = -100.0 * (1.0 / (norm + 1e-6)) as f32;
+    assert_eq!(p[0], 0.0);
+    assert!(
+        (p[1] - clipped).abs() < 1e-6 && (p[2] - clipped).abs() < 1e-6,
+        "{p:?}"
+    );
+}
+
+#[test]
+fn a_per_parameter_learning_rate_survives_schedule_changes() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig::f32(Hyper::sgd(0.1, 0.0)))
+        .unwrap();
+    let follows = opt.add_param("follows", &[1], &[0.0], g).unwrap();
+    let doubled = opt
+        .add_param_with(
+            "doubled",
+            &[1],
+            &[0.0],
+            g,
+            ParamConfig::f32(Hyper::sgd(0.2, 0.0)),
+        )
+        .unwrap();
+    let frozen = opt
+        .add_param_with(
+            "frozen",
+            &[1],
+            &[0.0],
+            g,
+            ParamConfig::f32(Hyper::sgd(0.0, 0.0)),
+        )
+        .unwrap();
+    opt.set_lr(0.5).unwrap();
+    for id in [follows, doubled, frozen] {
+        opt.accumulate(id, &[1.0]).unwrap();
+    }
+    opt.step().unwrap();
+    let read = |id| {
+        let mut p = [0f32];
+        opt.read_param(id, &mut p).unwrap();
+        p[0]
+    };
+    assert_eq!(read(follows), -0.5);
+    assert_eq!(
+        read(doubled),
+        -1.0,
+        "twice the group's rate, before and after the change"
+    );
+    assert_eq!(read(frozen), 0.0, "lr 0 stays 0: a scaled zero");
+}
+
+#[test]
+fn hyperparameters_must_survive_the_cast_to_f32() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let too_big = Hyper::Sgd {
+        lr: 1e39,
+        momentum: 0.0,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    assert!(matches!(
+        opt.add_group(ParamConfig::f32(too_big)),
+        Err(OptimError::Hyperparameter { .. })
+    ));
+    let vanishing_eps = Hyper::Adam {
+        lr: 1e-3,
+        betas: (0.9, 0.999),
+        eps: 1e-50,
+        weight_decay: 0.0,
+        decoupled: true,
+    };
+    assert!(matches!(
+        opt.add_group(ParamConfig::f32(vanishing_eps)),
+        Err(OptimError::Hyperparameter { .. })
+    ));
+    let g = opt
+        .add_group(ParamConfig::f32(Hyper::sgd(0.1, 0.0)))
+        .unwrap();
+    opt.add_param("p", &[1], &[0.0], g).unwrap();
+    assert!(matches!(
+        opt.set_lr(1e39),
+        Err(OptimError::Hyperparameter { .. })
+    ));
+}
+
+#[test]
+fn adam_with_beta1_zero_keeps_exactly_the_gradient() {
+    // PyTorch's lerp for weights >= 0.5 is fma(w - 1, g - m, g): with beta1 = 0, m = g exactly.
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let hyper = Hyper::Adam {
+        lr: 1e-3,
+        betas: (0.0, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: true,
+    };
+    let g = opt.add_group(ParamConfig::f32(hyper)).unwrap();
+    let id = opt.add_param("p", &[3], &[1.0; 3], g).unwrap();
+    let grads = [[0.3f32, -1.7, 2.9e-5], [0.11, 0.7, -3.0]];
+    for grad in &grads {
+        opt.accumulate(id, grad).unwrap();
+        opt.step().unwrap();
+    }
+    let mut m = [0f32; 3];
+    opt.read_state(id, 1, &mut m).unwrap();
+    assert_eq!(m, grads[1]);
+}

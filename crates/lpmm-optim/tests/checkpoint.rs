@@ -151,6 +151,12 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
         std::fs::write(&bad, content).unwrap();
         let e = opt.load_state(&bad).unwrap_err();
         assert!(matches!(e, OptimError::Checkpoint { .. }), "{what}: {e}");
+        if what.contains("elements") || what.contains("parameters") {
+            assert!(
+                e.to_string().contains("more elements than the file"),
+                "{what}: refused for another reason: {e}"
+            );
+        }
         assert_eq!(
             snapshot(&opt, &ids),
             before,
@@ -226,4 +232,152 @@ fn tempdir() -> std::path::PathBuf {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+type MetaEdit = Box<dyn Fn(&mut serde_json::Value)>;
+type TensorEdit = Box<dyn Fn(&str, &mut safetensors::Dtype, &mut Vec<u8>)>;
+
+/// Rewrites a checkpoint: `edit_meta` changes the metadata JSON, `edit_tensor` a tensor's dtype
+/// and bytes.
+fn forge(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    edit_meta: impl Fn(&mut serde_json::Value),
+    edit_tensor: impl Fn(&str, &mut safetensors::Dtype, &mut Vec<u8>),
+) {
+    use safetensors::SafeTensors;
+    let bytes = std::fs::read(src).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&header.metadata().as_ref().unwrap()["lpmm"]).unwrap();
+    edit_meta(&mut meta);
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let (mut dtype, mut data) = (view.dtype(), view.data().to_vec());
+            edit_tensor(&name, &mut dtype, &mut data);
+            let shape = vec![data.len() / dtype.bitsize().div_ceil(8).max(1)];
+            (name, dtype, shape, data)
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let info = std::collections::HashMap::from([("lpmm".to_string(), meta.to_string())]);
+    std::fs::write(
+        dst,
+        safetensors::tensor::serialize(views, Some(info)).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
+    let dir = tempdir();
+    let (mut opt, ids) = build();
+    train(&mut opt, &ids, 1..3);
+    let good = dir.join("good.safetensors");
+    opt.save(&good).unwrap();
+    let before = snapshot(&opt, &ids);
+    let no_meta = |_: &mut serde_json::Value| {};
+    let no_tensor = |_: &str, _: &mut safetensors::Dtype, _: &mut Vec<u8>| {};
+    // The forgery pipeline itself round-trips a good file.
+    let same = dir.join("same.safetensors");
+    forge(&good, &same, no_meta, no_tensor);
+    assert!(Optimizer::load(&same).is_ok());
+
+    let cases: Vec<(&str, MetaEdit, TensorEdit)> = vec![
+        (
+            "more elements than the file",
+            Box::new(|m| m["params"][0]["shape"] = serde_json::json!([1u64 << 40])),
+            Box::new(no_tensor),
+        ),
+        (
+            "many parameters of plausible size",
+            Box::new(|m| {
+                let p = m["params"][0].clone();
+                let params = m["params"].as_array_mut().unwrap();
+                for k in 0..40 {
+                    let mut q = p.clone();
+                    q["name"] = serde_json::json!(format!("forged{k}"));
+                    // 40M elements in all, well past what a ~7 MB file can hold (2 per byte).
+                    q["shape"] = serde_json::json!([1_000_000]);
+                    params.push(q);
+                }
+            }),
+            Box::new(no_tensor),
+        ),
+        (
+            "step counter",
+            Box::new(|m| m["params"][1]["steps"] = serde_json::json!(u64::MAX)),
+            Box::new(no_tensor),
+        ),
+        (
+            "global counter",
+            Box::new(|m| m["global_steps"] = serde_json::json!(u64::MAX)),
+            Box::new(no_tensor),
+        ),
+        (
+            "NaN in an f32 state",
+            Box::new(no_meta),
+            Box::new(|name, _, data| {
+                if name == "split/state1" {
+                    data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+                }
+            }),
+        ),
+        (
+            "wrong dtype",
+            Box::new(no_meta),
+            Box::new(|name, dtype, _| {
+                if name == "split/state2" {
+                    *dtype = safetensors::Dtype::I32;
+                }
+            }),
+        ),
+        (
+            "negative block scale",
+            Box::new(no_meta),
+            Box::new(|name, _, data| {
+                if name == "a/state1.absmax" {
+                    data[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
+                }
+            }),
+        ),
+        (
+            "short tensor",
+            Box::new(no_meta),
+            Box::new(|name, _, data| {
+                if name == "lpmm/param" {
+                    data.truncate(data.len() - 64);
+                }
+            }),
+        ),
+    ];
+    for (what, edit_meta, edit_tensor) in cases {
+        let bad = dir.join("forged.safetensors");
+        forge(&good, &bad, &*edit_meta, &*edit_tensor);
+        let e = opt.load_state(&bad).unwrap_err();
+        assert!(matches!(e, OptimError::Checkpoint { .. }), "{what}: {e}");
+        if what.contains("elements") || what.contains("parameters") {
+            assert!(
+                e.to_string().contains("more elements than the file"),
+                "{what}: refused for another reason: {e}"
+            );
+        }
+        assert_eq!(
+            snapshot(&opt, &ids),
+            before,
+            "{what}: the live optimizer changed"
+        );
+    }
 }

@@ -79,7 +79,11 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
         (p, v)
     };
     let mut two = fresh();
-    run(1..5, &mut two);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap()
+        .install(|| run(1..5, &mut two));
     let mut one = fresh();
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
