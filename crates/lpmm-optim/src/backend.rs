@@ -117,6 +117,13 @@ pub enum HostSlot {
         /// Block scales.
         absmax: Vec<f32>,
     },
+    /// A factorized second moment: the moving averages of the row and column means.
+    Factored {
+        /// One per row (the leading dimensions together).
+        row: Vec<f32>,
+        /// One per column (the last dimension).
+        col: Vec<f32>,
+    },
     /// Packed codes of a rank-1 state and its per-dimension maxima.
     Rank1 {
         /// Packed codes.

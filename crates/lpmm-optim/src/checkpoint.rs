@@ -85,6 +85,12 @@ fn host_tensors(host: &HostSlot) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
                 (".absmax", Dtype::F32, absmax.len(), f32s(absmax)),
             ]
         }
+        HostSlot::Factored { row, col } => {
+            vec![
+                (".row", Dtype::F32, row.len(), f32s(row)),
+                (".col", Dtype::F32, col.len(), f32s(col)),
+            ]
+        }
         HostSlot::Rank1 { codes, scales } => {
             vec![
                 ("", Dtype::U8, codes.len(), codes.clone()),
@@ -128,6 +134,10 @@ fn read_host(st: &SafeTensors<'_>, key: &str, template: &HostSlot) -> Result<Hos
         HostSlot::Quantized { .. } => HostSlot::Quantized {
             codes: get(key, Dtype::U8)?,
             absmax: f32s(get(&format!("{key}.absmax"), Dtype::F32)?),
+        },
+        HostSlot::Factored { .. } => HostSlot::Factored {
+            row: f32s(get(&format!("{key}.row"), Dtype::F32)?),
+            col: f32s(get(&format!("{key}.col"), Dtype::F32)?),
         },
         HostSlot::Rank1 { .. } => HostSlot::Rank1 {
             codes: get(key, Dtype::U8)?,

@@ -110,6 +110,11 @@ pub enum Storage {
         /// Rounding onto the map.
         rounding: StoreRounding,
     },
+    /// Adafactor's factorized second moment (Shazeer & Stern 2018): only moving averages of the
+    /// row and column means of the squared gradient are kept, for the tensor viewed as a matrix
+    /// (leading dimensions x last dimension), and `v_ij = R_i C_j / mean(R)`. Adam only, state 2
+    /// only; 1-D tensors keep a full f32 state.
+    Factorized,
     /// Rank-1 normalized quantization (second moments of 2-D+ tensors; 1-D tensors use blocks of
     /// `fallback`).
     Rank1 {
@@ -155,7 +160,10 @@ impl Storage {
 
     /// Whether this storage is quantized (subject to the minimum-size policy).
     pub fn is_quantized(self) -> bool {
-        matches!(self, Storage::Quantized { .. } | Storage::Rank1 { .. })
+        matches!(
+            self,
+            Storage::Quantized { .. } | Storage::Rank1 { .. } | Storage::Factorized
+        )
     }
 
     /// A short name for reports and checkpoints.
@@ -182,6 +190,7 @@ impl Storage {
                 }
             ),
             Storage::Rank1 { map, .. } => format!("{}/rank1", map.name()),
+            Storage::Factorized => "factorized".into(),
         }
     }
 }
@@ -409,6 +418,7 @@ impl ParamConfig {
                         rounding: StoreRounding::Nearest,
                     }
                 }
+                Storage::Factorized if shape.len() < 2 => Storage::F32,
                 other => other,
             }
         };
@@ -424,6 +434,12 @@ impl ParamConfig {
     /// Checks the hyperparameters and that each slot's storage is allowed there.
     pub fn validate(&self) -> Result<(), OptimError> {
         self.hyper.validate()?;
+        if self.state2 == Storage::Factorized && !matches!(self.hyper, Hyper::Adam { .. }) {
+            return Err(OptimError::StorageNotAllowed {
+                slot: "state2",
+                storage: "factorized (Adam only)".into(),
+            });
+        }
         let param_only = |slot: &'static str, s: Storage| match s {
             Storage::Bf16Kahan | Storage::SplitF32 => Err(OptimError::StorageNotAllowed {
                 slot,
@@ -451,7 +467,7 @@ impl ParamConfig {
             ("gradient", self.grad),
             ("state1", self.state1),
         ] {
-            if matches!(s, Storage::Rank1 { .. }) {
+            if matches!(s, Storage::Rank1 { .. } | Storage::Factorized) {
                 return Err(OptimError::StorageNotAllowed {
                     slot,
                     storage: s.describe(),

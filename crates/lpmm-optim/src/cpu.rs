@@ -32,6 +32,31 @@ pub(crate) fn stream(seed: u64, param: usize, slot: SlotKind, counter: u64) -> R
 pub struct CpuParam {
     pieces: Vec<Piece>,
     rank1: Option<Rank1State>,
+    factored: Option<Factored>,
+}
+
+/// Adafactor's factorized second moment of a tensor viewed as `rows x cols`: moving averages of
+/// the row and column means of the squared gradient, and `mean(r)` for the reconstruction
+/// `v_ij = r_i c_j / mean(r)`.
+#[derive(Debug, Clone)]
+struct Factored {
+    rows: usize,
+    cols: usize,
+    r: Vec<f32>,
+    c: Vec<f32>,
+    mean_r: f32,
+}
+
+impl Factored {
+    /// The reconstructed second moment of flat element `e`.
+    #[inline]
+    fn v(&self, e: usize) -> f32 {
+        if self.mean_r > 0.0 {
+            self.r[e / self.cols] * self.c[e % self.cols] / self.mean_r
+        } else {
+            0.0
+        }
+    }
 }
 
 /// The per-dimension maxima of a rank-1 second moment: `scales` decode the stored codes; `next`
@@ -55,6 +80,9 @@ struct Piece {
     saw_non_finite: bool,
     /// This piece's share of a rank-1 state's new maxima (empty otherwise).
     partial: Vec<f32>,
+    /// This piece's row and column sums of squared gradients for a factorized state (empty
+    /// otherwise).
+    sums: Vec<f64>,
 }
 
 impl Piece {
@@ -100,6 +128,20 @@ impl Backend for Cpu {
             }
             _ => None,
         };
+        let factored = match c.state2 {
+            Storage::Factorized if states >= 2 => {
+                let cols = meta.shape.last().copied().unwrap_or(1).max(1);
+                let rows = meta.numel / cols;
+                Some(Factored {
+                    rows,
+                    cols,
+                    r: vec![0.0; rows],
+                    c: vec![0.0; cols],
+                    mean_r: 0.0,
+                })
+            }
+            _ => None,
+        };
         let pieces = init
             .chunks(PIECE)
             .enumerate()
@@ -137,10 +179,17 @@ impl Backend for Cpu {
                     partial: rank1
                         .as_ref()
                         .map_or_else(Vec::new, |r| vec![0.0; r.scales.len()]),
+                    sums: factored
+                        .as_ref()
+                        .map_or_else(Vec::new, |f| vec![0.0; f.rows + f.cols]),
                 }
             })
             .collect();
-        Ok(CpuParam { pieces, rank1 })
+        Ok(CpuParam {
+            pieces,
+            rank1,
+            factored,
+        })
     }
 
     fn accumulate(
@@ -233,7 +282,7 @@ impl Backend for Cpu {
                 .enumerate()
                 .filter(|(_, (p, m))| m.active && p.rank1.is_some())
                 .for_each(|(index, (p, meta))| {
-                    let CpuParam { pieces, rank1 } = p;
+                    let CpuParam { pieces, rank1, .. } = p;
                     if let Some(r) = rank1.as_ref() {
                         for_pieces(pieces, |piece| {
                             rank1_fold(piece, meta, r, clip, extra(index, piece))
@@ -244,6 +293,7 @@ impl Backend for Cpu {
                 let CpuParam {
                     pieces,
                     rank1: Some(r),
+                    ..
                 } = p
                 else {
                     continue;
@@ -260,13 +310,79 @@ impl Backend for Cpu {
                 }
             }
         }
+        // Phase A (factorized second moments only): row and column sums of squared gradients,
+        // then the moving averages of their means.
+        if params
+            .iter()
+            .zip(metas)
+            .any(|(p, m)| m.active && p.factored.is_some())
+        {
+            params
+                .par_iter_mut()
+                .zip(metas.par_iter())
+                .enumerate()
+                .filter(|(_, (p, m))| m.active && p.factored.is_some())
+                .for_each(|(index, (p, meta))| {
+                    let CpuParam {
+                        pieces, factored, ..
+                    } = p;
+                    if let Some(f) = factored.as_ref() {
+                        for_pieces(pieces, |piece| {
+                            factor_fold(piece, meta, f, clip, extra(index, piece))
+                        });
+                    }
+                });
+            for (p, m) in params.iter_mut().zip(metas) {
+                let CpuParam {
+                    pieces,
+                    factored: Some(f),
+                    ..
+                } = p
+                else {
+                    continue;
+                };
+                if !m.active {
+                    continue;
+                }
+                let rule = if m.update_param {
+                    m.rule
+                } else {
+                    m.rule.without_decay()
+                };
+                let Some((b2, w2)) = rule.second_moment_betas() else {
+                    continue;
+                };
+                let (rows, cols) = (f.rows, f.cols);
+                let sum = |k: usize| pieces.iter().map(|piece| piece.sums[k]).sum::<f64>();
+                for i in 0..rows {
+                    let new = w2.mul_add((sum(i) / cols as f64) as f32, f.r[i] * b2);
+                    if new.is_finite() {
+                        f.r[i] = new;
+                    }
+                }
+                for j in 0..cols {
+                    let new = w2.mul_add((sum(rows + j) / rows as f64) as f32, f.c[j] * b2);
+                    if new.is_finite() {
+                        f.c[j] = new;
+                    }
+                }
+                f.mean_r = (f.r.iter().map(|&x| f64::from(x)).sum::<f64>() / rows as f64) as f32;
+            }
+        }
         // Phase B: the fused pass.
         let run = |index: usize, p: &mut CpuParam, meta: &ParamMeta| {
-            let CpuParam { pieces, rank1 } = p;
-            let rank1 = rank1.as_ref();
+            let CpuParam {
+                pieces,
+                rank1,
+                factored,
+            } = p;
+            let wide = TensorWide {
+                rank1: rank1.as_ref(),
+                factored: factored.as_ref(),
+            };
             for_pieces(pieces, |piece| {
                 piece.saw_non_finite =
-                    fused_step(index, piece, meta, rank1, seed, clip, extra(index, piece));
+                    fused_step(index, piece, meta, wide, seed, clip, extra(index, piece));
             });
         };
         match released {
@@ -300,6 +416,12 @@ impl Backend for Cpu {
             let out = &mut out[piece.offset..piece.offset + piece.len];
             for (c, o) in out.chunks_mut(CHUNK).enumerate() {
                 match (&param.rank1, slot) {
+                    (_, SlotKind::State2) if param.factored.is_some() => {
+                        if let Some(f) = &param.factored {
+                            let g0 = piece.offset + c * CHUNK;
+                            o.iter_mut().enumerate().for_each(|(j, x)| *x = f.v(g0 + j));
+                        }
+                    }
                     (Some(r), SlotKind::State2) => piece.slot(slot).decode_rank1(
                         c * CHUNK,
                         piece.offset + c * CHUNK,
@@ -314,6 +436,12 @@ impl Backend for Cpu {
     }
 
     fn export(&self, param: &CpuParam, _meta: &ParamMeta, slot: SlotKind) -> HostSlot {
+        if let (SlotKind::State2, Some(f)) = (slot, &param.factored) {
+            return HostSlot::Factored {
+                row: f.r.clone(),
+                col: f.c.clone(),
+            };
+        }
         let datas = param.pieces.iter().map(|p| &p.slot(slot).data);
         let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
         let mut host = HostSlot::Empty;
@@ -403,6 +531,22 @@ impl Backend for Cpu {
         slot: SlotKind,
         host: HostSlot,
     ) -> Result<(), String> {
+        if let (SlotKind::State2, Some(f)) = (slot, &mut param.factored) {
+            let HostSlot::Factored { row, col } = host else {
+                return Err("state2 slot: a factorized state was expected".into());
+            };
+            if row.len() != f.rows || col.len() != f.cols {
+                return Err("state2 slot: factorized statistics do not match the shape".into());
+            }
+            if let Some(bad) = row.iter().chain(&col).find(|x| !x.is_finite() || **x < 0.0) {
+                return Err(format!(
+                    "state2 slot: factorized statistic {bad} is not a finite non-negative number"
+                ));
+            }
+            f.mean_r = (row.iter().map(|&x| f64::from(x)).sum::<f64>() / f.rows as f64) as f32;
+            (f.r, f.c) = (row, col);
+            return Ok(());
+        }
         // Validate everything first, then write: an error leaves the slot unchanged.
         let lens: Vec<(usize, usize)> = param
             .pieces
@@ -533,6 +677,11 @@ impl Backend for Cpu {
                 *b += slot.bytes();
             }
         }
+        // A factorized state: its row and column averages, and each piece's f64 sums.
+        if let Some(f) = &param.factored {
+            let sums: usize = param.pieces.iter().map(|p| p.sums.len()).sum();
+            bytes[3] += 4 * (f.r.len() + f.c.len()) + 8 * sums;
+        }
         // A rank-1 state's tensor-wide scales, the next step's maxima and each piece's share.
         if let Some(r) = &param.rank1 {
             let partials: usize = param.pieces.iter().map(|p| p.partial.len()).sum();
@@ -565,7 +714,15 @@ fn host_lens(h: &HostSlot) -> (usize, usize) {
         HostSlot::Split { hi, rem } => (hi.len(), rem.len()),
         HostSlot::Quantized { codes, absmax } => (codes.len(), absmax.len()),
         HostSlot::Rank1 { codes, .. } => (codes.len(), 0),
+        HostSlot::Factored { row, col } => (row.len(), col.len()),
     }
+}
+
+/// A parameter's statistics that span its pieces (read-only during the fused pass).
+#[derive(Clone, Copy)]
+struct TensorWide<'a> {
+    rank1: Option<&'a Rank1State>,
+    factored: Option<&'a Factored>,
 }
 
 /// The fused step of one piece: for each chunk, decode gradient, parameter and states, apply the
@@ -575,17 +732,23 @@ fn fused_step(
     index: usize,
     piece: &mut Piece,
     meta: &ParamMeta,
-    rank1: Option<&Rank1State>,
+    tensor_wide: TensorWide<'_>,
     seed: u64,
     clip: f32,
     grad: Option<&[f32]>,
 ) -> bool {
+    let TensorWide { rank1, factored } = tensor_wide;
     let t = meta.steps + 1;
     let first = meta.steps == 0;
     let rule = if meta.update_param {
         meta.rule
     } else {
         meta.rule.without_decay()
+    };
+    let rule = if factored.is_some() {
+        rule.with_given_second_moment()
+    } else {
+        rule
     };
     let [param, grad_slot, state1, state2] = &mut piece.slots;
     let kahan = matches!(param.data, SlotData::Kahan { .. });
@@ -615,9 +778,13 @@ fn fused_step(
         }
         param.decode(start, p);
         state1.decode(start, m);
-        match rank1 {
-            Some(r) => state2.decode_rank1(start, global, v, &r.q, &r.scales),
-            None => state2.decode(start, v),
+        match (rank1, factored) {
+            (Some(r), _) => state2.decode_rank1(start, global, v, &r.q, &r.scales),
+            (_, Some(f)) => v
+                .iter_mut()
+                .enumerate()
+                .for_each(|(j, x)| *x = f.v(global + j)),
+            _ => state2.decode(start, v),
         }
         for i in 0..n {
             let gi = g[i] * clip;
@@ -720,5 +887,38 @@ fn rank1_fold(
             }
         }
         r.q.fold_maxima(v, global, &mut piece.partial);
+    }
+}
+
+/// Phase A of a factorized step for one piece: the row and column sums of the squared gradients
+/// the moments see (clipped, L2 decay folded in; non-finite values left out).
+fn factor_fold(piece: &mut Piece, meta: &ParamMeta, f: &Factored, clip: f32, grad: Option<&[f32]>) {
+    let rule = if meta.update_param {
+        meta.rule
+    } else {
+        meta.rule.without_decay()
+    };
+    piece.sums.fill(0.0);
+    let (mut g, mut p) = ([0f32; CHUNK], [0f32; CHUNK]);
+    for start in (0..piece.len).step_by(CHUNK) {
+        let n = CHUNK.min(piece.len - start);
+        let (g, p) = (&mut g[..n], &mut p[..n]);
+        let global = piece.offset + start;
+        piece.slot(SlotKind::Grad).decode(start, g);
+        if let Some(extra) = grad {
+            g.iter_mut()
+                .zip(&extra[start..start + n])
+                .for_each(|(a, &b)| *a += b);
+        }
+        piece.slot(SlotKind::Param).decode(start, p);
+        for i in 0..n {
+            let gm = rule.moment_gradient(p[i], g[i] * clip);
+            if gm.is_finite() {
+                let e = global + i;
+                let sq = f64::from(gm) * f64::from(gm);
+                piece.sums[e / f.cols] += sq;
+                piece.sums[f.rows + e % f.cols] += sq;
+            }
+        }
     }
 }

@@ -2,7 +2,8 @@
 //! gradient accumulators and states can each be stored in low precision, stepped in one fused
 //! pass per chunk. The CPU implementation here is the reference every backend must reproduce.
 //!
-//! Work in progress (issue "Optimizer core on CPU"): see docs/OPTIMIZERS.md for what is in place.
+//! `docs/OPTIMIZERS.md` documents every storage, update rule, policy and the evidence behind them;
+//! [`Backend`] is the seam GPU backends implement.
 
 pub mod backend;
 mod checkpoint;

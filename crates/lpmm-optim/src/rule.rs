@@ -31,6 +31,8 @@ pub enum Rule {
         bias_correction2_sqrt: f32,
         eps: f32,
         neg_step_size: f32,
+        /// The second moment is supplied by the caller (factorized storage) and not updated.
+        given_v: bool,
     },
     Lion {
         decay: f32,
@@ -93,6 +95,7 @@ impl Rule {
                     bias_correction2_sqrt: bias_correction2.sqrt() as f32,
                     eps: eps as f32,
                     neg_step_size: (-(lr / bias_correction1)) as f32,
+                    given_v: false,
                 }
             }
             Hyper::Lion {
@@ -138,6 +141,7 @@ impl Rule {
                 bias_correction2_sqrt,
                 eps,
                 neg_step_size,
+                given_v,
                 ..
             } => Rule::Adam {
                 decoupled: false,
@@ -150,6 +154,7 @@ impl Rule {
                 bias_correction2_sqrt,
                 eps,
                 neg_step_size,
+                given_v,
             },
             Rule::Lion {
                 neg_lr,
@@ -167,6 +172,40 @@ impl Rule {
                 beta2,
                 one_minus_beta2,
             },
+        }
+    }
+
+    /// The same rule with the second moment supplied by the caller (a factorized second moment:
+    /// `v` is the reconstructed estimate and is not updated element-wise). Only Adam has one.
+    pub fn with_given_second_moment(mut self) -> Self {
+        if let Rule::Adam { given_v, .. } = &mut self {
+            *given_v = true;
+        }
+        self
+    }
+
+    /// The gradient the moments see: Adam with L2 decay folds `wd * p` in first.
+    #[inline]
+    pub fn moment_gradient(&self, p: f32, g: f32) -> f32 {
+        match *self {
+            Rule::Adam {
+                decoupled: false,
+                wd,
+                ..
+            } if wd != 0.0 => p.mul_add(wd, g),
+            _ => g,
+        }
+    }
+
+    /// `(beta2, 1 - beta2)` of Adam's second moment, as f32.
+    pub fn second_moment_betas(&self) -> Option<(f32, f32)> {
+        match *self {
+            Rule::Adam {
+                beta2,
+                one_minus_beta2,
+                ..
+            } => Some((beta2, one_minus_beta2)),
+            _ => None,
         }
     }
 
@@ -213,6 +252,7 @@ impl Rule {
                 bias_correction2_sqrt,
                 eps,
                 neg_step_size,
+                given_v,
             } => {
                 let (g, decayed, decay_delta) = if decoupled {
                     // param.mul_(1 - lr*wd)
@@ -232,7 +272,9 @@ impl Rule {
                 };
                 // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2): torch's kernel is
                 // fma(value * grad, grad, self)
-                *v = (one_minus_beta2 * g).mul_add(g, *v * beta2);
+                if !given_v {
+                    *v = (one_minus_beta2 * g).mul_add(g, *v * beta2);
+                }
                 // denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps. IEEE sqrt: torch 2.15's
                 // CPU sqrt is off by one ulp on ~18% of inputs, the one difference from torch here.
                 let denom = v.sqrt() / bias_correction2_sqrt + eps;

@@ -87,6 +87,10 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
             },
             ..ParamConfig::f32(Hyper::adamw(1e-3))
         },
+        ParamConfig {
+            state2: Storage::Factorized,
+            ..ParamConfig::f32(Hyper::adamw(1e-3))
+        },
     ];
     let n = 3 << 20; // three pieces per parameter
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
