@@ -48,6 +48,34 @@ struct Factored {
 }
 
 impl Factored {
+    /// Moves the row and column averages by this step's sums (the pieces' shares, combined in
+    /// order) and recomputes `mean(r)`. A value that would overflow keeps its old value.
+    fn update(&mut self, pieces: &[Piece], meta: &ParamMeta) {
+        let rule = if meta.update_param {
+            meta.rule
+        } else {
+            meta.rule.without_decay()
+        };
+        let Some((b2, w2)) = rule.second_moment_betas() else {
+            return;
+        };
+        let (rows, cols) = (self.rows, self.cols);
+        let sum = |k: usize| pieces.iter().map(|piece| piece.sums[k]).sum::<f64>();
+        for i in 0..rows {
+            let new = w2.mul_add((sum(i) / cols as f64) as f32, self.r[i] * b2);
+            if new.is_finite() {
+                self.r[i] = new;
+            }
+        }
+        for j in 0..cols {
+            let new = w2.mul_add((sum(rows + j) / rows as f64) as f32, self.c[j] * b2);
+            if new.is_finite() {
+                self.c[j] = new;
+            }
+        }
+        self.mean_r = (self.r.iter().map(|&x| f64::from(x)).sum::<f64>() / rows as f64) as f32;
+    }
+
     /// The reconstructed second moment of flat element `e`.
     #[inline]
     fn v(&self, e: usize) -> f32 {
@@ -270,103 +298,51 @@ impl Backend for Cpu {
             Some((i, g)) if i == index => Some(&g[piece.offset..piece.offset + piece.len]),
             _ => None,
         };
-        // Phase A (rank-1 second moments only): fold the maxima of the updated states.
-        if params
-            .iter()
-            .zip(metas)
-            .any(|(p, m)| m.active && p.rank1.is_some())
-        {
+        // Phase A (second moments that span pieces: rank-1 maxima, factorized row and column
+        // sums): every piece folds its share, then the shares are combined in a fixed order.
+        let spans =
+            |p: &CpuParam, m: &ParamMeta| m.active && (p.rank1.is_some() || p.factored.is_some());
+        if params.iter().zip(metas).any(|(p, m)| spans(p, m)) {
             params
                 .par_iter_mut()
                 .zip(metas.par_iter())
                 .enumerate()
-                .filter(|(_, (p, m))| m.active && p.rank1.is_some())
-                .for_each(|(index, (p, meta))| {
-                    let CpuParam { pieces, rank1, .. } = p;
-                    if let Some(r) = rank1.as_ref() {
-                        for_pieces(pieces, |piece| {
-                            rank1_fold(piece, meta, r, clip, extra(index, piece))
-                        });
-                    }
-                });
-            for (p, m) in params.iter_mut().zip(metas) {
-                let CpuParam {
-                    pieces,
-                    rank1: Some(r),
-                    ..
-                } = p
-                else {
-                    continue;
-                };
-                if !m.active {
-                    continue;
-                }
-                r.next.fill(0.0);
-                for piece in pieces.iter() {
-                    r.next
-                        .iter_mut()
-                        .zip(&piece.partial)
-                        .for_each(|(a, &b)| *a = a.max(b));
-                }
-            }
-        }
-        // Phase A (factorized second moments only): row and column sums of squared gradients,
-        // then the moving averages of their means.
-        if params
-            .iter()
-            .zip(metas)
-            .any(|(p, m)| m.active && p.factored.is_some())
-        {
-            params
-                .par_iter_mut()
-                .zip(metas.par_iter())
-                .enumerate()
-                .filter(|(_, (p, m))| m.active && p.factored.is_some())
+                .filter(|(_, (p, m))| spans(p, m))
                 .for_each(|(index, (p, meta))| {
                     let CpuParam {
-                        pieces, factored, ..
+                        pieces,
+                        rank1,
+                        factored,
                     } = p;
-                    if let Some(f) = factored.as_ref() {
-                        for_pieces(pieces, |piece| {
-                            factor_fold(piece, meta, f, clip, extra(index, piece))
-                        });
-                    }
+                    let (rank1, factored) = (rank1.as_ref(), factored.as_ref());
+                    for_pieces(pieces, |piece| {
+                        let g = extra(index, piece);
+                        if let Some(r) = rank1 {
+                            rank1_fold(piece, meta, r, clip, g);
+                        }
+                        if let Some(f) = factored {
+                            factor_fold(piece, meta, f, clip, g);
+                        }
+                    });
                 });
-            for (p, m) in params.iter_mut().zip(metas) {
+            for (p, m) in params.iter_mut().zip(metas).filter(|(p, m)| spans(p, m)) {
                 let CpuParam {
                     pieces,
-                    factored: Some(f),
-                    ..
-                } = p
-                else {
-                    continue;
-                };
-                if !m.active {
-                    continue;
-                }
-                let rule = if m.update_param {
-                    m.rule
-                } else {
-                    m.rule.without_decay()
-                };
-                let Some((b2, w2)) = rule.second_moment_betas() else {
-                    continue;
-                };
-                let (rows, cols) = (f.rows, f.cols);
-                let sum = |k: usize| pieces.iter().map(|piece| piece.sums[k]).sum::<f64>();
-                for i in 0..rows {
-                    let new = w2.mul_add((sum(i) / cols as f64) as f32, f.r[i] * b2);
-                    if new.is_finite() {
-                        f.r[i] = new;
+                    rank1,
+                    factored,
+                } = p;
+                if let Some(r) = rank1 {
+                    r.next.fill(0.0);
+                    for piece in pieces.iter() {
+                        r.next
+                            .iter_mut()
+                            .zip(&piece.partial)
+                            .for_each(|(a, &b)| *a = a.max(b));
                     }
                 }
-                for j in 0..cols {
-                    let new = w2.mul_add((sum(rows + j) / rows as f64) as f32, f.c[j] * b2);
-                    if new.is_finite() {
-                        f.c[j] = new;
-                    }
+                if let Some(f) = factored {
+                    f.update(pieces, m);
                 }
-                f.mean_r = (f.r.iter().map(|&x| f64::from(x)).sum::<f64>() / rows as f64) as f32;
             }
         }
         // Phase B: the fused pass.
@@ -718,6 +694,25 @@ fn host_lens(h: &HostSlot) -> (usize, usize) {
     }
 }
 
+/// Decodes a chunk's gradient (the accumulator plus the released gradient, if any) and parameter.
+fn load_gradient_and_param(
+    grad_slot: &Slot,
+    param: &Slot,
+    start: usize,
+    released: Option<&[f32]>,
+    g: &mut [f32],
+    p: &mut [f32],
+) {
+    grad_slot.decode(start, g);
+    let n = g.len();
+    if let Some(extra) = released {
+        g.iter_mut()
+            .zip(&extra[start..start + n])
+            .for_each(|(a, &b)| *a += b);
+    }
+    param.decode(start, p);
+}
+
 /// A parameter's statistics that span its pieces (read-only during the fused pass).
 #[derive(Clone, Copy)]
 struct TensorWide<'a> {
@@ -770,13 +765,7 @@ fn fused_step(
             &mut d[..n],
         );
         let global = piece.offset + start;
-        grad_slot.decode(start, g);
-        if let Some(extra) = grad {
-            g.iter_mut()
-                .zip(&extra[start..start + n])
-                .for_each(|(a, &b)| *a += b);
-        }
-        param.decode(start, p);
+        load_gradient_and_param(grad_slot, param, start, grad, g, p);
         state1.decode(start, m);
         match (rank1, factored) {
             (Some(r), _) => state2.decode_rank1(start, global, v, &r.q, &r.scales),
@@ -864,13 +853,14 @@ fn rank1_fold(
         let n = CHUNK.min(piece.len - start);
         let (g, p, m, v) = (&mut g[..n], &mut p[..n], &mut m[..n], &mut v[..n]);
         let global = piece.offset + start;
-        piece.slot(SlotKind::Grad).decode(start, g);
-        if let Some(extra) = grad {
-            g.iter_mut()
-                .zip(&extra[start..start + n])
-                .for_each(|(a, &b)| *a += b);
-        }
-        piece.slot(SlotKind::Param).decode(start, p);
+        load_gradient_and_param(
+            piece.slot(SlotKind::Grad),
+            piece.slot(SlotKind::Param),
+            start,
+            grad,
+            g,
+            p,
+        );
         piece.slot(SlotKind::State1).decode(start, m);
         piece
             .slot(SlotKind::State2)
@@ -904,13 +894,14 @@ fn factor_fold(piece: &mut Piece, meta: &ParamMeta, f: &Factored, clip: f32, gra
         let n = CHUNK.min(piece.len - start);
         let (g, p) = (&mut g[..n], &mut p[..n]);
         let global = piece.offset + start;
-        piece.slot(SlotKind::Grad).decode(start, g);
-        if let Some(extra) = grad {
-            g.iter_mut()
-                .zip(&extra[start..start + n])
-                .for_each(|(a, &b)| *a += b);
-        }
-        piece.slot(SlotKind::Param).decode(start, p);
+        load_gradient_and_param(
+            piece.slot(SlotKind::Grad),
+            piece.slot(SlotKind::Param),
+            start,
+            grad,
+            g,
+            p,
+        );
         for i in 0..n {
             let gm = rule.moment_gradient(p[i], g[i] * clip);
             if gm.is_finite() {
