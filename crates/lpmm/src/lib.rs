@@ -2,9 +2,12 @@
 //!
 //! This facade re-exports the layers a user needs: [`formats`] (bf16/f16/fp8, code maps,
 //! packing, split f32), [`quant`] (block-wise and rank-1 quantization, counter-based random
-//! bits) and [`optim`] (the optimizer core and its CPU reference). GPU backends and framework
-//! integrations are added by later layers behind features.
+//! bits) and [`optim`] (the optimizer core and its CPU reference). Feature `candle`: `candle`, a
+//! `candle_nn::Optimizer` for any lpmm configuration. GPU backends are added behind features by
+//! later layers.
 
+#[cfg(feature = "candle")]
+pub use lpmm_candle as candle;
 pub use lpmm_formats as formats;
 pub use lpmm_optim as optim;
 pub use lpmm_quant as quant;
