@@ -12,6 +12,8 @@
 //! stores them (bf16-rounded, 8-bit-quantized, ...), so the model trains on exactly what lpmm
 //! keeps.
 
+pub mod experiments;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Error, Result, Tensor, Var};
 use lpmm_optim::{MemoryReport, Optimizer, OptimizerOptions, ParamConfig, ParamId, StepReport};

@@ -9,12 +9,14 @@ pub fn sgdm_f32(lr: f64, momentum: f64) -> ParamConfig {
 }
 
 /// LPMM-SGDM: parameters, gradient accumulator and momentum all 8-bit linear in groups of 64 with
-/// stochastic rounding (about 3.19 bytes per parameter).
+/// stochastic rounding (about 3.19 bytes per parameter), for every tensor however small (LPMM
+/// keeps the whole model memory in 8 bits; there is no minimum size).
 pub fn lpmm_sgdm(lr: f64, momentum: f64) -> ParamConfig {
     ParamConfig {
         param: Storage::LINEAR8_GROUP64_SR,
         grad: Storage::LINEAR8_GROUP64_SR,
         state1: Storage::LINEAR8_GROUP64_SR,
+        min_quantized_size: 0,
         ..ParamConfig::f32(Hyper::sgd(lr, momentum))
     }
 }

@@ -1,0 +1,638 @@
+//! The training runs behind the README's main command (`examples/compare.rs`): two real tasks,
+//! every preset, the same initialisation and data order for all of them, and the measurements
+//! the report prints. Data: `data/` (see its README for sources, licences and the fixed splits).
+
+use std::io::Read;
+use std::time::Instant;
+
+use candle_core::{D, DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, LayerNorm, Linear, Optimizer as _, VarBuilder, VarMap};
+use lpmm_optim::{Hyper, ParamConfig, presets};
+use serde::Serialize;
+
+use crate::{LpmmConfig, LpmmOptimizer};
+
+const DIGITS_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
+const SHAKESPEARE_GZ: &[u8] = include_bytes!("../data/shakespeare.txt.gz");
+
+fn gunzip(bytes: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(bytes)
+        .read_to_end(&mut out)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(out)
+}
+
+/// The digits data set: 8x8 images scaled to [0, 1], labels 0..9.
+#[derive(Debug, Clone)]
+pub struct Digits {
+    /// Training images, 64 values each.
+    pub train_x: Vec<f32>,
+    /// Training labels.
+    pub train_y: Vec<u32>,
+    /// Validation images.
+    pub val_x: Vec<f32>,
+    /// Validation labels.
+    pub val_y: Vec<u32>,
+}
+
+/// Loads the digits with the fixed split: sample `i` validates iff `i % 5 == 0`.
+pub fn digits() -> Result<Digits> {
+    let text = String::from_utf8(gunzip(DIGITS_GZ)?).map_err(candle_core::Error::wrap)?;
+    let mut d = Digits {
+        train_x: Vec::new(),
+        train_y: Vec::new(),
+        val_x: Vec::new(),
+        val_y: Vec::new(),
+    };
+    for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
+        let v: Vec<u32> = line
+            .split(',')
+            .map(|f| f.trim().parse::<u32>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(candle_core::Error::wrap)?;
+        if v.len() != 65 {
+            return Err(candle_core::Error::Msg(format!(
+                "digits row {i} has {} fields",
+                v.len()
+            )));
+        }
+        let (x, y) = if i % 5 == 0 {
+            (&mut d.val_x, &mut d.val_y)
+        } else {
+            (&mut d.train_x, &mut d.train_y)
+        };
+        x.extend(v[..64].iter().map(|&p| p as f32 / 16.0));
+        y.push(v[64]);
+    }
+    Ok(d)
+}
+
+/// The Shakespeare text as byte-level tokens.
+#[derive(Debug, Clone)]
+pub struct Text {
+    /// The distinct bytes, sorted: token `t` is `vocab[t]`.
+    pub vocab: Vec<u8>,
+    /// Training tokens (the first 90%).
+    pub train: Vec<u32>,
+    /// Validation tokens (the last 10%).
+    pub val: Vec<u32>,
+}
+
+/// Loads the six plays; the last 10% of the bytes validate.
+pub fn shakespeare() -> Result<Text> {
+    let bytes = gunzip(SHAKESPEARE_GZ)?;
+    let mut vocab: Vec<u8> = bytes.clone();
+    vocab.sort_unstable();
+    vocab.dedup();
+    let mut index = [0u32; 256];
+    for (t, &b) in vocab.iter().enumerate() {
+        index[usize::from(b)] = t as u32;
+    }
+    let tokens: Vec<u32> = bytes.iter().map(|&b| index[usize::from(b)]).collect();
+    let cut = tokens.len() * 9 / 10;
+    Ok(Text {
+        vocab,
+        train: tokens[..cut].to_vec(),
+        val: tokens[cut..].to_vec(),
+    })
+}
+
+/// A small deterministic generator (SplitMix64) for initialisation and data order, so every
+/// preset sees the same numbers.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.uniform() * n as f64) as usize
+    }
+}
+
+/// Re-initialises every variable deterministically from `seed`: a variable whose values are all
+/// equal (layer-norm gains and biases) keeps them; any other gets uniform values with the same
+/// standard deviation candle's initialiser gave it.
+fn reinit(varmap: &VarMap, seed: u64) -> Result<()> {
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = Rng::new(seed);
+    for name in names {
+        let var = &data[name];
+        let v = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+        if v.iter().all(|&x| x == v[0]) {
+            continue;
+        }
+        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
+        let std = (v
+            .iter()
+            .map(|&x| (f64::from(x) - mean).powi(2))
+            .sum::<f64>()
+            / v.len() as f64)
+            .sqrt();
+        let a = std * 3f64.sqrt();
+        let fresh: Vec<f32> = (0..v.len())
+            .map(|_| ((rng.uniform() * 2.0 - 1.0) * a) as f32)
+            .collect();
+        var.set(&Tensor::from_vec(fresh, var.shape(), var.device())?)?;
+    }
+    Ok(())
+}
+
+/// The digits classifier: 64 -> 128 (ReLU) -> 10.
+#[derive(Debug)]
+pub struct Mlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Mlp {
+    /// Builds the model in `vb`.
+    pub fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Mlp {
+            l1: candle_nn::linear(64, 128, vb.pp("l1"))?,
+            l2: candle_nn::linear(128, 10, vb.pp("l2"))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.relu()?)
+    }
+}
+
+/// Sizes of the character-level transformer.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LmShape {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub width: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Context length.
+    pub context: usize,
+}
+
+#[derive(Debug)]
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+/// A small causal character-level transformer (pre-norm blocks, learned positions).
+#[derive(Debug)]
+pub struct CharLm {
+    shape: LmShape,
+    tokens: Embedding,
+    positions: Embedding,
+    blocks: Vec<Block>,
+    ln: LayerNorm,
+    head: Linear,
+    mask: Tensor,
+}
+
+impl CharLm {
+    /// Builds the model in `vb`.
+    pub fn new(shape: LmShape, vb: VarBuilder, device: &Device) -> Result<Self> {
+        let w = shape.width;
+        let blocks = (0..shape.layers)
+            .map(|i| {
+                let vb = vb.pp(format!("block{i}"));
+                Ok(Block {
+                    ln1: candle_nn::layer_norm(w, 1e-5, vb.pp("ln1"))?,
+                    qkv: candle_nn::linear(w, 3 * w, vb.pp("qkv"))?,
+                    proj: candle_nn::linear(w, w, vb.pp("proj"))?,
+                    ln2: candle_nn::layer_norm(w, 1e-5, vb.pp("ln2"))?,
+                    up: candle_nn::linear(w, 4 * w, vb.pp("up"))?,
+                    down: candle_nn::linear(4 * w, w, vb.pp("down"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let t = shape.context;
+        let mask: Vec<f32> = (0..t * t)
+            .map(|k| {
+                if k % t > k / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Ok(CharLm {
+            shape,
+            tokens: candle_nn::embedding(shape.vocab, w, vb.pp("tokens"))?,
+            positions: candle_nn::embedding(t, w, vb.pp("positions"))?,
+            blocks,
+            ln: candle_nn::layer_norm(w, 1e-5, vb.pp("ln"))?,
+            head: candle_nn::linear(w, shape.vocab, vb.pp("head"))?,
+            mask: Tensor::from_vec(mask, (t, t), device)?,
+        })
+    }
+
+    /// Logits `(batch, context, vocab)` for token ids `(batch, context)`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let (w, h) = (self.shape.width, self.shape.heads);
+        let pos = Tensor::arange(0u32, t as u32, ids.device())?;
+        let mut x = self
+            .tokens
+            .forward(ids)?
+            .broadcast_add(&self.positions.forward(&pos)?)?;
+        for blk in &self.blocks {
+            let qkv = blk
+                .qkv
+                .forward(&blk.ln1.forward(&x)?)?
+                .reshape((b, t, 3, h, w / h))?;
+            let head = |k: usize| {
+                qkv.narrow(2, k, 1)?
+                    .squeeze(2)?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            let (q, k, v) = (head(0)?, head(1)?, head(2)?);
+            let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? / ((w / h) as f64).sqrt())?;
+            let att = candle_nn::ops::softmax_last_dim(
+                &scores.broadcast_add(&self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?,
+            )?;
+            let y = att
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((b, t, w))?;
+            x = (x + blk.proj.forward(&y)?)?;
+            let m = blk
+                .down
+                .forward(&blk.up.forward(&blk.ln2.forward(&x)?)?.gelu()?)?;
+            x = (x + m)?;
+        }
+        self.head.forward(&self.ln.forward(&x)?)
+    }
+}
+
+/// A preset as the comparison runs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Preset {
+    /// Its name in the report.
+    pub name: &'static str,
+    /// The lpmm configuration for a learning rate.
+    pub config: fn(f64) -> ParamConfig,
+    /// Whether it is an SGD preset (takes the SGD learning rate of the task).
+    pub sgd: bool,
+    /// The preset its memory and quality are compared with.
+    pub reference: &'static str,
+    /// Micro-batches per step (LPMM's microbatching: gradients accumulated in the low-precision
+    /// accumulator, one step per batch).
+    pub micro_batches: usize,
+}
+
+/// The presets of the comparison, references first.
+pub fn presets() -> Vec<Preset> {
+    vec![
+        Preset {
+            name: "f32 AdamW",
+            config: presets::adamw_f32,
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "f32 SGDM",
+            config: |lr| presets::sgdm_f32(lr, 0.9),
+            sgd: true,
+            reference: "f32 SGDM",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "8-bit AdamW, bf16",
+            config: presets::adamw_8bit_bf16,
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "8-bit AdamW, bf16 SR",
+            config: presets::adamw_8bit_bf16_sr,
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "4-bit AdamW, split f32",
+            config: presets::adamw_4bit_split,
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "LPMM-SGDM",
+            config: |lr| presets::lpmm_sgdm(lr, 0.9),
+            sgd: true,
+            reference: "f32 SGDM",
+            micro_batches: 4,
+        },
+        Preset {
+            name: "bf16 AdamW, round to nearest",
+            config: |lr| presets::bf16_nearest(Hyper::adamw(lr)),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+    ]
+}
+
+/// One run's measurements.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    /// "digits" or "shakespeare".
+    pub task: String,
+    /// The preset's name.
+    pub preset: String,
+    /// The preset it is compared with.
+    pub reference: String,
+    /// The initialisation seed.
+    pub seed: u64,
+    /// Parameters trained.
+    pub params: usize,
+    /// Model memory lpmm holds (parameters, gradient accumulators, states), bytes per parameter.
+    pub bytes_per_param: f64,
+    /// Mean training loss over the last 10% of steps.
+    pub final_train_loss: f64,
+    /// Validation loss (cross-entropy, nats).
+    pub val_loss: f64,
+    /// Validation accuracy (digits: classification; language model: next character), in [0, 1].
+    pub val_accuracy: f64,
+    /// Wall time per optimizer step, milliseconds.
+    pub ms_per_step: f64,
+    /// Training loss every `curve_every` steps.
+    pub curve: Vec<f64>,
+    /// Steps between curve points.
+    pub curve_every: usize,
+}
+
+/// How long a task trains.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Budget {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Examples (digits) or sequences (language model) per step.
+    pub batch: usize,
+}
+
+/// The learning rate at `step` of `steps`: cosine decay from `peak` to 1% of it. Every preset
+/// follows the same schedule; the small late rates are where round-to-nearest storage stalls.
+pub fn schedule(peak: f64, step: usize, steps: usize) -> f64 {
+    let progress = step as f64 / steps.max(1) as f64;
+    peak * (0.01 + 0.99 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+}
+
+fn record(curve: &mut Vec<f64>, losses: &[f64], every: usize) {
+    if losses.len() % every == 0 {
+        let tail = &losses[losses.len() - every..];
+        curve.push(tail.iter().sum::<f64>() / every as f64);
+    }
+}
+
+fn final_loss(losses: &[f64]) -> f64 {
+    let n = (losses.len() / 10).max(1);
+    losses[losses.len() - n..].iter().sum::<f64>() / n as f64
+}
+
+/// Trains the digits MLP with `preset`; `progress(step)` is called after every step.
+pub fn run_digits(
+    d: &Digits,
+    preset: &Preset,
+    seed: u64,
+    budget: Budget,
+    mut progress: impl FnMut(usize),
+) -> Result<RunResult> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    reinit(&varmap, seed)?;
+    let lr = if preset.sgd { 0.05 } else { 2e-3 };
+    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
+    let n = d.train_y.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
+    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
+    let start = Instant::now();
+    let mut at = n;
+    for step in 0..budget.steps {
+        opt.set_learning_rate(schedule(lr, step, budget.steps));
+        let mut batch = Vec::with_capacity(budget.batch);
+        while batch.len() < budget.batch {
+            if at == n {
+                for i in (1..n).rev() {
+                    order.swap(i, data_rng.below(i + 1));
+                }
+                at = 0;
+            }
+            batch.push(order[at]);
+            at += 1;
+        }
+        let mut step_loss = 0.0;
+        for micro in batch.chunks(budget.batch / preset.micro_batches) {
+            let xs: Vec<f32> = micro
+                .iter()
+                .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
+                .collect();
+            let ys: Vec<u32> = micro.iter().map(|&i| d.train_y[i]).collect();
+            let x = Tensor::from_vec(xs, (micro.len(), 64), &dev)?;
+            let y = Tensor::from_vec(ys, micro.len(), &dev)?;
+            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+            step_loss += f64::from(loss.to_scalar::<f32>()?) / preset.micro_batches as f64;
+            opt.accumulate(&(loss / preset.micro_batches as f64)?.backward()?)?;
+        }
+        opt.apply()?;
+        losses.push(step_loss);
+        record(&mut curve, &losses, every);
+        progress(step + 1);
+    }
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
+    let x = Tensor::from_vec(d.val_x.clone(), (d.val_y.len(), 64), &dev)?;
+    let y = Tensor::from_vec(d.val_y.clone(), d.val_y.len(), &dev)?;
+    let logits = model.forward(&x)?;
+    let val_loss = f64::from(candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?);
+    let correct = logits
+        .argmax(D::Minus1)?
+        .eq(&y)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    finish(
+        "digits",
+        preset,
+        seed,
+        &opt,
+        losses,
+        curve,
+        every,
+        val_loss,
+        f64::from(correct) / d.val_y.len() as f64,
+        ms_per_step,
+    )
+}
+
+/// The language model's size in the comparison.
+pub fn lm_shape(vocab: usize) -> LmShape {
+    LmShape {
+        vocab,
+        width: 64,
+        heads: 4,
+        layers: 2,
+        context: 64,
+    }
+}
+
+/// Trains the character-level transformer with `preset`; `progress(step)` after every step.
+pub fn run_shakespeare(
+    text: &Text,
+    preset: &Preset,
+    seed: u64,
+    budget: Budget,
+    mut progress: impl FnMut(usize),
+) -> Result<RunResult> {
+    let dev = Device::Cpu;
+    let shape = lm_shape(text.vocab.len());
+    let varmap = VarMap::new();
+    let model = CharLm::new(
+        shape,
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+        &dev,
+    )?;
+    reinit(&varmap, seed)?;
+    let lr = if preset.sgd { 0.3 } else { 3e-3 };
+    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
+    let t = shape.context;
+    let window = |tokens: &[u32], starts: &[usize]| -> Result<(Tensor, Tensor)> {
+        let x: Vec<u32> = starts
+            .iter()
+            .flat_map(|&s| tokens[s..s + t].iter().copied())
+            .collect();
+        let y: Vec<u32> = starts
+            .iter()
+            .flat_map(|&s| tokens[s + 1..s + t + 1].iter().copied())
+            .collect();
+        Ok((
+            Tensor::from_vec(x, (starts.len(), t), &dev)?,
+            Tensor::from_vec(y, starts.len() * t, &dev)?,
+        ))
+    };
+    let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
+    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
+    let start = Instant::now();
+    for step in 0..budget.steps {
+        opt.set_learning_rate(schedule(lr, step, budget.steps));
+        let starts: Vec<usize> = (0..budget.batch)
+            .map(|_| data_rng.below(text.train.len() - t - 1))
+            .collect();
+        let mut step_loss = 0.0;
+        for micro in starts.chunks(budget.batch / preset.micro_batches) {
+            let (x, y) = window(&text.train, micro)?;
+            let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            step_loss += f64::from(loss.to_scalar::<f32>()?) / preset.micro_batches as f64;
+            opt.accumulate(&(loss / preset.micro_batches as f64)?.backward()?)?;
+        }
+        opt.apply()?;
+        losses.push(step_loss);
+        record(&mut curve, &losses, every);
+        progress(step + 1);
+    }
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
+    // Validation: 128 fixed windows spread evenly over the held-out text.
+    let count = 128;
+    let span = text.val.len() - t - 1;
+    let starts: Vec<usize> = (0..count).map(|k| k * span / count).collect();
+    let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
+    for chunk in starts.chunks(32) {
+        let (x, y) = window(&text.val, chunk)?;
+        let logits = model.forward(&x)?.reshape((chunk.len() * t, shape.vocab))?;
+        loss_sum += f64::from(candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?)
+            * chunk.len() as f64;
+        correct += f64::from(
+            logits
+                .argmax(D::Minus1)?
+                .eq(&y)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?,
+        );
+    }
+    let val_loss = loss_sum / count as f64;
+    let accuracy = correct / (count * t) as f64;
+    finish(
+        "shakespeare",
+        preset,
+        seed,
+        &opt,
+        losses,
+        curve,
+        every,
+        val_loss,
+        accuracy,
+        ms_per_step,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    task: &str,
+    preset: &Preset,
+    seed: u64,
+    opt: &LpmmOptimizer,
+    losses: Vec<f64>,
+    curve: Vec<f64>,
+    every: usize,
+    val_loss: f64,
+    val_accuracy: f64,
+    ms_per_step: f64,
+) -> Result<RunResult> {
+    let report = opt.memory_report();
+    let _ = opt.learning_rate();
+    Ok(RunResult {
+        task: task.to_string(),
+        preset: preset.name.to_string(),
+        reference: preset.reference.to_string(),
+        seed,
+        params: report.numel(),
+        bytes_per_param: report.bytes_per_param(),
+        final_train_loss: final_loss(&losses),
+        val_loss,
+        val_accuracy,
+        ms_per_step,
+        curve,
+        curve_every: every,
+    })
+}
