@@ -416,6 +416,30 @@ pub fn schedule(peak: f64, step: usize, steps: usize) -> f64 {
     peak * (0.01 + 0.99 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
+/// One optimizer step on `batch`: split into the preset's micro-batches (never more than there
+/// are items), each micro-batch's mean loss scaled by 1/count and its gradients accumulated in
+/// lpmm's accumulator, then one step. Returns the batch's mean loss.
+fn train_step(
+    opt: &mut LpmmOptimizer,
+    preset: &Preset,
+    batch: &[usize],
+    loss_of: impl Fn(&[usize]) -> Result<Tensor>,
+) -> Result<f64> {
+    let size = batch
+        .len()
+        .div_ceil(preset.micro_batches.clamp(1, batch.len().max(1)))
+        .max(1);
+    let count = batch.len().div_ceil(size) as f64;
+    let mut mean = 0.0;
+    for micro in batch.chunks(size) {
+        let loss = loss_of(micro)?;
+        mean += f64::from(loss.to_scalar::<f32>()?) / count;
+        opt.accumulate(&(loss / count)?.backward()?)?;
+    }
+    opt.apply()?;
+    Ok(mean)
+}
+
 fn record(curve: &mut Vec<f64>, losses: &[f64], every: usize) {
     if losses.len() % every == 0 {
         let tail = &losses[losses.len() - every..];
@@ -461,8 +485,7 @@ pub fn run_digits(
             batch.push(order[at]);
             at += 1;
         }
-        let mut step_loss = 0.0;
-        for micro in batch.chunks(budget.batch / preset.micro_batches) {
+        let step_loss = train_step(&mut opt, preset, &batch, |micro| {
             let xs: Vec<f32> = micro
                 .iter()
                 .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
@@ -470,11 +493,8 @@ pub fn run_digits(
             let ys: Vec<u32> = micro.iter().map(|&i| d.train_y[i]).collect();
             let x = Tensor::from_vec(xs, (micro.len(), 64), &dev)?;
             let y = Tensor::from_vec(ys, micro.len(), &dev)?;
-            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-            step_loss += f64::from(loss.to_scalar::<f32>()?) / preset.micro_batches as f64;
-            opt.accumulate(&(loss / preset.micro_batches as f64)?.backward()?)?;
-        }
-        opt.apply()?;
+            candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)
+        })?;
         losses.push(step_loss);
         record(&mut curve, &losses, every);
         progress(step + 1);
@@ -557,15 +577,11 @@ pub fn run_shakespeare(
         let starts: Vec<usize> = (0..budget.batch)
             .map(|_| data_rng.below(text.train.len() - t - 1))
             .collect();
-        let mut step_loss = 0.0;
-        for micro in starts.chunks(budget.batch / preset.micro_batches) {
+        let step_loss = train_step(&mut opt, preset, &starts, |micro| {
             let (x, y) = window(&text.train, micro)?;
             let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            step_loss += f64::from(loss.to_scalar::<f32>()?) / preset.micro_batches as f64;
-            opt.accumulate(&(loss / preset.micro_batches as f64)?.backward()?)?;
-        }
-        opt.apply()?;
+            candle_nn::loss::cross_entropy(&logits, &y)
+        })?;
         losses.push(step_loss);
         record(&mut curve, &losses, every);
         progress(step + 1);
@@ -620,7 +636,6 @@ fn finish(
     ms_per_step: f64,
 ) -> Result<RunResult> {
     let report = opt.memory_report();
-    let _ = opt.learning_rate();
     Ok(RunResult {
         task: task.to_string(),
         preset: preset.name.to_string(),
