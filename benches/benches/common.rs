@@ -7,28 +7,41 @@ use std::hint::black_box;
 /// (This machine's shared L3 may still hold part of it; issue 5's benches go to 256M.)
 pub const N: usize = 1 << 24;
 
-/// Deterministic normal-ish data (sum of uniforms), no dependency on a RNG crate.
+/// Deterministic normal-ish data.
 pub fn data(n: usize) -> Vec<f32> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    (0..n)
-        .map(|_| {
-            let mut s = 0.0f32;
-            for _ in 0..4 {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                s += (state >> 40) as f32 / (1u64 << 24) as f32;
-            }
-            s - 2.0
-        })
-        .collect()
+    lpmm_benches::data(n, 1.0)
+}
+
+/// Records a case of `group` processing `N` elements and moving `bytes` per element, read
+/// against the group's memcpy.
+pub fn describe(group: &str, id: &str, bytes: f64) {
+    let full = format!("{group}/{id}");
+    let ceiling = format!("{group}/memcpy_64MiB");
+    lpmm_benches::describe(&lpmm_benches::CaseInfo {
+        id: &full,
+        params: N,
+        bytes_per_param: bytes,
+        kind: if id.starts_with("memcpy") {
+            lpmm_benches::Kind::Ceiling
+        } else {
+            lpmm_benches::Kind::Lpmm
+        },
+        ceiling: if id.starts_with("memcpy") {
+            None
+        } else {
+            Some(&ceiling)
+        },
+        preset: None,
+    });
 }
 
 /// The reference every figure is read against: copying `N` f32 with all threads (rayon, as the
 /// quantizers run), measured in the same run. Throughput counts the bytes copied (each read once
-/// and written once).
-pub fn memcpy_reference(group: &mut BenchmarkGroup<'_, WallTime>) {
+/// and written once; the sidecar counts both, 8 bytes per element).
+pub fn memcpy_reference(group: &mut BenchmarkGroup<'_, WallTime>, name: &str) {
     use rayon::prelude::*;
+    // Each f32 is read once and written once: 8 bytes per element.
+    describe(name, "memcpy_64MiB", 8.0);
     let src = data(N);
     let mut dst = vec![0f32; N];
     group.throughput(Throughput::Bytes((N * 4) as u64));

@@ -1,26 +1,30 @@
 //! Element-wise format conversions over 16M values.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use lpmm_formats::{Fp8, Overflow, Rounding, SplitF32, bf16, float};
+use lpmm_formats::{Fp8, Overflow, Rounding, SplitF32, bf16, float, simd};
 use std::hint::black_box;
 
 #[path = "common.rs"]
 mod common;
-use common::{N, data, memcpy_reference};
+use common::{N, data, describe, memcpy_reference};
 
 fn conversions(c: &mut Criterion) {
     let x = data(N);
     let mut group = c.benchmark_group("formats");
     group.sample_size(10);
-    memcpy_reference(&mut group);
+    memcpy_reference(&mut group, "formats");
+    for (id, bytes) in [
+        ("bf16_nearest", 6.0),
+        ("bf16_stochastic", 6.0),
+        ("e4m3_nearest", 5.0),
+        ("split_f32", 8.0),
+    ] {
+        describe("formats", id, bytes);
+    }
     group.throughput(Throughput::Elements(N as u64));
     let mut out16 = vec![bf16::ZERO; N];
     group.bench_function("bf16_nearest", |b| {
-        b.iter(|| {
-            for (o, &v) in out16.iter_mut().zip(black_box(&x)) {
-                *o = float::bf16_nearest(v);
-            }
-        })
+        b.iter(|| simd::f32_to_bf16_nearest(black_box(&x), &mut out16))
     });
     group.bench_function("bf16_stochastic", |b| {
         b.iter(|| {

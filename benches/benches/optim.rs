@@ -1,25 +1,142 @@
-//! The fused optimizer step: 8-bit AdamW with bf16 parameters and gradient accumulator at 16M
-//! parameters, on 1 and 2 threads, beside a memcpy measured in the same run.
+//! The fused optimizer step of every preset at 1M, 16M, 64M and 256M parameters, each beside its
+//! bandwidth ceiling (an in-place read-modify-write over buffers of the step's sizes) measured in
+//! the same run; the Rust peers (candle-nn's AdamW, burn's AdamW with feature `burn`) at the same
+//! sizes; per-tensor overhead (10,000 tensors of 1,000 against one of 10M) and 1 vs 2 threads.
 //!
-//! Each iteration is `step_param` (gradient release) with an f32 gradient: it reads the gradient,
-//! the (empty) bf16 accumulator, the bf16 parameter and both 8-bit states, and writes parameter,
-//! states and the cleared accumulator.
+//! A step case is `step_param` with an f32 gradient (gradient release: one fused pass that adds
+//! the gradient to the accumulator's content, steps, and clears the accumulator). Bytes per
+//! parameter are counted from the formats: every slot is read and written once, plus the 4 bytes
+//! of the f32 gradient read.
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+use criterion::{
+    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
+use lpmm_benches::{
+    CaseInfo, Kind, M, RmwCeiling, candle_peer::CandleAdamW, data, describe, label, quick, sizes,
+};
+use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, presets};
 use std::hint::black_box;
+use std::time::Duration;
 
-#[path = "common.rs"]
-mod common;
-use common::{N, data, memcpy_reference};
+fn presets() -> Vec<(&'static str, ParamConfig)> {
+    vec![
+        ("adamw_f32", presets::adamw_f32(1e-3)),
+        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3)),
+        ("adamw_8bit_bf16_sr", presets::adamw_8bit_bf16_sr(1e-3)),
+        ("adamw_4bit_split", presets::adamw_4bit_split(1e-3)),
+        (
+            "adamw_4bit_bf16_sr_released",
+            presets::adamw_4bit_bf16_sr_released(1e-3),
+        ),
+        ("sgdm_f32", presets::sgdm_f32(1e-2, 0.9)),
+        ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9)),
+    ]
+}
+
+/// Criterion settings for a case whose iteration takes up to seconds: flat sampling, ten
+/// samples, no promise of a measurement time.
+fn configure(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    group.sample_size(10);
+    group.sampling_mode(SamplingMode::Flat);
+    group.warm_up_time(Duration::from_millis(500));
+    group.measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+}
 
 fn step(c: &mut Criterion) {
-    let init: Vec<f32> = data(N).iter().map(|v| v * 0.1).collect();
-    let grad: Vec<f32> = data(N).iter().map(|v| v * 1e-3).collect();
-    let mut group = c.benchmark_group("optim");
-    group.sample_size(10);
-    memcpy_reference(&mut group);
-    group.throughput(Throughput::Elements(N as u64));
+    for n in sizes() {
+        let mut group = c.benchmark_group("step");
+        configure(&mut group);
+        group.throughput(Throughput::Elements(n as u64));
+        let init = data(n, 0.1);
+        let grad = data(n, 1e-3);
+        for (name, config) in presets() {
+            let mut opt = Optimizer::new(OptimizerOptions::default()).expect("options");
+            let g = opt.add_group(config).expect("preset");
+            let id = opt.add_param("w", &[n], &init, g).expect("parameter");
+            let slots = opt.memory_report().slot_totals();
+            // The f32 gradient is read once; every slot is read and written once.
+            let read_only = 4 * n;
+            let bytes = (2 * slots.iter().sum::<usize>() + read_only) as f64 / n as f64;
+            let ceiling_id = format!("step/ceiling_{name}/{}", label(n));
+            let case_id = format!("step/{name}/{}", label(n));
+            describe(&CaseInfo {
+                id: &case_id,
+                params: n,
+                bytes_per_param: bytes,
+                kind: Kind::Lpmm,
+                ceiling: Some(&ceiling_id),
+                preset: Some(name),
+            });
+            group.bench_function(BenchmarkId::new(name, label(n)), |b| {
+                b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))
+            });
+            drop(opt);
+            let mut ceiling = RmwCeiling::new(&slots, &[read_only]);
+            describe(&CaseInfo {
+                id: &ceiling_id,
+                params: n,
+                bytes_per_param: ceiling.bytes() as f64 / n as f64,
+                kind: Kind::Ceiling,
+                ceiling: None,
+                preset: Some(name),
+            });
+            group.bench_function(BenchmarkId::new(format!("ceiling_{name}"), label(n)), |b| {
+                b.iter(|| ceiling.run())
+            });
+        }
+        peers(&mut group, n, &init, &grad);
+        group.finish();
+    }
+}
+
+/// candle-nn's and burn's AdamW (f32) at the same size: nominally 28 bytes per parameter
+/// (parameter, gradient and two states read; parameter and states written).
+fn peers(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    n: usize,
+    init: &[f32],
+    grad: &[f32],
+) {
+    let id = format!("step/candle_adamw_f32/{}", label(n));
+    describe(&CaseInfo {
+        id: &id,
+        params: n,
+        bytes_per_param: 28.0,
+        kind: Kind::Peer,
+        ceiling: None,
+        preset: Some("adamw_f32"),
+    });
+    let mut candle = CandleAdamW::new(init, grad, 1e-3).expect("candle AdamW");
+    group.bench_function(BenchmarkId::new("candle_adamw_f32", label(n)), |b| {
+        b.iter(|| candle.step().expect("candle step"))
+    });
+    drop(candle);
+    #[cfg(feature = "burn")]
+    {
+        let id = format!("step/burn_adamw_f32/{}", label(n));
+        describe(&CaseInfo {
+            id: &id,
+            params: n,
+            bytes_per_param: 28.0,
+            kind: Kind::Peer,
+            ceiling: None,
+            preset: Some("adamw_f32"),
+        });
+        let mut burn = lpmm_benches::burn_peer::BurnAdamW::new(init, grad, 1e-3);
+        group.bench_function(BenchmarkId::new("burn_adamw_f32", label(n)), |b| {
+            b.iter(|| burn.step())
+        });
+    }
+}
+
+/// Per-tensor overhead and thread scaling of the 8-bit AdamW step.
+fn scaling(c: &mut Criterion) {
+    let mut group = c.benchmark_group("scaling");
+    configure(&mut group);
+    let n = if quick() { 4 * M } else { 64 * M };
+    let init = data(n, 0.1);
+    let grad = data(n, 1e-3);
+    group.throughput(Throughput::Elements(n as u64));
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -29,15 +146,28 @@ fn step(c: &mut Criterion) {
         let g = opt
             .add_group(presets::adamw_8bit_bf16(1e-3))
             .expect("preset");
-        let id = opt.add_param("w", &[N], &init, g).expect("parameter");
-        group.bench_function(format!("adamw8bit_bf16_16M_threads{threads}"), |b| {
-            pool.install(|| b.iter(|| opt.step_param(id, black_box(&grad)).expect("step")))
+        let id = opt.add_param("w", &[n], &init, g).expect("parameter");
+        let bytes = (2.0 * opt.memory_report().total() as f64 + 4.0 * n as f64) / n as f64;
+        let case = format!("scaling/adamw_8bit_bf16_{}_threads/{threads}", label(n));
+        describe(&CaseInfo {
+            id: &case,
+            params: n,
+            bytes_per_param: bytes,
+            kind: Kind::Lpmm,
+            ceiling: Some(&format!("step/ceiling_adamw_8bit_bf16/{}", label(n))),
+            preset: Some("adamw_8bit_bf16"),
         });
+        group.bench_function(
+            BenchmarkId::new(format!("adamw_8bit_bf16_{}_threads", label(n)), threads),
+            |b| pool.install(|| b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))),
+        );
     }
-    // Per-tensor overhead: 10,000 tensors of 1,000 parameters against one tensor of 10M, both
-    // 8-bit AdamW with bf16 parameters, all gradients accumulated then one `step`.
-    let small_init = vec![0.01f32; 1000];
-    let small_grad = vec![1e-3f32; 1000];
+    // 10,000 tensors of 1,000 parameters against one tensor of 10M: each iteration accumulates
+    // every gradient, then steps (bytes: the step's, plus the accumulation's f32 read and bf16
+    // read-modify-write).
+    let small_init = data(1000, 0.1);
+    let small_grad = data(1000, 1e-3);
+    let big_grad = data(10_000_000, 1e-3);
     let mut many = Optimizer::new(OptimizerOptions::default()).expect("options");
     let g = many
         .add_group(presets::adamw_8bit_bf16(1e-3))
@@ -53,20 +183,34 @@ fn step(c: &mut Criterion) {
         .add_group(presets::adamw_8bit_bf16(1e-3))
         .expect("preset");
     let big = one
-        .add_param("w", &[10_000_000], &vec![0.01f32; 10_000_000], g1)
+        .add_param("w", &[10_000_000], &data(10_000_000, 0.1), g1)
         .expect("parameter");
-    let big_grad = vec![1e-3f32; 10_000_000];
     group.throughput(Throughput::Elements(10_000_000));
-    group.bench_function("adamw8bit_bf16_10000x1000_accumulate_step", |b| {
-        b.iter(|| {
-            for &id in &ids {
-                many.accumulate(id, black_box(&small_grad))
-                    .expect("accumulate");
-            }
-            many.step().expect("step")
-        })
-    });
-    group.bench_function("adamw8bit_bf16_1x10M_accumulate_step", |b| {
+    for name in ["10000x1000", "1x10M"] {
+        let opt = if name == "1x10M" { &one } else { &many };
+        let bytes = (2.0 * opt.memory_report().total() as f64) / 1e7 + 4.0 + 4.0;
+        describe(&CaseInfo {
+            id: &format!("scaling/adamw_8bit_bf16_tensors/{name}"),
+            params: 10_000_000,
+            bytes_per_param: bytes,
+            kind: Kind::Lpmm,
+            ceiling: None,
+            preset: Some("adamw_8bit_bf16"),
+        });
+    }
+    group.bench_function(
+        BenchmarkId::new("adamw_8bit_bf16_tensors", "10000x1000"),
+        |b| {
+            b.iter(|| {
+                for &id in &ids {
+                    many.accumulate(id, black_box(&small_grad))
+                        .expect("accumulate");
+                }
+                many.step().expect("step")
+            })
+        },
+    );
+    group.bench_function(BenchmarkId::new("adamw_8bit_bf16_tensors", "1x10M"), |b| {
         b.iter(|| {
             one.accumulate(big, black_box(&big_grad))
                 .expect("accumulate");
@@ -76,5 +220,5 @@ fn step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, step);
+criterion_group!(benches, step, scaling);
 criterion_main!(benches);

@@ -8,7 +8,7 @@ use std::hint::black_box;
 
 #[path = "common.rs"]
 mod common;
-use common::{N, data, memcpy_reference};
+use common::{N, data, describe, memcpy_reference};
 
 fn blockwise(c: &mut Criterion) {
     let x = data(N);
@@ -18,7 +18,8 @@ fn blockwise(c: &mut Criterion) {
     ];
     let mut group = c.benchmark_group("quant");
     group.sample_size(10);
-    memcpy_reference(&mut group);
+    memcpy_reference(&mut group, "quant");
+    describe("quant", "random_bits", 4.0);
     group.throughput(Throughput::Elements(N as u64));
     // The cost of the random words stochastic rounding draws (one u32 per element).
     let mut words = vec![0u32; N];
@@ -28,6 +29,11 @@ fn blockwise(c: &mut Criterion) {
     for (name, map) in &maps {
         for block in [64usize, 256, 2048] {
             let q = Blockwise::new(map, BlockSize::new(block).unwrap());
+            // f32 in, packed codes and one f32 scale per block out (or the reverse).
+            let bytes = 4.0 + f64::from(map.bits()) / 8.0 + 4.0 / block as f64;
+            for op in ["quantize", "quantize_sr", "dequantize"] {
+                describe("quant", &format!("{op}_{name}/{block}"), bytes);
+            }
             let mut codes = vec![0u8; q.codes_len(N)];
             let mut absmax = vec![0f32; q.scales_len(N)];
             let mut out = vec![0f32; N];

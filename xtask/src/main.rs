@@ -1,11 +1,26 @@
 //! `cargo xtask <command>`: project automation, in Rust, with few dependencies.
 //!
-//! - `bench [--quick] [FILTER]`: runs the criterion benches of `benches/` (`--quick`: criterion's
-//!   quick mode, a smoke run), then prints a markdown table of every case with its throughput and
-//!   its ratio to the memcpy reference measured in the same run (the rate at which the case
-//!   consumes f32 input, 4 bytes per element, divided by the rate at which memcpy copies bytes),
-//!   and writes it to `target/lpmm-report/bench.md`. Earlier criterion results are cleared first.
+//! `bench [--quick] [--peers] [FILTER]` runs the criterion benches of `benches/` (with burn's
+//! AdamW as a peer), joins criterion's timings with the sidecar each case writes (parameters,
+//! bytes moved per parameter, its bandwidth ceiling), and writes `target/lpmm-report/bench.json`
+//! and `bench.md` (the table of docs/BENCHMARKS.md).
+//!
+//! - `--quick`: a smoke run (1M and 4M parameters, short measurements), what CI runs.
+//! - `--report-only`: no measuring; rebuilds the report from the last run's criterion results,
+//!   sidecars and (with `--peers`) `peers.json`.
+//! - `--peers`: also torch's fused AdamW and bitsandbytes' AdamW8bit at the same sizes and thread
+//!   count, from a Python venv created at `target/peers-venv` (pip: torch, bitsandbytes), or the
+//!   interpreter named by `LPMM_PEERS_PYTHON`.
+//!
+//! bench.json (schema 1): `{"schema": 1, "quick", "threads", "cpu", "cases": [...],
+//! "memory": {...} | null}`; each case: `name`, `kind` (`lpmm` | `ceiling` | `peer`), `preset`,
+//! `params`, `ns_per_param` (criterion's median), `bytes_per_param`, `gbps` (bytes moved / time),
+//! `ceiling` (the ceiling case's name), `ceiling_gbps`, `ratio_to_ceiling` (`gbps /
+//! ceiling_gbps`), and `peer_ratios`: for each peer measured at the same size, its time per
+//! parameter divided by this case's (above 1: this case is faster).
 
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
@@ -13,7 +28,9 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("bench") => bench(&args[1..]),
-        _ => Err("usage: cargo xtask bench [--quick] [FILTER]".to_string()),
+        _ => {
+            Err("usage: cargo xtask bench [--quick] [--peers] [--report-only] [FILTER]".to_string())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -31,127 +48,390 @@ fn workspace_root() -> PathBuf {
         .unwrap_or_default()
 }
 
-fn bench(args: &[String]) -> Result<(), String> {
-    let root = workspace_root();
-    let mut criterion_args: Vec<&str> = vec!["--noplot"];
-    let mut filter = None;
-    for a in args {
-        match a.as_str() {
-            "--quick" => criterion_args.push("--quick"),
-            other if !other.starts_with('-') => filter = Some(other),
-            other => return Err(format!("unknown option {other}")),
-        }
+fn clear(dir: &Path) -> Result<(), String> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
     }
-    // Results of earlier runs would be reported as if measured now.
-    let criterion_dir = root.join("target/criterion");
-    if criterion_dir.exists() {
-        std::fs::remove_dir_all(&criterion_dir)
-            .map_err(|e| format!("cannot clear {}: {e}", criterion_dir.display()))?;
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(&root)
-        .args(["bench", "-p", "lpmm-benches", "--benches", "--"])
-        .args(&criterion_args);
-    if let Some(f) = filter {
-        cmd.arg(f);
-    }
-    let status = cmd
-        .status()
-        .map_err(|e| format!("cannot run cargo bench: {e}"))?;
-    if !status.success() {
-        return Err(format!("cargo bench failed: {status}"));
-    }
-    let table = summarize(&root.join("target/criterion"))?;
-    let out = root.join("target/lpmm-report");
-    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("bench.md"), &table).map_err(|e| e.to_string())?;
-    println!("\n{table}\n(written to target/lpmm-report/bench.md)");
     Ok(())
 }
 
-/// One measured case read back from criterion's `new/` estimates.
-struct Case {
-    group: String,
-    name: String,
-    ns: f64,
-    per_second: f64,
-    unit: &'static str,
+fn bench(args: &[String]) -> Result<(), String> {
+    let root = workspace_root();
+    let (mut quick, mut peers, mut filter, mut report_only) = (false, false, None, false);
+    for a in args {
+        match a.as_str() {
+            "--quick" => quick = true,
+            "--peers" => peers = true,
+            "--report-only" => report_only = true,
+            other if !other.starts_with('-') => filter = Some(other.to_string()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    let report = root.join("target/lpmm-report");
+    let cases_dir = report.join("cases");
+    if report_only {
+        // The report describes the run it is rebuilt from.
+        quick = read_json(&report.join("bench.json"))
+            .and_then(|j| j["quick"].as_bool())
+            .unwrap_or(quick);
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    if !report_only {
+        // Results of earlier runs would be reported as if measured now.
+        clear(&root.join("target/criterion"))?;
+        clear(&cases_dir)?;
+        std::fs::create_dir_all(&cases_dir).map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(&root)
+            .args([
+                "bench",
+                "-p",
+                "lpmm-benches",
+                "--benches",
+                "--features",
+                "burn",
+            ])
+            .arg("--")
+            .arg("--noplot")
+            .args(quick.then_some("--quick"))
+            .env("LPMM_BENCH_CASES", &cases_dir)
+            .env("LPMM_BENCH_QUICK", if quick { "1" } else { "0" });
+        if let Some(f) = &filter {
+            cmd.arg(f);
+        }
+        run(&mut cmd, "cargo bench")?;
+    }
+    let mut cases = read_cases(&root.join("target/criterion"), &cases_dir)?;
+    if peers {
+        if !report_only {
+            run_python_peers(&root, &cases)?;
+        }
+        cases.extend(python_peers(&root)?);
+    }
+    let memory = peak_memory(&root, &cargo);
+    finish(&mut cases);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let json = json!({
+        "schema": 1,
+        "quick": quick,
+        "threads": threads,
+        "cpu": cpu_name(),
+        "cases": cases,
+        "memory": memory,
+    });
+    let table = markdown(&cases, memory.as_ref());
+    std::fs::write(
+        report.join("bench.json"),
+        serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    std::fs::write(report.join("bench.md"), &table).map_err(|e| e.to_string())?;
+    println!("\n{table}\n(written to target/lpmm-report/bench.json and bench.md)");
+    Ok(())
 }
 
-fn read_json(path: &Path) -> Option<serde_json::Value> {
+fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed: {status}"))
+    }
+}
+
+fn read_json(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-fn collect(dir: &Path, cases: &mut Vec<Case>) {
+/// Criterion's median time (ns) of every case, by full id.
+fn criterion_times(dir: &Path, out: &mut BTreeMap<String, f64>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let path = entry.path();
         if path.ends_with("new") {
-            let (Some(est), Some(meta)) = (
+            if let (Some(est), Some(meta)) = (
                 read_json(&path.join("estimates.json")),
                 read_json(&path.join("benchmark.json")),
-            ) else {
-                continue;
-            };
-            let Some(ns) = est["mean"]["point_estimate"].as_f64() else {
-                continue;
-            };
-            let (count, unit) = match &meta["throughput"] {
-                t if t["Bytes"].is_u64() => (t["Bytes"].as_f64().unwrap_or(0.0), "GB/s"),
-                t if t["Elements"].is_u64() => (t["Elements"].as_f64().unwrap_or(0.0), "Gelem/s"),
-                _ => continue,
-            };
-            cases.push(Case {
-                group: meta["group_id"].as_str().unwrap_or("").to_string(),
-                name: meta["title"].as_str().unwrap_or("").to_string(),
-                ns,
-                per_second: count / ns, // per ns = G per s
-                unit,
-            });
+            ) && let (Some(ns), Some(id)) = (
+                est["median"]["point_estimate"].as_f64(),
+                meta["full_id"].as_str(),
+            ) {
+                out.insert(id.to_string(), ns);
+            }
         } else if path.is_dir() {
-            collect(&path, cases);
+            criterion_times(&path, out);
         }
     }
 }
 
-fn summarize(criterion: &Path) -> Result<String, String> {
+/// Every case that has both a timing and a sidecar.
+fn read_cases(criterion: &Path, sidecars: &Path) -> Result<Vec<Value>, String> {
+    let mut times = BTreeMap::new();
+    criterion_times(criterion, &mut times);
     let mut cases = Vec::new();
-    collect(criterion, &mut cases);
-    if cases.is_empty() {
-        return Err(format!(
-            "no criterion results under {}",
-            criterion.display()
-        ));
-    }
-    cases.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut table = String::from(
-        "| case | time | throughput | memcpy, same run | f32 input bytes/s ÷ memcpy bytes/s |\n|---|---|---|---|---|\n",
-    );
-    for c in &cases {
-        let memcpy = cases
-            .iter()
-            .find(|m| m.group == c.group && m.unit == "GB/s" && m.name.contains("memcpy"))
-            .map(|m| m.per_second);
-        let (reference, ratio) = match (memcpy, c.unit) {
-            (Some(m), "Gelem/s") => (
-                format!("{m:.2} GB/s"),
-                format!("{:.2}", c.per_second * 4.0 / m),
-            ),
-            (Some(m), _) => (format!("{m:.2} GB/s"), String::from("-")),
-            _ => (String::from("-"), String::from("-")),
+    let entries = std::fs::read_dir(sidecars).map_err(|e| e.to_string())?;
+    for entry in entries.flatten() {
+        let Some(side) = read_json(&entry.path()) else {
+            continue;
         };
-        table += &format!(
-            "| {} | {:.3} ms | {:.3} {} | {} | {} |\n",
-            c.name,
-            c.ns / 1e6,
-            c.per_second,
-            c.unit,
-            reference,
-            ratio
+        let (Some(id), Some(params)) = (side["id"].as_str(), side["params"].as_f64()) else {
+            continue;
+        };
+        let Some(&ns) = times.get(id) else {
+            continue; // filtered out of this run
+        };
+        let bytes = side["bytes_per_param"].as_f64().unwrap_or(0.0);
+        cases.push(json!({
+            "name": id,
+            "kind": side["kind"],
+            "preset": side["preset"],
+            "params": params as u64,
+            "ns_per_param": ns / params,
+            "bytes_per_param": bytes,
+            "gbps": bytes * params / ns,
+            "ceiling": side["ceiling"],
+        }));
+    }
+    if cases.is_empty() {
+        return Err("no bench results with sidecars (did the benches run?)".into());
+    }
+    Ok(cases)
+}
+
+/// Fills `ceiling_gbps`, `ratio_to_ceiling` and `peer_ratios`, and sorts the cases.
+fn finish(cases: &mut [Value]) {
+    let gbps: BTreeMap<String, f64> = cases
+        .iter()
+        .filter_map(|c| Some((c["name"].as_str()?.to_string(), c["gbps"].as_f64()?)))
+        .collect();
+    let peers: Vec<(String, u64, f64)> = cases
+        .iter()
+        .filter(|c| c["kind"] == "peer")
+        .filter_map(|c| {
+            let name = c["name"].as_str()?.split('/').nth(1)?.to_string();
+            Some((name, c["params"].as_u64()?, c["ns_per_param"].as_f64()?))
+        })
+        .collect();
+    for c in cases.iter_mut() {
+        let ceiling = c["ceiling"].as_str().and_then(|n| gbps.get(n)).copied();
+        if let (Some(ceil), Some(g)) = (ceiling, c["gbps"].as_f64()) {
+            c["ceiling_gbps"] = json!(ceil);
+            c["ratio_to_ceiling"] = json!(g / ceil);
+        }
+        // Peer ratios for optimizer steps (cases with a preset), not for per-layer kernels.
+        if c["kind"] == "lpmm" && !c["preset"].is_null() {
+            let (params, ns) = (c["params"].as_u64(), c["ns_per_param"].as_f64());
+            let mut ratios = serde_json::Map::new();
+            for (name, p, peer_ns) in &peers {
+                if Some(*p) == params
+                    && let Some(ns) = ns
+                {
+                    ratios.insert(name.clone(), json!(peer_ns / ns));
+                }
+            }
+            c["peer_ratios"] = Value::Object(ratios);
+        }
+    }
+    cases.sort_by_key(|c| {
+        (
+            c["name"]
+                .as_str()
+                .unwrap_or("")
+                .split('/')
+                .next()
+                .unwrap_or("")
+                .to_string(),
+            c["params"].as_u64().unwrap_or(0),
+            c["name"].as_str().unwrap_or("").to_string(),
+        )
+    });
+}
+
+/// Runs `xtask/peers.py` (torch's fused AdamW and bitsandbytes' AdamW8bit) at the sizes of the
+/// step cases; it writes `target/lpmm-report/peers.json`.
+fn run_python_peers(root: &Path, cases: &[Value]) -> Result<(), String> {
+    let python = match std::env::var_os("LPMM_PEERS_PYTHON") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let venv = root.join("target/peers-venv");
+            let python = venv.join("bin/python");
+            if !python.exists() {
+                run(
+                    Command::new("python3").args(["-m", "venv"]).arg(&venv),
+                    "python3 -m venv",
+                )?;
+                run(
+                    Command::new(&python).args([
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "torch",
+                        "bitsandbytes==0.50.2",
+                        "numpy",
+                    ]),
+                    "pip install torch bitsandbytes",
+                )?;
+            }
+            python
+        }
+    };
+    let mut sizes: Vec<u64> = cases
+        .iter()
+        .filter(|c| {
+            c["kind"] == "lpmm" && c["name"].as_str().is_some_and(|n| n.starts_with("step/"))
+        })
+        .filter_map(|c| c["params"].as_u64())
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let list: Vec<String> = sizes.iter().map(u64::to_string).collect();
+    let out = root.join("target/lpmm-report/peers.json");
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    run(
+        Command::new(&python)
+            .arg(root.join("xtask/peers.py"))
+            .args([
+                "--sizes",
+                &list.join(","),
+                "--threads",
+                &threads.to_string(),
+                "--out",
+            ])
+            .arg(&out),
+        "xtask/peers.py",
+    )
+}
+
+/// The cases of `target/lpmm-report/peers.json`.
+fn python_peers(root: &Path) -> Result<Vec<Value>, String> {
+    let out = root.join("target/lpmm-report/peers.json");
+    let result = read_json(&out).ok_or("no target/lpmm-report/peers.json")?;
+    let mut peers = Vec::new();
+    for c in result["cases"].as_array().into_iter().flatten() {
+        let (Some(peer), Some(params), Some(ns)) = (
+            c["peer"].as_str(),
+            c["params"].as_u64(),
+            c["ns_per_param"].as_f64(),
+        ) else {
+            eprintln!("peer case without a timing: {c}");
+            continue;
+        };
+        // Bytes per parameter from the formats: torch f32 AdamW reads parameter, gradient and
+        // both states and writes parameter and states (28); bitsandbytes reads bf16 parameter and
+        // gradient and 8-bit states with f32 absmax per 256, and writes parameter and states.
+        let (bytes, preset) = match peer {
+            "torch_fused_adamw_f32" => (28.0, "adamw_f32"),
+            _ => (
+                2.0 + 2.0 + 2.0 + 2.0 * (2.0 + 8.0 / 256.0),
+                "adamw_8bit_bf16",
+            ),
+        };
+        peers.push(json!({
+            "name": format!("step/{peer}/{}", label(params)),
+            "kind": "peer",
+            "preset": preset,
+            "params": params,
+            "ns_per_param": ns,
+            "bytes_per_param": bytes,
+            "gbps": bytes / ns,
+            "ceiling": null,
+        }));
+    }
+    Ok(peers)
+}
+
+fn label(n: u64) -> String {
+    if n.is_multiple_of(1 << 20) {
+        format!("{}M", n >> 20)
+    } else {
+        n.to_string()
+    }
+}
+
+/// The peak-memory test's line (`peak resident ... accounted ...`), if it ran and passed.
+fn peak_memory(root: &Path, cargo: &str) -> Option<Value> {
+    let out = Command::new(cargo)
+        .current_dir(root)
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "lpmm-optim",
+            "--test",
+            "peak_memory",
+            "--",
+            "--nocapture",
+        ])
+        .output()
+        .ok()?;
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("peak_memory "))?;
+    let value: Value = serde_json::from_str(line.trim_start_matches("peak_memory ")).ok()?;
+    Some(json!({ "passed": out.status.success(), "measurement": value }))
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn fmt(v: &Value, digits: usize) -> String {
+    v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
+    let peer_names = [
+        "torch_fused_adamw_f32",
+        "bnb_adamw8bit_bf16",
+        "candle_adamw_f32",
+        "burn_adamw_f32",
+    ];
+    let mut t = String::from(
+        "| case | params | ns/param | bytes/param | GB/s | ceiling GB/s | of ceiling | ÷ torch fused f32 | ÷ bnb 8-bit | ÷ candle | ÷ burn |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for c in cases {
+        let ratio = c["ratio_to_ceiling"]
+            .as_f64()
+            .map_or("-".into(), |r| format!("{:.0}%", 100.0 * r));
+        let peers: Vec<String> = peer_names
+            .iter()
+            .map(|p| {
+                c["peer_ratios"][p]
+                    .as_f64()
+                    .map_or("-".into(), |r| format!("{r:.2}x"))
+            })
+            .collect();
+        t += &format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            c["name"].as_str().unwrap_or(""),
+            c["params"],
+            fmt(&c["ns_per_param"], 3),
+            fmt(&c["bytes_per_param"], 2),
+            fmt(&c["gbps"], 2),
+            fmt(&c["ceiling_gbps"], 2),
+            ratio,
+            peers.join(" | "),
         );
     }
-    Ok(table)
+    if let Some(m) = memory {
+        t += &format!(
+            "\nPeak resident memory of a 100M-parameter optimizer (test `peak_memory`): {}\n",
+            m["measurement"]
+        );
+    }
+    t += "\nPeer ratios: the peer's time per parameter ÷ this case's (above 1: lpmm is faster), same size, same run.\n";
+    t
 }

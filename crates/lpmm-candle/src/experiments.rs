@@ -441,7 +441,7 @@ fn train_step(
 }
 
 fn record(curve: &mut Vec<f64>, losses: &[f64], every: usize) {
-    if losses.len() % every == 0 {
+    if losses.len().is_multiple_of(every) {
         let tail = &losses[losses.len() - every..];
         curve.push(tail.iter().sum::<f64>() / every as f64);
     }

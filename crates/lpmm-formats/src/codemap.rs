@@ -27,8 +27,9 @@ pub struct CodeMap {
 }
 
 /// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the
-/// first mantissa bits (2^14 one-byte entries, 16 KiB, which stays in L1).
-const BUCKET_MANTISSA_BITS: u32 = 5;
+/// first mantissa bits (2^16 one-byte entries, 64 KiB): fine enough that every bucket of the
+/// shipped maps holds at most one threshold, so a search is one table read and one comparison.
+const BUCKET_MANTISSA_BITS: u32 = 7;
 const BUCKET_SHIFT: u32 = 23 - BUCKET_MANTISSA_BITS;
 
 #[inline]
@@ -128,6 +129,8 @@ impl CodeMap {
                 }
                 None => 0, // NaN only: nearest() handles NaN before the table
             })
+            // Three bytes of padding: the AVX-512 kernel gathers 4 bytes at each entry.
+            .chain([0; 3])
             .collect();
         let padded = thresholds
             .iter()
@@ -218,6 +221,181 @@ impl CodeMap {
         // `as` saturates: frac in [0, 1] -> [0, 2^32 - 1].
         let cut = (frac * 4_294_967_296.0) as u32;
         (lo + usize::from(bits < cut)) as u8
+    }
+
+    /// The code nearest to each `x / absmax` (f32 division; `y = 0` for every element when
+    /// `absmax` is 0), as [`CodeMap::nearest`] gives it: a block-wise quantizer's inner loop.
+    /// Writes `min(xs.len(), out.len())` codes.
+    pub fn nearest_scaled(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::level() == crate::simd::Level::Avx512 {
+            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+            unsafe { self.nearest_scaled_avx512(xs, absmax, out) };
+            return;
+        }
+        self.nearest_scaled_portable(xs, absmax, out);
+    }
+
+    fn nearest_scaled_portable(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        for (o, &x) in out.iter_mut().zip(xs) {
+            *o = self.nearest(if absmax == 0.0 { 0.0 } else { x / absmax });
+        }
+    }
+
+    /// [`CodeMap::nearest_scaled`] sixteen elements at a time: the bucket's start and each scan
+    /// step are gathers from the same tables the scalar search reads, so the codes are the same.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn nearest_scaled_avx512(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len());
+        let whole = n - n % 16;
+        let divisor = _mm512_set1_ps(absmax);
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= n <= xs.len()`; the load is unaligned.
+            let x = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i)) };
+            let y = if absmax == 0.0 {
+                _mm512_setzero_ps()
+            } else {
+                _mm512_div_ps(x, divisor)
+            };
+            let c = self.nearest_lanes(y);
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c)) };
+        }
+        self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
+    }
+
+    /// [`CodeMap::nearest`] of 16 lanes: the bucket's start code and each scan step are gathers
+    /// from the same tables the scalar search reads, so the codes are the same.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    fn nearest_lanes(&self, y: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y));
+        // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
+        // so each 4-byte read stays inside it.
+        let gathered = unsafe { _mm512_i32gather_epi32::<1>(bucket, self.start.as_ptr().cast()) };
+        let mut c = _mm512_and_si512(gathered, _mm512_set1_epi32(0xFF));
+        for _ in 0..self.scan {
+            // SAFETY: as in `nearest`: `c` never exceeds `thresholds.len() + steps so far`, and
+            // `padded` holds `scan` entries past the thresholds.
+            let t = unsafe { _mm512_i32gather_ps::<4>(c, self.padded.as_ptr()) };
+            let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, y);
+            c = _mm512_mask_add_epi32(c, le, c, _mm512_set1_epi32(1));
+        }
+        // NaN gives code 0, as in `nearest`.
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+        _mm512_mask_mov_epi32(c, nan, _mm512_setzero_si512())
+    }
+
+    /// [`CodeMap::stochastic`] of each `x / absmax` (`y = 0` for every element when `absmax` is
+    /// 0) with the random bits `bits[j]` for element `j`. Writes
+    /// `min(xs.len(), bits.len(), out.len())` codes.
+    pub fn stochastic_scaled(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::level() == crate::simd::Level::Avx512 {
+            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+            unsafe { self.stochastic_scaled_avx512(xs, absmax, bits, out) };
+            return;
+        }
+        self.stochastic_scaled_portable(xs, absmax, bits, out);
+    }
+
+    fn stochastic_scaled_portable(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
+        for ((o, &x), &b) in out.iter_mut().zip(xs).zip(bits) {
+            *o = self.stochastic(if absmax == 0.0 { 0.0 } else { x / absmax }, b);
+        }
+    }
+
+    /// [`CodeMap::stochastic`] sixteen lanes at a time, step for step.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn stochastic_scaled_avx512(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len()).min(bits.len());
+        let whole = n - n % 16;
+        let values = self.values.as_ptr();
+        let zero = _mm512_setzero_si512();
+        let one = _mm512_set1_epi32(1);
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let divisor = _mm512_set1_ps(absmax);
+        let two_32 = _mm512_set1_ps(4_294_967_296.0);
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= xs.len()`; the load is unaligned.
+            let x = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i)) };
+            let y = if absmax == 0.0 {
+                _mm512_setzero_ps()
+            } else {
+                _mm512_div_ps(x, divisor)
+            };
+            let c = self.nearest_lanes(y);
+            // SAFETY: codes from `nearest_lanes` are < values.len().
+            let vc = unsafe { _mm512_i32gather_ps::<4>(c, values) };
+            let below = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(vc, y);
+            let under = below & _mm512_cmpeq_epi32_mask(c, zero);
+            let lo = _mm512_max_epi32(_mm512_mask_sub_epi32(c, below, c, one), zero);
+            let top = _mm512_cmpeq_epi32_mask(lo, last);
+            let hi = _mm512_min_epi32(_mm512_add_epi32(lo, one), last);
+            // SAFETY: `lo` and `hi` are clamped to 0..values.len().
+            let (lo_v, hi_v) = unsafe {
+                (
+                    _mm512_i32gather_ps::<4>(lo, values),
+                    _mm512_i32gather_ps::<4>(hi, values),
+                )
+            };
+            let frac = _mm512_div_ps(_mm512_sub_ps(y, lo_v), _mm512_sub_ps(hi_v, lo_v));
+            // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
+            let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
+            // SAFETY: `i + 16 <= bits.len()`; the load is unaligned.
+            let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(i).cast()) };
+            let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
+            let mut code = _mm512_mask_add_epi32(lo, up, lo, one);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+            code = _mm512_mask_mov_epi32(code, under | nan, zero);
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(code)) };
+        }
+        self.stochastic_scaled_portable(&xs[whole..n], absmax, &bits[whole..n], &mut out[whole..n]);
+    }
+
+    /// `value(code) * scale` for each code (codes past the end decode as the last value):
+    /// a block-wise dequantizer's inner loop. Writes `min(codes.len(), out.len())` values.
+    pub fn decode_scaled(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::level() == crate::simd::Level::Avx512 {
+            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+            unsafe { self.decode_scaled_avx512(codes, scale, out) };
+            return;
+        }
+        self.decode_scaled_portable(codes, scale, out);
+    }
+
+    fn decode_scaled_portable(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        for (o, &c) in out.iter_mut().zip(codes) {
+            *o = self.value(c) * scale;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = codes.len().min(out.len());
+        let whole = n - n % 16;
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let s = _mm512_set1_ps(scale);
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= codes.len()`; the load is unaligned.
+            let c8 = unsafe { _mm_loadu_si128(codes.as_ptr().add(i).cast()) };
+            let c = _mm512_min_epu32(_mm512_cvtepu8_epi32(c8), last);
+            // SAFETY: every index is clamped to `values.len() - 1`.
+            let v = unsafe { _mm512_i32gather_ps::<4>(c, self.values.as_ptr()) };
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
+        }
+        self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
 
     /// Rounds `y` to a code with the given rounding.
@@ -399,6 +577,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn shipped_maps_need_one_comparison_after_the_table() {
+        for m in [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::dynamic(true, 4).unwrap(),
+            CodeMap::dynamic(false, 4).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::normal_float(4).unwrap(),
+        ] {
+            assert_eq!(m.scan, 1, "{m:?}");
+        }
+    }
+
+    #[test]
     fn spec_examples() {
         let m = CodeMap::dynamic(true, 8).unwrap();
         assert_eq!(m.values()[0], -0.992_968_75);
@@ -452,6 +644,75 @@ mod tests {
                     let dj = (f64::from(y) - f64::from(v)).abs();
                     assert!(d <= dj, "{y}: code {c} at {d}, but {j} at {dj}");
                 }
+            }
+        }
+    }
+
+    /// The AVX-512 kernels give the portable kernels' bits: every map, every threshold and its
+    /// neighbours, a sweep over bit patterns (NaN, ±Inf, subnormals, values outside [-1, 1]),
+    /// several scales including 0, lengths that leave a tail.
+    #[test]
+    fn vector_kernels_equal_the_portable_ones() {
+        let maps = [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::dynamic(true, 4).unwrap(),
+            CodeMap::normal_float(4).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::linear_unsigned(3).unwrap(),
+            CodeMap::linear_without_zero(4).unwrap(),
+            CodeMap::from_values(2, &[-1.0, -1e-8, 1e-8, 1.0]).unwrap(),
+            CodeMap::from_values(8, &[-1.0, 0.5]).unwrap(),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        let vector = crate::simd::detected() == crate::simd::Level::Avx512;
+        #[cfg(not(target_arch = "x86_64"))]
+        let vector = false;
+        if !vector {
+            eprintln!("no AVX-512 on this CPU: only the portable kernels ran");
+        }
+        for m in &maps {
+            let mut xs: Vec<f32> = m
+                .thresholds()
+                .iter()
+                .chain(m.values())
+                .flat_map(|&t| [t.next_down(), t, t.next_up()])
+                .collect();
+            xs.extend((0..=u32::MAX).step_by(65_537).map(f32::from_bits));
+            xs.extend([f32::NAN, f32::INFINITY, -0.0, 1e-45, -1e-45, 1.0, -1.0, 1.5]);
+            xs.push(0.25); // a tail of 3 lanes past the last whole vector
+            xs.push(-0.75);
+            xs.push(0.125);
+            let bits: Vec<u32> = (0..xs.len() as u32)
+                .map(|k| k.wrapping_mul(0x9E37_79B9) ^ (k >> 3))
+                .chain([0, u32::MAX, 1 << 31])
+                .collect();
+            let codes: Vec<u8> = (0..xs.len()).map(|k| (k * 37 % 256) as u8).collect();
+            for absmax in [1.0f32, 0.0, 2.5, 1e-30, 3e38] {
+                let (mut a, mut b) = (vec![0u8; xs.len()], vec![0u8; xs.len()]);
+                m.nearest_scaled_portable(&xs, absmax, &mut a);
+                for (j, (&x, &c)) in xs.iter().zip(&a).enumerate().take(64) {
+                    let y = if absmax == 0.0 { 0.0 } else { x / absmax };
+                    assert_eq!(c, m.nearest(y), "element {j}");
+                }
+                let (mut sa, mut sb) = (vec![0u8; xs.len()], vec![0u8; xs.len()]);
+                m.stochastic_scaled_portable(&xs, absmax, &bits, &mut sa);
+                let (mut da, mut db) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
+                m.decode_scaled_portable(&codes, absmax, &mut da);
+                #[cfg(target_arch = "x86_64")]
+                if vector {
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    unsafe {
+                        m.nearest_scaled_avx512(&xs, absmax, &mut b);
+                        m.stochastic_scaled_avx512(&xs, absmax, &bits, &mut sb);
+                        m.decode_scaled_avx512(&codes, absmax, &mut db);
+                    }
+                    assert_eq!(a, b, "nearest, {m:?}, absmax {absmax}");
+                    assert_eq!(sa, sb, "stochastic, {m:?}, absmax {absmax}");
+                    let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits_of(&da), bits_of(&db), "decode, absmax {absmax}");
+                }
+                let _ = (&mut b, &mut sb, &mut db);
             }
         }
     }

@@ -7,6 +7,8 @@
 //!   stochastic rounding.
 //! - [`packing`]: 1- to 8-bit codes in bytes.
 //! - [`SplitF32`] and [`kahan_add`]: bf16 master weights that do not lose small updates.
+//! - [`simd`]: slice kernels with an AVX-512 path picked at run time, bit-identical to the
+//!   portable one.
 //!
 //! This crate knows nothing of tensors, blocks or optimizers; every bit-level rule it implements
 //! is written down in `docs/FORMATS.md` so that GPU kernels can reproduce it.
@@ -16,6 +18,7 @@ mod error;
 pub mod float;
 mod fp8;
 pub mod packing;
+pub mod simd;
 mod split;
 
 pub use codemap::CodeMap;

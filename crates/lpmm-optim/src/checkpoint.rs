@@ -197,10 +197,10 @@ impl<B: Backend> Optimizer<B> {
             }
             let c = m.config;
             for storage in [c.param, c.grad, c.state1, c.state2] {
-                if let Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } = storage {
-                    if !maps.contains(&map) {
-                        maps.push(map);
-                    }
+                if let Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } = storage
+                    && !maps.contains(&map)
+                {
+                    maps.push(map);
                 }
             }
         }

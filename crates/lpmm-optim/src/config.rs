@@ -479,13 +479,13 @@ impl ParamConfig {
             ("gradient", self.grad),
             ("state1", self.state1),
         ] {
-            if let Storage::Quantized { map, .. } = s {
-                if !map.signed() {
-                    return Err(OptimError::StorageNotAllowed {
-                        slot,
-                        storage: s.describe(),
-                    });
-                }
+            if let Storage::Quantized { map, .. } = s
+                && !map.signed()
+            {
+                return Err(OptimError::StorageNotAllowed {
+                    slot,
+                    storage: s.describe(),
+                });
             }
         }
         Ok(())

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::backend::{Backend, HostSlot, ParamMeta, SlotKind};
 use crate::config::Storage;
 use crate::error::OptimError;
+use crate::rule::{Chunk, apply_chunk};
 use crate::slot::{CHUNK, Slot, SlotData};
 
 /// Elements per piece.
@@ -372,10 +373,10 @@ impl Backend for Cpu {
         }
         for ((p, m), flag) in params.iter_mut().zip(metas).zip(non_finite.iter_mut()) {
             *flag = m.active && p.pieces.iter().any(|piece| piece.saw_non_finite);
-            if m.active {
-                if let Some(r) = &mut p.rank1 {
-                    std::mem::swap(&mut r.scales, &mut r.next);
-                }
+            if m.active
+                && let Some(r) = &mut p.rank1
+            {
+                std::mem::swap(&mut r.scales, &mut r.next);
             }
         }
     }
@@ -552,13 +553,13 @@ impl Backend for Cpu {
                 slot.name()
             ));
         }
-        if let HostSlot::Quantized { absmax, .. } | HostSlot::Rank1 { scales: absmax, .. } = &host {
-            if let Some(bad) = absmax.iter().find(|x| !x.is_finite() || **x < 0.0) {
-                return Err(format!(
-                    "{} slot: scale {bad} is not a finite non-negative number",
-                    slot.name()
-                ));
-            }
+        if let HostSlot::Quantized { absmax, .. } | HostSlot::Rank1 { scales: absmax, .. } = &host
+            && let Some(bad) = absmax.iter().find(|x| !x.is_finite() || **x < 0.0)
+        {
+            return Err(format!(
+                "{} slot: scale {bad} is not a finite non-negative number",
+                slot.name()
+            ));
         }
         // Parameters and states must be finite (a gradient accumulator may hold a pending
         // non-finite value for the step's policy).
@@ -775,25 +776,9 @@ fn fused_step(
                 .for_each(|(j, x)| *x = f.v(global + j)),
             _ => state2.decode(start, v),
         }
-        for i in 0..n {
-            let gi = g[i] * clip;
-            if !gi.is_finite() {
-                saw_non_finite = true;
-                d[i] = 0.0;
-                continue;
-            }
-            let (p0, m0, v0) = (p[i], m[i], v[i]);
-            let u = rule.apply(p0, gi, &mut m[i], &mut v[i], first);
-            if !updated_finite(&u, m[i], v[i]) {
-                // A finite but huge gradient can overflow the update (g^2 in v): keep the element
-                // unchanged rather than store Inf/NaN in a state.
-                (m[i], v[i], d[i]) = (m0, v0, 0.0);
-                saw_non_finite = true;
-                continue;
-            }
-            p[i] = u.param;
-            d[i] = u.delta;
-        }
+        let mut chunk = Chunk { g, p, m, v, d };
+        saw_non_finite |= apply_chunk(rule, clip, first, &mut chunk);
+        let Chunk { p, m, v, d, .. } = chunk;
         state1.encode_keyed(
             start,
             m,

@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use rayon::prelude::*;
+
 use crate::backend::{Backend, LrRule, ParamMeta, SlotKind};
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
@@ -94,13 +96,13 @@ impl Optimizer<Cpu> {
 impl<B: Backend> Optimizer<B> {
     /// An optimizer with no parameters on `backend`.
     pub fn with_backend(backend: B, options: OptimizerOptions) -> Result<Self, OptimError> {
-        if let Some(n) = options.max_grad_norm {
-            if !(n.is_finite() && n > 0.0) {
-                return Err(OptimError::Hyperparameter {
-                    name: "max_grad_norm",
-                    value: n,
-                });
-            }
+        if let Some(n) = options.max_grad_norm
+            && !(n.is_finite() && n > 0.0)
+        {
+            return Err(OptimError::Hyperparameter {
+                name: "max_grad_norm",
+                value: n,
+            });
         }
         Ok(Optimizer {
             backend,
@@ -283,13 +285,13 @@ impl<B: Backend> Optimizer<B> {
         }
         // Check every resulting rate before changing anything.
         for m in self.metas.iter().filter(|m| m.group == group) {
-            if let LrRule::Scaled(k) = m.lr_rule {
-                if !valid(lr * k) {
-                    return Err(OptimError::Hyperparameter {
-                        name: "lr",
-                        value: lr * k,
-                    });
-                }
+            if let LrRule::Scaled(k) = m.lr_rule
+                && !valid(lr * k)
+            {
+                return Err(OptimError::Hyperparameter {
+                    name: "lr",
+                    value: lr * k,
+                });
             }
         }
         self.groups[group].hyper.set_lr(lr);
@@ -332,14 +334,14 @@ impl<B: Backend> Optimizer<B> {
         if meta.config.grad == Storage::None {
             return Err(OptimError::NoAccumulator(meta.name.clone()));
         }
-        if matches!(meta.config.grad, Storage::Quantized { .. }) {
-            if let Some(index) = grad.iter().position(|v| !v.is_finite()) {
-                return Err(lpmm_quant::QuantError::NonFinite {
-                    index,
-                    value: grad[index],
-                }
-                .into());
+        if matches!(meta.config.grad, Storage::Quantized { .. })
+            && let Some(index) = grad.iter().position(|v| !v.is_finite())
+        {
+            return Err(lpmm_quant::QuantError::NonFinite {
+                index,
+                value: grad[index],
             }
+            .into());
         }
         self.backend.accumulate(
             id.0,
@@ -399,10 +401,11 @@ impl<B: Backend> Optimizer<B> {
             }
             let norm = total.sqrt();
             report.grad_norm = Some(norm);
-            if let Some(max) = self.options.max_grad_norm {
-                if norm.is_finite() && norm > max {
-                    clip = (max / (norm + 1e-6)) as f32;
-                }
+            if let Some(max) = self.options.max_grad_norm
+                && norm.is_finite()
+                && norm > max
+            {
+                clip = (max / (norm + 1e-6)) as f32;
             }
             if !report.non_finite.is_empty() && policy == NonFinitePolicy::SkipStep {
                 report.skipped = true;
@@ -473,7 +476,10 @@ impl<B: Backend> Optimizer<B> {
             m.active = i == id.0;
         }
         // The gradient is `grad` plus whatever the accumulator holds: both must be finite.
-        let mut finite = grad.iter().all(|g| g.is_finite());
+        // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one).
+        let mut finite = grad
+            .par_chunks(1 << 16)
+            .all(|c| lpmm_formats::simd::abs_max_bits(c) < 0x7F80_0000);
         if self.metas[id.0].pending {
             self.backend
                 .gradient_stats(&mut self.params, &self.metas, &mut self.stats);

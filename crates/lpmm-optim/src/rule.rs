@@ -316,3 +316,52 @@ impl Rule {
         }
     }
 }
+
+/// One chunk of the fused step's element-wise work: inputs `g` (the gradient, before clipping)
+/// and `p`; `m` and `v` updated in place; `p` receives the new parameter and `d` the increment.
+#[derive(Debug)]
+pub(crate) struct Chunk<'a> {
+    pub g: &'a [f32],
+    pub p: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub d: &'a mut [f32],
+}
+
+lpmm_formats::multiversion! {
+    /// Applies `rule` to every element of `c` with the gradient scaled by `clip`. An element whose
+    /// gradient is not finite, or whose update would produce a non-finite parameter, increment or
+    /// state, is left unchanged (`d = 0`); returns whether any was. Written without branches on
+    /// the data so that it vectorizes; every element gets exactly [`Rule::apply`]'s arithmetic.
+    pub(crate) fn apply_chunk(rule: Rule, clip: f32, first: bool, c: &mut Chunk<'_>) -> bool {
+        #[inline(always)]
+        fn run(rule: Rule, clip: f32, first: bool, c: &mut Chunk<'_>) -> bool {
+            let n = c.g.len();
+            let (g, p, m, v, d) = (&c.g[..n], &mut c.p[..n], &mut c.m[..n], &mut c.v[..n], &mut c.d[..n]);
+            let mut bad = false;
+            for i in 0..n {
+                let gi = g[i] * clip;
+                let (p0, m0, v0) = (p[i], m[i], v[i]);
+                let (mut mi, mut vi) = (m0, v0);
+                let u = rule.apply(p0, gi, &mut mi, &mut vi, first);
+                let ok = gi.is_finite()
+                    & u.param.is_finite()
+                    & u.delta.is_finite()
+                    & mi.is_finite()
+                    & vi.is_finite();
+                m[i] = if ok { mi } else { m0 };
+                v[i] = if ok { vi } else { v0 };
+                p[i] = if ok { u.param } else { p0 };
+                d[i] = if ok { u.delta } else { 0.0 };
+                bad |= !ok;
+            }
+            bad
+        }
+        // One loop per rule, so the rule's variant is known inside it.
+        match rule {
+            Rule::Adam { .. } => run(rule, clip, first, c),
+            Rule::Sgd { .. } => run(rule, clip, first, c),
+            Rule::Lion { .. } => run(rule, clip, first, c),
+        }
+    }
+}

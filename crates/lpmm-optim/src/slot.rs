@@ -2,7 +2,7 @@
 //! CPU backend, and the chunk-wise decode / encode the fused step is made of.
 
 use lpmm_formats::packing;
-use lpmm_formats::{CodeMap, SplitF32, bf16, float, kahan_add};
+use lpmm_formats::{CodeMap, SplitF32, bf16, float, kahan_add, simd};
 use lpmm_quant::{BlockSize, Blockwise, QuantRounding, RandomStream, Rank1};
 
 use crate::config::{Storage, StoreRounding};
@@ -166,15 +166,9 @@ impl Slot {
             // Rank-1 slots need their tensor's scales: callers use `decode_rank1`.
             SlotData::Empty | SlotData::Rank1(_) => out.fill(0.0),
             SlotData::F32(v) => out.copy_from_slice(&v[start..end]),
-            SlotData::Bf16(v) => out
-                .iter_mut()
-                .zip(&v[start..end])
-                .for_each(|(o, b)| *o = b.to_f32()),
+            SlotData::Bf16(v) => simd::bf16_to_f32(&v[start..end], out),
             // The parameter a model sees is the bf16 value; the compensation only feeds updates.
-            SlotData::Kahan { value, .. } => out
-                .iter_mut()
-                .zip(&value[start..end])
-                .for_each(|(o, b)| *o = b.to_f32()),
+            SlotData::Kahan { value, .. } => simd::bf16_to_f32(&value[start..end], out),
             SlotData::Split(v) => out
                 .iter_mut()
                 .zip(&v[start..end])
@@ -218,10 +212,7 @@ impl Slot {
                         .zip(values)
                         .for_each(|(o, &x)| *o = float::bf16_stochastic(x, bits.next()));
                 }
-                _ => v[start..end]
-                    .iter_mut()
-                    .zip(values)
-                    .for_each(|(o, &x)| *o = float::bf16_nearest(x)),
+                _ => simd::f32_to_bf16_nearest(values, &mut v[start..end]),
             },
             SlotData::Kahan { value, comp } => {
                 // Re-initialisation: the value itself, no compensation.

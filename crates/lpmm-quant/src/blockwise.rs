@@ -197,63 +197,55 @@ impl<'m> Blockwise<'m> {
         out: &mut [u8],
         bits: Option<&mut RandomBits>,
     ) -> Option<f32> {
-        // The largest |x| bit pattern: NaN and Inf patterns exceed every finite one.
-        let max_bits = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF));
+        let max_bits = lpmm_formats::simd::abs_max_bits(x);
         if max_bits >= 0x7F80_0000 {
             return None;
         }
         let absmax = f32::from_bits(max_bits);
         let map = self.map;
+        let mut scratch = [0u8; MAX_BLOCK];
+        // 8-bit codes are written in place; narrower ones are packed afterwards.
+        let packed = map.bits() < 8;
+        let codes = if packed {
+            &mut scratch[..x.len()]
+        } else {
+            &mut out[..x.len()]
+        };
         match bits {
-            None => self.encode_block(x, absmax, out, |_, y| map.nearest(y)),
+            None => map.nearest_scaled(x, absmax, codes),
             Some(bits) => {
                 let mut random = [0u32; MAX_BLOCK];
                 // Always drawn, also for all-zero blocks, so each element keeps its own bits.
                 bits.fill(&mut random[..x.len()]);
-                self.encode_block(x, absmax, out, |j, y| map.stochastic(y, random[j]))
+                map.stochastic_scaled(x, absmax, &random[..x.len()], codes);
             }
-        }?;
+        }
+        if self.sign_fix && absmax != 0.0 {
+            self.fix_signs(x, absmax, codes);
+        }
+        if packed {
+            // Codes come from the map, so they fit its width; lengths match by construction.
+            packing::pack(&scratch[..x.len()], map.bits(), out).ok()?;
+        }
         Some(absmax)
     }
 
-    /// Encodes `x / absmax` with `pick(index, y)`, applies the sign fix and packs into `out`.
-    #[inline]
-    fn encode_block(
-        &self,
-        x: &[f32],
-        absmax: f32,
-        out: &mut [u8],
-        pick: impl Fn(usize, f32) -> u8,
-    ) -> Option<()> {
+    /// The sign fix: a code whose value's sign differs from a non-zero input's moves one code
+    /// toward the input.
+    fn fix_signs(&self, x: &[f32], absmax: f32, codes: &mut [u8]) {
         let map = self.map;
         let last = (map.len() - 1) as u8;
-        let code = |j: usize, v: f32| {
-            let y = if absmax == 0.0 { 0.0 } else { v / absmax };
-            let c = pick(j, y);
-            if self.sign_fix && y != 0.0 && map.value(c).is_sign_negative() != y.is_sign_negative()
-            {
-                if y > 0.0 {
-                    (c + 1).min(last)
+        for (c, &v) in codes.iter_mut().zip(x) {
+            // The quotient the code was chosen for (it may underflow to zero).
+            let y = v / absmax;
+            if y != 0.0 && map.value(*c).is_sign_negative() != y.is_sign_negative() {
+                *c = if y > 0.0 {
+                    (*c + 1).min(last)
                 } else {
                     c.saturating_sub(1)
-                }
-            } else {
-                c
+                };
             }
-        };
-        if map.bits() == 8 {
-            for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
-                *o = code(j, v);
-            }
-            return Some(());
         }
-        let mut codes = [0u8; MAX_BLOCK];
-        let codes = &mut codes[..x.len()];
-        for (j, (o, &v)) in codes.iter_mut().zip(x).enumerate() {
-            *o = code(j, v);
-        }
-        // Codes come from the map, so they fit its width; lengths match by construction.
-        packing::pack(codes, map.bits(), out).ok()
     }
 
     /// Dequantizes `codes` and `absmax` into `out` (`map[code] * absmax`).
@@ -280,9 +272,7 @@ impl<'m> Blockwise<'m> {
                 if packing::unpack(codes, bits, unpacked).is_err() {
                     return Err(());
                 }
-                for (o, &c) in out.iter_mut().zip(unpacked.iter()) {
-                    *o = self.map.value(c) * scale;
-                }
+                self.map.decode_scaled(unpacked, scale, out);
             }
             Ok(())
         };

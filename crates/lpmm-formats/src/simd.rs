@@ -1,0 +1,220 @@
+//! Vector kernels chosen at run time: AVX-512 where the CPU has it (x86-64 with AVX-512
+//! F/BW/VL/DQ, AVX2 and FMA), portable Rust everywhere else. Both paths give the same bits —
+//! the kernels use only exact operations (IEEE division and square root, fused multiply-add,
+//! comparisons, integer arithmetic) in the same order — and tests compare them; only speed
+//! differs.
+//!
+//! [`multiversion!`](crate::multiversion) compiles a portable loop twice (baseline and with
+//! AVX-512 enabled, so LLVM vectorizes it with 512-bit registers and inlines `mul_add`), and
+//! the code-map kernels in [`crate::CodeMap`] add hand-written AVX-512 gathers.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Which kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Portable Rust, compiled for the baseline target.
+    Portable,
+    /// Portable Rust compiled with AVX2 and FMA (x86-64 since 2013): `mul_add` is one
+    /// instruction instead of a library call.
+    Avx2,
+    /// AVX-512 (F, BW, VL, DQ) with AVX2 and FMA.
+    Avx512,
+}
+
+const UNKNOWN: u8 = 0;
+const PORTABLE: u8 = 1;
+const AVX2: u8 = 3;
+const AVX512: u8 = 2;
+
+static DETECTED: AtomicU8 = AtomicU8::new(UNKNOWN);
+static FORCED: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+/// What this CPU supports (detected once).
+pub fn detected() -> Level {
+    let mut d = DETECTED.load(Ordering::Relaxed);
+    if d == UNKNOWN {
+        d = detect();
+        DETECTED.store(d, Ordering::Relaxed);
+    }
+    match d {
+        AVX512 => Level::Avx512,
+        AVX2 => Level::Avx2,
+        _ => Level::Portable,
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> u8 {
+    let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    let avx512 = std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512dq");
+    match (avx2, avx512) {
+        (true, true) => AVX512,
+        (true, false) => AVX2,
+        _ => PORTABLE,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> u8 {
+    PORTABLE
+}
+
+/// The kernels in use: [`detected`], unless lowered by [`force`] or by the environment variable
+/// `LPMM_SIMD` (`portable` or `avx2`) read the first time.
+#[inline]
+pub fn level() -> Level {
+    match FORCED.load(Ordering::Relaxed) {
+        UNKNOWN => {
+            let from_env = match std::env::var("LPMM_SIMD").as_deref() {
+                Ok("portable") => Some(Level::Portable),
+                Ok("avx2") => Some(Level::Avx2),
+                _ => None,
+            };
+            force(from_env);
+            level()
+        }
+        PORTABLE => Level::Portable,
+        AVX2 => Level::Avx2,
+        _ => Level::Avx512,
+    }
+}
+
+/// Runs the kernels of `level` (at most what the CPU supports) from now on, on every thread;
+/// `None` goes back to the detected level. Results do not change, only speed: this exists for
+/// tests and benchmarks.
+pub fn force(level: Option<Level>) {
+    let rank = |l: Level| match l {
+        Level::Portable => 0,
+        Level::Avx2 => 1,
+        Level::Avx512 => 2,
+    };
+    let d = detected();
+    let l = match level {
+        Some(l) if rank(l) < rank(d) => l,
+        _ => d,
+    };
+    let code = match l {
+        Level::Portable => PORTABLE,
+        Level::Avx2 => AVX2,
+        Level::Avx512 => AVX512,
+    };
+    FORCED.store(code, Ordering::Relaxed);
+}
+
+/// Defines a function whose body is compiled three times, for the baseline target, with AVX2 and
+/// FMA, and with AVX-512, and picks one at run time by [`level`]. The body must be plain Rust (no
+/// intrinsics): enabling the features changes how it is compiled, never what it computes.
+///
+/// ```
+/// lpmm_formats::multiversion! {
+///     /// Doubles every element.
+///     pub fn double(xs: &mut [f32]) {
+///         xs.iter_mut().for_each(|x| *x *= 2.0);
+///     }
+/// }
+/// let mut v = [1.0f32, 2.0];
+/// double(&mut v);
+/// assert_eq!(v, [2.0, 4.0]);
+/// ```
+#[macro_export]
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn portable($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                portable($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                portable($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            match $crate::simd::level() {
+                // SAFETY: `level()` is `Avx512` only after run-time detection found every feature
+                // enabled on `avx512` (simd::detect).
+                $crate::simd::Level::Avx512 => return unsafe { avx512($($arg),*) },
+                // SAFETY: `level()` is `Avx2` (or `Avx512`) only after run-time detection of AVX2
+                // and FMA.
+                $crate::simd::Level::Avx2 => return unsafe { avx2($($arg),*) },
+                $crate::simd::Level::Portable => {}
+            }
+            portable($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    /// bf16 to f32 (exact).
+    pub fn bf16_to_f32(xs: &[half::bf16], out: &mut [f32]) {
+        out.iter_mut()
+            .zip(xs)
+            .for_each(|(o, b)| *o = f32::from_bits(u32::from(b.to_bits()) << 16));
+    }
+}
+
+multiversion! {
+    /// f32 to bf16 rounding to nearest, ties to even: the same bits as
+    /// [`crate::float::bf16_nearest`] (crate `half`) for every input, NaN payloads included,
+    /// written without branches so it vectorizes.
+    pub fn f32_to_bf16_nearest(xs: &[f32], out: &mut [half::bf16]) {
+        out.iter_mut().zip(xs).for_each(|(o, &x)| {
+            let b = x.to_bits();
+            let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+            let quiet_nan = ((b >> 16) | 0x40) as u16;
+            let nan = b & 0x7FFF_FFFF > 0x7F80_0000;
+            *o = half::bf16::from_bits(if nan { quiet_nan } else { rounded });
+        });
+    }
+}
+
+multiversion! {
+    /// The largest `|x|` of `xs` as a bit pattern (0 for an empty slice): NaN and ±Inf patterns
+    /// exceed every finite one, so a result `>= 0x7F80_0000` means a non-finite input.
+    pub fn abs_max_bits(xs: &[f32]) -> u32 {
+        xs.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::float::bf16_nearest;
+
+    #[test]
+    fn bf16_slice_conversion_equals_half_for_every_pattern() {
+        // All 2^32 inputs in slices of 2^16, on whichever path this CPU takes.
+        let mut xs = vec![0f32; 1 << 16];
+        let mut out = vec![half::bf16::ZERO; 1 << 16];
+        for hi in 0u32..1 << 16 {
+            for (lo, x) in xs.iter_mut().enumerate() {
+                *x = f32::from_bits(hi << 16 | lo as u32);
+            }
+            f32_to_bf16_nearest(&xs, &mut out);
+            for (x, o) in xs.iter().zip(&out) {
+                assert_eq!(
+                    o.to_bits(),
+                    bf16_nearest(*x).to_bits(),
+                    "{:#010x}",
+                    x.to_bits()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn abs_max_bits_finds_non_finite_values() {
+        assert_eq!(abs_max_bits(&[]), 0);
+        assert_eq!(abs_max_bits(&[-3.0, 2.0]), 3.0f32.to_bits());
+        assert!(abs_max_bits(&[1.0, f32::NAN, 2.0]) > 0x7F80_0000);
+        assert_eq!(abs_max_bits(&[1.0, f32::NEG_INFINITY]), 0x7F80_0000);
+    }
+}
