@@ -14,7 +14,7 @@
 //!
 //! bench.json (schema 1): `{"schema": 1, "quick", "threads", "cpu", "cases": [...],
 //! "memory": {...} | null}`; each case: `name`, `kind` (`lpmm` | `ceiling` | `peer`), `preset`,
-//! `params`, `ns_per_param` (criterion's median), `bytes_per_param`, `gbps` (bytes moved / time),
+//! `params`, `ns_per_param` (criterion's median; a ceiling's fastest sample), `bytes_per_param`, `gbps` (bytes moved / time),
 //! `ceiling` (the ceiling case's name), `ceiling_gbps`, `ratio_to_ceiling` (`gbps /
 //! ceiling_gbps`), and `peer_ratios`: for each peer measured at the same size, its time per
 //! parameter divided by this case's (above 1: this case is faster).
@@ -145,8 +145,8 @@ fn read_json(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-/// Criterion's median time (ns) of every case, by full id.
-fn criterion_times(dir: &Path, out: &mut BTreeMap<String, f64>) {
+/// Criterion's median time and fastest sample (ns per iteration) of every case, by full id.
+fn criterion_times(dir: &Path, out: &mut BTreeMap<String, (f64, f64)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -160,7 +160,17 @@ fn criterion_times(dir: &Path, out: &mut BTreeMap<String, f64>) {
                 est["median"]["point_estimate"].as_f64(),
                 meta["full_id"].as_str(),
             ) {
-                out.insert(id.to_string(), ns);
+                let fastest = read_json(&path.join("sample.json"))
+                    .and_then(|s| {
+                        let (iters, times) = (s["iters"].as_array()?, s["times"].as_array()?);
+                        iters
+                            .iter()
+                            .zip(times)
+                            .filter_map(|(i, t)| Some(t.as_f64()? / i.as_f64()?))
+                            .reduce(f64::min)
+                    })
+                    .unwrap_or(ns);
+                out.insert(id.to_string(), (ns, fastest));
             }
         } else if path.is_dir() {
             criterion_times(&path, out);
@@ -181,8 +191,15 @@ fn read_cases(criterion: &Path, sidecars: &Path) -> Result<Vec<Value>, String> {
         let (Some(id), Some(params)) = (side["id"].as_str(), side["params"].as_f64()) else {
             continue;
         };
-        let Some(&ns) = times.get(id) else {
+        let Some(&(median, fastest)) = times.get(id) else {
             continue; // filtered out of this run
+        };
+        // A ceiling is the fastest the machine moved those bytes: its fastest sample. Everything
+        // else is its median.
+        let ns = if side["kind"] == "ceiling" {
+            fastest
+        } else {
+            median
         };
         let bytes = side["bytes_per_param"].as_f64().unwrap_or(0.0);
         cases.push(json!({
