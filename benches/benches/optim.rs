@@ -97,15 +97,7 @@ fn peers(
     init: &[f32],
     grad: &[f32],
 ) {
-    let id = format!("step/candle_adamw_f32/{}", label(n));
-    describe(&CaseInfo {
-        id: &id,
-        params: n,
-        bytes_per_param: 28.0,
-        kind: Kind::Peer,
-        ceiling: None,
-        preset: Some("adamw_f32"),
-    });
+    describe_peer("candle_adamw_f32", n);
     let mut candle = CandleAdamW::new(init, grad, 1e-3).expect("candle AdamW");
     group.bench_function(BenchmarkId::new("candle_adamw_f32", label(n)), |b| {
         b.iter(|| candle.step().expect("candle step"))
@@ -113,20 +105,24 @@ fn peers(
     drop(candle);
     #[cfg(feature = "burn")]
     {
-        let id = format!("step/burn_adamw_f32/{}", label(n));
-        describe(&CaseInfo {
-            id: &id,
-            params: n,
-            bytes_per_param: 28.0,
-            kind: Kind::Peer,
-            ceiling: None,
-            preset: Some("adamw_f32"),
-        });
+        describe_peer("burn_adamw_f32", n);
         let mut burn = lpmm_benches::burn_peer::BurnAdamW::new(init, grad, 1e-3);
         group.bench_function(BenchmarkId::new("burn_adamw_f32", label(n)), |b| {
             b.iter(|| burn.step())
         });
     }
+}
+
+/// The sidecar of an f32 AdamW peer at `n` parameters.
+fn describe_peer(name: &str, n: usize) {
+    describe(&CaseInfo {
+        id: &format!("step/{name}/{}", label(n)),
+        params: n,
+        bytes_per_param: 28.0,
+        kind: Kind::Peer,
+        ceiling: None,
+        preset: Some("adamw_f32"),
+    });
 }
 
 /// Per-tensor overhead and thread scaling of the 8-bit AdamW step.

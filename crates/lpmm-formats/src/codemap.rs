@@ -56,6 +56,25 @@ fn bucket_range(bucket: usize) -> Option<(f32, f32)> {
     }
 }
 
+/// `x / absmax` of 16 lanes (`divisor` holds `absmax` in every lane), or zeros when `absmax` is 0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn quotient_lanes(
+    xs: &[f32],
+    absmax: f32,
+    divisor: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    assert!(xs.len() >= 16, "16 lanes");
+    if absmax == 0.0 {
+        return _mm512_setzero_ps();
+    }
+    // SAFETY: `xs` holds at least 16 values (asserted); the load is unaligned.
+    let x = unsafe { _mm512_loadu_ps(xs.as_ptr()) };
+    _mm512_div_ps(x, divisor)
+}
+
 /// Two maps are equal when they have the same width and the same value bit patterns (everything
 /// else derives from those).
 impl PartialEq for CodeMap {
@@ -252,13 +271,7 @@ impl CodeMap {
         let whole = n - n % 16;
         let divisor = _mm512_set1_ps(absmax);
         for i in (0..whole).step_by(16) {
-            // SAFETY: `i + 16 <= n <= xs.len()`; the load is unaligned.
-            let x = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i)) };
-            let y = if absmax == 0.0 {
-                _mm512_setzero_ps()
-            } else {
-                _mm512_div_ps(x, divisor)
-            };
+            let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
             let c = self.nearest_lanes(y);
             // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
             unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c)) };
@@ -323,13 +336,7 @@ impl CodeMap {
         let divisor = _mm512_set1_ps(absmax);
         let two_32 = _mm512_set1_ps(4_294_967_296.0);
         for i in (0..whole).step_by(16) {
-            // SAFETY: `i + 16 <= xs.len()`; the load is unaligned.
-            let x = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i)) };
-            let y = if absmax == 0.0 {
-                _mm512_setzero_ps()
-            } else {
-                _mm512_div_ps(x, divisor)
-            };
+            let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
             let c = self.nearest_lanes(y);
             // SAFETY: codes from `nearest_lanes` are < values.len().
             let vc = unsafe { _mm512_i32gather_ps::<4>(c, values) };
