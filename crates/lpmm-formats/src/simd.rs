@@ -1,12 +1,12 @@
 //! Vector kernels chosen at run time: AVX-512 where the CPU has it (x86-64 with AVX-512
-//! F/BW/VL/DQ, AVX2 and FMA), portable Rust everywhere else. Both paths give the same bits —
-//! the kernels use only exact operations (IEEE division and square root, fused multiply-add,
-//! comparisons, integer arithmetic) in the same order — and tests compare them; only speed
-//! differs.
+//! F/BW/VL/DQ, AVX2 and FMA), AVX2 + FMA where it has those, portable Rust everywhere else. Every
+//! level gives the same bits — the kernels use only exact operations (IEEE division and square
+//! root, fused multiply-add, comparisons, integer arithmetic) in the same order — and tests
+//! compare them; only speed differs.
 //!
-//! [`multiversion!`](crate::multiversion) compiles a portable loop twice (baseline and with
-//! AVX-512 enabled, so LLVM vectorizes it with 512-bit registers and inlines `mul_add`), and
-//! the code-map kernels in [`crate::CodeMap`] add hand-written AVX-512 gathers.
+//! [`multiversion!`](crate::multiversion) compiles a portable loop once per level (so LLVM
+//! vectorizes it with the level's registers and inlines `mul_add`), and the code-map kernels in
+//! [`crate::CodeMap`] add hand-written AVX-512 gathers.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
