@@ -811,12 +811,6 @@ fn fused_step(
     saw_non_finite
 }
 
-/// Whether an element's update produced only finite values.
-#[inline]
-fn updated_finite(u: &crate::rule::Updated, m: f32, v: f32) -> bool {
-    u.param.is_finite() && u.delta.is_finite() && m.is_finite() && v.is_finite()
-}
-
 /// Phase A of a rank-1 step for one piece: recompute the updated second moment exactly as
 /// [`fused_step`] will, and fold its per-dimension maxima into `piece.partial`.
 fn rank1_fold(
@@ -833,10 +827,22 @@ fn rank1_fold(
         meta.rule.without_decay()
     };
     piece.partial.fill(0.0);
-    let (mut g, mut p, mut m, mut v) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+    let (mut g, mut p, mut m, mut v, mut d) = (
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+        [0f32; CHUNK],
+    );
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
-        let (g, p, m, v) = (&mut g[..n], &mut p[..n], &mut m[..n], &mut v[..n]);
+        let (g, p, m, v, d) = (
+            &mut g[..n],
+            &mut p[..n],
+            &mut m[..n],
+            &mut v[..n],
+            &mut d[..n],
+        );
         let global = piece.offset + start;
         load_gradient_and_param(
             piece.slot(SlotKind::Grad),
@@ -850,17 +856,9 @@ fn rank1_fold(
         piece
             .slot(SlotKind::State2)
             .decode_rank1(start, global, v, &r.q, &r.scales);
-        for i in 0..n {
-            let gi = g[i] * clip;
-            if gi.is_finite() {
-                // Exactly the fused pass's rule, restore included, so both phases agree.
-                let (m0, v0) = (m[i], v[i]);
-                let u = rule.apply(p[i], gi, &mut m[i], &mut v[i], first);
-                if !updated_finite(&u, m[i], v[i]) {
-                    (m[i], v[i]) = (m0, v0);
-                }
-            }
-        }
+        // Exactly the fused pass's element-wise work, restore included, so both phases agree
+        // (the parameter and increments it computes are dropped).
+        apply_chunk(rule, clip, first, &mut Chunk { g, p, m, v, d });
         r.q.fold_maxima(v, global, &mut piece.partial);
     }
 }

@@ -61,6 +61,13 @@ pub enum QuantRounding {
     },
 }
 
+/// The block quantizer's stack scratch: unpacked codes (maps narrower than 8 bits) and random
+/// words (stochastic rounding), each present only when used.
+struct Scratch {
+    codes: Option<[u8; MAX_BLOCK]>,
+    random: Option<[u32; MAX_BLOCK]>,
+}
+
 /// Block-wise absmax quantization: the input is cut into blocks of `block` consecutive elements
 /// (the last one partial); each block stores `absmax = max |x|` as f32 and, per element, the code
 /// of `y = x / absmax` (f32 division; `y = 0` for an all-zero block) in `map`, packed at
@@ -159,13 +166,28 @@ impl<'m> Blockwise<'m> {
                     Some(stream.at(offset.wrapping_add(start as u64)))
                 }
             };
+            // Scratch zeroed once per call, and only what this map and rounding use.
+            let mut scratch = Scratch {
+                codes: if self.map.bits() < 8 {
+                    Some([0u8; MAX_BLOCK])
+                } else {
+                    None
+                },
+                random: if bits.is_some() {
+                    Some([0u32; MAX_BLOCK])
+                } else {
+                    None
+                },
+            };
             let block_bytes = packing::packed_len(block, self.map.bits());
             for ((x, codes), absmax) in x
                 .chunks(block)
                 .zip(codes.chunks_mut(block_bytes))
                 .zip(absmax.iter_mut())
             {
-                *absmax = self.quantize_block(x, codes, bits.as_mut()).ok_or(())?;
+                *absmax = self
+                    .quantize_block(x, codes, bits.as_mut(), &mut scratch)
+                    .ok_or(())?;
             }
             Ok::<(), ()>(())
         };
@@ -196,6 +218,7 @@ impl<'m> Blockwise<'m> {
         x: &[f32],
         out: &mut [u8],
         bits: Option<&mut RandomBits>,
+        scratch: &mut Scratch,
     ) -> Option<f32> {
         let max_bits = lpmm_formats::simd::abs_max_bits(x);
         if max_bits >= 0x7F80_0000 {
@@ -203,29 +226,25 @@ impl<'m> Blockwise<'m> {
         }
         let absmax = f32::from_bits(max_bits);
         let map = self.map;
-        let mut scratch = [0u8; MAX_BLOCK];
         // 8-bit codes are written in place; narrower ones are packed afterwards.
-        let packed = map.bits() < 8;
-        let codes = if packed {
-            &mut scratch[..x.len()]
-        } else {
-            &mut out[..x.len()]
+        let codes = match &mut scratch.codes {
+            Some(buffer) => &mut buffer[..x.len()],
+            None => &mut out[..x.len()],
         };
-        match bits {
-            None => map.nearest_scaled(x, absmax, codes),
-            Some(bits) => {
-                let mut random = [0u32; MAX_BLOCK];
+        match (bits, &mut scratch.random) {
+            (Some(bits), Some(random)) => {
                 // Always drawn, also for all-zero blocks, so each element keeps its own bits.
                 bits.fill(&mut random[..x.len()]);
                 map.stochastic_scaled(x, absmax, &random[..x.len()], codes);
             }
+            _ => map.nearest_scaled(x, absmax, codes),
         }
         if self.sign_fix && absmax != 0.0 {
             self.fix_signs(x, absmax, codes);
         }
-        if packed {
+        if let Some(buffer) = &scratch.codes {
             // Codes come from the map, so they fit its width; lengths match by construction.
-            packing::pack(&scratch[..x.len()], map.bits(), out).ok()?;
+            packing::pack(&buffer[..x.len()], map.bits(), out).ok()?;
         }
         Some(absmax)
     }
