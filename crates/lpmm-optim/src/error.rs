@@ -51,6 +51,16 @@ pub enum OptimError {
     /// A checkpoint could not be written or read.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: String, reason: String },
+    /// The backend cannot hold or step this configuration (docs/BACKENDS.md lists what each
+    /// backend supports).
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported { backend: &'static str, what: String },
+    /// The backend's device reported an error (out of memory, device lost, ...).
+    #[error("{backend} device: {reason}")]
+    Device {
+        backend: &'static str,
+        reason: String,
+    },
     /// An error from the quantization layer.
     #[error(transparent)]
     Quant(#[from] QuantError),

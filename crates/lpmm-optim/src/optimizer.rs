@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
 
-use crate::backend::{Backend, LrRule, ParamMeta, SlotKind};
+use crate::backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
@@ -362,6 +362,16 @@ impl<B: Backend> Optimizer<B> {
         self.backend
             .read(&self.params[id.0], meta, SlotKind::Param, out);
         Ok(())
+    }
+
+    /// One slot of the parameter in the canonical host layout (the stored bits, unsharded): what a
+    /// checkpoint holds, and how two backends are compared bit for bit.
+    pub fn export_slot(&self, id: ParamId, slot: SlotKind) -> Result<HostSlot, OptimError> {
+        let meta = self
+            .metas
+            .get(id.0)
+            .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.0)))?;
+        Ok(self.backend.export(&self.params[id.0], meta, slot))
     }
 
     /// Reads a state (1 or 2) of the parameter as f32 into `out` (zeros if the optimizer has no
