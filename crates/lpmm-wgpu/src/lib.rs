@@ -112,6 +112,7 @@ struct Inner {
     io_floats: usize,
     segment_words: usize,
     piece: usize,
+    dispatches: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
 }
 
@@ -605,6 +606,7 @@ impl Wgpu {
             io_floats,
             segment_words,
             piece,
+            dispatches: Default::default(),
             state: Mutex::new(State::default()),
         };
         Ok(Wgpu {
@@ -643,6 +645,14 @@ impl Wgpu {
     /// Words per segment after clamping to the adapter's limits.
     pub fn segment_words(&self) -> usize {
         self.inner.segment_words
+    }
+
+    /// Compute dispatches issued so far (a step issues one per segment it touches, however many
+    /// tensors the segment holds).
+    pub fn dispatches(&self) -> u64 {
+        self.inner
+            .dispatches
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Number of segment buffers allocated so far.
@@ -793,6 +803,9 @@ impl Wgpu {
             let x = tiles.min(MAX_GROUPS_X);
             pass.dispatch_workgroups(x as u32, tiles.div_ceil(x) as u32, 1);
         }
+        inner
+            .dispatches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         inner.queue.submit([encoder.finish()]);
         let out_floats: usize = batch
             .iter()
@@ -1228,14 +1241,38 @@ impl Backend for Wgpu {
         metas: &[ParamMeta],
         out: &mut [(f64, bool)],
     ) {
-        for (index, ((p, m), o)) in params.iter().zip(metas).zip(out.iter_mut()).enumerate() {
-            *o = (0.0, true);
-            if !m.active {
-                continue;
+        // Every active accumulator decoded in as few dispatches as the io buffer allows.
+        let mut items = Vec::new();
+        let mut owner = Vec::new();
+        for (index, (p, m)) in params.iter().zip(metas).enumerate() {
+            if m.active {
+                for piece in &p.pieces {
+                    let mut desc = self.desc(index, p, piece, 0);
+                    desc[D_MODE] = SlotKind::Grad as u32;
+                    items.push(Item {
+                        piece,
+                        desc,
+                        input: None,
+                        output: true,
+                    });
+                    owner.push(index);
+                }
             }
-            let g = self.decode(index, p, SlotKind::Grad);
-            // The CPU's sums: one f64 sum per 2^20 elements in element order, combined in order.
-            for part in g.chunks(1 << 20) {
+        }
+        let (outputs, _) = self.run(Entry::Decode, &items);
+        out.iter_mut().for_each(|o| *o = (0.0, true));
+        // The CPU's sums: one f64 sum per 2^20 elements of a tensor in element order, combined
+        // in order (pieces are consecutive, so a tensor's values arrive in order).
+        let mut k = 0;
+        while k < owner.len() {
+            let index = owner[k];
+            let mut values = Vec::new();
+            while k < owner.len() && owner[k] == index {
+                values.extend_from_slice(&outputs[k]);
+                k += 1;
+            }
+            let o = &mut out[index];
+            for part in values.chunks(1 << 20) {
                 let mut sum = 0.0f64;
                 for &x in part {
                     if x.is_finite() {
