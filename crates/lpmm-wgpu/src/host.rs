@@ -9,6 +9,10 @@ use lpmm_optim::{HostSlot, MapKind, SlotKind, Storage};
 
 use crate::Piece;
 
+/// One piece's raw words of a slot: its two regions (values; compensations, remainders or
+/// block scales).
+pub(crate) type Words = (Vec<u32>, Vec<u32>);
+
 /// Every built-in map: values at `512 k`, thresholds at `512 k + 256` (f32 bits), and the
 /// number of values of map `k` at `2560 + k` (step.wgsl's `maps`).
 pub(crate) fn map_table() -> Vec<u32> {
@@ -73,11 +77,7 @@ fn words_of(bytes: &[u8]) -> Vec<u32> {
 
 /// The pieces' raw words of one slot as the canonical whole-tensor host layout (the CPU
 /// backend's export of the same contents is equal).
-pub(crate) fn export(
-    storage: Option<Storage>,
-    pieces: &[Piece],
-    parts: &[(Vec<u32>, Vec<u32>)],
-) -> HostSlot {
+pub(crate) fn export(storage: Option<Storage>, pieces: &[Piece], parts: &[Words]) -> HostSlot {
     let each = pieces.iter().zip(parts);
     match storage {
         None | Some(Storage::None) => HostSlot::Empty,
@@ -129,13 +129,13 @@ pub(crate) fn import(
     pieces: &[Piece],
     slot: SlotKind,
     host: HostSlot,
-) -> Result<Vec<(Vec<u32>, Vec<u32>)>, String> {
+) -> Result<Vec<Words>, String> {
     let name = slot.name();
     let mismatch =
         || format!("{name} slot: stored layout or length does not match the configuration");
     let bf_ok = |b: &u16| b & 0x7F80 != 0x7F80;
     let check_values = slot != SlotKind::Grad;
-    let cut = |f: &dyn Fn(&Piece, usize) -> (Vec<u32>, Vec<u32>)| {
+    let cut = |f: &dyn Fn(&Piece, usize) -> Words| {
         let mut at = 0;
         pieces
             .iter()

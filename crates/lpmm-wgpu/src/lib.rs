@@ -514,12 +514,14 @@ impl Wgpu {
             trace: wgpu::Trace::Off,
         }))
         .map_err(|e| WgpuError::Device(e.to_string()))?;
-        let cap =
-            u64::from(limits.max_storage_buffer_binding_size).min(limits.max_buffer_size) & !3;
+        let cap = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size)
+            & !3;
         let segment_words = (options.segment_bytes.min(cap) / 4) as usize;
         let io_floats = (options.io_bytes.min(cap) / 4) as usize;
         let piece = options.piece_elements;
-        if piece == 0 || piece % TILE != 0 {
+        if piece == 0 || !piece.is_multiple_of(TILE) {
             return Err(WgpuError::Options(format!(
                 "piece_elements = {piece} is not a positive multiple of {TILE}"
             )));
@@ -859,7 +861,7 @@ impl Wgpu {
     }
 
     /// Reads the raw words of each piece's regions of `slot`.
-    fn raw(&self, param: &WgpuParam, slot: SlotKind) -> Vec<(Vec<u32>, Vec<u32>)> {
+    fn raw(&self, param: &WgpuParam, slot: SlotKind) -> Vec<host::Words> {
         let inner = &*self.inner;
         let state = inner.lock();
         let f = param.formats[slot as usize];
@@ -879,7 +881,7 @@ impl Wgpu {
     }
 
     /// Writes raw words into each piece's regions of `slot`.
-    fn write_raw(&self, param: &WgpuParam, slot: SlotKind, parts: &[(Vec<u32>, Vec<u32>)]) {
+    fn write_raw(&self, param: &WgpuParam, slot: SlotKind, parts: &[host::Words]) {
         let inner = &*self.inner;
         let state = inner.lock();
         for (piece, (wa, wb)) in param.pieces.iter().zip(parts) {
@@ -1169,7 +1171,7 @@ impl Backend for Wgpu {
         // code of 0); a reused range must not keep an earlier parameter's words.
         for slot in SlotKind::ALL {
             let f = formats[slot as usize];
-            let parts: Vec<(Vec<u32>, Vec<u32>)> = param
+            let parts: Vec<host::Words> = param
                 .pieces
                 .iter()
                 .map(|piece| {

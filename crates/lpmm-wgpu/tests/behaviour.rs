@@ -5,8 +5,7 @@ mod common;
 
 use common::{Rng, assert_same, backend, small};
 use lpmm_optim::{
-    Hyper, MapKind, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage,
-    presets,
+    Hyper, MapKind, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, presets,
 };
 use lpmm_wgpu::WgpuOptions;
 
@@ -35,9 +34,12 @@ fn checkpoints_move_between_cpu_and_wgpu_and_resume_exactly() {
         let ids: Vec<ParamId> = sizes
             .iter()
             .enumerate()
-            .map(|(k, &n)| cpu.add_param(&format!("w{k}"), &[n], &rng.spread(n, 0.5), 0).unwrap())
+            .map(|(k, &n)| {
+                cpu.add_param(&format!("w{k}"), &[n], &rng.spread(n, 0.5), 0)
+                    .unwrap()
+            })
             .collect();
-        let mut grads = |rng: &mut Rng| sizes.map(|n| rng.spread(n, 1.0));
+        let grads = |rng: &mut Rng| sizes.map(|n| rng.spread(n, 1.0));
         let g = grads(&mut rng);
         for (&id, g) in ids.iter().zip(&g) {
             cpu.accumulate(id, g).unwrap();
@@ -63,7 +65,12 @@ fn checkpoints_move_between_cpu_and_wgpu_and_resume_exactly() {
         let path = temp(&format!("{name}-wgpu.safetensors"));
         dev.save(&path).unwrap();
         let mut back = Optimizer::load(&path).unwrap();
-        assert_same(&dev, &back, &ids, &format!("{name}: wgpu checkpoint on cpu"));
+        assert_same(
+            &dev,
+            &back,
+            &ids,
+            &format!("{name}: wgpu checkpoint on cpu"),
+        );
         let g = grads(&mut rng);
         for (&id, g) in ids.iter().zip(&g) {
             back.accumulate(id, g).unwrap();
@@ -105,12 +112,17 @@ fn tensor_wide_second_moments_are_a_typed_error() {
 
 #[test]
 fn many_small_tensors_share_one_dispatch() {
-    let Some(gpu) = backend(WgpuOptions::default()) else { return };
+    let Some(gpu) = backend(WgpuOptions::default()) else {
+        return;
+    };
     let mut opt = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
     opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
     let mut rng = Rng(8);
     let ids: Vec<ParamId> = (0..1000)
-        .map(|k| opt.add_param(&format!("b{k}"), &[64], &rng.spread(64, 0.1), 0).unwrap())
+        .map(|k| {
+            opt.add_param(&format!("b{k}"), &[64], &rng.spread(64, 0.1), 0)
+                .unwrap()
+        })
         .collect();
     for &id in &ids {
         opt.accumulate(id, &rng.spread(64, 1.0)).unwrap();
@@ -119,7 +131,11 @@ fn many_small_tensors_share_one_dispatch() {
     assert_eq!(opt.step().unwrap().updated, 1000);
     assert_eq!(gpu.segments(), 1);
     // The finiteness check (SkipStep) decodes every accumulator in one dispatch, the step in one.
-    assert_eq!(gpu.dispatches() - before, 2, "one segment: one decode and one step dispatch");
+    assert_eq!(
+        gpu.dispatches() - before,
+        2,
+        "one segment: one decode and one step dispatch"
+    );
 }
 
 #[test]
@@ -146,7 +162,10 @@ fn subnormal_values_are_bit_exact_where_the_probe_says_so() {
     let mut v = vec![0f32; n];
     cpu.read_state(a, 2, &mut v).unwrap();
     let subnormal = v.iter().filter(|x| x.is_subnormal()).count();
-    assert!(subnormal > 1000, "the case must produce subnormal states ({subnormal})");
+    assert!(
+        subnormal > 1000,
+        "the case must produce subnormal states ({subnormal})"
+    );
     if behaviour.bit_exact() {
         assert_same(&cpu, &dev, &[a], "subnormal states");
     } else {

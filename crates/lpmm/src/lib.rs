@@ -3,14 +3,16 @@
 //! This facade re-exports the layers a user needs: [`formats`] (bf16/f16/fp8, code maps,
 //! packing, split f32), [`quant`] (block-wise and rank-1 quantization, counter-based random
 //! bits) and [`optim`] (the optimizer core and its CPU reference). Feature `candle`: `candle`, a
-//! `candle_nn::Optimizer` for any lpmm configuration. GPU backends are added behind features by
-//! later layers.
+//! `candle_nn::Optimizer` for any lpmm configuration. Feature `wgpu`: `wgpu`, the backend that
+//! runs the optimizer step as compute shaders (`Optimizer::with_backend(lpmm::wgpu::Wgpu::new(..)?, ..)`).
 
 #[cfg(feature = "candle")]
 pub use lpmm_candle as candle;
 pub use lpmm_formats as formats;
 pub use lpmm_optim as optim;
 pub use lpmm_quant as quant;
+#[cfg(feature = "wgpu")]
+pub use lpmm_wgpu as wgpu;
 
 /// The README's code examples, compiled and run as doctests so they stay true.
 #[cfg(doctest)]

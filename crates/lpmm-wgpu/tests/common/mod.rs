@@ -54,7 +54,7 @@ impl Rng {
             .map(|_| {
                 let u = self.uniform();
                 let e = (self.next() % 7) as i32 - 5;
-                if self.next() % 61 == 0 {
+                if self.next().is_multiple_of(61) {
                     0.0
                 } else {
                     u * scale * 10f32.powi(e)
