@@ -113,6 +113,13 @@ fn compare(gpu: &Wgpu, name: &str, config: ParamConfig, options: OptimizerOption
     for step in 0..steps {
         if released {
             for &(id, n) in &ids {
+                // Odd steps: optimizer accumulation (states only) before the released step.
+                if step % 2 == 1 {
+                    let g = rng.spread(n, 1.0);
+                    let r1 = cpu.accumulate_states(id, &g).unwrap();
+                    let r2 = dev.accumulate_states(id, &g).unwrap();
+                    assert_eq!(r1, r2, "{name}: accumulate_states reports");
+                }
                 let g = rng.spread(n, 1.0);
                 let r1 = cpu.step_param(id, &g).unwrap();
                 let r2 = dev.step_param(id, &g).unwrap();
