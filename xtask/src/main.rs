@@ -18,6 +18,15 @@
 //! `ceiling` (the ceiling case's name), `ceiling_gbps`, `ratio_to_ceiling` (`gbps /
 //! ceiling_gbps`), and `peer_ratios`: for each peer measured at the same size, its time per
 //! parameter divided by this case's (above 1: this case is faster).
+//!
+//! `kernels [--check]` compiles `crates/lpmm-cuda/kernels/lpmm.cu` with NVRTC for every
+//! architecture of `lpmm_cuda::kernels::ARCHS` and writes `crates/lpmm-cuda/ptx/lpmm.<arch>.ptx`,
+//! then assembles each with ptxas. The pinned wheels (`nvidia-cuda-{nvrtc,runtime,nvcc}-cu12`)
+//! are found in `LPMM_CUDA_WHEELS` (a site-packages directory) or by `python3`; as the dynamic
+//! loader reads `LD_LIBRARY_PATH` only at start, xtask re-runs itself with the wheel's
+//! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
+//!
+//! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -28,9 +37,12 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("bench") => bench(&args[1..]),
-        _ => {
-            Err("usage: cargo xtask bench [--quick] [--peers] [--report-only] [FILTER]".to_string())
-        }
+        Some("kernels") => kernels(&args[1..]),
+        _ => Err(
+            "usage: cargo xtask bench [--quick] [--peers] [--report-only] [FILTER]\n       \
+                  cargo xtask kernels [--check]"
+                .to_string(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -128,6 +140,97 @@ fn bench(args: &[String]) -> Result<(), String> {
     std::fs::write(report.join("bench.md"), &table).map_err(|e| e.to_string())?;
     println!("\n{table}\n(written to target/lpmm-report/bench.json and bench.md)");
     Ok(())
+}
+
+/// Set in the environment of the re-run with `LD_LIBRARY_PATH` (so it happens once).
+const REEXEC_GUARD: &str = "LPMM_XTASK_NVRTC_REEXEC";
+
+fn kernels(args: &[String]) -> Result<(), String> {
+    use lpmm_cuda::kernels;
+    let mut check = false;
+    for a in args {
+        match a.as_str() {
+            "--check" => check = true,
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    let wheels = kernels::wheel_paths().map_err(|e| e.to_string())?;
+    // NVRTC is loaded by name, through LD_LIBRARY_PATH as it was when the process started.
+    let ld_path = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+    if !std::env::split_paths(&ld_path).any(|p| p == wheels.nvrtc_lib) {
+        if std::env::var_os(REEXEC_GUARD).is_some() {
+            return Err(format!(
+                "{} is still not on LD_LIBRARY_PATH after re-running xtask",
+                wheels.nvrtc_lib.display()
+            ));
+        }
+        let paths =
+            std::iter::once(wheels.nvrtc_lib.clone()).chain(std::env::split_paths(&ld_path));
+        let ld_path = std::env::join_paths(paths).map_err(|e| e.to_string())?;
+        let exe =
+            std::env::current_exe().map_err(|e| format!("cannot find xtask's binary: {e}"))?;
+        let status = Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("LD_LIBRARY_PATH", ld_path)
+            .env(REEXEC_GUARD, "1")
+            .status()
+            .map_err(|e| format!("cannot re-run xtask: {e}"))?;
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    let (major, minor) = kernels::nvrtc_version().map_err(|e| e.to_string())?;
+    println!(
+        "NVRTC {major}.{minor} from {}, headers from {}",
+        wheels.nvrtc_lib.display(),
+        wheels.include.display()
+    );
+    let root = workspace_root();
+    let ptx_dir = root.join("crates/lpmm-cuda/ptx");
+    let tmp = root.join("target/tmp/xtask-kernels");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    let mut differ = Vec::new();
+    for (arch, committed) in kernels::ARCHS {
+        let ptx = kernels::compile(arch, &wheels.include_dirs()).map_err(|e| e.to_string())?;
+        let path = ptx_dir.join(format!("lpmm.{arch}.ptx"));
+        // The committed file as it is now (`ARCHS` holds it as xtask was built).
+        let current = std::fs::read_to_string(&path).unwrap_or_else(|_| committed.to_string());
+        if check {
+            let verdict = if current == ptx {
+                "up to date"
+            } else {
+                "DIFFERS"
+            };
+            println!("{arch}: {verdict}");
+            if current != ptx {
+                differ.push(arch);
+            }
+            continue;
+        }
+        // The PTX must assemble before it is committed.
+        let built = tmp.join(format!("lpmm.{arch}.ptx"));
+        std::fs::write(&built, &ptx).map_err(|e| e.to_string())?;
+        kernels::assemble(
+            &wheels.ptxas,
+            arch,
+            &built,
+            &tmp.join(format!("lpmm.{arch}.cubin")),
+        )?;
+        if current == ptx {
+            println!("{arch}: up to date");
+        } else {
+            std::fs::write(&path, &ptx)
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            println!("{arch}: wrote {}", path.display());
+        }
+    }
+    if differ.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the committed PTX of {} differs from what NVRTC builds from kernels/lpmm.cu: run \
+             `cargo xtask kernels` and commit crates/lpmm-cuda/ptx/",
+            differ.join(", ")
+        ))
+    }
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {

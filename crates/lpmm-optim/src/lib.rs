@@ -9,12 +9,15 @@ pub mod backend;
 mod checkpoint;
 mod config;
 mod cpu;
+pub mod device;
 mod error;
 mod memory;
 mod optimizer;
 pub mod presets;
 mod rule;
 mod slot;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
 pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION};

@@ -27,13 +27,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use lpmm_formats::packing::packed_len;
-use lpmm_optim::{
-    Backend, HostSlot, OptimError, ParamMeta, Rule, SlotKind, Storage, StoreRounding,
-};
+use lpmm_optim::device::{self, RuleWords, SlotFormat, Words};
+use lpmm_optim::{Backend, HostSlot, OptimError, ParamMeta, Rule, SlotKind, Storage};
 use wgpu::util::DeviceExt;
-
-mod host;
 
 /// Elements one workgroup handles (the CPU's chunk): every block size divides it.
 const TILE: usize = 4096;
@@ -144,85 +140,6 @@ const ENTRIES: [&str; 5] = [
     "clear_main",
     "step_main",
 ];
-
-/// How one slot is stored on the device: the shader's format code and parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SlotFormat {
-    code: u32,
-    aux: u32,
-    storage: Option<Storage>,
-}
-
-const FMT_EMPTY: u32 = 0;
-const FMT_F32: u32 = 1;
-const FMT_BF16: u32 = 2;
-const FMT_BF16_SR: u32 = 3;
-const FMT_KAHAN: u32 = 4;
-const FMT_SPLIT: u32 = 5;
-const FMT_QUANT: u32 = 6;
-
-impl SlotFormat {
-    const EMPTY: SlotFormat = SlotFormat {
-        code: FMT_EMPTY,
-        aux: 0,
-        storage: None,
-    };
-
-    fn of(storage: Storage, slot: SlotKind) -> Result<Self, OptimError> {
-        let code = match storage {
-            Storage::None => return Ok(Self::EMPTY),
-            Storage::F32 => FMT_F32,
-            Storage::Bf16(StoreRounding::Nearest) => FMT_BF16,
-            Storage::Bf16(StoreRounding::Stochastic) => FMT_BF16_SR,
-            Storage::Bf16Kahan => FMT_KAHAN,
-            Storage::SplitF32 => FMT_SPLIT,
-            Storage::Quantized { .. } => FMT_QUANT,
-            Storage::Rank1 { .. } | Storage::Factorized => {
-                return Err(OptimError::Unsupported {
-                    backend: NAME,
-                    what: format!(
-                        "{} storage of the {} slot (tensor-wide second moments run on the CPU backend)",
-                        storage.describe(),
-                        slot.name()
-                    ),
-                });
-            }
-        };
-        let aux = match storage {
-            Storage::Quantized {
-                map,
-                block,
-                rounding,
-            } => {
-                map as u32
-                    | block.get().trailing_zeros() << 8
-                    | u32::from(rounding == StoreRounding::Stochastic) << 16
-                    | map.shared().bits() << 24
-            }
-            _ => 0,
-        };
-        Ok(Self {
-            code,
-            aux,
-            storage: Some(storage),
-        })
-    }
-
-    /// Words of the slot's two regions for `n` elements.
-    fn words(&self, n: usize) -> (usize, usize) {
-        let half = n.div_ceil(2);
-        match (self.code, self.storage) {
-            (FMT_F32, _) => (n, 0),
-            (FMT_BF16 | FMT_BF16_SR, _) => (half, 0),
-            (FMT_KAHAN | FMT_SPLIT, _) => (half, half),
-            (FMT_QUANT, Some(Storage::Quantized { map, block, .. })) => (
-                packed_len(n, map.shared().bits()).div_ceil(4),
-                block.blocks(n),
-            ),
-            _ => (0, 0),
-        }
-    }
-}
 
 /// One piece of a parameter on the device.
 #[derive(Debug, Clone)]
@@ -409,73 +326,16 @@ fn put64(desc: &mut [u32; DESC_WORDS], at: usize, x: u64) {
 
 /// The rule's kind, constants and flags as the shader reads them.
 fn put_rule(desc: &mut [u32; DESC_WORDS], rule: Rule) {
-    let (kind, constants, flags): (u32, Vec<f32>, u32) = match rule {
-        Rule::Sgd {
-            neg_lr,
-            wd,
-            momentum,
-            one_minus_dampening,
-            nesterov,
-            has_momentum,
-        } => (
-            0,
-            vec![neg_lr, wd, momentum, one_minus_dampening],
-            u32::from(nesterov) | u32::from(has_momentum) << 1,
-        ),
-        Rule::Adam {
-            decoupled,
-            decay,
-            neg_lr_wd,
-            wd,
-            one_minus_beta1,
-            beta2,
-            one_minus_beta2,
-            bias_correction2_sqrt,
-            eps,
-            neg_step_size,
-            given_v,
-        } => (
-            1,
-            vec![
-                decay,
-                neg_lr_wd,
-                wd,
-                one_minus_beta1,
-                beta2,
-                one_minus_beta2,
-                bias_correction2_sqrt,
-                eps,
-                neg_step_size,
-            ],
-            u32::from(decoupled) << 2 | u32::from(given_v) << 3,
-        ),
-        Rule::Lion {
-            decay,
-            neg_lr_wd,
-            neg_lr,
-            beta1,
-            one_minus_beta1,
-            beta2,
-            one_minus_beta2,
-        } => (
-            2,
-            vec![
-                decay,
-                neg_lr_wd,
-                neg_lr,
-                beta1,
-                one_minus_beta1,
-                beta2,
-                one_minus_beta2,
-            ],
-            0,
-        ),
-    };
-    desc[D_RULE] = kind;
-    for (k, c) in constants.iter().enumerate() {
+    let words = RuleWords::of(rule);
+    desc[D_RULE] = words.kind;
+    for (k, c) in words.constants.iter().enumerate() {
         desc[D_RC + k] = c.to_bits();
     }
-    desc[D_RULE_FLAGS] = flags;
+    desc[D_RULE_FLAGS] = words.flags;
+}
+
+fn piece_lens(param: &WgpuParam) -> Vec<usize> {
+    param.pieces.iter().map(|p| p.len).collect()
 }
 
 impl Inner {
@@ -562,7 +422,7 @@ impl Wgpu {
         });
         let maps = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("lpmm code maps"),
-            contents: bytemuck::cast_slice(&host::map_table()),
+            contents: bytemuck::cast_slice(&device::map_table()),
             usage: wgpu::BufferUsages::STORAGE,
         });
         let io = device.create_buffer(&wgpu::BufferDescriptor {
@@ -861,7 +721,7 @@ impl Wgpu {
     }
 
     /// Reads the raw words of each piece's regions of `slot`.
-    fn raw(&self, param: &WgpuParam, slot: SlotKind) -> Vec<host::Words> {
+    fn raw(&self, param: &WgpuParam, slot: SlotKind) -> Vec<Words> {
         let inner = &*self.inner;
         let state = inner.lock();
         let f = param.formats[slot as usize];
@@ -881,7 +741,7 @@ impl Wgpu {
     }
 
     /// Writes raw words into each piece's regions of `slot`.
-    fn write_raw(&self, param: &WgpuParam, slot: SlotKind, parts: &[host::Words]) {
+    fn write_raw(&self, param: &WgpuParam, slot: SlotKind, parts: &[Words]) {
         let inner = &*self.inner;
         let state = inner.lock();
         for (piece, (wa, wb)) in param.pieces.iter().zip(parts) {
@@ -1128,14 +988,14 @@ impl Backend for Wgpu {
         let states = c.hyper.states();
         let used = |s: Storage, needed: bool, k: SlotKind| {
             if needed {
-                SlotFormat::of(s, k)
+                SlotFormat::of(s, k, NAME)
             } else {
                 Ok(SlotFormat::EMPTY)
             }
         };
         let formats = [
-            SlotFormat::of(c.param, SlotKind::Param)?,
-            SlotFormat::of(c.grad, SlotKind::Grad)?,
+            SlotFormat::of(c.param, SlotKind::Param, NAME)?,
+            SlotFormat::of(c.grad, SlotKind::Grad, NAME)?,
             used(c.state1, states >= 1, SlotKind::State1)?,
             used(c.state2, states >= 2, SlotKind::State2)?,
         ];
@@ -1171,31 +1031,7 @@ impl Backend for Wgpu {
         // code of 0); a reused range must not keep an earlier parameter's words.
         for slot in SlotKind::ALL {
             let f = formats[slot as usize];
-            let parts: Vec<host::Words> = param
-                .pieces
-                .iter()
-                .map(|piece| {
-                    let (wa, wb) = f.words(piece.len);
-                    let fill = match f.storage {
-                        Some(Storage::Quantized { map, .. }) => {
-                            u32::from_le_bytes([map.shared().nearest(0.0); 4])
-                        }
-                        _ => 0,
-                    };
-                    let mut a = vec![fill; wa];
-                    if fill != 0 {
-                        // Bytes past the packed length are zero.
-                        let bytes = match f.storage {
-                            Some(Storage::Quantized { map, .. }) => {
-                                packed_len(piece.len, map.shared().bits())
-                            }
-                            _ => 0,
-                        };
-                        host::zero_tail(&mut a, bytes);
-                    }
-                    (a, vec![0; wb])
-                })
-                .collect();
+            let parts: Vec<Words> = param.pieces.iter().map(|p| f.fresh(p.len)).collect();
             self.write_raw(&param, slot, &parts);
         }
         let items: Vec<Item<'_>> = param
@@ -1263,8 +1099,7 @@ impl Backend for Wgpu {
         }
         let (outputs, _) = self.run(Entry::Decode, &items);
         out.iter_mut().for_each(|o| *o = (0.0, true));
-        // The CPU's sums: one f64 sum per 2^20 elements of a tensor in element order, combined
-        // in order (pieces are consecutive, so a tensor's values arrive in order).
+        // The CPU's sums (pieces are consecutive, so a tensor's values arrive in order).
         let mut k = 0;
         while k < owner.len() {
             let index = owner[k];
@@ -1273,18 +1108,7 @@ impl Backend for Wgpu {
                 values.extend_from_slice(&outputs[k]);
                 k += 1;
             }
-            let o = &mut out[index];
-            for part in values.chunks(1 << 20) {
-                let mut sum = 0.0f64;
-                for &x in part {
-                    if x.is_finite() {
-                        sum += f64::from(x) * f64::from(x);
-                    } else {
-                        o.1 = false;
-                    }
-                }
-                o.0 += sum;
-            }
+            out[index] = device::sum_squares(&values);
         }
     }
 
@@ -1361,7 +1185,7 @@ impl Backend for Wgpu {
     fn export(&self, param: &WgpuParam, _meta: &ParamMeta, slot: SlotKind) -> HostSlot {
         let f = param.formats[slot as usize];
         let parts = self.raw(param, slot);
-        host::export(f.storage, &param.pieces, &parts)
+        device::export(f.storage, &piece_lens(param), &parts)
     }
 
     fn import(
@@ -1372,7 +1196,7 @@ impl Backend for Wgpu {
         host: HostSlot,
     ) -> Result<(), String> {
         let f = param.formats[slot as usize];
-        let parts = host::import(f.storage, meta.numel, &param.pieces, slot, host)?;
+        let parts = device::import(f.storage, meta.numel, &piece_lens(param), slot, host)?;
         self.write_raw(param, slot, &parts);
         Ok(())
     }

@@ -960,5 +960,8 @@ fn step_main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
             store(t, lt, S_PARAM, p, count, counter);
         }
     }
+    // Every invocation has read the block scales of the gradient it shares with its neighbours
+    // before any of them is zeroed.
+    workgroupBarrier();
     clear(t, lt, S_GRAD, count);
 }

@@ -3,111 +3,21 @@
 
 mod common;
 
-use common::{Rng, assert_same, backend, small};
-use lpmm_optim::{
-    Hyper, MapKind, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, presets,
-};
+use common::{backend, small};
+use lpmm_optim::testing::{self, Rng, assert_same};
+use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, presets};
 use lpmm_wgpu::WgpuOptions;
-
-fn temp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("lpmm-wgpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
 
 #[test]
 fn checkpoints_move_between_cpu_and_wgpu_and_resume_exactly() {
     let Some(gpu) = backend(small()) else { return };
-    let options = OptimizerOptions {
-        seed: 99,
-        ..Default::default()
-    };
-    for (name, config) in [
-        ("8bit", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("lpmm", presets::lpmm_sgdm(0.05, 0.9)),
-        ("4bit", presets::adamw_4bit_split(1e-3)),
-    ] {
-        let mut rng = Rng(5);
-        let mut cpu = Optimizer::new(options).unwrap();
-        cpu.add_group(config).unwrap();
-        let sizes = [20_000usize, 5000, 300];
-        let ids: Vec<ParamId> = sizes
-            .iter()
-            .enumerate()
-            .map(|(k, &n)| {
-                cpu.add_param(&format!("w{k}"), &[n], &rng.spread(n, 0.5), 0)
-                    .unwrap()
-            })
-            .collect();
-        let grads = |rng: &mut Rng| sizes.map(|n| rng.spread(n, 1.0));
-        let g = grads(&mut rng);
-        for (&id, g) in ids.iter().zip(&g) {
-            cpu.accumulate(id, g).unwrap();
-        }
-        cpu.step().unwrap();
-        // A pending micro-batch travels too.
-        let g = grads(&mut rng);
-        cpu.accumulate(ids[0], &g[0]).unwrap();
-        let path = temp(&format!("{name}-cpu.safetensors"));
-        cpu.save(&path).unwrap();
-        let mut dev = Optimizer::load_with(gpu.clone(), &path).unwrap();
-        assert_same(&cpu, &dev, &ids, &format!("{name}: cpu checkpoint on wgpu"));
-        for round in 0..2 {
-            let g = grads(&mut rng);
-            for (&id, g) in ids.iter().zip(&g) {
-                cpu.accumulate(id, g).unwrap();
-                dev.accumulate(id, g).unwrap();
-            }
-            assert_eq!(cpu.step().unwrap(), dev.step().unwrap());
-            assert_same(&cpu, &dev, &ids, &format!("{name}: resumed step {round}"));
-        }
-        // And back: saved on wgpu, loaded on the CPU.
-        let path = temp(&format!("{name}-wgpu.safetensors"));
-        dev.save(&path).unwrap();
-        let mut back = Optimizer::load(&path).unwrap();
-        assert_same(
-            &dev,
-            &back,
-            &ids,
-            &format!("{name}: wgpu checkpoint on cpu"),
-        );
-        let g = grads(&mut rng);
-        for (&id, g) in ids.iter().zip(&g) {
-            back.accumulate(id, g).unwrap();
-            dev.accumulate(id, g).unwrap();
-        }
-        back.step().unwrap();
-        dev.step().unwrap();
-        assert_same(&back, &dev, &ids, &format!("{name}: after the round trip"));
-    }
+    testing::checkpoints_move_between_backends_and_resume_exactly(&gpu);
 }
 
 #[test]
 fn tensor_wide_second_moments_are_a_typed_error() {
     let Some(gpu) = backend(small()) else { return };
-    for state2 in [
-        Storage::Factorized,
-        Storage::Rank1 {
-            map: MapKind::LinearWithoutZero4,
-            fallback: lpmm_quant::BlockSize::B128,
-        },
-    ] {
-        let mut opt = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
-        opt.add_group(ParamConfig {
-            state2,
-            ..presets::adamw_4bit_split(1e-3)
-        })
-        .unwrap();
-        let err = opt
-            .add_param("m", &[128, 64], &vec![0.1; 128 * 64], 0)
-            .unwrap_err();
-        assert!(
-            matches!(&err, OptimError::Unsupported { backend: "wgpu", what } if what.contains("state2")),
-            "{err}"
-        );
-        // Below the minimum quantized size the state is f32, which the backend holds.
-        opt.add_param("small", &[10, 10], &[0.1; 100], 0).unwrap();
-    }
+    testing::tensor_wide_second_moments_are_a_typed_error(&gpu);
 }
 
 #[test]
@@ -143,34 +53,7 @@ fn subnormal_values_are_bit_exact_where_the_probe_says_so() {
     let Some(gpu) = backend(small()) else { return };
     let behaviour = gpu.float_behaviour();
     eprintln!("{behaviour:?}");
-    let config = ParamConfig::f32(Hyper::adamw(1e-3));
-    let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
-    let mut dev = Optimizer::with_backend(gpu, OptimizerOptions::default()).unwrap();
-    cpu.add_group(config).unwrap();
-    dev.add_group(config).unwrap();
-    let n = 10_000;
-    let mut rng = Rng(4);
-    let init = rng.spread(n, 1e-37);
-    let a = cpu.add_param("w", &[n], &init, 0).unwrap();
-    dev.add_param("w", &[n], &init, 0).unwrap();
-    for _ in 0..3 {
-        // Squares of these are subnormal or underflow.
-        let g = rng.spread(n, 1e-19);
-        cpu.step_param(a, &g).unwrap();
-        dev.step_param(a, &g).unwrap();
-    }
-    let mut v = vec![0f32; n];
-    cpu.read_state(a, 2, &mut v).unwrap();
-    let subnormal = v.iter().filter(|x| x.is_subnormal()).count();
-    assert!(
-        subnormal > 1000,
-        "the case must produce subnormal states ({subnormal})"
-    );
-    if behaviour.bit_exact() {
-        assert_same(&cpu, &dev, &[a], "subnormal states");
-    } else {
-        eprintln!("this adapter is not bit-exact on subnormals; see docs/BACKENDS.md");
-    }
+    testing::subnormal_values(&gpu, behaviour.bit_exact());
 }
 
 #[test]

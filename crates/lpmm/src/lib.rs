@@ -5,9 +5,12 @@
 //! bits) and [`optim`] (the optimizer core and its CPU reference). Feature `candle`: `candle`, a
 //! `candle_nn::Optimizer` for any lpmm configuration. Feature `wgpu`: `wgpu`, the backend that
 //! runs the optimizer step as compute shaders (`Optimizer::with_backend(lpmm::wgpu::Wgpu::new(..)?, ..)`).
+//! Feature `cuda`: `cuda`, the CUDA backend (`Optimizer::with_backend(lpmm::cuda::Cuda::new(0)?, ..)`).
 
 #[cfg(feature = "candle")]
 pub use lpmm_candle as candle;
+#[cfg(feature = "cuda")]
+pub use lpmm_cuda as cuda;
 pub use lpmm_formats as formats;
 pub use lpmm_optim as optim;
 pub use lpmm_quant as quant;

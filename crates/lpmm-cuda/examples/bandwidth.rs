@@ -1,0 +1,156 @@
+//! Effective bandwidth of the fused step: 8-bit and 4-bit AdamW (bf16 parameters and gradient
+//! accumulators) at the given sizes, against a device-to-device copy measured in the same run.
+//!
+//! ```text
+//! cargo run --release -p lpmm-cuda --example bandwidth -- --params 1e8,1e9 [--iters 20]
+//! cargo run --release -p lpmm-cuda --example bandwidth -- --emulate --params 1e5   # no GPU
+//! ```
+//!
+//! Bytes moved per step: every slot read once and written once (the accumulator is cleared), the
+//! backend's own accounting (`Backend::bytes`) times two. Effective bandwidth = bytes moved / time
+//! per step; the copy's = 2 x bytes copied / time. The step is timed through `Backend::step`, as
+//! `Optimizer::step` calls it without clipping under `NonFinitePolicy::SkipElements`: one launch
+//! and the read-back of one flag word per step. `--json PATH` writes the figures. With `--emulate` the kernels run on the CPU
+//! (kernels/emulate.cpp): a smoke test of this harness, not a GPU figure.
+
+use std::time::Instant;
+
+use lpmm_cuda::{Cuda, CudaOptions};
+use lpmm_optim::{Backend, LrRule, ParamConfig, ParamMeta, Rule, Storage, presets};
+
+struct Args {
+    params: Vec<usize>,
+    iters: usize,
+    emulate: bool,
+    json: Option<String>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        params: vec![100_000_000, 1_000_000_000],
+        iters: 20,
+        emulate: false,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        match k.as_str() {
+            "--params" => {
+                let v = it.next().ok_or("--params needs a value")?;
+                a.params = v
+                    .split(',')
+                    .map(|x| {
+                        x.parse::<f64>()
+                            .map(|f| f as usize)
+                            .map_err(|e| format!("{x}: {e}"))
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--iters" => {
+                let v = it.next().ok_or("--iters needs a value")?;
+                a.iters = v.parse().map_err(|e| format!("--iters {v}: {e}"))?;
+            }
+            "--emulate" => a.emulate = true,
+            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+fn four_bit(lr: f64) -> ParamConfig {
+    ParamConfig {
+        state1: Storage::FOUR_BIT_SIGNED,
+        state2: Storage::FOUR_BIT_UNSIGNED,
+        ..presets::adamw_8bit_bf16(lr)
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse()?;
+    let backend = if args.emulate {
+        Cuda::emulated(CudaOptions::default())?
+    } else {
+        Cuda::new(0)?
+    };
+    println!(
+        "device: {} ({}), {} timed steps per case",
+        backend.device_name(),
+        backend.arch(),
+        args.iters
+    );
+    let mut rows = Vec::new();
+    for &n in &args.params {
+        for (name, config) in [
+            ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3)),
+            ("adamw 4-bit", four_bit(1e-3)),
+        ] {
+            // The backend driven directly, as the optimizer drives it: one parameter, its
+            // accumulator filled once, then steps (each reads and writes every slot; the cleared
+            // accumulator is read again, so every step does the same work).
+            let mut meta = ParamMeta {
+                name: "w".into(),
+                shape: vec![n],
+                numel: n,
+                requested: config,
+                config,
+                group: 0,
+                steps: 0,
+                accumulations: 0,
+                pending: true,
+                rule: Rule::new(&config.hyper, 1),
+                active: true,
+                update_param: true,
+                lr_rule: LrRule::Group,
+            };
+            let init: Vec<f32> = (0..n).map(|i| ((i % 977) as f32 - 488.0) * 1e-4).collect();
+            let mut params = vec![backend.allocate(0, &meta, &init, 1)?];
+            drop(init);
+            let grad: Vec<f32> = (0..n).map(|i| ((i % 631) as f32 - 315.0) * 1e-5).collect();
+            backend.accumulate(0, &mut params[0], &meta, &grad, 1);
+            drop(grad);
+            let moved = 2 * backend.bytes(&params[0]).iter().sum::<usize>();
+            let mut flags = [false];
+            let mut step = |meta: &mut ParamMeta, params: &mut [_]| {
+                meta.rule = Rule::new(&config.hyper, meta.steps + 1);
+                backend.step(params, std::slice::from_ref(meta), 1, 1.0, None, &mut flags);
+                meta.steps += 1;
+            };
+            // Warm-up (the first step also loads the module's code onto the device).
+            step(&mut meta, &mut params);
+            backend.synchronize()?;
+            let t0 = Instant::now();
+            for _ in 0..args.iters {
+                step(&mut meta, &mut params);
+            }
+            backend.synchronize()?;
+            let step_s = t0.elapsed().as_secs_f64() / args.iters as f64;
+            let copy_s = backend.time_device_copy(moved / 2, args.iters)?;
+            let step_bw = moved as f64 / step_s / 1e9;
+            let copy_bw = moved as f64 / copy_s / 1e9;
+            println!(
+                "{name:12} n={n:>13}: {:8.3} ms/step, {:6.2} B/param, {step_bw:9.3} GB/s; copy of {} MB: {copy_bw:9.3} GB/s; ratio {:.3}",
+                step_s * 1e3,
+                moved as f64 / n as f64,
+                moved / 2 / 1_000_000,
+                step_bw / copy_bw
+            );
+            rows.push(format!(
+                "{{\"case\":\"{name}\",\"params\":{n},\"step_s\":{step_s},\"bytes_moved\":{moved},\"step_gbps\":{step_bw},\"copy_gbps\":{copy_bw},\"ratio\":{}}}",
+                step_bw / copy_bw
+            ));
+        }
+    }
+    if let Some(path) = args.json {
+        let body = format!(
+            "{{\"device\":\"{}\",\"arch\":\"{}\",\"emulated\":{},\"rows\":[{}]}}\n",
+            backend.device_name(),
+            backend.arch(),
+            args.emulate,
+            rows.join(",")
+        );
+        std::fs::write(&path, body)?;
+        println!("wrote {path}");
+    }
+    Ok(())
+}

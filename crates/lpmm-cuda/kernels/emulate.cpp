@@ -1,0 +1,146 @@
+// The CUDA kernels of lpmm.cu compiled for the host CPU, for tests on machines without a GPU.
+//
+// CUDA's built-ins get host definitions. A block's 256 threads are 256 fibers (ucontext) on the
+// calling OS thread, run round-robin: each runs until it reaches `__syncthreads` (it yields to the
+// scheduler) or returns, and the next round resumes them all, so no thread passes a barrier before
+// every thread has reached it. `__shared__` variables are thread-local statics (one block runs at
+// a time on a calling thread; concurrent launches from other threads have their own). Float
+// arithmetic is IEEE single precision with no contraction (built with -ffp-contract=off;
+// `__fmaf_rn` is the C library's correctly rounded fma). The backend drives this exactly as it
+// drives the GPU: same descriptors, same launches.
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ucontext.h>
+#include <vector>
+
+#define LPMM_HOST 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static thread_local
+
+namespace {
+
+struct Dim3 {
+    uint32_t x, y, z;
+};
+
+thread_local Dim3 threadIdx;
+thread_local Dim3 blockIdx;
+
+struct Fiber {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    bool done;
+};
+
+// The calling thread's fibers and scheduler context.
+thread_local std::vector<Fiber> fibers;
+thread_local ucontext_t scheduler;
+thread_local uint32_t current;
+
+inline void __syncthreads() { swapcontext(&fibers[current].ctx, &scheduler); }
+
+inline uint32_t __float_as_uint(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+
+inline float __uint_as_float(uint32_t u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
+inline uint32_t atomicOr(uint32_t* p, uint32_t v) {
+    return std::atomic_ref<uint32_t>(*p).fetch_or(v, std::memory_order_relaxed);
+}
+
+// CUDA-only pragmas and the launch arguments some kernels do not use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include "lpmm.cu"
+#pragma GCC diagnostic pop
+
+using Kernel = void (*)(const Desc*, uint32_t, float*, const uint32_t*, uint32_t*);
+
+const Kernel KERNELS[] = {lpmm_init, lpmm_accumulate, lpmm_decode, lpmm_clear, lpmm_step};
+
+struct Launch {
+    Kernel f;
+    const Desc* descs;
+    uint32_t ndesc;
+    float* io;
+    const uint32_t* maps;
+    uint32_t* flags;
+};
+
+thread_local Launch launch;
+
+void fiber_main() {
+    launch.f(launch.descs, launch.ndesc, launch.io, launch.maps, launch.flags);
+    fibers[current].done = true;
+    // Returning resumes `scheduler` (uc_link).
+}
+
+constexpr size_t STACK = 64 * 1024;
+
+} // namespace
+
+// Runs kernel `kernel` (0 init, 1 accumulate, 2 decode, 3 clear, 4 step) over `grid` blocks of
+// THREADS threads. Returns 0, -1 for an unknown kernel, -2 if a fiber could not be set up.
+extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, uint32_t ndesc,
+                            float* io, const uint32_t* maps, uint32_t* flags) {
+    if (kernel >= sizeof(KERNELS) / sizeof(KERNELS[0])) {
+        return -1;
+    }
+    launch = Launch{KERNELS[kernel], descs, ndesc, io, maps, flags};
+    if (fibers.size() != THREADS) {
+        fibers.resize(THREADS);
+        for (auto& f : fibers) {
+            f.stack.resize(STACK);
+        }
+    }
+    for (uint32_t b = 0; b < grid; b++) {
+        blockIdx = Dim3{b, 0, 0};
+        for (uint32_t lt = 0; lt < THREADS; lt++) {
+            Fiber& f = fibers[lt];
+            if (getcontext(&f.ctx) != 0) {
+                return -2;
+            }
+            f.ctx.uc_stack.ss_sp = f.stack.data();
+            f.ctx.uc_stack.ss_size = f.stack.size();
+            f.ctx.uc_link = &scheduler;
+            f.done = false;
+            makecontext(&f.ctx, fiber_main, 0);
+        }
+        bool running = true;
+        while (running) {
+            running = false;
+            for (uint32_t lt = 0; lt < THREADS; lt++) {
+                if (!fibers[lt].done) {
+                    current = lt;
+                    threadIdx = Dim3{lt, 0, 0};
+                    swapcontext(&scheduler, &fibers[lt].ctx);
+                    running = running || !fibers[lt].done;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+// The layout the Rust side mirrors: sizeof(Desc), offsetof(Desc, slots), sizeof(Slot).
+extern "C" void lpmm_emulate_layout(uint32_t out[3]) {
+    out[0] = sizeof(Desc);
+    out[1] = offsetof(Desc, slots);
+    out[2] = sizeof(Slot);
+}

@@ -1,0 +1,512 @@
+//! A conformance suite for backends (feature `testing`): the same training on the CPU reference
+//! and on another [`Backend`], compared bit for bit after registration and after every step, for
+//! every optimizer and storage, clipping, non-finite gradients, reads, checkpoints moved between
+//! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
+
+use crate::{
+    Backend, HostSlot, Hyper, MapKind, NonFinitePolicy, OptimError, Optimizer, OptimizerOptions,
+    ParamConfig, ParamId, SlotKind, Storage, StoreRounding, presets,
+};
+
+/// SplitMix64: the same numbers everywhere.
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// Values over several orders of magnitude (down to 1e-6 relative), with exact zeros.
+    pub fn spread(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let u = self.uniform();
+                let e = (self.next_u64() % 7) as i32 - 5;
+                if self.next_u64().is_multiple_of(61) {
+                    0.0
+                } else {
+                    u * scale * 10f32.powi(e)
+                }
+            })
+            .collect()
+    }
+}
+
+/// A host slot with floats as bit patterns, so that -0.0 and 0.0 differ.
+pub fn bits(h: &HostSlot) -> (Vec<u32>, Vec<u32>) {
+    let w16 = |v: &[u16]| v.iter().map(|&x| u32::from(x)).collect::<Vec<_>>();
+    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    match h {
+        HostSlot::Empty => (vec![], vec![]),
+        HostSlot::F32(v) => (f(v), vec![]),
+        HostSlot::Bf16(v) => (w16(v), vec![]),
+        HostSlot::Kahan { value, comp } => (w16(value), w16(comp)),
+        HostSlot::Split { hi, rem } => (w16(hi), w16(rem)),
+        HostSlot::Quantized { codes, absmax } => {
+            (codes.iter().map(|&c| u32::from(c)).collect(), f(absmax))
+        }
+        HostSlot::Factored { row, col } => (f(row), f(col)),
+        HostSlot::Rank1 { codes, scales } => {
+            (codes.iter().map(|&c| u32::from(c)).collect(), f(scales))
+        }
+    }
+}
+
+/// Every slot of every parameter of `a` and `b` must hold the same bits; panics naming the
+/// first difference (parameter, slot, element, both values).
+pub fn assert_same<A: Backend, B: Backend>(
+    a: &Optimizer<A>,
+    b: &Optimizer<B>,
+    ids: &[ParamId],
+    what: &str,
+) {
+    for &id in ids {
+        for slot in SlotKind::ALL {
+            let (x, y) = (
+                a.export_slot(id, slot).unwrap(),
+                b.export_slot(id, slot).unwrap(),
+            );
+            assert_eq!(
+                std::mem::discriminant(&x),
+                std::mem::discriminant(&y),
+                "{what}: {} {} layouts differ",
+                a.name(id).unwrap(),
+                slot.name()
+            );
+            let (bx, by) = (bits(&x), bits(&y));
+            for (part, (u, v)) in [(&bx.0, &by.0), (&bx.1, &by.1)].into_iter().enumerate() {
+                assert_eq!(u.len(), v.len(), "{what}: lengths differ");
+                if let Some(k) = u.iter().zip(v.iter()).position(|(p, q)| p != q) {
+                    panic!(
+                        "{what}: parameter {} slot {} part {part} element {k}: {:#x} vs {:#x}",
+                        a.name(id).unwrap(),
+                        slot.name(),
+                        u[k],
+                        v[k]
+                    );
+                }
+            }
+        }
+    }
+}
+
+const BF: Storage = Storage::Bf16(StoreRounding::Nearest);
+const BF_SR: Storage = Storage::Bf16(StoreRounding::Stochastic);
+const DYN8_SR: Storage = Storage::Quantized {
+    map: MapKind::DynamicUnsigned8,
+    block: lpmm_quant::BlockSize::B256,
+    rounding: StoreRounding::Stochastic,
+};
+
+/// Shapes: one of 3 * 8192 + 1000 elements (several pieces, segments or io batches when a
+/// backend's are small), one over a tile with a partial last block, one exactly a tile, small ones below the minimum quantized size, and a
+/// crowd of tiny tensors.
+pub fn shapes() -> Vec<Vec<usize>> {
+    let mut s = vec![
+        vec![3 * 8192 + 1000],
+        vec![65, 129],
+        vec![4096],
+        vec![100],
+        vec![7],
+    ];
+    s.extend((0..24).map(|k| vec![33 + k]));
+    s
+}
+
+pub fn hypers() -> Vec<(&'static str, Hyper)> {
+    vec![
+        ("sgd", Hyper::sgd(0.05, 0.0)),
+        (
+            "sgd-nesterov-wd",
+            Hyper::Sgd {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.0,
+                nesterov: true,
+                weight_decay: 1e-2,
+            },
+        ),
+        (
+            "sgd-dampening",
+            Hyper::Sgd {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.3,
+                nesterov: false,
+                weight_decay: 0.0,
+            },
+        ),
+        (
+            "adam-l2",
+            Hyper::Adam {
+                lr: 1e-3,
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                weight_decay: 1e-2,
+                decoupled: false,
+            },
+        ),
+        ("adamw", Hyper::adamw(1e-3)),
+        (
+            "adamw-beta1-0.3",
+            Hyper::Adam {
+                lr: 1e-3,
+                betas: (0.3, 0.99),
+                eps: 1e-6,
+                weight_decay: 0.1,
+                decoupled: true,
+            },
+        ),
+        (
+            "lion",
+            Hyper::Lion {
+                lr: 1e-4,
+                betas: (0.9, 0.99),
+                weight_decay: 0.1,
+            },
+        ),
+    ]
+}
+
+/// Runs the same training on the CPU and on `gpu` (any backend) and compares every slot after registration
+/// and after every step.
+pub fn compare<B: Backend>(
+    gpu: &B,
+    name: &str,
+    config: ParamConfig,
+    options: OptimizerOptions,
+    steps: usize,
+) {
+    let mut cpu = Optimizer::new(options).unwrap();
+    let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
+    cpu.add_group(config).unwrap();
+    dev.add_group(config).unwrap();
+    let mut rng = Rng(0x5eed ^ name.len() as u64);
+    let mut ids: Vec<(ParamId, usize)> = Vec::new();
+    for (k, shape) in shapes().iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let init = rng.spread(n, 0.5);
+        let a = cpu.add_param(&format!("p{k}"), shape, &init, 0).unwrap();
+        let b = dev.add_param(&format!("p{k}"), shape, &init, 0).unwrap();
+        assert_eq!(a, b);
+        ids.push((a, n));
+    }
+    let only: Vec<ParamId> = ids.iter().map(|&(id, _)| id).collect();
+    assert_same(&cpu, &dev, &only, &format!("{name}, after registration"));
+    let released = config.grad == Storage::None;
+    for step in 0..steps {
+        if released {
+            for &(id, n) in &ids {
+                // Odd steps: optimizer accumulation (states only) before the released step.
+                if step % 2 == 1 {
+                    let g = rng.spread(n, 1.0);
+                    let r1 = cpu.accumulate_states(id, &g).unwrap();
+                    let r2 = dev.accumulate_states(id, &g).unwrap();
+                    assert_eq!(r1, r2, "{name}: accumulate_states reports");
+                }
+                let g = rng.spread(n, 1.0);
+                let r1 = cpu.step_param(id, &g).unwrap();
+                let r2 = dev.step_param(id, &g).unwrap();
+                assert_eq!(r1, r2, "{name}: step reports");
+            }
+        } else {
+            for _micro in 0..2 {
+                for &(id, n) in &ids {
+                    let g = rng.spread(n, 1.0);
+                    cpu.accumulate(id, &g).unwrap();
+                    dev.accumulate(id, &g).unwrap();
+                }
+            }
+            let r1 = cpu.step().unwrap();
+            let r2 = dev.step().unwrap();
+            assert_eq!(r1, r2, "{name}: step reports");
+        }
+        assert_same(&cpu, &dev, &only, &format!("{name}, step {}", step + 1));
+    }
+}
+
+/// The presets (SGDM f32, LPMM-SGDM, AdamW f32 / 8-bit / 8-bit SR / 4-bit split, bf16 Lion, 4-bit
+/// released), 4 steps of 2 micro-batches each.
+pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
+    let cases = [
+        ("sgdm f32", presets::sgdm_f32(0.05, 0.9)),
+        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9)),
+        ("adamw f32", presets::adamw_f32(1e-3)),
+        ("adamw 8-bit bf16", presets::adamw_8bit_bf16(1e-3)),
+        ("adamw 8-bit bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
+        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3)),
+        (
+            "bf16 nearest lion",
+            presets::bf16_nearest(Hyper::lion(1e-4)),
+        ),
+        (
+            "adamw 4-bit released",
+            presets::adamw_4bit_bf16_sr_released(1e-3),
+        ),
+    ];
+    for (name, config) in cases {
+        compare(gpu, name, config, OptimizerOptions::default(), 4);
+    }
+}
+
+/// 7 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
+/// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
+pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
+    let params = [
+        Storage::F32,
+        BF,
+        BF_SR,
+        Storage::Bf16Kahan,
+        Storage::SplitF32,
+        Storage::LINEAR8_GROUP64_SR,
+    ];
+    let grads = [
+        Storage::F32,
+        BF,
+        BF_SR,
+        Storage::LINEAR8_GROUP64_SR,
+        Storage::None,
+    ];
+    let states = [
+        (Storage::F32, Storage::F32),
+        (BF, BF),
+        (BF_SR, BF_SR),
+        (Storage::DYNAMIC8_SIGNED, Storage::DYNAMIC8_UNSIGNED),
+        (Storage::FOUR_BIT_SIGNED, Storage::FOUR_BIT_UNSIGNED),
+        (Storage::LINEAR8_GROUP64_SR, DYN8_SR),
+    ];
+    let mut k = 0;
+    for (hname, hyper) in hypers() {
+        for &param in &params {
+            let grad = grads[k % grads.len()];
+            let (state1, state2) = states[k % states.len()];
+            k += 1;
+            let config = ParamConfig {
+                hyper,
+                param,
+                grad,
+                state1,
+                state2,
+                min_quantized_size: 4096,
+            };
+            let name = format!(
+                "{hname}: param {} grad {} states {}/{}",
+                param.describe(),
+                grad.describe(),
+                state1.describe(),
+                state2.describe()
+            );
+            compare(gpu, &name, config, OptimizerOptions::default(), 3);
+        }
+    }
+}
+
+/// Global-norm clipping with Inf and NaN gradients under both non-finite policies.
+pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
+    for policy in [NonFinitePolicy::SkipStep, NonFinitePolicy::SkipElements] {
+        let options = OptimizerOptions {
+            seed: 7,
+            max_grad_norm: Some(0.5),
+            non_finite: policy,
+        };
+        let config = presets::adamw_8bit_bf16_sr(1e-3);
+        let mut cpu = Optimizer::new(options).unwrap();
+        let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
+        cpu.add_group(config).unwrap();
+        dev.add_group(config).unwrap();
+        let mut rng = Rng(3);
+        let n = 3 * 8192 + 5;
+        let init = rng.spread(n, 0.5);
+        let a = cpu.add_param("w", &[n], &init, 0).unwrap();
+        dev.add_param("w", &[n], &init, 0).unwrap();
+        for step in 0..4 {
+            let mut g = rng.spread(n, 4.0);
+            if step == 1 {
+                g[10] = f32::INFINITY;
+                g[9000] = f32::NAN;
+            }
+            cpu.accumulate(a, &g).unwrap();
+            dev.accumulate(a, &g).unwrap();
+            let r1 = cpu.step().unwrap();
+            let r2 = dev.step().unwrap();
+            assert_eq!(r1, r2, "{policy:?} step {step}");
+            assert_same(&cpu, &dev, &[a], &format!("{policy:?} step {step}"));
+        }
+    }
+}
+
+/// `read_param` / `read_state` decode as the CPU does.
+pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
+    let config = presets::adamw_4bit_split(1e-3);
+    let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
+    cpu.add_group(config).unwrap();
+    dev.add_group(config).unwrap();
+    let mut rng = Rng(11);
+    let n = 20_000;
+    let init = rng.spread(n, 1.0);
+    let a = cpu.add_param("w", &[n], &init, 0).unwrap();
+    dev.add_param("w", &[n], &init, 0).unwrap();
+    let g = rng.spread(n, 1.0);
+    cpu.step_param(a, &g).unwrap();
+    dev.step_param(a, &g).unwrap();
+    let (mut x, mut y) = (vec![0f32; n], vec![0f32; n]);
+    cpu.read_param(a, &mut x).unwrap();
+    dev.read_param(a, &mut y).unwrap();
+    assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    for state in [1, 2] {
+        cpu.read_state(a, state, &mut x).unwrap();
+        dev.read_state(a, state, &mut y).unwrap();
+        assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    }
+    assert_eq!(cpu.memory_report().numel(), dev.memory_report().numel());
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lpmm-conformance-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Checkpoints saved on the CPU (with a pending micro-batch) load on `gpu`, and back, and both
+/// resume bit-identically.
+pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B) {
+    let options = OptimizerOptions {
+        seed: 99,
+        ..Default::default()
+    };
+    for (name, config) in [
+        ("8bit", presets::adamw_8bit_bf16_sr(1e-3)),
+        ("lpmm", presets::lpmm_sgdm(0.05, 0.9)),
+        ("4bit", presets::adamw_4bit_split(1e-3)),
+    ] {
+        let mut rng = Rng(5);
+        let mut cpu = Optimizer::new(options).unwrap();
+        cpu.add_group(config).unwrap();
+        let sizes = [20_000usize, 5000, 300];
+        let ids: Vec<ParamId> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                cpu.add_param(&format!("w{k}"), &[n], &rng.spread(n, 0.5), 0)
+                    .unwrap()
+            })
+            .collect();
+        let grads = |rng: &mut Rng| sizes.map(|n| rng.spread(n, 1.0));
+        let g = grads(&mut rng);
+        for (&id, g) in ids.iter().zip(&g) {
+            cpu.accumulate(id, g).unwrap();
+        }
+        cpu.step().unwrap();
+        // A pending micro-batch travels too.
+        let g = grads(&mut rng);
+        cpu.accumulate(ids[0], &g[0]).unwrap();
+        let path = temp(&format!("{name}-cpu-{}.safetensors", gpu.name()));
+        cpu.save(&path).unwrap();
+        let mut dev = Optimizer::load_with(gpu.clone(), &path).unwrap();
+        assert_same(
+            &cpu,
+            &dev,
+            &ids,
+            &format!("{name}: cpu checkpoint on {}", gpu.name()),
+        );
+        for round in 0..2 {
+            let g = grads(&mut rng);
+            for (&id, g) in ids.iter().zip(&g) {
+                cpu.accumulate(id, g).unwrap();
+                dev.accumulate(id, g).unwrap();
+            }
+            assert_eq!(cpu.step().unwrap(), dev.step().unwrap());
+            assert_same(&cpu, &dev, &ids, &format!("{name}: resumed step {round}"));
+        }
+        // And back: saved on wgpu, loaded on the CPU.
+        let path = temp(&format!("{name}-{}.safetensors", gpu.name()));
+        dev.save(&path).unwrap();
+        let mut back = Optimizer::load(&path).unwrap();
+        assert_same(
+            &dev,
+            &back,
+            &ids,
+            &format!("{name}: {} checkpoint on cpu", gpu.name()),
+        );
+        let g = grads(&mut rng);
+        for (&id, g) in ids.iter().zip(&g) {
+            back.accumulate(id, g).unwrap();
+            dev.accumulate(id, g).unwrap();
+        }
+        back.step().unwrap();
+        dev.step().unwrap();
+        assert_same(&back, &dev, &ids, &format!("{name}: after the round trip"));
+    }
+}
+
+/// Rank-1 and factorized second moments (tensor-wide statistics) are refused with
+/// [`OptimError::Unsupported`] naming the backend and the slot.
+pub fn tensor_wide_second_moments_are_a_typed_error<B: Backend>(gpu: &B) {
+    for state2 in [
+        Storage::Factorized,
+        Storage::Rank1 {
+            map: MapKind::LinearWithoutZero4,
+            fallback: lpmm_quant::BlockSize::B128,
+        },
+    ] {
+        let mut opt = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
+        opt.add_group(ParamConfig {
+            state2,
+            ..presets::adamw_4bit_split(1e-3)
+        })
+        .unwrap();
+        let err = opt
+            .add_param("m", &[128, 64], &vec![0.1; 128 * 64], 0)
+            .unwrap_err();
+        assert!(
+            matches!(&err, OptimError::Unsupported { backend, what } if *backend == gpu.name() && what.contains("state2")),
+            "{err}"
+        );
+        // Below the minimum quantized size the state is f32, which the backend holds.
+        opt.add_param("small", &[10, 10], &[0.1; 100], 0).unwrap();
+    }
+}
+
+/// Adam with second moments that are subnormal or underflow: the states must be subnormal on the
+/// CPU, and with `exact` the backend must agree bit for bit.
+pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
+    let config = ParamConfig::f32(Hyper::adamw(1e-3));
+    let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
+    cpu.add_group(config).unwrap();
+    dev.add_group(config).unwrap();
+    let n = 10_000;
+    let mut rng = Rng(4);
+    let init = rng.spread(n, 1e-37);
+    let a = cpu.add_param("w", &[n], &init, 0).unwrap();
+    dev.add_param("w", &[n], &init, 0).unwrap();
+    for _ in 0..3 {
+        // Squares of these are subnormal or underflow.
+        let g = rng.spread(n, 1e-19);
+        cpu.step_param(a, &g).unwrap();
+        dev.step_param(a, &g).unwrap();
+    }
+    let mut v = vec![0f32; n];
+    cpu.read_state(a, 2, &mut v).unwrap();
+    let subnormal = v.iter().filter(|x| x.is_subnormal()).count();
+    assert!(
+        subnormal > 1000,
+        "the case must produce subnormal states ({subnormal})"
+    );
+    if exact {
+        assert_same(&cpu, &dev, &[a], "subnormal states");
+    } else {
+        eprintln!("this device is not bit-exact on subnormals; see docs/BACKENDS.md");
+    }
+}
