@@ -85,3 +85,39 @@ fn committed_ptx_assembles() {
         );
     }
 }
+
+/// The float instructions of the committed PTX are the IEEE ones the CPU reference computes:
+/// division and square root correctly rounded (`.rn`, not `.approx` / `.full`), no flush to zero,
+/// and every f32 multiply and add with an explicit `.rn`, which ptxas never contracts into an fma
+/// (so the only fmas are the kernels' own `__fmaf_rn`). Needs no NVRTC.
+#[test]
+fn committed_ptx_uses_only_ieee_float_operations() {
+    for (arch, ptx) in ARCHS {
+        let mut fmas = 0;
+        for line in ptx.lines().map(str::trim) {
+            let op = line.split_whitespace().next().unwrap_or("");
+            let is_f32_arith = op.ends_with(".f32")
+                && [
+                    "add.", "sub.", "mul.", "div.", "sqrt.", "fma.", "rcp.", "rsqrt.",
+                ]
+                .iter()
+                .any(|p| op.starts_with(p));
+            assert!(!op.contains(".ftz"), "{arch}: flush to zero in `{line}`");
+            if is_f32_arith {
+                assert!(
+                    op.contains(".rn."),
+                    "{arch}: `{line}` is not an IEEE round-to-nearest operation"
+                );
+                assert!(
+                    !op.starts_with("rcp.") && !op.starts_with("rsqrt."),
+                    "{arch}: approximate `{line}`"
+                );
+                fmas += usize::from(op.starts_with("fma."));
+            }
+        }
+        // The explicit __fmaf_rn sites of kernels/lpmm.cu (SGD 4, Adam 4, Lion 3), each inlined
+        // into the one step kernel.
+        let sites = kernels::SOURCE.matches("__fmaf_rn(").count();
+        assert_eq!(fmas, sites, "{arch}: fma instructions vs __fmaf_rn calls");
+    }
+}
