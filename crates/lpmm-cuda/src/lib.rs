@@ -543,21 +543,7 @@ impl Cuda {
         init: &[f32],
         seed: u64,
     ) -> Result<CudaParam, OptimError> {
-        let c = meta.config;
-        let states = c.hyper.states();
-        let used = |s: Storage, needed: bool, k: SlotKind| {
-            if needed {
-                SlotFormat::of(s, k, NAME)
-            } else {
-                Ok(SlotFormat::EMPTY)
-            }
-        };
-        let formats = [
-            SlotFormat::of(c.param, SlotKind::Param, NAME)?,
-            SlotFormat::of(c.grad, SlotKind::Grad, NAME)?,
-            used(c.state1, states >= 1, SlotKind::State1)?,
-            used(c.state2, states >= 2, SlotKind::State2)?,
-        ];
+        let formats = layout::slot_formats(meta, NAME)?;
         let n = meta.numel;
         let mut at = 0;
         let regions = formats.map(|f| {
@@ -718,17 +704,7 @@ impl Backend for Cuda {
             Ok((o, _)) => o,
             Err(e) => fatal("gradient statistics", e),
         };
-        out.iter_mut().for_each(|o| *o = (0.0, true));
-        let mut k = 0;
-        while k < owner.len() {
-            let index = owner[k];
-            let mut values = Vec::new();
-            while k < owner.len() && owner[k] == index {
-                values.extend_from_slice(&outputs[k]);
-                k += 1;
-            }
-            out[index] = layout::sum_squares(&values);
-        }
+        layout::stats_by_owner(&owner, &outputs, out);
     }
 
     fn step(

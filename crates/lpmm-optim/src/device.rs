@@ -13,7 +13,7 @@ use lpmm_formats::SplitF32;
 use lpmm_formats::bf16;
 use lpmm_formats::packing::packed_len;
 
-use crate::{HostSlot, MapKind, OptimError, Rule, SlotKind, Storage, StoreRounding};
+use crate::{HostSlot, MapKind, OptimError, ParamMeta, Rule, SlotKind, Storage, StoreRounding};
 
 /// Format codes the kernels switch on.
 pub const FMT_EMPTY: u32 = 0;
@@ -123,6 +123,28 @@ impl SlotFormat {
     }
 }
 
+/// The device formats of a parameter's four slots (states the optimizer does not use are empty).
+pub fn slot_formats(
+    meta: &ParamMeta,
+    backend: &'static str,
+) -> Result<[SlotFormat; 4], OptimError> {
+    let c = meta.config;
+    let states = c.hyper.states();
+    let used = |s: Storage, needed: bool, k: SlotKind| {
+        if needed {
+            SlotFormat::of(s, k, backend)
+        } else {
+            Ok(SlotFormat::EMPTY)
+        }
+    };
+    Ok([
+        SlotFormat::of(c.param, SlotKind::Param, backend)?,
+        SlotFormat::of(c.grad, SlotKind::Grad, backend)?,
+        used(c.state1, states >= 1, SlotKind::State1)?,
+        used(c.state2, states >= 2, SlotKind::State2)?,
+    ])
+}
+
 /// A rule as the kernels read it: kind (0 SGD, 1 Adam/AdamW, 2 Lion), up to 11 f32 constants in
 /// the order the kernels name them, and flags (1 Nesterov, 2 momentum, 4 decoupled decay,
 /// 8 second moment given).
@@ -208,6 +230,23 @@ impl RuleWords {
             constants,
             flags,
         }
+    }
+}
+
+/// `Backend::gradient_stats` from decoded accumulators: `outputs[k]` holds consecutive ranges of
+/// parameter `owner[k]` (a parameter's ranges adjacent and in order); `out[index]` gets each
+/// parameter's [`sum_squares`], and `(0.0, true)` where it has none.
+pub fn stats_by_owner(owner: &[usize], outputs: &[Vec<f32>], out: &mut [(f64, bool)]) {
+    out.iter_mut().for_each(|o| *o = (0.0, true));
+    let mut k = 0;
+    while k < owner.len() {
+        let index = owner[k];
+        let mut values = Vec::new();
+        while k < owner.len() && owner[k] == index {
+            values.extend_from_slice(&outputs[k]);
+            k += 1;
+        }
+        out[index] = sum_squares(&values);
     }
 }
 

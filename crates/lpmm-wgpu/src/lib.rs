@@ -28,7 +28,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lpmm_optim::device::{self, RuleWords, SlotFormat, Words};
-use lpmm_optim::{Backend, HostSlot, OptimError, ParamMeta, Rule, SlotKind, Storage};
+use lpmm_optim::{Backend, HostSlot, OptimError, ParamMeta, Rule, SlotKind};
 use wgpu::util::DeviceExt;
 
 /// Elements one workgroup handles (the CPU's chunk): every block size divides it.
@@ -984,21 +984,7 @@ impl Backend for Wgpu {
         init: &[f32],
         seed: u64,
     ) -> Result<WgpuParam, OptimError> {
-        let c = meta.config;
-        let states = c.hyper.states();
-        let used = |s: Storage, needed: bool, k: SlotKind| {
-            if needed {
-                SlotFormat::of(s, k, NAME)
-            } else {
-                Ok(SlotFormat::EMPTY)
-            }
-        };
-        let formats = [
-            SlotFormat::of(c.param, SlotKind::Param, NAME)?,
-            SlotFormat::of(c.grad, SlotKind::Grad, NAME)?,
-            used(c.state1, states >= 1, SlotKind::State1)?,
-            used(c.state2, states >= 2, SlotKind::State2)?,
-        ];
+        let formats = device::slot_formats(meta, NAME)?;
         let mut param = WgpuParam {
             backend: self.clone(),
             formats,
@@ -1098,18 +1084,7 @@ impl Backend for Wgpu {
             }
         }
         let (outputs, _) = self.run(Entry::Decode, &items);
-        out.iter_mut().for_each(|o| *o = (0.0, true));
-        // The CPU's sums (pieces are consecutive, so a tensor's values arrive in order).
-        let mut k = 0;
-        while k < owner.len() {
-            let index = owner[k];
-            let mut values = Vec::new();
-            while k < owner.len() && owner[k] == index {
-                values.extend_from_slice(&outputs[k]);
-                k += 1;
-            }
-            out[index] = device::sum_squares(&values);
-        }
+        device::stats_by_owner(&owner, &outputs, out);
     }
 
     fn step(
