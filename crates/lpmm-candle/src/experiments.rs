@@ -132,7 +132,7 @@ impl Rng {
 /// Re-initialises every variable deterministically from `seed`: a variable whose values are all
 /// equal (layer-norm gains and biases) keeps them; any other gets uniform values with the same
 /// standard deviation candle's initialiser gave it.
-fn reinit(varmap: &VarMap, seed: u64) -> Result<()> {
+pub fn reinit(varmap: &VarMap, seed: u64) -> Result<()> {
     let data = varmap
         .data()
         .lock()

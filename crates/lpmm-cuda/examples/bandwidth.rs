@@ -102,6 +102,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 active: true,
                 update_param: true,
                 lr_rule: LrRule::Group,
+                stream: 0,
+                offset: 0,
             };
             let init: Vec<f32> = (0..n).map(|i| ((i % 977) as f32 - 488.0) * 1e-4).collect();
             let mut params = vec![backend.allocate(0, &meta, &init, 1)?];

@@ -183,6 +183,9 @@ pub struct CudaParam {
     buf: Buf,
     /// Word offsets of each slot's two regions in `buf`.
     regions: [(usize, usize); 4],
+    /// `ParamMeta::stream` and `ParamMeta::offset`: what keys the random words.
+    stream: usize,
+    offset: usize,
 }
 
 impl std::fmt::Debug for CudaParam {
@@ -214,6 +217,8 @@ impl Clone for CudaParam {
             len: self.len,
             buf,
             regions: self.regions,
+            stream: self.stream,
+            offset: self.offset,
         }
     }
 }
@@ -360,12 +365,13 @@ impl Cuda {
 
     /// The descriptor of elements `start .. start + len` of `param` (`start` a multiple of the
     /// tile, so every block, packed word and random block stays whole).
-    fn desc(&self, index: usize, param: &CudaParam, start: usize, len: usize, seed: u64) -> Desc {
+    fn desc(&self, param: &CudaParam, start: usize, len: usize, seed: u64) -> Desc {
         let dev = &self.inner.device;
         let mut d = Desc::zeroed();
         d.len = len as u64;
-        d.offset = start as u64;
-        d.index = index as u64;
+        // Random words are keyed by the logical parameter and element (a shard's `offset`).
+        d.offset = (param.offset + start) as u64;
+        d.index = param.stream as u64;
         d.seed = seed;
         for (s, f) in param.formats.iter().enumerate() {
             let (ra, rb) = param.regions[s];
@@ -500,7 +506,7 @@ impl Cuda {
             .ranges(param, true)
             .into_iter()
             .map(|(s, n)| {
-                let mut desc = self.desc(0, param, s, n, 0);
+                let mut desc = self.desc(param, s, n, 0);
                 desc.mode = slot as u32;
                 Item {
                     desc,
@@ -538,7 +544,7 @@ impl Cuda {
 
     fn allocate_param(
         &self,
-        index: usize,
+        _index: usize,
         meta: &ParamMeta,
         init: &[f32],
         seed: u64,
@@ -559,6 +565,8 @@ impl Cuda {
             len: n,
             buf,
             regions,
+            stream: meta.stream,
+            offset: meta.offset,
         };
         // Quantized codes start as the CPU initialises them (every byte the code of 0); the rest
         // of the fresh allocation is already zero.
@@ -572,7 +580,7 @@ impl Cuda {
             .ranges(&param, true)
             .into_iter()
             .map(|(s, len)| Item {
-                desc: self.desc(index, &param, s, len, seed),
+                desc: self.desc(&param, s, len, seed),
                 input: Some(&init[s..s + len]),
                 output: false,
             })
@@ -605,7 +613,7 @@ impl Cuda {
             };
             let words = RuleWords::of(rule);
             for (s, n) in self.ranges(p, extra.is_some()) {
-                let mut desc = self.desc(index, p, s, n, seed);
+                let mut desc = self.desc(p, s, n, seed);
                 desc.step = meta.steps + 1;
                 desc.flags = if meta.steps == 0 { F_FIRST } else { 0 }
                     | if meta.update_param { F_UPDATE_PARAM } else { 0 }
@@ -652,7 +660,7 @@ impl Backend for Cuda {
 
     fn accumulate(
         &self,
-        index: usize,
+        _index: usize,
         param: &mut CudaParam,
         meta: &ParamMeta,
         grad: &[f32],
@@ -662,7 +670,7 @@ impl Backend for Cuda {
             .ranges(param, true)
             .into_iter()
             .map(|(s, n)| {
-                let mut desc = self.desc(index, param, s, n, seed);
+                let mut desc = self.desc(param, s, n, seed);
                 desc.acc = meta.accumulations;
                 Item {
                     desc,
@@ -680,7 +688,7 @@ impl Backend for Cuda {
         &self,
         params: &mut [CudaParam],
         metas: &[ParamMeta],
-        out: &mut [(f64, bool)],
+        out: &mut [(lpmm_optim::ExactSum, bool)],
     ) {
         // Every active accumulator decoded in as few launches as the io buffer allows, summed on
         // the host in the CPU's order (the price of a bit-identical norm: 4 bytes per element).
@@ -689,7 +697,7 @@ impl Backend for Cuda {
         for (index, (p, m)) in params.iter().zip(metas).enumerate() {
             if m.active {
                 for (s, n) in self.ranges(p, true) {
-                    let mut desc = self.desc(index, p, s, n, 0);
+                    let mut desc = self.desc(p, s, n, 0);
                     desc.mode = SlotKind::Grad as u32;
                     items.push(Item {
                         desc,
@@ -725,7 +733,7 @@ impl Backend for Cuda {
         let mut items: Vec<Item<'_>> = params
             .iter()
             .map(|p| Item {
-                desc: self.desc(0, p, 0, p.len, 0),
+                desc: self.desc(p, 0, p.len, 0),
                 input: None,
                 output: false,
             })

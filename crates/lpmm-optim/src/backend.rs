@@ -7,6 +7,7 @@
 
 use crate::config::ParamConfig;
 use crate::error::OptimError;
+use crate::exact::ExactSum;
 use crate::rule::Rule;
 
 /// Which slot of a parameter.
@@ -72,6 +73,13 @@ pub struct ParamMeta {
     pub update_param: bool,
     /// How the parameter's learning rate follows its group's.
     pub lr_rule: LrRule,
+    /// The parameter index that keys its random streams: its own index, or for a shard the
+    /// logical parameter's index in the unsharded model.
+    pub stream: usize,
+    /// For a shard, the index of its first element in the logical parameter (random words are
+    /// keyed by logical element index, so a shard draws the bits the unsharded tensor would);
+    /// 0 otherwise. A multiple of `ParamConfig::shard_alignment` (at least 256).
+    pub offset: usize,
 }
 
 /// How a parameter's learning rate follows its group's when the group's changes.
@@ -165,13 +173,15 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync {
         seed: u64,
     );
 
-    /// For every active parameter: the sum of squares of its accumulated gradient (f64) and
-    /// whether it is finite, in `out[index]`.
+    /// For every active parameter: the sum of squares of its accumulated gradient's finite
+    /// values and whether they are all finite, in `out[index]`. The sum is exact over one f64
+    /// partial per 256 elements of the parameter (each the sum of its squares in element
+    /// order), so that it does not depend on how chunks are distributed.
     fn gradient_stats(
         &self,
         params: &mut [Self::Param],
         metas: &[ParamMeta],
-        out: &mut [(f64, bool)],
+        out: &mut [(ExactSum, bool)],
     );
 
     /// The fused step of every active parameter (gradients scaled by `clip`), or of parameter

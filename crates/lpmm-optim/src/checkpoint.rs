@@ -146,19 +146,79 @@ fn read_host(st: &SafeTensors<'_>, key: &str, template: &HostSlot) -> Result<Hos
     })
 }
 
-impl Optimizer<Cpu> {
-    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
-    /// the CPU backend.
-    pub fn load(path: impl AsRef<Path>) -> Result<Self, OptimError> {
-        Self::load_with(Cpu, path)
+/// One parameter in the canonical layout: the whole tensor, unsharded, every slot as
+/// [`HostSlot`], with the counters that position its random streams.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CanonicalParam {
+    /// Name.
+    pub name: String,
+    /// Shape (row-major).
+    pub shape: Vec<usize>,
+    /// Parameter group.
+    pub group: usize,
+    /// The configuration asked for (resolved again on `shape` when loaded).
+    pub requested: ParamConfig,
+    /// Steps taken.
+    pub steps: u64,
+    /// `accumulate` calls so far.
+    pub accumulations: u64,
+    /// Whether the accumulator holds gradients not yet consumed.
+    pub pending: bool,
+    /// How its learning rate follows its group's.
+    pub lr_rule: crate::backend::LrRule,
+    /// Param, grad, state1, state2.
+    pub slots: [HostSlot; 4],
+}
+
+/// A whole checkpoint in the canonical layout: what [`Optimizer::save`] writes and
+/// [`Optimizer::load`] reads, also assembled from (and cut into) shards by lpmm-dist.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Canonical {
+    /// The optimizer's options.
+    pub options: OptimizerOptions,
+    /// Steps taken by `step()`.
+    pub global_steps: u64,
+    /// Parameter groups.
+    pub groups: Vec<ParamConfig>,
+    /// Parameters, in registration order.
+    pub params: Vec<CanonicalParam>,
+}
+
+/// The host layout a slot of `storage` exports as (an empty instance of it).
+fn template(storage: Storage, used: bool) -> HostSlot {
+    if !used {
+        return HostSlot::Empty;
+    }
+    match storage {
+        Storage::None => HostSlot::Empty,
+        Storage::F32 => HostSlot::F32(Vec::new()),
+        Storage::Bf16(_) => HostSlot::Bf16(Vec::new()),
+        Storage::Bf16Kahan => HostSlot::Kahan {
+            value: Vec::new(),
+            comp: Vec::new(),
+        },
+        Storage::SplitF32 => HostSlot::Split {
+            hi: Vec::new(),
+            rem: Vec::new(),
+        },
+        Storage::Quantized { .. } => HostSlot::Quantized {
+            codes: Vec::new(),
+            absmax: Vec::new(),
+        },
+        Storage::Factorized => HostSlot::Factored {
+            row: Vec::new(),
+            col: Vec::new(),
+        },
+        Storage::Rank1 { .. } => HostSlot::Rank1 {
+            codes: Vec::new(),
+            scales: Vec::new(),
+        },
     }
 }
 
-impl<B: Backend> Optimizer<B> {
-    /// Writes the complete state to `path` atomically: a temporary file in the same directory,
-    /// flushed to disk, then renamed over `path`. A crash leaves the old file or the new one,
-    /// never a partial one.
-    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), OptimError> {
+impl Canonical {
+    /// Writes the safetensors checkpoint atomically (a temporary file, synced, renamed).
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), OptimError> {
         let path = path.as_ref();
         let meta = CheckpointMeta {
             format: FORMAT.into(),
@@ -167,7 +227,7 @@ impl<B: Backend> Optimizer<B> {
             global_steps: self.global_steps,
             groups: self.groups.clone(),
             params: self
-                .metas
+                .params
                 .iter()
                 .map(|m| ParamMeta {
                     name: m.name.clone(),
@@ -183,10 +243,9 @@ impl<B: Backend> Optimizer<B> {
         };
         let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut maps: Vec<MapKind> = Vec::new();
-        for (m, p) in self.metas.iter().zip(&self.params) {
-            for slot in SlotKind::ALL {
-                let host = self.backend.export(p, m, slot);
-                for (suffix, dtype, n, bytes) in host_tensors(&host) {
+        for m in &self.params {
+            for (slot, host) in SlotKind::ALL.iter().zip(&m.slots) {
+                for (suffix, dtype, n, bytes) in host_tensors(host) {
                     tensors.push((
                         format!("{}/{}{suffix}", m.name, slot.name()),
                         dtype,
@@ -195,7 +254,8 @@ impl<B: Backend> Optimizer<B> {
                     ));
                 }
             }
-            let c = m.config;
+            let numel = m.shape.iter().product();
+            let c = m.requested.resolve(numel, &m.shape);
             for storage in [c.param, c.grad, c.state1, c.state2] {
                 if let Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } = storage
                     && !maps.contains(&map)
@@ -232,9 +292,9 @@ impl<B: Backend> Optimizer<B> {
         write_atomically(path, &bytes)
     }
 
-    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
-    /// `backend`.
-    pub fn load_with(backend: B, path: impl AsRef<Path>) -> Result<Self, OptimError> {
+    /// Reads and validates a checkpoint (format, version, sizes against the file, counters,
+    /// code maps, every slot's tensors present with the dtype its storage needs).
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, OptimError> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| err(path, e))?;
         let st = SafeTensors::deserialize(&bytes)
@@ -261,11 +321,6 @@ impl<B: Backend> Optimizer<B> {
                     meta.version
                 ),
             ));
-        }
-        // Rebuild the structure, then overwrite every slot with the stored bytes.
-        let mut opt = Optimizer::with_backend(backend, meta.options)?;
-        for g in &meta.groups {
-            opt.add_group(*g)?;
         }
         // Every storage takes at least 4 bits per element: a checkpoint cannot hold more than
         // 2 elements per byte, in all parameters together. Checked before allocating anything,
@@ -299,19 +354,6 @@ impl<B: Backend> Optimizer<B> {
         if meta.global_steps > 1 << 53 {
             return Err(err(path, "step counter out of range"));
         }
-        for p in &meta.params {
-            let numel = p.shape.iter().product();
-            let zeros = vec![0f32; numel];
-            opt.add_param_with(&p.name, &p.shape, &zeros, p.group, p.requested)?;
-        }
-        for (i, p) in meta.params.iter().enumerate() {
-            let m = &mut opt.metas[i];
-            m.steps = p.steps;
-            m.accumulations = p.accumulations;
-            m.pending = p.pending;
-            m.lr_rule = p.lr_rule;
-        }
-        opt.global_steps = meta.global_steps;
         // Code maps must be the ones this build constructs.
         for (name, view) in st.tensors() {
             if let Some(map_name) = name.strip_prefix("maps/") {
@@ -331,16 +373,106 @@ impl<B: Backend> Optimizer<B> {
                 }
             }
         }
-        for i in 0..opt.metas.len() {
-            for slot in SlotKind::ALL {
-                let key = format!("{}/{}", opt.metas[i].name, slot.name());
-                let template = opt.backend.export(&opt.params[i], &opt.metas[i], slot);
-                let host = read_host(&st, &key, &template).map_err(|reason| err(path, reason))?;
-                opt.backend
-                    .import(&mut opt.params[i], &opt.metas[i], slot, host)
-                    .map_err(|reason| {
-                        err(path, format!("parameter {}: {reason}", opt.metas[i].name))
-                    })?;
+        let mut params = Vec::with_capacity(meta.params.len());
+        for p in meta.params {
+            let numel: usize = p.shape.iter().product();
+            p.requested.validate()?;
+            let c = p.requested.resolve(numel, &p.shape);
+            let states = c.hyper.states();
+            let used = [true, true, states >= 1, states >= 2];
+            let storages = [c.param, c.grad, c.state1, c.state2];
+            let mut slots = Vec::with_capacity(4);
+            for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
+                let key = format!("{}/{}", p.name, slot.name());
+                slots.push(
+                    read_host(&st, &key, &template(storages[k], used[k]))
+                        .map_err(|reason| err(path, reason))?,
+                );
+            }
+            let slots: [HostSlot; 4] = slots.try_into().expect("four slots");
+            params.push(CanonicalParam {
+                name: p.name,
+                shape: p.shape,
+                group: p.group,
+                requested: p.requested,
+                steps: p.steps,
+                accumulations: p.accumulations,
+                pending: p.pending,
+                lr_rule: p.lr_rule,
+                slots,
+            });
+        }
+        Ok(Canonical {
+            options: meta.options,
+            global_steps: meta.global_steps,
+            groups: meta.groups,
+            params,
+        })
+    }
+}
+
+impl Optimizer<Cpu> {
+    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
+    /// the CPU backend.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, OptimError> {
+        Self::load_with(Cpu, path)
+    }
+}
+
+impl<B: Backend> Optimizer<B> {
+    /// Writes the complete state to `path` atomically: a temporary file in the same directory,
+    /// flushed to disk, then renamed over `path`. A crash leaves the old file or the new one,
+    /// never a partial one.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), OptimError> {
+        self.canonical().write(path)
+    }
+
+    /// The whole optimizer in the canonical layout (what [`Optimizer::save`] writes).
+    pub fn canonical(&self) -> Canonical {
+        Canonical {
+            options: self.options,
+            global_steps: self.global_steps,
+            groups: self.groups.clone(),
+            params: self
+                .metas
+                .iter()
+                .zip(&self.params)
+                .map(|(m, p)| CanonicalParam {
+                    name: m.name.clone(),
+                    shape: m.shape.clone(),
+                    group: m.group,
+                    requested: m.requested,
+                    steps: m.steps,
+                    accumulations: m.accumulations,
+                    pending: m.pending,
+                    lr_rule: m.lr_rule,
+                    slots: SlotKind::ALL.map(|slot| self.backend.export(p, m, slot)),
+                })
+                .collect(),
+        }
+    }
+
+    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
+    /// `backend`.
+    pub fn load_with(backend: B, path: impl AsRef<Path>) -> Result<Self, OptimError> {
+        let path = path.as_ref();
+        let canonical = Canonical::read(path)?;
+        // Rebuild the structure, then overwrite every slot with the stored bytes.
+        let mut opt = Optimizer::with_backend(backend, canonical.options)?;
+        for g in &canonical.groups {
+            opt.add_group(*g)?;
+        }
+        for p in &canonical.params {
+            let numel = p.shape.iter().product();
+            let zeros = vec![0f32; numel];
+            opt.add_param_with(&p.name, &p.shape, &zeros, p.group, p.requested)?;
+        }
+        opt.global_steps = canonical.global_steps;
+        for (i, p) in canonical.params.into_iter().enumerate() {
+            let id = crate::optimizer::ParamId(i);
+            opt.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            for (slot, host) in SlotKind::ALL.into_iter().zip(p.slots) {
+                opt.import_slot(id, slot, host).map_err(|e| err(path, e))?;
             }
         }
         Ok(opt)

@@ -399,6 +399,19 @@ impl ParamConfig {
         }
     }
 
+    /// The granularity a shard of a parameter with this (resolved) configuration may start at:
+    /// 256 elements, or the largest quantization block of its slots, so that blocks, packed
+    /// words, random blocks and the gradient norm's partial sums stay whole on one shard.
+    pub fn shard_alignment(&self) -> usize {
+        [self.param, self.grad, self.state1, self.state2]
+            .iter()
+            .filter_map(|s| match s {
+                Storage::Quantized { block, .. } => Some(block.get()),
+                _ => None,
+            })
+            .fold(256, usize::max)
+    }
+
     /// The storage each slot will really use for a tensor of `numel` elements and `shape`:
     /// quantized slots of tensors below `min_quantized_size` are f32, rank-1
     /// second moments of 1-D tensors fall back to blocks / f32.

@@ -12,11 +12,14 @@ use rayon::prelude::*;
 use crate::backend::{Backend, HostSlot, ParamMeta, SlotKind};
 use crate::config::Storage;
 use crate::error::OptimError;
+use crate::exact::ExactSum;
 use crate::rule::{Chunk, apply_chunk};
 use crate::slot::{CHUNK, Slot, SlotData};
 
 /// Elements per piece.
 pub(crate) const PIECE: usize = 1 << 20;
+/// Elements per partial sum of the gradient norm (see `Backend::gradient_stats`).
+pub(crate) const NORM_RUN: usize = 256;
 
 /// The CPU backend (multi-threaded with rayon's global pool, or the pool the caller installs).
 #[derive(Debug, Clone, Copy, Default)]
@@ -104,7 +107,7 @@ struct Piece {
     len: usize,
     slots: [Slot; 4],
     /// Results of the last pass, kept here so a step allocates nothing.
-    grad_sum_squares: f64,
+    grad_sum_squares: ExactSum,
     grad_finite: bool,
     saw_non_finite: bool,
     /// This piece's share of a rank-1 state's new maxima (empty otherwise).
@@ -138,7 +141,7 @@ impl Backend for Cpu {
 
     fn allocate(
         &self,
-        index: usize,
+        _index: usize,
         meta: &ParamMeta,
         init: &[f32],
         seed: u64,
@@ -189,8 +192,8 @@ impl Backend for Cpu {
                     param.encode_keyed(
                         at,
                         chunk,
-                        stream(seed, index, SlotKind::Param, 0),
-                        (offset + at) as u64,
+                        stream(seed, meta.stream, SlotKind::Param, 0),
+                        (meta.offset + offset + at) as u64,
                     );
                 }
                 Piece {
@@ -202,7 +205,7 @@ impl Backend for Cpu {
                         used(c.state1, states >= 1),
                         used(c.state2, states >= 2),
                     ],
-                    grad_sum_squares: 0.0,
+                    grad_sum_squares: ExactSum::new(),
                     grad_finite: true,
                     saw_non_finite: false,
                     partial: rank1
@@ -223,13 +226,13 @@ impl Backend for Cpu {
 
     fn accumulate(
         &self,
-        index: usize,
+        _index: usize,
         param: &mut CpuParam,
         meta: &ParamMeta,
         grad: &[f32],
         seed: u64,
     ) {
-        let s = stream(seed, index, SlotKind::Grad, meta.accumulations);
+        let s = stream(seed, meta.stream, SlotKind::Grad, meta.accumulations);
         for_pieces(&mut param.pieces, |piece| {
             let mut acc = [0f32; CHUNK];
             let g = &grad[piece.offset..piece.offset + piece.len];
@@ -239,7 +242,7 @@ impl Backend for Cpu {
                 let slot = &mut piece.slots[SlotKind::Grad as usize];
                 slot.decode(start, acc);
                 acc.iter_mut().zip(gc).for_each(|(a, &x)| *a += x);
-                slot.encode_keyed(start, acc, s, (piece.offset + start) as u64);
+                slot.encode_keyed(start, acc, s, (meta.offset + piece.offset + start) as u64);
             }
         });
     }
@@ -248,7 +251,7 @@ impl Backend for Cpu {
         &self,
         params: &mut [CpuParam],
         metas: &[ParamMeta],
-        out: &mut [(f64, bool)],
+        out: &mut [(ExactSum, bool)],
     ) {
         params
             .par_iter_mut()
@@ -257,29 +260,35 @@ impl Backend for Cpu {
             .flat_map(|(p, _)| p.pieces.par_iter_mut())
             .for_each(|p| {
                 let mut acc = [0f32; CHUNK];
-                let (mut sum, mut finite) = (0.0f64, true);
+                let (mut sum, mut finite) = (ExactSum::new(), true);
                 for c in (0..p.len).step_by(CHUNK) {
                     let a = &mut acc[..CHUNK.min(p.len - c)];
                     p.slot(SlotKind::Grad).decode(c, a);
-                    for &g in a.iter() {
-                        // Only finite values count towards the norm: under SkipElements one Inf
-                        // must not turn clipping off for the rest.
-                        if g.is_finite() {
-                            sum += f64::from(g) * f64::from(g);
-                        } else {
-                            finite = false;
+                    // One f64 partial per 256 elements (in element order), added exactly: the
+                    // norm does not depend on how they are grouped into pieces or shards.
+                    for run in a.chunks(NORM_RUN) {
+                        let mut part = 0.0f64;
+                        for &g in run {
+                            // Only finite values count towards the norm: under SkipElements one
+                            // Inf must not turn clipping off for the rest.
+                            if g.is_finite() {
+                                part += f64::from(g) * f64::from(g);
+                            } else {
+                                finite = false;
+                            }
                         }
+                        sum.add(part);
                     }
                 }
                 p.grad_sum_squares = sum;
                 p.grad_finite = finite;
             });
-        // A fixed-order sum: the same norm for any thread count.
+        // Exact sums: the same norm for any thread count, piece size or sharding.
         for ((p, m), o) in params.iter().zip(metas).zip(out.iter_mut()) {
-            *o = (0.0, true);
+            *o = (ExactSum::new(), true);
             if m.active {
                 for piece in &p.pieces {
-                    o.0 += piece.grad_sum_squares;
+                    o.0.merge(&piece.grad_sum_squares);
                     o.1 &= piece.grad_finite;
                 }
             }
@@ -359,7 +368,7 @@ impl Backend for Cpu {
             };
             for_pieces(pieces, |piece| {
                 piece.saw_non_finite =
-                    fused_step(index, piece, meta, wide, seed, clip, extra(index, piece));
+                    fused_step(piece, meta, wide, seed, clip, extra(index, piece));
             });
         };
         match released {
@@ -725,7 +734,6 @@ struct TensorWide<'a> {
 /// rule, requantize the states with their new absmax, store the parameter, clear the gradient.
 /// Returns whether a non-finite gradient was met (its elements were left unchanged).
 fn fused_step(
-    index: usize,
     piece: &mut Piece,
     meta: &ParamMeta,
     tensor_wide: TensorWide<'_>,
@@ -782,16 +790,16 @@ fn fused_step(
         state1.encode_keyed(
             start,
             m,
-            stream(seed, index, SlotKind::State1, t),
-            global as u64,
+            stream(seed, meta.stream, SlotKind::State1, t),
+            (meta.offset + global) as u64,
         );
         match rank1 {
             Some(r) => state2.encode_rank1(start, global, v, &r.q, &r.next),
             None => state2.encode_keyed(
                 start,
                 v,
-                stream(seed, index, SlotKind::State2, t),
-                global as u64,
+                stream(seed, meta.stream, SlotKind::State2, t),
+                (meta.offset + global) as u64,
             ),
         }
         if meta.update_param {
@@ -801,8 +809,8 @@ fn fused_step(
                 param.encode_keyed(
                     start,
                     p,
-                    stream(seed, index, SlotKind::Param, t),
-                    global as u64,
+                    stream(seed, meta.stream, SlotKind::Param, t),
+                    (meta.offset + global) as u64,
                 );
             }
         }

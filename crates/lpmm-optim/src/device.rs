@@ -13,7 +13,9 @@ use lpmm_formats::SplitF32;
 use lpmm_formats::bf16;
 use lpmm_formats::packing::packed_len;
 
-use crate::{HostSlot, MapKind, OptimError, ParamMeta, Rule, SlotKind, Storage, StoreRounding};
+use crate::{
+    ExactSum, HostSlot, MapKind, OptimError, ParamMeta, Rule, SlotKind, Storage, StoreRounding,
+};
 
 /// Format codes the kernels switch on.
 pub const FMT_EMPTY: u32 = 0;
@@ -235,9 +237,9 @@ impl RuleWords {
 
 /// `Backend::gradient_stats` from decoded accumulators: `outputs[k]` holds consecutive ranges of
 /// parameter `owner[k]` (a parameter's ranges adjacent and in order); `out[index]` gets each
-/// parameter's [`sum_squares`], and `(0.0, true)` where it has none.
-pub fn stats_by_owner(owner: &[usize], outputs: &[Vec<f32>], out: &mut [(f64, bool)]) {
-    out.iter_mut().for_each(|o| *o = (0.0, true));
+/// parameter's [`sum_squares`], and zero and `true` where it has none.
+pub fn stats_by_owner(owner: &[usize], outputs: &[Vec<f32>], out: &mut [(ExactSum, bool)]) {
+    out.iter_mut().for_each(|o| *o = (ExactSum::new(), true));
     let mut k = 0;
     while k < owner.len() {
         let index = owner[k];
@@ -250,13 +252,13 @@ pub fn stats_by_owner(owner: &[usize], outputs: &[Vec<f32>], out: &mut [(f64, bo
     }
 }
 
-/// The CPU backend's gradient statistics over a tensor's decoded accumulator, in its order: one
-/// f64 sum of squares per 2^20 elements in element order, the partial sums added in order; and
-/// whether every value is finite.
-pub fn sum_squares(values: &[f32]) -> (f64, bool) {
-    let mut total = 0.0f64;
+/// The CPU backend's gradient statistics over a tensor's decoded accumulator (`values` starting
+/// at a multiple of 256 elements of the parameter): one f64 sum of squares per 256 elements in
+/// element order, added exactly; and whether every value is finite.
+pub fn sum_squares(values: &[f32]) -> (ExactSum, bool) {
+    let mut total = ExactSum::new();
     let mut finite = true;
-    for part in values.chunks(1 << 20) {
+    for part in values.chunks(256) {
         let mut sum = 0.0f64;
         for &x in part {
             if x.is_finite() {
@@ -265,7 +267,7 @@ pub fn sum_squares(values: &[f32]) -> (f64, bool) {
                 finite = false;
             }
         }
-        total += sum;
+        total.add(sum);
     }
     (total, finite)
 }

@@ -55,6 +55,14 @@ pub enum OptimError {
     /// backend supports).
     #[error("the {backend} backend does not support {what}")]
     Unsupported { backend: &'static str, what: String },
+    /// Host contents for a slot do not fit its storage (layout, length, non-finite values).
+    #[error("parameter {param}: {reason}")]
+    Slot {
+        /// The parameter.
+        param: String,
+        /// What does not fit.
+        reason: String,
+    },
     /// The backend's device reported an error (out of memory, device lost, ...).
     #[error("{backend} device: {reason}")]
     Device {

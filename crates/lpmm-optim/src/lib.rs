@@ -11,6 +11,7 @@ mod config;
 mod cpu;
 pub mod device;
 mod error;
+mod exact;
 mod memory;
 mod optimizer;
 pub mod presets;
@@ -20,10 +21,15 @@ mod slot;
 pub mod testing;
 
 pub use backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
-pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION};
+pub use checkpoint::{
+    Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION,
+};
 pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
 pub use cpu::Cpu;
 pub use error::OptimError;
+pub use exact::{EXACT_WORDS, ExactSum};
 pub use memory::{MemoryReport, ParamMemory};
-pub use optimizer::{NonFinitePolicy, Optimizer, OptimizerOptions, ParamId, StepReport};
+pub use optimizer::{
+    GradientSummary, NonFinitePolicy, Optimizer, OptimizerOptions, ParamId, StepReport,
+};
 pub use rule::{Rule, Updated};

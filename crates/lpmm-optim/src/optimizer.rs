@@ -11,6 +11,7 @@ use crate::backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
+use crate::exact::ExactSum;
 use crate::rule::Rule;
 
 /// A registered parameter.
@@ -70,6 +71,15 @@ pub struct StepReport {
     pub grad_norm: Option<f64>,
 }
 
+/// This optimizer's part of a step's gradient pre-pass ([`Optimizer::gradient_summary`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GradientSummary {
+    /// Exact sum of squares of the finite gradient values.
+    pub sum: ExactSum,
+    /// Parameters whose gradients are not all finite.
+    pub non_finite: Vec<ParamId>,
+}
+
 /// The optimizer over all registered parameters, on backend `B` (the CPU by default).
 #[derive(Debug, Clone)]
 pub struct Optimizer<B: Backend = Cpu> {
@@ -82,7 +92,7 @@ pub struct Optimizer<B: Backend = Cpu> {
     pub(crate) global_steps: u64,
     /// Per-parameter scratch for the backend's answers, allocated at registration so a step
     /// allocates nothing.
-    stats: Vec<(f64, bool)>,
+    stats: Vec<(ExactSum, bool)>,
     flags: Vec<bool>,
 }
 
@@ -159,9 +169,6 @@ impl<B: Backend> Optimizer<B> {
             return Err(OptimError::UnknownGroup(group));
         }
         config.validate()?;
-        if self.metas.iter().any(|m| m.name == name) {
-            return Err(OptimError::DuplicateName(name.to_string()));
-        }
         let numel = shape
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
@@ -170,6 +177,101 @@ impl<B: Backend> Optimizer<B> {
                 param: name.to_string(),
                 shape: shape.to_vec(),
             })?;
+        let resolved = config.resolve(numel, shape);
+        let stream = self.metas.len();
+        self.register(
+            name,
+            shape.to_vec(),
+            init,
+            group,
+            config,
+            resolved,
+            (stream, 0),
+        )
+    }
+
+    /// Registers one shard of a logical parameter of `global_shape` for sharded data
+    /// parallelism (lpmm-dist): elements `range` of it, with initial values `init`
+    /// (`range.len()` of them). Formats are decided on the logical parameter's size and shape,
+    /// never the shard's, and random words are keyed by (`stream`, logical element index), so a
+    /// shard stores exactly the bits the unsharded parameter would hold in that range, whatever
+    /// the number of shards. `range.start` must be a multiple of the resolved configuration's
+    /// [`ParamConfig::shard_alignment`] (quantization blocks, packed words, random blocks and
+    /// the norm's partial sums stay whole); storages with tensor-wide statistics
+    /// (rank-1, factorized) only take the whole parameter. The shard's own shape is
+    /// `[range.len()]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_param_shard(
+        &mut self,
+        name: &str,
+        global_shape: &[usize],
+        range: std::ops::Range<usize>,
+        init: &[f32],
+        group: usize,
+        config: ParamConfig,
+        stream: usize,
+    ) -> Result<ParamId, OptimError> {
+        if group >= self.groups.len() {
+            return Err(OptimError::UnknownGroup(group));
+        }
+        config.validate()?;
+        let numel = global_shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|&n| n > 0 && n <= usize::MAX / 8)
+            .ok_or_else(|| OptimError::Shape {
+                param: name.to_string(),
+                shape: global_shape.to_vec(),
+            })?;
+        let resolved = config.resolve(numel, global_shape);
+        let whole = range.start == 0 && range.end == numel;
+        let tensor_wide = [resolved.state1, resolved.state2]
+            .iter()
+            .any(|s| matches!(s, Storage::Rank1 { .. } | Storage::Factorized));
+        if range.is_empty()
+            || range.end > numel
+            || (!whole && (!range.start.is_multiple_of(resolved.shard_alignment()) || tensor_wide))
+        {
+            return Err(OptimError::Unsupported {
+                backend: self.backend.name(),
+                what: format!(
+                    "shard {range:?} of {name} ({numel} elements): a shard is a non-empty range starting at a multiple of {} (ParamConfig::shard_alignment), and the whole tensor when a state has tensor-wide statistics",
+                    resolved.shard_alignment()
+                ),
+            });
+        }
+        // A whole tensor keeps its shape (rank-1 and factorized states need it).
+        let shape = if whole {
+            global_shape.to_vec()
+        } else {
+            vec![range.len()]
+        };
+        self.register(
+            name,
+            shape,
+            init,
+            group,
+            config,
+            resolved,
+            (stream, range.start),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &mut self,
+        name: &str,
+        shape: Vec<usize>,
+        init: &[f32],
+        group: usize,
+        config: ParamConfig,
+        resolved: ParamConfig,
+        (stream, offset): (usize, usize),
+    ) -> Result<ParamId, OptimError> {
+        if self.metas.iter().any(|m| m.name == name) {
+            return Err(OptimError::DuplicateName(name.to_string()));
+        }
+        let numel: usize = shape.iter().product();
         if init.len() != numel {
             return Err(OptimError::Length {
                 param: name.to_string(),
@@ -185,7 +287,6 @@ impl<B: Backend> Optimizer<B> {
                 value: init[index],
             });
         }
-        let resolved = config.resolve(numel, shape);
         let (group_lr, own_lr) = (self.groups[group].hyper.lr(), config.hyper.lr());
         let lr_rule = if own_lr == group_lr {
             LrRule::Group
@@ -196,7 +297,7 @@ impl<B: Backend> Optimizer<B> {
         };
         let meta = ParamMeta {
             name: name.to_string(),
-            shape: shape.to_vec(),
+            shape,
             numel,
             requested: config,
             config: resolved,
@@ -208,6 +309,8 @@ impl<B: Backend> Optimizer<B> {
             active: false,
             update_param: true,
             lr_rule,
+            stream,
+            offset,
         };
         let index = self.metas.len();
         let param = self
@@ -215,7 +318,7 @@ impl<B: Backend> Optimizer<B> {
             .allocate(index, &meta, init, self.options.seed)?;
         self.metas.push(meta);
         self.params.push(param);
-        self.stats.push((0.0, true));
+        self.stats.push((ExactSum::new(), true));
         self.flags.push(false);
         Ok(ParamId(index))
     }
@@ -247,6 +350,11 @@ impl<B: Backend> Optimizer<B> {
     /// The configuration in force for a parameter (after the minimum-size policy).
     pub fn config(&self, id: ParamId) -> Result<ParamConfig, OptimError> {
         Ok(self.meta(id)?.config)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &OptimizerOptions {
+        &self.options
     }
 
     /// Steps taken by `step()`.
@@ -387,29 +495,107 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
+    /// Replaces one slot of a parameter with host contents in the canonical layout of its
+    /// storage (checkpoints, shards assembled by lpmm-dist); a mismatch leaves it unchanged.
+    pub fn import_slot(
+        &mut self,
+        id: ParamId,
+        slot: SlotKind,
+        host: HostSlot,
+    ) -> Result<(), OptimError> {
+        let meta = self.meta(id)?;
+        let name = meta.name.clone();
+        self.backend
+            .import(&mut self.params[id.0], &self.metas[id.0], slot, host)
+            .map_err(|reason| OptimError::Slot {
+                param: name,
+                reason,
+            })
+    }
+
+    /// Sets a parameter's counters (which position its random streams) and learning-rate rule,
+    /// as a checkpoint recorded them.
+    pub fn restore(
+        &mut self,
+        id: ParamId,
+        steps: u64,
+        accumulations: u64,
+        pending: bool,
+        lr_rule: LrRule,
+    ) -> Result<(), OptimError> {
+        self.meta(id)?;
+        let m = &mut self.metas[id.0];
+        m.steps = steps;
+        m.accumulations = accumulations;
+        m.pending = pending;
+        m.lr_rule = lr_rule;
+        Ok(())
+    }
+
+    /// Sets the count of `step()` calls (a checkpoint's).
+    pub fn set_steps(&mut self, steps: u64) {
+        self.global_steps = steps;
+    }
+
     /// Steps every parameter whose accumulator holds gradients, consuming them.
     pub fn step(&mut self) -> Result<StepReport, OptimError> {
-        let mut report = StepReport::default();
-        let policy = self.options.non_finite;
+        // Pre-pass over the gradients when the norm is needed (clipping) or the step may be
+        // skipped: one read of each accumulator.
+        if self.options.max_grad_norm.is_some()
+            || self.options.non_finite == NonFinitePolicy::SkipStep
+        {
+            let local = self.gradient_summary();
+            let any = !local.non_finite.is_empty();
+            Ok(self.step_with_summary(Some((local.sum, any)), local.non_finite))
+        } else {
+            for meta in &mut self.metas {
+                meta.active = meta.pending;
+            }
+            Ok(self.step_with_summary(None, Vec::new()))
+        }
+    }
+
+    /// The first half of a step split across ranks (lpmm-dist): marks every parameter with
+    /// pending gradients as taking part and returns the exact sum of squares of their finite
+    /// gradient values and the parameters whose gradients are not all finite. Sums from several
+    /// optimizers (the shards of one model) add exactly ([`ExactSum::merge`], or an integer
+    /// all-reduce of [`ExactSum::to_words`]) to the unsharded model's sum, bit for bit.
+    pub fn gradient_summary(&mut self) -> GradientSummary {
         for meta in &mut self.metas {
             meta.active = meta.pending;
         }
-        // Pre-pass over the gradients when the norm is needed (clipping) or the step may be
-        // skipped: one read of each accumulator.
-        let mut clip = 1.0f32;
-        if self.options.max_grad_norm.is_some() || policy == NonFinitePolicy::SkipStep {
-            self.backend
-                .gradient_stats(&mut self.params, &self.metas, &mut self.stats);
-            let mut total = 0.0f64;
-            for (index, (meta, &(sum, finite))) in self.metas.iter().zip(&self.stats).enumerate() {
-                if meta.active {
-                    total += sum;
-                    if !finite {
-                        report.non_finite.push(ParamId(index));
-                    }
+        self.backend
+            .gradient_stats(&mut self.params, &self.metas, &mut self.stats);
+        let mut summary = GradientSummary::default();
+        for (index, (meta, (sum, finite))) in self.metas.iter().zip(&self.stats).enumerate() {
+            if meta.active {
+                summary.sum.merge(sum);
+                if !finite {
+                    summary.non_finite.push(ParamId(index));
                 }
             }
-            let norm = total.sqrt();
+        }
+        summary
+    }
+
+    /// The second half of a split step, after [`Optimizer::gradient_summary`]: steps with the
+    /// whole model's sum of squares (the norm for clipping) and whether any part of the model
+    /// has a non-finite gradient (the SkipStep decision), as `step` would on the unsharded
+    /// model. `local_non_finite` is this optimizer's part, reported back. `global` is `None`
+    /// when neither clipping nor SkipStep needs the pre-pass.
+    pub fn step_with_summary(
+        &mut self,
+        global: Option<(ExactSum, bool)>,
+        local_non_finite: Vec<ParamId>,
+    ) -> StepReport {
+        let mut report = StepReport {
+            non_finite: local_non_finite,
+            ..StepReport::default()
+        };
+        let policy = self.options.non_finite;
+        let mut clip = 1.0f32;
+        if let Some((sum, any_non_finite)) = global {
+            let norm = sum.to_f64().sqrt();
             report.grad_norm = Some(norm);
             if let Some(max) = self.options.max_grad_norm
                 && norm.is_finite()
@@ -417,14 +603,14 @@ impl<B: Backend> Optimizer<B> {
             {
                 clip = (max / (norm + 1e-6)) as f32;
             }
-            if !report.non_finite.is_empty() && policy == NonFinitePolicy::SkipStep {
+            if any_non_finite && policy == NonFinitePolicy::SkipStep {
                 report.skipped = true;
                 for meta in &mut self.metas {
                     meta.pending = false;
                     meta.active = false;
                 }
                 self.backend.clear_gradients(&mut self.params);
-                return Ok(report);
+                return report;
             }
         }
         for meta in self.metas.iter_mut().filter(|m| m.active) {
@@ -451,7 +637,7 @@ impl<B: Backend> Optimizer<B> {
             report.updated += 1;
         }
         self.global_steps += 1;
-        Ok(report)
+        report
     }
 
     /// Gradient release: steps one parameter now with `grad` (plus anything its accumulator

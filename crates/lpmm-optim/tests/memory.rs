@@ -111,9 +111,9 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
         let report = opt.memory_report();
         let accounted = report.total() as isize;
         // Model memory is what was allocated, up to the optimizer's bookkeeping (names, shapes,
-        // the piece list: well under 4 KiB).
+        // the piece list with each piece's 192-byte exact norm accumulator: under 8 KiB).
         assert!(
-            (grown - accounted).abs() < 4096,
+            (grown - accounted).abs() < 8192,
             "{config:?}: allocated {grown}, accounted {accounted}"
         );
 

@@ -161,6 +161,9 @@ pub struct WgpuParam {
     backend: Wgpu,
     formats: [SlotFormat; 4],
     pieces: Vec<Piece>,
+    /// `ParamMeta::stream` and `ParamMeta::offset`: what keys the random words.
+    stream: usize,
+    offset: usize,
 }
 
 impl std::fmt::Debug for WgpuParam {
@@ -207,6 +210,8 @@ impl Clone for WgpuParam {
             backend: self.backend.clone(),
             formats: self.formats,
             pieces,
+            stream: self.stream,
+            offset: self.offset,
         }
     }
 }
@@ -687,11 +692,12 @@ impl Wgpu {
     }
 
     /// The descriptor of `piece` of parameter `index`.
-    fn desc(&self, index: usize, param: &WgpuParam, piece: &Piece, seed: u64) -> [u32; DESC_WORDS] {
+    fn desc(&self, param: &WgpuParam, piece: &Piece, seed: u64) -> [u32; DESC_WORDS] {
         let mut desc = [0u32; DESC_WORDS];
         desc[D_LEN] = piece.len as u32;
-        put64(&mut desc, D_OFF, piece.offset as u64);
-        put64(&mut desc, D_IDX, index as u64);
+        // Random words are keyed by the logical parameter and element (a shard's `offset`).
+        put64(&mut desc, D_OFF, (param.offset + piece.offset) as u64);
+        put64(&mut desc, D_IDX, param.stream as u64);
         put64(&mut desc, D_SEED, seed);
         for (s, f) in param.formats.iter().enumerate() {
             let (a, b) = piece.regions[s];
@@ -701,12 +707,12 @@ impl Wgpu {
     }
 
     /// Decodes one slot of every piece of `param` (host order).
-    fn decode(&self, index: usize, param: &WgpuParam, slot: SlotKind) -> Vec<f32> {
+    fn decode(&self, _index: usize, param: &WgpuParam, slot: SlotKind) -> Vec<f32> {
         let items: Vec<Item<'_>> = param
             .pieces
             .iter()
             .map(|piece| {
-                let mut desc = self.desc(index, param, piece, 0);
+                let mut desc = self.desc(param, piece, 0);
                 desc[D_MODE] = slot as u32;
                 Item {
                     piece,
@@ -979,7 +985,7 @@ impl Backend for Wgpu {
 
     fn allocate(
         &self,
-        index: usize,
+        _index: usize,
         meta: &ParamMeta,
         init: &[f32],
         seed: u64,
@@ -989,6 +995,8 @@ impl Backend for Wgpu {
             backend: self.clone(),
             formats,
             pieces: Vec::new(),
+            stream: meta.stream,
+            offset: meta.offset,
         };
         {
             let mut state = self.inner.lock();
@@ -1025,7 +1033,7 @@ impl Backend for Wgpu {
             .iter()
             .map(|piece| Item {
                 piece,
-                desc: self.desc(index, &param, piece, seed),
+                desc: self.desc(&param, piece, seed),
                 input: Some(&init[piece.offset..piece.offset + piece.len]),
                 output: false,
             })
@@ -1036,7 +1044,7 @@ impl Backend for Wgpu {
 
     fn accumulate(
         &self,
-        index: usize,
+        _index: usize,
         param: &mut WgpuParam,
         meta: &ParamMeta,
         grad: &[f32],
@@ -1046,7 +1054,7 @@ impl Backend for Wgpu {
             .pieces
             .iter()
             .map(|piece| {
-                let mut desc = self.desc(index, param, piece, seed);
+                let mut desc = self.desc(param, piece, seed);
                 put64(&mut desc, D_ACC, meta.accumulations);
                 Item {
                     piece,
@@ -1063,7 +1071,7 @@ impl Backend for Wgpu {
         &self,
         params: &mut [WgpuParam],
         metas: &[ParamMeta],
-        out: &mut [(f64, bool)],
+        out: &mut [(lpmm_optim::ExactSum, bool)],
     ) {
         // Every active accumulator decoded in as few dispatches as the io buffer allows.
         let mut items = Vec::new();
@@ -1071,7 +1079,7 @@ impl Backend for Wgpu {
         for (index, (p, m)) in params.iter().zip(metas).enumerate() {
             if m.active {
                 for piece in &p.pieces {
-                    let mut desc = self.desc(index, p, piece, 0);
+                    let mut desc = self.desc(p, piece, 0);
                     desc[D_MODE] = SlotKind::Grad as u32;
                     items.push(Item {
                         piece,
@@ -1111,7 +1119,7 @@ impl Backend for Wgpu {
                 meta.rule.without_decay()
             };
             for piece in &p.pieces {
-                let mut desc = self.desc(index, p, piece, seed);
+                let mut desc = self.desc(p, piece, seed);
                 put64(&mut desc, D_STEP, meta.steps + 1);
                 desc[D_FLAGS] = if meta.steps == 0 { F_FIRST } else { 0 }
                     | if meta.update_param { F_UPDATE_PARAM } else { 0 }
@@ -1142,7 +1150,7 @@ impl Backend for Wgpu {
             .flat_map(|p| {
                 p.pieces.iter().map(move |piece| Item {
                     piece,
-                    desc: self.desc(0, p, piece, 0),
+                    desc: self.desc(p, piece, 0),
                     input: None,
                     output: false,
                 })
