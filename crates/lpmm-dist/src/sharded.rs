@@ -5,8 +5,8 @@ use std::ops::Range;
 use std::path::Path;
 
 use lpmm_optim::{
-    Canonical, CanonicalParam, ExactSum, LrRule, MemoryReport, NonFinitePolicy, Optimizer,
-    OptimizerOptions, ParamConfig, ParamId, SlotKind, Storage,
+    Backend, Canonical, CanonicalParam, Cpu, ExactSum, LrRule, MemoryReport, NonFinitePolicy,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind, Storage,
 };
 
 use crate::layout::{ParamSpec, ShardLayout};
@@ -90,11 +90,13 @@ pub struct ShardedReport {
     pub local_non_finite: Vec<usize>,
 }
 
-/// A model's optimizer sharded over the ranks of `comm`.
+/// A model's optimizer sharded over the ranks of `comm`, each rank's shards on backend `B` (the
+/// CPU by default; any `Backend`, e.g. lpmm-wgpu's or lpmm-cuda's, with
+/// [`ShardedOptimizer::with_backend`]).
 #[derive(Debug)]
-pub struct ShardedOptimizer<C: Collective> {
+pub struct ShardedOptimizer<C: Collective, B: Backend = Cpu> {
     comm: C,
-    opt: Optimizer,
+    opt: Optimizer<B>,
     shard: ShardOptions,
     groups: Vec<ParamConfig>,
     defs: Vec<ParamDef>,
@@ -121,7 +123,7 @@ fn len_err(what: &str, p: &str, want: usize, got: usize) -> DistError {
     })
 }
 
-impl<C: Collective> ShardedOptimizer<C> {
+impl<C: Collective> ShardedOptimizer<C, Cpu> {
     /// Shards the model `defs` (with parameter groups `groups` and initial values `init`, the
     /// same on every rank) over the ranks of `comm`.
     pub fn new(
@@ -132,7 +134,28 @@ impl<C: Collective> ShardedOptimizer<C> {
         defs: Vec<ParamDef>,
         init: &[Vec<f32>],
     ) -> Result<Self, DistError> {
-        let mut s = Self::skeleton(comm, options, shard, groups, defs)?;
+        Self::with_backend(Cpu, comm, options, shard, groups, defs, init)
+    }
+
+    /// Loads a canonical checkpoint (written unsharded or by [`ShardedOptimizer::save`] at any
+    /// number of ranks) onto the ranks of `comm`, the shards on the CPU.
+    pub fn load(comm: C, path: impl AsRef<Path>, shard: ShardOptions) -> Result<Self, DistError> {
+        Self::load_with(Cpu, comm, path, shard)
+    }
+}
+
+impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
+    /// [`ShardedOptimizer::new`] with this rank's shards on `backend`.
+    pub fn with_backend(
+        backend: B,
+        comm: C,
+        options: OptimizerOptions,
+        shard: ShardOptions,
+        groups: Vec<ParamConfig>,
+        defs: Vec<ParamDef>,
+        init: &[Vec<f32>],
+    ) -> Result<Self, DistError> {
+        let mut s = Self::skeleton(backend, comm, options, shard, groups, defs)?;
         if init.len() != s.defs.len() {
             return Err(DistError::Collective(format!(
                 "{} initial value vectors for {} parameters",
@@ -151,13 +174,14 @@ impl<C: Collective> ShardedOptimizer<C> {
     }
 
     fn skeleton(
+        backend: B,
         comm: C,
         options: OptimizerOptions,
         shard: ShardOptions,
         groups: Vec<ParamConfig>,
         defs: Vec<ParamDef>,
     ) -> Result<Self, DistError> {
-        let mut opt = Optimizer::new(options)?;
+        let mut opt = Optimizer::with_backend(backend, options)?;
         for g in &groups {
             opt.add_group(*g)?;
         }
@@ -241,7 +265,7 @@ impl<C: Collective> ShardedOptimizer<C> {
     }
 
     /// The optimizer of this rank's shards.
-    pub fn local(&self) -> &Optimizer {
+    pub fn local(&self) -> &Optimizer<B> {
         &self.opt
     }
 
@@ -565,9 +589,13 @@ impl<C: Collective> ShardedOptimizer<C> {
         })
     }
 
-    /// Loads a canonical checkpoint (written unsharded or by [`ShardedOptimizer::save`] at any
-    /// number of ranks) onto the ranks of `comm`: each rank keeps its shards.
-    pub fn load(comm: C, path: impl AsRef<Path>, shard: ShardOptions) -> Result<Self, DistError> {
+    /// [`ShardedOptimizer::load`] with this rank's shards on `backend`.
+    pub fn load_with(
+        backend: B,
+        comm: C,
+        path: impl AsRef<Path>,
+        shard: ShardOptions,
+    ) -> Result<Self, DistError> {
         let c = Canonical::read(path.as_ref())?;
         let defs: Vec<ParamDef> = c
             .params
@@ -580,7 +608,7 @@ impl<C: Collective> ShardedOptimizer<C> {
                     .then_some(p.requested),
             })
             .collect();
-        let mut s = Self::skeleton(comm, c.options, shard, c.groups.clone(), defs)?;
+        let mut s = Self::skeleton(backend, comm, c.options, shard, c.groups.clone(), defs)?;
         s.register(|_, range| vec![0f32; range.len()])?;
         s.opt.set_steps(c.global_steps);
         for (p, cp) in c.params.iter().enumerate() {

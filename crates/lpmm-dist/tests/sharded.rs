@@ -351,3 +351,74 @@ fn threads_collectives_match_their_definitions() {
         });
     }
 }
+
+/// Shards on a device backend (`make` gives each rank's backend) against the unsharded CPU run:
+/// random words keyed by logical element through the backend's descriptors.
+fn check_backend<B: lpmm_optim::Backend>(make: impl Fn() -> B + Sync, label: &str) {
+    let options = OptimizerOptions {
+        seed: 11,
+        max_grad_norm: Some(50.0),
+        non_finite: NonFinitePolicy::SkipStep,
+    };
+    for (name, config) in configs().into_iter().take(5) {
+        let world = 3;
+        let (mut refopt, ids) = reference(options, config);
+        for step in 0..2 {
+            let total = grads(1, 0, step, true);
+            for (&id, g) in ids.iter().zip(&total) {
+                refopt.accumulate(id, g).unwrap();
+            }
+            refopt.step().unwrap();
+        }
+        let got = ranks(world, |comm| {
+            let mut opt = ShardedOptimizer::with_backend(
+                make(),
+                comm,
+                options,
+                ShardOptions::default(),
+                vec![config],
+                model(),
+                &init(),
+            )
+            .unwrap();
+            for step in 0..2 {
+                let g = split_grads(world, opt.rank(), step);
+                let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
+                opt.step(&refs).unwrap();
+            }
+            opt.params().to_vec()
+        });
+        for (r, params) in got.iter().enumerate() {
+            for (p, &id) in ids.iter().enumerate() {
+                let mut v = vec![0f32; params[p].len()];
+                refopt.read_param(id, &mut v).unwrap();
+                assert!(
+                    v.iter()
+                        .zip(&params[p])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{label} {name}: rank {r} parameter {p}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn shards_on_the_cuda_kernels_equal_the_cpu() {
+    // The CUDA kernels compiled for the host (lpmm-cuda's `emulate`); a GPU runs the same code.
+    let cuda = lpmm_cuda::Cuda::emulated(Default::default()).unwrap();
+    check_backend(|| cuda.clone(), "cuda (emulated)");
+}
+
+#[test]
+fn shards_on_wgpu_equal_the_cpu() {
+    match lpmm_wgpu::Wgpu::new(Default::default()) {
+        Ok(gpu) => check_backend(|| gpu.clone(), "wgpu"),
+        Err(e) => {
+            if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                panic!("LPMM_REQUIRE_WGPU=1 but {e}");
+            }
+            eprintln!("skipping: {e}");
+        }
+    }
+}
