@@ -16,8 +16,8 @@
 //! "memory": {...} | null}`; each case: `name`, `kind` (`lpmm` | `ceiling` | `peer`), `preset`,
 //! `params`, `ns_per_param` (criterion's median; a ceiling's fastest sample), `bytes_per_param`, `gbps` (bytes moved / time),
 //! `ceiling` (the ceiling case's name), `ceiling_gbps`, `ratio_to_ceiling` (`gbps /
-//! ceiling_gbps`), and `peer_ratios`: for each peer measured at the same size, its time per
-//! parameter divided by this case's (above 1: this case is faster).
+//! ceiling_gbps`), and `peer_ratios`: for each optimizer peer (a peer with a preset) measured at
+//! the same size, its time per parameter divided by this case's (above 1: this case is faster).
 //!
 //! `kernels [--check]` compiles `crates/lpmm-cuda/kernels/lpmm.cu` with NVRTC for every
 //! architecture of `lpmm_cuda::kernels::ARCHS` and writes `crates/lpmm-cuda/ptx/lpmm.<arch>.ptx`,
@@ -328,9 +328,10 @@ fn finish(cases: &mut [Value]) {
         .iter()
         .filter_map(|c| Some((c["name"].as_str()?.to_string(), c["gbps"].as_f64()?)))
         .collect();
+    // Optimizer peers (those with a preset); a per-layer twin (`act/*_f32`) has none.
     let peers: Vec<(String, u64, f64)> = cases
         .iter()
-        .filter(|c| c["kind"] == "peer")
+        .filter(|c| c["kind"] == "peer" && !c["preset"].is_null())
         .filter_map(|c| {
             let name = c["name"].as_str()?.split('/').nth(1)?.to_string();
             Some((name, c["params"].as_u64()?, c["ns_per_param"].as_f64()?))

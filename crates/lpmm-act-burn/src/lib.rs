@@ -1,0 +1,172 @@
+//! burn integration for lpmm-act: custom autodiff operators whose saved state is only lpmm-act's
+//! compact residual, so that the memory a training step holds for its backward pass really
+//! shrinks.
+//!
+//! burn-autodiff lets a custom backward op choose its state: `Backward::prepare` /
+//! `compute_bound` / `stateful` / `finish(state, output)`, and nothing else of the op is kept by
+//! the graph. [`ops`] implements the operators on burn-autodiff's primitives for any inner backend
+//! `B`; the functions here apply them to burn's high-level [`Tensor`] on the ndarray CPU backend
+//! (`Device::ndarray()`, with or without `.autodiff()`, either checkpointing strategy):
+//!
+//! - [`gelu_few_bit`]: GELU saving the packed `b`-bit codes of its input ([`Table`]).
+//! - [`gelu_from_output`]: exact GELU saving a 1-bit branch mask beside its output, which the next
+//!   layer saves anyway (the op holds a handle to the same buffer).
+//! - [`layer_norm_from_output`]: LayerNorm saving one rstd per row beside its output (shared
+//!   likewise); γ and β are parameters.
+//! - [`softmax_dropout`]: softmax and dropout saving the softmax output and a 1-bit keep mask.
+//! - [`softmax_dropout_matmul`]: the same followed by `· v`, fused so that the dropout output
+//!   (which the matmul would save) is recomputed from the softmax output and the mask instead.
+//!
+//! Inputs without autodiff are lifted as constants with the default strategy (so under
+//! `gradient_checkpointing()` every input must already be on the autodiff device); tensors of
+//! another backend make these functions panic (use [`ops`] with that backend instead).
+//!
+//! [`block`] builds a pre-LN transformer block with burn's own operators and with these, for the
+//! memory and time comparison of `examples/block_memory.rs`.
+
+pub mod block;
+pub mod ops;
+
+use std::sync::Arc;
+
+use burn_autodiff::{
+    Autodiff,
+    checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing},
+};
+use burn_tensor::{GradientCheckpointingStrategy, Tensor};
+pub use lpmm_act::{Activation, Grid, Table, Weight};
+pub use lpmm_quant::RandomStream;
+
+/// The inner backend the high-level functions run on: burn-ndarray (deprecated by burn 0.22 in
+/// favour of burn-flex, but the CPU backend this workspace builds).
+#[allow(deprecated)]
+pub type Cpu = burn_ndarray::NdArray;
+
+/// The `bits`-bit few-bit GELU table for N(0, 1)-distributed pre-activations (lpmm-act's optimal
+/// piecewise-constant derivative on the default grid, N(0, 1)-weighted). Panics outside 1..=8.
+pub fn gelu_table(bits: u32) -> Arc<Table> {
+    Arc::new(
+        Table::solve(Activation::Gelu, bits, Weight::STANDARD, Grid::default())
+            .unwrap_or_else(|e| panic!("few-bit GELU table: {e}")),
+    )
+}
+
+/// Runs `$body` with `$C` bound to the checkpointing strategy of `$device` (an autodiff device).
+macro_rules! with_strategy {
+    ($device:expr, $C:ident => $body:expr) => {
+        match $device.gradient_checkpointing_strategy() {
+            Some(GradientCheckpointingStrategy::Balanced) => {
+                type $C = BalancedCheckpointing;
+                $body
+            }
+            _ => {
+                type $C = NoCheckpointing;
+                $body
+            }
+        }
+    };
+}
+
+/// The autodiff primitive of `$t` (on the ndarray backend with autodiff enabled) for strategy `$C`.
+macro_rules! primitive {
+    ($t:expr, $C:ty) => {
+        $t.try_into_primitive::<Autodiff<Cpu, $C>>()
+            .unwrap_or_else(|e| {
+                panic!("lpmm-act-burn's operators run on the ndarray backend (Device::ndarray()): {e:?}")
+            })
+    };
+}
+
+/// The high-level tensor of an autodiff primitive for strategy `$C`.
+macro_rules! wrap {
+    ($t:expr, $C:ty) => {
+        Tensor::from_primitive::<Autodiff<Cpu, $C>>($t)
+    };
+}
+
+/// Runs an operator on autodiff primitives: inputs without autodiff are lifted (as constants) and
+/// the output is lowered back when the first input had none.
+fn lifted<const D: usize>(x: Tensor<D>, op: impl FnOnce(Tensor<D>) -> Tensor<D>) -> Tensor<D> {
+    if x.is_autodiff() {
+        op(x)
+    } else {
+        op(x.autodiff()).without_autodiff()
+    }
+}
+
+/// GELU (exact forward) whose backward multiplies by `table`'s piecewise-constant derivative; the
+/// graph keeps `table.bits` bits per element. See [`ops::gelu_few_bit`].
+pub fn gelu_few_bit<const D: usize>(x: Tensor<D>, table: &Arc<Table>) -> Tensor<D> {
+    lifted(x, |x| {
+        with_strategy!(x.device(), C => {
+            let y = ops::gelu_few_bit::<Cpu, C>(primitive!(x, C), table.clone());
+            wrap!(y, C)
+        })
+    })
+}
+
+/// Exact GELU whose backward works from its output and a 1-bit branch mask. See
+/// [`ops::gelu_from_output`].
+pub fn gelu_from_output<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    lifted(x, |x| {
+        with_strategy!(x.device(), C => {
+            let y = ops::gelu_from_output::<Cpu, C>(primitive!(x, C));
+            wrap!(y, C)
+        })
+    })
+}
+
+/// LayerNorm over the last dimension whose backward works from its output and one rstd per row.
+/// See [`ops::layer_norm_from_output`].
+pub fn layer_norm_from_output<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Tensor<1>,
+    eps: f32,
+) -> Tensor<D> {
+    lifted(x, |x| {
+        let (gamma, beta) = (gamma.autodiff(), beta.autodiff());
+        with_strategy!(x.device(), C => {
+            let y = ops::layer_norm_from_output::<Cpu, C>(
+                primitive!(x, C),
+                primitive!(gamma, C),
+                primitive!(beta, C),
+                eps,
+            );
+            wrap!(y, C)
+        })
+    })
+}
+
+/// softmax over the last dimension then dropout (drop probability `p`, keep mask from `stream`),
+/// keeping the softmax output and a 1-bit mask. See [`ops::softmax_dropout`].
+pub fn softmax_dropout<const D: usize>(x: Tensor<D>, p: f32, stream: &RandomStream) -> Tensor<D> {
+    lifted(x, |x| {
+        with_strategy!(x.device(), C => {
+            let y = ops::softmax_dropout::<Cpu, C>(primitive!(x, C), p, stream);
+            wrap!(y, C)
+        })
+    })
+}
+
+/// `dropout(softmax(scores)) · v`, keeping the softmax output, a 1-bit mask and `v` (not the
+/// dropout output). See [`ops::softmax_dropout_matmul`].
+pub fn softmax_dropout_matmul<const D: usize>(
+    scores: Tensor<D>,
+    v: Tensor<D>,
+    p: f32,
+    stream: &RandomStream,
+) -> Tensor<D> {
+    lifted(scores, |scores| {
+        let v = v.autodiff();
+        with_strategy!(scores.device(), C => {
+            let y = ops::softmax_dropout_matmul::<Cpu, C>(
+                primitive!(scores, C),
+                primitive!(v, C),
+                p,
+                stream,
+            );
+            wrap!(y, C)
+        })
+    })
+}
