@@ -599,18 +599,9 @@ impl Cuda {
         non_finite: &mut [bool],
     ) -> Result<(), CudaError> {
         let mut items = Vec::new();
-        for (index, (p, meta)) in params.iter().zip(metas).enumerate() {
-            let extra = match released {
-                Some((i, g)) if i == index => Some(g),
-                Some(_) => continue,
-                None if !meta.active => continue,
-                None => None,
-            };
-            let rule = if meta.update_param {
-                meta.rule
-            } else {
-                meta.rule.without_decay()
-            };
+        let stepping = layout::stepping(metas, released);
+        for &(index, extra, rule) in &stepping {
+            let (p, meta) = (&params[index], &metas[index]);
             let words = RuleWords::of(rule);
             for (s, n) in self.ranges(p, extra.is_some()) {
                 let mut desc = self.desc(p, s, n, seed);

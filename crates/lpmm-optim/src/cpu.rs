@@ -18,8 +18,6 @@ use crate::slot::{CHUNK, Slot, SlotData};
 
 /// Elements per piece.
 pub(crate) const PIECE: usize = 1 << 20;
-/// Elements per partial sum of the gradient norm (see `Backend::gradient_stats`).
-pub(crate) const NORM_RUN: usize = 256;
 
 /// The CPU backend (multi-threaded with rayon's global pool, or the pool the caller installs).
 #[derive(Debug, Clone, Copy, Default)]
@@ -264,21 +262,9 @@ impl Backend for Cpu {
                 for c in (0..p.len).step_by(CHUNK) {
                     let a = &mut acc[..CHUNK.min(p.len - c)];
                     p.slot(SlotKind::Grad).decode(c, a);
-                    // One f64 partial per 256 elements (in element order), added exactly: the
-                    // norm does not depend on how they are grouped into pieces or shards.
-                    for run in a.chunks(NORM_RUN) {
-                        let mut part = 0.0f64;
-                        for &g in run {
-                            // Only finite values count towards the norm: under SkipElements one
-                            // Inf must not turn clipping off for the rest.
-                            if g.is_finite() {
-                                part += f64::from(g) * f64::from(g);
-                            } else {
-                                finite = false;
-                            }
-                        }
-                        sum.add(part);
-                    }
+                    // One f64 partial per 256 elements, added exactly: the norm does not
+                    // depend on how they are grouped into pieces or shards.
+                    finite &= crate::device::add_squares(a, &mut sum);
                 }
                 p.grad_sum_squares = sum;
                 p.grad_finite = finite;

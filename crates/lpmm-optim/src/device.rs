@@ -252,24 +252,62 @@ pub fn stats_by_owner(owner: &[usize], outputs: &[Vec<f32>], out: &mut [(ExactSu
     }
 }
 
-/// The CPU backend's gradient statistics over a tensor's decoded accumulator (`values` starting
-/// at a multiple of 256 elements of the parameter): one f64 sum of squares per 256 elements in
-/// element order, added exactly; and whether every value is finite.
-pub fn sum_squares(values: &[f32]) -> (ExactSum, bool) {
-    let mut total = ExactSum::new();
+/// Elements per partial sum of the gradient norm (see `Backend::gradient_stats`).
+pub const NORM_RUN: usize = 256;
+
+/// Adds the squares of `values`' finite elements to `sum` as the gradient norm defines it (one
+/// f64 partial per [`NORM_RUN`] elements, in element order, added exactly; `values` starts at a
+/// multiple of `NORM_RUN` of the parameter) and returns whether every element is finite.
+pub fn add_squares(values: &[f32], sum: &mut ExactSum) -> bool {
     let mut finite = true;
-    for part in values.chunks(256) {
-        let mut sum = 0.0f64;
-        for &x in part {
+    for run in values.chunks(NORM_RUN) {
+        let mut part = 0.0f64;
+        for &x in run {
+            // Only finite values count towards the norm: under SkipElements one Inf must not
+            // turn clipping off for the rest.
             if x.is_finite() {
-                sum += f64::from(x) * f64::from(x);
+                part += f64::from(x) * f64::from(x);
             } else {
                 finite = false;
             }
         }
-        total.add(sum);
+        sum.add(part);
     }
+    finite
+}
+
+/// The gradient statistics of a tensor's decoded accumulator: [`add_squares`] from zero.
+pub fn sum_squares(values: &[f32]) -> (ExactSum, bool) {
+    let mut total = ExactSum::new();
+    let finite = add_squares(values, &mut total);
     (total, finite)
+}
+
+/// The parameters a `Backend::step` call steps, in order: each one's index, the released
+/// gradient it adds (gradient release), and the rule in force (without weight decay during
+/// optimizer accumulation, when the parameter does not move).
+pub fn stepping<'a>(
+    metas: &[ParamMeta],
+    released: Option<(usize, &'a [f32])>,
+) -> Vec<(usize, Option<&'a [f32]>, Rule)> {
+    metas
+        .iter()
+        .enumerate()
+        .filter_map(|(index, meta)| {
+            let extra = match released {
+                Some((i, g)) if i == index => Some(g),
+                Some(_) => return None,
+                None if !meta.active => return None,
+                None => None,
+            };
+            let rule = if meta.update_param {
+                meta.rule
+            } else {
+                meta.rule.without_decay()
+            };
+            Some((index, extra, rule))
+        })
+        .collect()
 }
 
 /// One piece's raw words of a slot: its two regions (values; compensations, remainders or

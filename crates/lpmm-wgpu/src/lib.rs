@@ -1106,18 +1106,9 @@ impl Backend for Wgpu {
     ) {
         let mut items = Vec::new();
         let mut owner = Vec::new();
-        for (index, (p, meta)) in params.iter().zip(metas).enumerate() {
-            let extra = match released {
-                Some((i, g)) if i == index => Some(g),
-                Some(_) => continue,
-                None if !meta.active => continue,
-                None => None,
-            };
-            let rule = if meta.update_param {
-                meta.rule
-            } else {
-                meta.rule.without_decay()
-            };
+        let stepping = device::stepping(metas, released);
+        for &(index, extra, rule) in &stepping {
+            let (p, meta) = (&params[index], &metas[index]);
             for piece in &p.pieces {
                 let mut desc = self.desc(p, piece, seed);
                 put64(&mut desc, D_STEP, meta.steps + 1);
