@@ -19,7 +19,7 @@
 //! ceiling_gbps`), and `peer_ratios`: for each optimizer peer (a peer with a preset) measured at
 //! the same size, its time per parameter divided by this case's (above 1: this case is faster).
 //!
-//! `kernels [--check]` compiles `crates/lpmm-cuda/kernels/lpmm.cu` with NVRTC for every
+//! `kernels [--check]` compiles `crates/lpmm-cuda/kernels/lpmm.generated.cu` with NVRTC for every
 //! architecture of `lpmm_cuda::kernels::ARCHS` and writes `crates/lpmm-cuda/ptx/lpmm.<arch>.ptx`,
 //! then assembles each with ptxas. The pinned wheels (`nvidia-cuda-{nvrtc,runtime,nvcc}-cu12`)
 //! are found in `LPMM_CUDA_WHEELS` (a site-packages directory) or by `python3`; as the dynamic
@@ -38,9 +38,11 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("bench") => bench(&args[1..]),
         Some("kernels") => kernels(&args[1..]),
+        Some("codegen") => codegen(&args[1..]),
         _ => Err(
             "usage: cargo xtask bench [--quick] [--peers] [--report-only] [FILTER]\n       \
-                  cargo xtask kernels [--check]"
+                  cargo xtask kernels [--check]\n       \
+                  cargo xtask codegen [--check]"
                 .to_string(),
         ),
     };
@@ -51,6 +53,36 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `codegen [--check]`: writes (checks) each backend's kernel program, assembled from its
+/// sources and the ABI and dispatch generated from lpmm-backend's abi.rs and lpmm-optim's
+/// registries (`lpmm_backend::codegen::TARGETS`).
+fn codegen(args: &[String]) -> Result<(), String> {
+    let check = match args {
+        [] => false,
+        [flag] if flag == "--check" => true,
+        _ => return Err("usage: cargo xtask codegen [--check]".into()),
+    };
+    let root = workspace_root();
+    let read = |p: &Path| std::fs::read_to_string(p);
+    for target in lpmm_backend::codegen::TARGETS {
+        if check {
+            target.check(&root, &read)?;
+            println!("{}: up to date", target.output);
+        } else {
+            let program = target.generate(&root, &read)?;
+            let path = root.join(target.output);
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(program.as_str()) {
+                std::fs::write(&path, program)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                println!("{}: written", target.output);
+            } else {
+                println!("{}: up to date", target.output);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn workspace_root() -> PathBuf {
@@ -226,7 +258,7 @@ fn kernels(args: &[String]) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "the committed PTX of {} differs from what NVRTC builds from kernels/lpmm.cu: run \
+            "the committed PTX of {} differs from what NVRTC builds from kernels/lpmm.generated.cu: run \
              `cargo xtask kernels` and commit crates/lpmm-cuda/ptx/",
             differ.join(", ")
         ))

@@ -16,7 +16,8 @@
 use std::time::Instant;
 
 use lpmm_cuda::{Cuda, CudaOptions};
-use lpmm_optim::{Backend, LrRule, ParamConfig, ParamMeta, Rule, Storage, presets};
+use lpmm_optim::backend::{HostValues, Init, ParamLayout, ParamStep, StepFlags, StepWork};
+use lpmm_optim::{Backend, ParamConfig, Storage, presets};
 
 struct Args {
     params: Vec<usize>,
@@ -88,42 +89,57 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // The backend driven directly, as the optimizer drives it: one parameter, its
             // accumulator filled once, then steps (each reads and writes every slot; the cleared
             // accumulator is read again, so every step does the same work).
-            let mut meta = ParamMeta {
-                name: "w".into(),
+            let resolved = config.resolve(n, &[n]);
+            let states = resolved.hyper.states();
+            let layout = ParamLayout {
                 shape: vec![n],
                 numel: n,
-                requested: config,
-                config,
-                group: 0,
-                steps: 0,
-                accumulations: 0,
-                pending: true,
-                rule: Rule::new(&config.hyper, 1),
-                active: true,
-                update_param: true,
-                lr_rule: LrRule::Group,
+                formats: [
+                    resolved.param.format(),
+                    resolved.grad.format(),
+                    (states >= 1).then(|| resolved.state1.format()).flatten(),
+                    (states >= 2).then(|| resolved.state2.format()).flatten(),
+                ],
                 stream: 0,
                 offset: 0,
+                lent: false,
             };
             let init: Vec<f32> = (0..n).map(|i| ((i % 977) as f32 - 488.0) * 1e-4).collect();
-            let mut params = vec![backend.allocate(0, &meta, &init, 1)?];
+            let values = backend.host_input(HostValues::F32(&init));
+            let mut params = vec![backend.allocate(&layout, Init::Values(values), 1)?];
             drop(init);
             let grad: Vec<f32> = (0..n).map(|i| ((i % 631) as f32 - 315.0) * 1e-5).collect();
-            backend.accumulate(0, &mut params[0], &meta, &grad, 1);
+            let grad_in = backend.host_input(HostValues::F32(&grad));
+            backend.accumulate(&mut params[0], &layout, 0, grad_in, 1)?;
             drop(grad);
-            let moved = 2 * backend.bytes(&params[0]).iter().sum::<usize>();
+            let moved = 2 * backend.bytes(&params[0], &layout).iter().sum::<usize>();
+            let layouts = std::slice::from_ref(&layout);
             let mut flags = [false];
-            let mut step = |meta: &mut ParamMeta, params: &mut [_]| {
-                meta.rule = Rule::new(&config.hyper, meta.steps + 1);
-                backend.step(params, std::slice::from_ref(meta), 1, 1.0, None, &mut flags);
-                meta.steps += 1;
+            let mut steps = 0u64;
+            let mut step = |params: &mut [_]| {
+                steps += 1;
+                let plan = ParamStep {
+                    t: steps,
+                    flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, steps == 1),
+                    rule: resolved.hyper.consts(steps),
+                    clip: 1.0,
+                };
+                backend.step(StepWork {
+                    params,
+                    layouts,
+                    plans: &[Some(plan)],
+                    released: None,
+                    lent: &mut [],
+                    seed: 1,
+                    non_finite: &mut flags,
+                })
             };
             // Warm-up (the first step also loads the module's code onto the device).
-            step(&mut meta, &mut params);
+            step(&mut params)?;
             backend.synchronize()?;
             let t0 = Instant::now();
             for _ in 0..args.iters {
-                step(&mut meta, &mut params);
+                step(&mut params)?;
             }
             backend.synchronize()?;
             let step_s = t0.elapsed().as_secs_f64() / args.iters as f64;

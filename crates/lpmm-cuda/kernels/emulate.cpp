@@ -1,4 +1,5 @@
-// The CUDA kernels of lpmm.cu compiled for the host CPU, for tests on machines without a GPU.
+// The CUDA kernels (lpmm.generated.cu) compiled for the host CPU, for tests on machines without a
+// GPU.
 //
 // CUDA's built-ins get host definitions. A block's 256 threads are 256 fibers (ucontext) on the
 // calling OS thread, run round-robin: each runs until it reaches `__syncthreads` (it yields to the
@@ -6,13 +7,16 @@
 // every thread has reached it. `__shared__` variables are thread-local statics (one block runs at
 // a time on a calling thread; concurrent launches from other threads have their own). Float
 // arithmetic is IEEE single precision with no contraction (built with -ffp-contract=off;
-// `__fmaf_rn` is the C library's correctly rounded fma). The backend drives this exactly as it
-// drives the GPU: same descriptors, same launches.
+// `__fmaf_rn` is the C library's correctly rounded fma). Atomics are `std::atomic_ref` on the
+// words, which Rust holds as `AtomicU32`. The backend drives this exactly as it drives the GPU:
+// same descriptors, same launches, pointers that are host addresses.
 
 #include <atomic>
-#include <cmath>
+#include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <math.h>
 #include <ucontext.h>
 #include <vector>
 
@@ -57,28 +61,44 @@ inline float __uint_as_float(uint32_t u) {
     return x;
 }
 
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+
+inline int __clzll(long long x) { return std::countl_zero(static_cast<unsigned long long>(x)); }
 
 inline uint32_t atomicOr(uint32_t* p, uint32_t v) {
     return std::atomic_ref<uint32_t>(*p).fetch_or(v, std::memory_order_relaxed);
 }
 
-// CUDA-only pragmas and the launch arguments some kernels do not use.
+inline uint32_t atomicAdd(uint32_t* p, uint32_t v) {
+    return std::atomic_ref<uint32_t>(*p).fetch_add(v, std::memory_order_relaxed);
+}
+
+inline uint32_t atomicMax(uint32_t* p, uint32_t v) {
+    std::atomic_ref<uint32_t> a(*p);
+    uint32_t old = a.load(std::memory_order_relaxed);
+    while (old < v && !a.compare_exchange_weak(old, v, std::memory_order_relaxed)) {
+    }
+    return old;
+}
+
+// CUDA-only pragmas and the arguments some formats do not use.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
 #pragma GCC diagnostic ignored "-Wunused-parameter"
-#include "lpmm.cu"
+#include "lpmm.generated.cu"
 #pragma GCC diagnostic pop
 
-using Kernel = void (*)(const Desc*, uint32_t, float*, const uint32_t*, uint32_t*);
+using Kernel = void (*)(const Desc*, uint32_t, const uint32_t*, uint32_t*);
 
-const Kernel KERNELS[] = {lpmm_init, lpmm_accumulate, lpmm_decode, lpmm_clear, lpmm_step};
+// In abi.rs `Entry` order (ENTRY_* of the generated header).
+const Kernel KERNELS[] = {lpmm_init, lpmm_accumulate, lpmm_decode, lpmm_clear,
+                          lpmm_step, lpmm_fold,       lpmm_check};
+static_assert(sizeof(KERNELS) / sizeof(KERNELS[0]) == ENTRY_CHECK + 1, "one kernel per entry");
 
 struct Launch {
     Kernel f;
     const Desc* descs;
     uint32_t ndesc;
-    float* io;
     const uint32_t* maps;
     uint32_t* flags;
 };
@@ -86,7 +106,7 @@ struct Launch {
 thread_local Launch launch;
 
 void fiber_main() {
-    launch.f(launch.descs, launch.ndesc, launch.io, launch.maps, launch.flags);
+    launch.f(launch.descs, launch.ndesc, launch.maps, launch.flags);
     fibers[current].done = true;
     // Returning resumes `scheduler` (uc_link).
 }
@@ -95,14 +115,14 @@ constexpr size_t STACK = 64 * 1024;
 
 } // namespace
 
-// Runs kernel `kernel` (0 init, 1 accumulate, 2 decode, 3 clear, 4 step) over `grid` blocks of
-// THREADS threads. Returns 0, -1 for an unknown kernel, -2 if a fiber could not be set up.
+// Runs entry `kernel` (abi.rs `Entry` as a number) over `grid` blocks of THREADS threads.
+// Returns 0, -1 for an unknown entry, -2 if a fiber could not be set up.
 extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, uint32_t ndesc,
-                            float* io, const uint32_t* maps, uint32_t* flags) {
+                            const uint32_t* maps, uint32_t* flags) {
     if (kernel >= sizeof(KERNELS) / sizeof(KERNELS[0])) {
         return -1;
     }
-    launch = Launch{KERNELS[kernel], descs, ndesc, io, maps, flags};
+    launch = Launch{KERNELS[kernel], descs, ndesc, maps, flags};
     if (fibers.size() != THREADS) {
         fibers.resize(THREADS);
         for (auto& f : fibers) {
@@ -138,9 +158,9 @@ extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, u
     return 0;
 }
 
-// The layout the Rust side mirrors: sizeof(Desc), offsetof(Desc, slots), sizeof(Slot).
+// The layout the Rust side mirrors: sizeof(Desc), offsetof(Desc, slots), sizeof(SlotDesc).
 extern "C" void lpmm_emulate_layout(uint32_t out[3]) {
     out[0] = sizeof(Desc);
     out[1] = offsetof(Desc, slots);
-    out[2] = sizeof(Slot);
+    out[2] = sizeof(SlotDesc);
 }

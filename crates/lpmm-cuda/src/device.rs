@@ -1,284 +1,121 @@
-//! Where the backend's memory lives and how kernels run: a CUDA device through cudarc (every
-//! operation enqueued on one stream, the user's or the backend's own), or, with the `emulate`
-//! feature, host memory and the kernels compiled for the CPU (kernels/emulate.cpp).
+//! The runtime under lpmm-backend's `Device`: a CUDA device through cudarc (memory, copies and
+//! launches enqueued on one stream, the caller's or the backend's own), or, with the `emulate`
+//! feature, host memory and the kernels compiled for the CPU (kernels/emulate.cpp). Addresses
+//! are pointers either way: device pointers, or host addresses on the emulated device.
 
-use std::sync::Arc;
+#[cfg(feature = "emulate")]
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig, PushKernelArg, result, sys,
 };
+use lpmm_backend::abi::{Binding, Entry, THREADS};
+use lpmm_backend::{Io, Launch, Limits, Runtime};
+use lpmm_optim::BackendError;
+use lpmm_optim::backend::Dtype;
 
-use crate::{CudaError, Desc, THREADS};
+use crate::{CudaError, CudaView};
 
-/// The kernels, in the order of `KERNELS` in kernels/emulate.cpp.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kernel {
-    Init = 0,
-    Accumulate = 1,
-    Decode = 2,
-    Clear = 3,
-    Step = 4,
-}
+pub(crate) const NAME: &str = "cuda";
 
-const NAMES: [&str; 5] = [
-    "lpmm_init",
-    "lpmm_accumulate",
-    "lpmm_decode",
-    "lpmm_clear",
-    "lpmm_step",
-];
-
-/// A CUDA device: its context, the stream every operation is enqueued on, and the loaded kernels.
+/// A CUDA device: the stream every operation is enqueued on, and the loaded kernels.
 pub(crate) struct Gpu {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) arch: &'static str,
     pub(crate) name: String,
+    /// In `Entry` order.
     functions: Vec<CudaFunction>,
     _module: Arc<CudaModule>,
+    /// The descriptors of the latest launch (replaced, larger, only after a synchronisation).
+    descs: Mutex<Option<CudaBuffer>>,
 }
 
-pub(crate) enum Device {
+pub(crate) enum Dev {
     Gpu(Gpu),
     #[cfg(feature = "emulate")]
     Host,
 }
 
-/// The buffers a launch reads and writes besides the tensors' own (which the descriptors address).
-#[derive(Clone, Copy)]
-pub(crate) struct LaunchBufs<'a> {
-    pub(crate) descs: &'a Buf,
-    pub(crate) io: &'a Buf,
-    pub(crate) maps: &'a Buf,
-    pub(crate) flags: &'a Buf,
+/// The CUDA runtime under lpmm-backend's [`lpmm_backend::Device`] (see [`crate::Cuda`]).
+pub struct CudaRuntime {
+    pub(crate) dev: Dev,
 }
 
-/// Device memory, in 32-bit words.
-pub(crate) enum Buf {
-    Gpu(CudaSlice<u32>),
+impl std::fmt::Debug for CudaRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.dev {
+            Dev::Gpu(g) => write!(f, "CudaRuntime({}, {})", g.name, g.arch),
+            #[cfg(feature = "emulate")]
+            Dev::Host => f.write_str("CudaRuntime(host emulation)"),
+        }
+    }
+}
+
+/// Device memory of the runtime: `words` 32-bit words at `ptr`.
+pub struct CudaBuffer {
+    words: usize,
+    ptr: u64,
+    // Read only by the emulated device; owns the memory at `ptr` either way.
+    #[cfg_attr(not(feature = "emulate"), allow(dead_code))]
+    mem: Mem,
+}
+
+enum Mem {
+    /// Owns the memory at `ptr` (kept for its drop).
+    Gpu(#[allow(dead_code)] CudaSlice<u32>),
     /// Host memory the emulated kernels write through raw pointers (atomics give the interior
     /// mutability; the kernels run while no Rust code touches the words).
     #[cfg(feature = "emulate")]
-    Host(Box<[std::sync::atomic::AtomicU32]>),
+    Host(Box<[AtomicU32]>),
 }
 
-impl Buf {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Buf::Gpu(s) => s.len(),
-            #[cfg(feature = "emulate")]
-            Buf::Host(h) => h.len(),
-        }
+impl std::fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBuffer({} words at {:#x})", self.words, self.ptr)
     }
 }
 
-fn driver(what: &str, e: DriverError) -> CudaError {
-    CudaError::Driver(format!("{what}: {e}"))
-}
-
-impl Gpu {
-    pub(crate) fn new(stream: Arc<CudaStream>) -> Result<Self, CudaError> {
-        let ctx = stream.context().clone();
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| driver("compute capability", e))?;
-        let (arch, ptx) =
-            crate::kernels::ptx_for(major, minor).ok_or(CudaError::Arch { major, minor })?;
-        let name = ctx.name().unwrap_or_default();
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(|e| driver("loading the PTX", e))?;
-        let functions = NAMES
-            .iter()
-            .map(|n| module.load_function(n).map_err(|e| driver(n, e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Gpu {
-            stream,
-            arch,
-            name,
-            functions,
-            _module: module,
-        })
+/// A driver error as the backend reports it: the errors after which the context is unusable
+/// (CUDA's sticky errors) lose the device.
+pub(crate) fn driver(what: &str, e: DriverError) -> BackendError {
+    use sys::CUresult::*;
+    match e.0 {
+        CUDA_ERROR_DEINITIALIZED
+        | CUDA_ERROR_ECC_UNCORRECTABLE
+        | CUDA_ERROR_ILLEGAL_ADDRESS
+        | CUDA_ERROR_CONTEXT_IS_DESTROYED
+        | CUDA_ERROR_HARDWARE_STACK_ERROR
+        | CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | CUDA_ERROR_MISALIGNED_ADDRESS
+        | CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | CUDA_ERROR_INVALID_PC
+        | CUDA_ERROR_LAUNCH_FAILED => BackendError::DeviceLost {
+            backend: NAME,
+            reason: format!("{what}: {e}"),
+        },
+        _ => BackendError::Driver {
+            backend: NAME,
+            what: format!("{what}: {e}"),
+            source: Some(Arc::new(e)),
+        },
     }
 }
 
-impl Device {
-    /// `words` zeroed words.
-    pub(crate) fn alloc(&self, words: usize) -> Result<Buf, CudaError> {
-        let words = words.max(1);
-        match self {
-            Device::Gpu(g) => g
-                .stream
-                .alloc_zeros::<u32>(words)
-                .map(Buf::Gpu)
-                .map_err(|e| driver(&format!("allocating {} bytes", 4 * words), e)),
-            #[cfg(feature = "emulate")]
-            Device::Host => Ok(Buf::Host((0..words).map(|_| Default::default()).collect())),
-        }
-    }
-
-    /// The address of word `at` of `buf`, as the kernels see it.
-    pub(crate) fn ptr(&self, buf: &Buf, at: usize) -> u64 {
-        let base = match (self, buf) {
-            (Device::Gpu(g), Buf::Gpu(s)) => s.device_ptr(&g.stream).0,
-            #[cfg(feature = "emulate")]
-            (Device::Host, Buf::Host(h)) => h.as_ptr() as u64,
-            #[cfg(feature = "emulate")]
-            _ => unreachable!("a buffer of another device"),
-        };
-        base + 4 * at as u64
-    }
-
-    /// Copies `data` to words `at..` of `buf` (enqueued; the host data may be dropped after).
-    pub(crate) fn upload(&self, buf: &mut Buf, at: usize, data: &[u32]) -> Result<(), CudaError> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        match (self, buf) {
-            (Device::Gpu(g), Buf::Gpu(s)) => {
-                let mut view = s.slice_mut(at..at + data.len());
-                g.stream
-                    .memcpy_htod(data, &mut view)
-                    .map_err(|e| driver("copy to device", e))
-            }
-            #[cfg(feature = "emulate")]
-            (Device::Host, Buf::Host(h)) => {
-                for (w, &x) in h[at..at + data.len()].iter().zip(data) {
-                    w.store(x, std::sync::atomic::Ordering::Relaxed);
-                }
-                Ok(())
-            }
-            #[cfg(feature = "emulate")]
-            _ => unreachable!("a buffer of another device"),
-        }
-    }
-
-    /// Words `at..at + len` of `buf` (waits for the stream).
-    pub(crate) fn download(&self, buf: &Buf, at: usize, len: usize) -> Result<Vec<u32>, CudaError> {
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        match (self, buf) {
-            (Device::Gpu(g), Buf::Gpu(s)) => g
-                .stream
-                .clone_dtoh(&s.slice(at..at + len))
-                .map_err(|e| driver("copy from device", e)),
-            #[cfg(feature = "emulate")]
-            (Device::Host, Buf::Host(h)) => Ok(h[at..at + len]
-                .iter()
-                .map(|w| w.load(std::sync::atomic::Ordering::Relaxed))
-                .collect()),
-            #[cfg(feature = "emulate")]
-            _ => unreachable!("a buffer of another device"),
-        }
-    }
-
-    /// A copy of `buf` in new memory.
-    pub(crate) fn duplicate(&self, buf: &Buf) -> Result<Buf, CudaError> {
-        match (self, buf) {
-            (Device::Gpu(g), Buf::Gpu(s)) => g
-                .stream
-                .clone_dtod(s)
-                .map(Buf::Gpu)
-                .map_err(|e| driver("device copy", e)),
-            #[cfg(feature = "emulate")]
-            (Device::Host, Buf::Host(h)) => Ok(Buf::Host(
-                h.iter()
-                    .map(|w| w.load(std::sync::atomic::Ordering::Relaxed).into())
-                    .collect(),
-            )),
-            #[cfg(feature = "emulate")]
-            _ => unreachable!("a buffer of another device"),
-        }
-    }
-
-    /// Copies `src` into `dst` (the same length), device to device.
-    pub(crate) fn copy(&self, src: &Buf, dst: &mut Buf) -> Result<(), CudaError> {
-        match (self, src, dst) {
-            (Device::Gpu(g), Buf::Gpu(s), Buf::Gpu(d)) => g
-                .stream
-                .memcpy_dtod(s, d)
-                .map_err(|e| driver("device copy", e)),
-            #[cfg(feature = "emulate")]
-            (Device::Host, Buf::Host(s), Buf::Host(d)) => {
-                for (x, y) in s.iter().zip(d.iter()) {
-                    y.store(
-                        x.load(std::sync::atomic::Ordering::Relaxed),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                }
-                Ok(())
-            }
-            #[cfg(feature = "emulate")]
-            _ => unreachable!("a buffer of another device"),
-        }
-    }
-
-    /// Runs `kernel` over `grid` blocks with the `ndesc` descriptors at `bufs.descs` (already
-    /// uploaded).
-    pub(crate) fn launch(
-        &self,
-        kernel: Kernel,
-        grid: u32,
-        ndesc: u32,
-        bufs: LaunchBufs<'_>,
-    ) -> Result<(), CudaError> {
-        if grid == 0 {
-            return Ok(());
-        }
-        let LaunchBufs {
-            descs,
-            io,
-            maps,
-            flags,
-        } = bufs;
-        let d = self.ptr(descs, 0);
-        let i = self.ptr(io, 0);
-        let m = self.ptr(maps, 0);
-        let f = self.ptr(flags, 0);
-        match self {
-            Device::Gpu(g) => {
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let func = &g.functions[kernel as usize];
-                let mut args = g.stream.launch_builder(func);
-                args.arg(&d).arg(&ndesc).arg(&i).arg(&m).arg(&f);
-                // SAFETY: the arguments match the kernel's signature in kernels/lpmm.cu
-                // (`const Desc*, uint32_t, float*, const uint32_t*, uint32_t*`, pointers passed
-                // as 64-bit addresses); the descriptors at `d` were built by `Cuda::desc`, whose
-                // slot addresses point into live allocations of this device that the caller keeps
-                // alive until the stream has run the launch (parameters own their buffers, and
-                // the scratch buffers are only replaced after a synchronisation); every block
-                // touches only words inside its tensor's regions and `io` range.
-                unsafe { args.launch(cfg) }
-                    .map(|_| ())
-                    .map_err(|e| driver(NAMES[kernel as usize], e))
-            }
-            #[cfg(feature = "emulate")]
-            Device::Host => crate::emulate::launch(kernel, grid, d, ndesc, i, m, f),
-        }
-    }
-
-    /// Waits until every enqueued operation has run.
-    pub(crate) fn synchronize(&self) -> Result<(), CudaError> {
-        match self {
-            Device::Gpu(g) => g.stream.synchronize().map_err(|e| driver("synchronize", e)),
-            #[cfg(feature = "emulate")]
-            Device::Host => Ok(()),
-        }
+fn out_of_range(what: &str) -> BackendError {
+    BackendError::Buffer {
+        what: format!("{what} outside the buffer"),
     }
 }
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
 pub(crate) fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the driver library under its usual names; no driver call.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    unsafe { sys::is_culib_present() }
 }
 
-/// The first device's context and a new stream on it.
+/// Device `ordinal`'s context and a new stream on it.
 pub(crate) fn open(ordinal: usize) -> Result<Arc<CudaStream>, CudaError> {
     if !driver_present() {
         return Err(CudaError::NoDriver);
@@ -288,8 +125,328 @@ pub(crate) fn open(ordinal: usize) -> Result<Arc<CudaStream>, CudaError> {
         return Err(CudaError::NoDevice { ordinal, count });
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| driver("creating the context", e))?;
-    ctx.new_stream().map_err(|e| driver("creating a stream", e))
+    Ok(ctx
+        .new_stream()
+        .map_err(|e| driver("creating a stream", e))?)
 }
 
-/// The size of `Desc` must match the kernels' (checked against the emulator's `sizeof`).
-const _: () = assert!(std::mem::size_of::<Desc>() == 232);
+impl Gpu {
+    fn bind(&self) -> Result<(), BackendError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver("binding the context", e))
+    }
+}
+
+impl CudaRuntime {
+    /// The runtime on `stream`'s device, with the committed PTX for its architecture loaded.
+    pub(crate) fn gpu(stream: Arc<CudaStream>) -> Result<Self, CudaError> {
+        let ctx = stream.context().clone();
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("compute capability", e))?;
+        let (arch, ptx) =
+            crate::kernels::ptx_for(major, minor).ok_or(CudaError::Arch { major, minor })?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(|e| driver("loading the PTX", e))?;
+        let functions = Entry::ALL
+            .iter()
+            .map(|e| {
+                module
+                    .load_function(e.name())
+                    .map_err(|x| driver(e.name(), x))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let name = ctx.name().unwrap_or_default();
+        Ok(Self {
+            dev: Dev::Gpu(Gpu {
+                stream,
+                arch,
+                name,
+                functions,
+                _module: module,
+                descs: Mutex::new(None),
+            }),
+        })
+    }
+
+    #[cfg(feature = "emulate")]
+    pub(crate) fn host() -> Self {
+        Self { dev: Dev::Host }
+    }
+
+    /// `words` zeroed words (at least one).
+    pub(crate) fn alloc_words(&self, words: usize) -> Result<CudaBuffer, BackendError> {
+        let words = words.max(1);
+        let mem = match &self.dev {
+            Dev::Gpu(g) => Mem::Gpu(g.stream.alloc_zeros::<u32>(words).map_err(|e| {
+                if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    BackendError::OutOfMemory {
+                        backend: NAME,
+                        bytes: 4 * words as u64,
+                    }
+                } else {
+                    driver("allocating", e)
+                }
+            })?),
+            #[cfg(feature = "emulate")]
+            Dev::Host => Mem::Host((0..words).map(|_| AtomicU32::new(0)).collect()),
+        };
+        let ptr = match (&self.dev, &mem) {
+            (Dev::Gpu(g), Mem::Gpu(s)) => s.device_ptr(&g.stream).0,
+            #[cfg(feature = "emulate")]
+            (_, Mem::Host(h)) => h.as_ptr() as u64,
+            #[cfg(feature = "emulate")]
+            _ => unreachable!("memory of this device"),
+        };
+        Ok(CudaBuffer { words, ptr, mem })
+    }
+
+    /// Copies all of `src` into `dst` (as long), device to device.
+    pub(crate) fn copy(&self, src: &CudaBuffer, dst: &CudaBuffer) -> Result<(), BackendError> {
+        if src.words > dst.words {
+            return Err(out_of_range("a copy"));
+        }
+        match &self.dev {
+            Dev::Gpu(g) => {
+                g.bind()?;
+                // SAFETY: both are live allocations of this context, `dst` at least as long as
+                // `src`; the copy is ordered on the stream with everything that uses them.
+                unsafe {
+                    result::memcpy_dtod_async(dst.ptr, src.ptr, 4 * src.words, g.stream.cu_stream())
+                }
+                .map_err(|e| driver("device copy", e))
+            }
+            #[cfg(feature = "emulate")]
+            Dev::Host => self.write(dst, 0, &self.read(src, 0, src.words)?),
+        }
+    }
+
+    /// Waits until the stream has run everything enqueued so far.
+    pub(crate) fn synchronize(&self) -> Result<(), BackendError> {
+        match &self.dev {
+            Dev::Gpu(g) => g.stream.synchronize().map_err(|e| driver("synchronize", e)),
+            #[cfg(feature = "emulate")]
+            Dev::Host => Ok(()),
+        }
+    }
+
+    #[cfg(feature = "emulate")]
+    fn host_words(buffer: &CudaBuffer) -> Result<&[AtomicU32], BackendError> {
+        match &buffer.mem {
+            #[cfg(feature = "emulate")]
+            Mem::Host(h) => Ok(h),
+            Mem::Gpu(_) => Err(BackendError::Buffer {
+                what: "a CUDA buffer of another device".into(),
+            }),
+        }
+    }
+}
+
+impl Runtime for CudaRuntime {
+    type Buffer = CudaBuffer;
+    type View<'a> = CudaView<'a>;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            arena_words: None,
+            bindless: true,
+        }
+    }
+
+    fn alloc(&self, words: usize) -> Result<CudaBuffer, BackendError> {
+        self.alloc_words(words)
+    }
+
+    fn len(&self, buffer: &CudaBuffer) -> usize {
+        buffer.words
+    }
+
+    fn write(&self, buffer: &CudaBuffer, at: usize, data: &[u32]) -> Result<(), BackendError> {
+        if at + data.len() > buffer.words {
+            return Err(out_of_range("a write"));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        match &self.dev {
+            Dev::Gpu(g) => {
+                g.bind()?;
+                // SAFETY: words `at ..` of a live allocation of this context (checked above);
+                // the driver has copied the pageable `data` before the call returns, and the
+                // copy is ordered on the stream after every launch that reads the words.
+                unsafe {
+                    result::memcpy_htod_async(
+                        buffer.ptr + 4 * at as u64,
+                        data,
+                        g.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| driver("copy to device", e))
+            }
+            #[cfg(feature = "emulate")]
+            Dev::Host => {
+                let words = Self::host_words(buffer)?;
+                for (w, &x) in words[at..at + data.len()].iter().zip(data) {
+                    w.store(x, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn read(&self, buffer: &CudaBuffer, at: usize, len: usize) -> Result<Vec<u32>, BackendError> {
+        if at + len > buffer.words {
+            return Err(out_of_range("a read"));
+        }
+        match &self.dev {
+            Dev::Gpu(g) => {
+                let mut out = vec![0u32; len];
+                g.bind()?;
+                // SAFETY: words `at .. at + len` of a live allocation of this context (checked
+                // above) into `out`, as long; the copy follows every launch enqueued before it,
+                // and `out` is not touched until the stream has synchronised.
+                unsafe {
+                    result::memcpy_dtoh_async(
+                        &mut out,
+                        buffer.ptr + 4 * at as u64,
+                        g.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| driver("copy from device", e))?;
+                self.synchronize()?;
+                Ok(out)
+            }
+            #[cfg(feature = "emulate")]
+            Dev::Host => Ok(Self::host_words(buffer)?[at..at + len]
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed))
+                .collect()),
+        }
+    }
+
+    fn address(&self, _binding: Binding, buffer: &CudaBuffer, word: usize) -> u64 {
+        buffer.ptr + 4 * word as u64
+    }
+
+    fn view_info(&self, view: &CudaView<'_>) -> (Dtype, usize) {
+        (view.dtype(), view.len())
+    }
+
+    fn lent_address(&self, view: &CudaView<'_>, word: usize) -> u64 {
+        view.ptr() + 4 * word as u64
+    }
+
+    fn io_address(&self, io: &Io<'_, '_, Self>, element: usize) -> u64 {
+        match io {
+            Io::Staging(b) => b.ptr + 4 * element as u64,
+            Io::View(v) => v.ptr() + (element * v.dtype().size()) as u64,
+        }
+    }
+
+    fn read_view(&self, view: &CudaView<'_>) -> Result<Vec<u8>, BackendError> {
+        let mut out = vec![0u8; view.len() * view.dtype().size()];
+        match &self.dev {
+            Dev::Gpu(g) => {
+                g.bind()?;
+                // SAFETY: the view addresses `out.len()` bytes of this context's memory, live for
+                // its lifetime (its constructor's contract); `out` is untouched until the stream
+                // has synchronised.
+                unsafe { result::memcpy_dtoh_async(&mut out, view.ptr(), g.stream.cu_stream()) }
+                    .map_err(|e| driver("copy from a caller's buffer", e))?;
+                self.synchronize()?;
+            }
+            #[cfg(feature = "emulate")]
+            // SAFETY: an emulated view is host memory borrowed mutably for its lifetime
+            // (`CudaView::host`, or `from_raw`'s contract), `out.len()` bytes long, and no
+            // kernel runs while this copies it.
+            Dev::Host => unsafe {
+                std::ptr::copy_nonoverlapping(view.ptr() as *const u8, out.as_mut_ptr(), out.len())
+            },
+        }
+        Ok(out)
+    }
+
+    fn write_view(&self, view: &CudaView<'_>, bytes: &[u8]) -> Result<(), BackendError> {
+        if bytes.len() != view.len() * view.dtype().size() {
+            return Err(out_of_range("a write of a caller's buffer"));
+        }
+        match &self.dev {
+            Dev::Gpu(g) => {
+                g.bind()?;
+                // SAFETY: the view addresses `bytes.len()` bytes of this context's memory, live
+                // for its lifetime; the driver has copied the pageable `bytes` on return.
+                unsafe { result::memcpy_htod_async(view.ptr(), bytes, g.stream.cu_stream()) }
+                    .map_err(|e| driver("copy to a caller's buffer", e))
+            }
+            #[cfg(feature = "emulate")]
+            Dev::Host => {
+                // SAFETY: as in `read_view`: host memory lent mutably to the view, as long.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        view.ptr() as *mut u8,
+                        bytes.len(),
+                    )
+                };
+                Ok(())
+            }
+        }
+    }
+
+    fn launch(&self, entry: Entry, launch: &Launch<'_, '_, Self>) -> Result<(), BackendError> {
+        if launch.tiles == 0 || launch.descs.is_empty() {
+            return Ok(());
+        }
+        // The kernels address regions in words: a lent parameter's buffer must be aligned.
+        let addresses = launch
+            .descs
+            .iter()
+            .flat_map(|d| d.slots.iter())
+            .flat_map(|s| s.region);
+        if addresses.into_iter().any(|a| a % 4 != 0) {
+            return Err(BackendError::Buffer {
+                what: "a lent parameter's buffer must start at a multiple of 4 bytes".into(),
+            });
+        }
+        let ndesc = launch.descs.len() as u32;
+        let (maps, flags) = (launch.maps.ptr, launch.flags.ptr);
+        match &self.dev {
+            Dev::Gpu(g) => {
+                let words: &[u32] = bytemuck::cast_slice(launch.descs);
+                let mut scratch = g.descs.lock().unwrap_or_else(|e| e.into_inner());
+                if scratch.as_ref().is_none_or(|b| b.words < words.len()) {
+                    // The old buffer may still be read by a launch in flight.
+                    self.synchronize()?;
+                    *scratch = Some(self.alloc_words(words.len().next_power_of_two())?);
+                }
+                let descs = scratch.as_ref().expect("allocated above");
+                self.write(descs, 0, words)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (launch.tiles, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut args = g.stream.launch_builder(&g.functions[entry as usize]);
+                args.arg(&descs.ptr).arg(&ndesc).arg(&maps).arg(&flags);
+                // SAFETY: the arguments match the entry's signature in kernels/entries.cuh
+                // (`const Desc*, uint32_t, const uint32_t*, uint32_t*`, pointers as 64-bit
+                // addresses). The descriptors were written by lpmm-backend's `Device`, whose
+                // regions lie inside live allocations it holds (or lent views, live for the
+                // call), sized for their items' elements; `io` points at staging or a caller's
+                // view with room for every item's elements; every block touches only its item's.
+                unsafe { args.launch(cfg) }
+                    .map(drop)
+                    .map_err(|e| driver(entry.name(), e))
+            }
+            #[cfg(feature = "emulate")]
+            Dev::Host => crate::emulate::launch(entry, launch.tiles, launch.descs, maps, flags),
+        }
+    }
+}

@@ -1,44 +1,41 @@
 //! The kernels compiled for the host (feature `emulate`): kernels/emulate.cpp runs each block's
 //! 256 threads as fibers on the calling thread, round-robin between `__syncthreads`.
 
-use crate::CudaError;
-use crate::device::Kernel;
+use lpmm_backend::abi::{Desc, Entry};
+use lpmm_optim::BackendError;
 
 unsafe extern "C" {
     fn lpmm_emulate(
         kernel: u32,
         grid: u32,
-        descs: *const u32,
+        descs: *const Desc,
         ndesc: u32,
-        io: *mut f32,
         maps: *const u32,
         flags: *mut u32,
     ) -> i32;
     fn lpmm_emulate_layout(out: *mut u32);
 }
 
-/// Runs `kernel` over `grid` blocks; the arguments are host addresses from `Device::ptr`.
+/// Runs `entry` over `grid` blocks; `maps` and `flags` are host addresses of the emulated
+/// device's buffers.
 pub(crate) fn launch(
-    kernel: Kernel,
+    entry: Entry,
     grid: u32,
-    descs: u64,
-    ndesc: u32,
-    io: u64,
+    descs: &[Desc],
     maps: u64,
     flags: u64,
-) -> Result<(), CudaError> {
-    // SAFETY: the addresses are those of live host buffers of the emulated device (`Buf::Host`),
-    // which the backend keeps alive and does not access from Rust during the call; the
-    // descriptors were built by `Cuda::desc` and point only into those buffers, at regions sized
-    // for their tensors' elements, and the kernels stay inside them (the same contract as the GPU
-    // launch, exercised by every test of the emulated backend).
+) -> Result<(), BackendError> {
+    // SAFETY: `descs` is live for the call; every address in it, and `maps` and `flags`, are
+    // host addresses of live buffers of the emulated device (`Mem::Host`, held by lpmm-backend's
+    // `Device` across the launch, which no Rust code touches meanwhile) or of host memory lent
+    // to a `CudaView` for its lifetime, which outlives the call; regions are sized for their
+    // items' elements and the kernels stay inside them (the contract of a GPU launch).
     let rc = unsafe {
         lpmm_emulate(
-            kernel as u32,
+            entry as u32,
             grid,
-            descs as *const u32,
-            ndesc,
-            io as *mut f32,
+            descs.as_ptr(),
+            descs.len() as u32,
             maps as *const u32,
             flags as *mut u32,
         )
@@ -46,11 +43,16 @@ pub(crate) fn launch(
     if rc == 0 {
         Ok(())
     } else {
-        Err(CudaError::Driver(format!("emulated launch failed ({rc})")))
+        Err(BackendError::Driver {
+            backend: crate::device::NAME,
+            what: format!("emulated launch of {} failed ({rc})", entry.name()),
+            source: None,
+        })
     }
 }
 
-/// `sizeof(Desc)`, `offsetof(Desc, slots)` and `sizeof(Slot)` as the C++ compiler lays them out.
+/// `sizeof(Desc)`, `offsetof(Desc, slots)` and `sizeof(SlotDesc)` as the C++ compiler lays them
+/// out.
 pub(crate) fn layout() -> [u32; 3] {
     let mut out = [0u32; 3];
     // SAFETY: writes exactly three u32 into `out`.

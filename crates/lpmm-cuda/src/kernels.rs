@@ -1,13 +1,15 @@
-//! The kernel sources, the committed PTX built from them, and (feature `nvrtc`) the compilation
+//! The kernel program, the committed PTX built from it, and (feature `nvrtc`) the compilation
 //! `cargo xtask kernels` runs and the PTX check repeats.
 //!
-//! One source file (`kernels/lpmm.cu`) is compiled by NVRTC for each architecture in [`ARCHS`]
-//! with [`nvrtc_options`]; the PTX is committed under `ptx/` and embedded here, so building this
+//! The program (`kernels/lpmm.generated.cu`) is assembled by `cargo xtask codegen` from the
+//! sources in `kernels/` (one file per concern, format and rule) and the ABI and dispatch that
+//! lpmm-backend generates. NVRTC compiles it for each architecture in [`ARCHS`] with
+//! [`nvrtc_options`]; the PTX is committed under `ptx/` and embedded here, so building this
 //! crate needs no CUDA toolkit. The NVRTC version is pinned (the `nvidia-cuda-nvrtc-cu12` wheel,
 //! see [`NVRTC_WHEEL`]) because it fixes the PTX ISA version, which a driver must support.
 
-/// The CUDA C source of every kernel.
-pub const SOURCE: &str = include_str!("../kernels/lpmm.cu");
+/// The CUDA C program of every kernel (self-contained: it includes nothing).
+pub const SOURCE: &str = include_str!("../kernels/lpmm.generated.cu");
 
 /// The architectures the PTX is built for, with their committed PTX.
 pub const ARCHS: [(&str, &str); 2] = [
@@ -211,7 +213,7 @@ pub enum NvrtcError {
         found: (i32, i32),
     },
     /// NVRTC rejected the source (or the options); `log` is its compilation log.
-    #[error("NVRTC failed to compile kernels/lpmm.cu for {arch} ({status}):\n{log}")]
+    #[error("NVRTC failed to compile kernels/lpmm.generated.cu for {arch} ({status}):\n{log}")]
     Compile {
         /// The architecture compiled for.
         arch: String,
@@ -249,9 +251,9 @@ pub fn nvrtc_version() -> Result<(i32, i32), NvrtcError> {
     Ok((major, minor))
 }
 
-/// Compiles [`SOURCE`] for `arch` ("sm_80") with NVRTC, with [`nvrtc_options`], `-I` for
-/// `include_dirs` (see [`WheelPaths::include_dirs`]) and then for this crate's `kernels/`
-/// directory; returns the PTX text, as committed under `ptx/`.
+/// Compiles [`SOURCE`] for `arch` ("sm_80") with NVRTC, with [`nvrtc_options`] and `-I` for
+/// `include_dirs` (see [`WheelPaths::include_dirs`]); returns the PTX text, as committed under
+/// `ptx/`.
 ///
 /// Fails with [`NvrtcError::NotFound`] (before any other NVRTC call) if the library is not
 /// found, and with [`NvrtcError::Version`] if it is not the pinned [`NVRTC_VERSION`].
@@ -263,19 +265,10 @@ pub fn compile(arch: &str, include_dirs: &[std::path::PathBuf]) -> Result<String
         return Err(NvrtcError::Version { found });
     }
     let mut options = nvrtc_options(arch);
-    options.extend(
-        include_dirs
-            .iter()
-            .map(|d| d.as_path())
-            .chain([std::path::Path::new(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/kernels"
-            ))])
-            .map(|d| format!("-I{}", d.display())),
-    );
+    options.extend(include_dirs.iter().map(|d| format!("-I{}", d.display())));
     let opts = CompileOptions {
         options,
-        name: Some("lpmm.cu".into()),
+        name: Some("lpmm.generated.cu".into()),
         ..Default::default()
     };
     match compile_ptx_with_opts(SOURCE, opts) {

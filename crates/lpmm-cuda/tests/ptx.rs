@@ -1,4 +1,5 @@
-//! The committed PTX: NVRTC builds exactly it from the current kernel sources, and ptxas
+//! The committed kernel program and PTX: the program is what `cargo xtask codegen` assembles from
+//! the kernel sources and the ABI, NVRTC builds exactly the committed PTX from it, and ptxas
 //! assembles it, for every architecture of `ARCHS`.
 //!
 //! Both need the pinned wheels (`lpmm_cuda::kernels::WHEELS`): found through
@@ -54,14 +55,14 @@ fn committed_ptx_is_what_nvrtc_builds() {
     let mut differ = Vec::new();
     for (arch, committed) in ARCHS {
         let built = kernels::compile(arch, &wheels.include_dirs())
-            .unwrap_or_else(|e| panic!("compiling kernels/lpmm.cu for {arch}: {e}"));
+            .unwrap_or_else(|e| panic!("compiling kernels/lpmm.generated.cu for {arch}: {e}"));
         if built != committed {
             differ.push(format!("{arch} ({})", first_difference(committed, &built)));
         }
     }
     assert!(
         differ.is_empty(),
-        "the committed PTX differs from what NVRTC builds from kernels/lpmm.cu for {}: run \
+        "the committed PTX differs from what NVRTC builds from kernels/lpmm.generated.cu for {}: run \
          `cargo xtask kernels` and commit crates/lpmm-cuda/ptx/",
         differ.join("; ")
     );
@@ -86,15 +87,59 @@ fn committed_ptx_assembles() {
     }
 }
 
+/// The `__fmaf_rn` calls of the program: in rules' `_apply` functions, in their
+/// `_moment_gradient` functions, and elsewhere (function bodies end at a line `}`).
+fn fma_sites(program: &str) -> (usize, usize, usize) {
+    let (mut apply, mut moment, mut other) = (0, 0, 0);
+    let mut current: Option<&mut usize> = None;
+    for line in program.lines() {
+        if line.starts_with("__device__") && line.contains(" rule_") {
+            current = if line.contains("_moment_gradient(") {
+                Some(&mut moment)
+            } else if line.contains("_apply(") {
+                Some(&mut apply)
+            } else {
+                None
+            };
+        }
+        let n = line.matches("__fmaf_rn(").count();
+        match current.as_deref_mut() {
+            Some(c) => *c += n,
+            None => other += n,
+        }
+        if line == "}" {
+            current = None;
+        }
+    }
+    (apply, moment, other)
+}
+
 /// The float instructions of the committed PTX are the IEEE ones the CPU reference computes:
 /// division and square root correctly rounded (`.rn`, not `.approx` / `.full`), no flush to zero,
 /// and every f32 multiply and add with an explicit `.rn`, which ptxas never contracts into an fma
-/// (so the only fmas are the kernels' own `__fmaf_rn`). Needs no NVRTC.
+/// (so the only fmas are the kernels' own `__fmaf_rn`: each entry has one per call it inlines,
+/// the step every rule's update, the fold every update and moment gradient). Needs no NVRTC.
 #[test]
 fn committed_ptx_uses_only_ieee_float_operations() {
+    let (apply, moment, other) = fma_sites(kernels::SOURCE);
+    assert_eq!(other, 0, "__fmaf_rn outside the rules");
+    assert_eq!(
+        apply + moment,
+        kernels::SOURCE.matches("__fmaf_rn(").count()
+    );
+    assert!(apply > 0 && moment > 0, "rules found: {apply} {moment}");
     for (arch, ptx) in ARCHS {
-        let mut fmas = 0;
+        let mut fmas: std::collections::BTreeMap<&str, usize> = Default::default();
+        let mut entry = "";
         for line in ptx.lines().map(str::trim) {
+            if let Some(rest) = line.strip_prefix(".visible .entry ") {
+                entry = rest.split('(').next().unwrap_or(rest);
+                fmas.insert(entry, 0);
+            }
+            assert!(
+                !line.starts_with(".func") && !line.contains(" .func"),
+                "{arch}: a call: `{line}`"
+            );
             let op = line.split_whitespace().next().unwrap_or("");
             let is_f32_arith = op.ends_with(".f32")
                 && [
@@ -112,12 +157,55 @@ fn committed_ptx_uses_only_ieee_float_operations() {
                     !op.starts_with("rcp.") && !op.starts_with("rsqrt."),
                     "{arch}: approximate `{line}`"
                 );
-                fmas += usize::from(op.starts_with("fma."));
+                if op.starts_with("fma.") {
+                    *fmas.get_mut(entry).expect("an fma inside an entry") += 1;
+                }
             }
         }
-        // The explicit __fmaf_rn sites of kernels/lpmm.cu (SGD 4, Adam 4, Lion 3), each inlined
-        // into the one step kernel.
-        let sites = kernels::SOURCE.matches("__fmaf_rn(").count();
-        assert_eq!(fmas, sites, "{arch}: fma instructions vs __fmaf_rn calls");
+        let want: std::collections::BTreeMap<&str, usize> = lpmm_backend::abi::Entry::ALL
+            .iter()
+            .map(|e| {
+                let n = match e {
+                    lpmm_backend::abi::Entry::Step => apply,
+                    lpmm_backend::abi::Entry::Fold => apply + moment,
+                    _ => 0,
+                };
+                (e.name(), n)
+            })
+            .collect();
+        assert_eq!(
+            fmas, want,
+            "{arch}: fma instructions per entry vs __fmaf_rn calls"
+        );
     }
+}
+
+/// The committed program is what the kernel sources and the ABI generate, and an edit of a
+/// source without `cargo xtask codegen` is caught, naming the command.
+#[test]
+fn the_generated_program_is_up_to_date() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target = lpmm_backend::codegen::TARGETS[1];
+    assert_eq!(target.output, "crates/lpmm-cuda/kernels/lpmm.generated.cu");
+    let read = |p: &Path| std::fs::read_to_string(p);
+    if let Err(e) = target.check(&root, &read) {
+        panic!("{e}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join(target.output)).unwrap(),
+        kernels::SOURCE,
+        "the embedded program is the committed one"
+    );
+    // A source edited after the program was generated.
+    let edited = |p: &Path| {
+        let text = std::fs::read_to_string(p)?;
+        Ok(if p.ends_with("rules/adam.cuh") {
+            text.replace("c.eps", "(c.eps * 2.0f)")
+        } else {
+            text
+        })
+    };
+    let err = target.check(&root, &edited).unwrap_err();
+    assert!(err.contains("cargo xtask codegen"), "{err}");
+    assert!(err.contains(target.output), "{err}");
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use lpmm_optim::{
     Backend, Canonical, CanonicalParam, Cpu, ExactSum, LrRule, MemoryReport, NonFinitePolicy,
-    Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind, Storage,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind,
 };
 
 use crate::layout::{ParamSpec, ShardLayout};
@@ -194,9 +194,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 .ok_or(lpmm_optim::OptimError::UnknownGroup(d.group))?;
             let numel: usize = d.shape.iter().product();
             let resolved = config.resolve(numel, &d.shape);
-            let splittable = ![resolved.state1, resolved.state2]
-                .iter()
-                .any(|s| matches!(s, Storage::Rank1 { .. } | Storage::Factorized));
+            let splittable = resolved.splittable();
             numels.push(numel);
             specs.push(ParamSpec {
                 numel,
@@ -301,7 +299,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         let mut report = ShardedReport::default();
         let local =
             if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
-                let summary = self.opt.gradient_summary();
+                let summary = self.opt.gradient_summary()?;
                 // The exact sums add as integers: any all-reduce gives the unsharded model's sum.
                 let mut words = summary.sum.to_words().to_vec();
                 words.push(summary.non_finite.len() as i64);
@@ -312,7 +310,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                     .map_err(|_| DistError::Collective("exact-sum words".into()))?;
                 let sum = ExactSum::from_words(&w);
                 self.opt
-                    .step_with_summary(Some((sum, any)), summary.non_finite)
+                    .step_with_summary(Some((sum, any)), summary.non_finite)?
             } else {
                 self.opt.step()?
             };
@@ -433,7 +431,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     /// by `Optimizer::load`) from every rank's shards; rank 0 writes the file. Every rank must
     /// call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
-        let local = self.opt.canonical();
+        let local = self.opt.canonical()?;
         // This rank's shards: (param, start, counters, the four slots).
         let mut blob = Vec::new();
         for (k, c) in local.params.iter().enumerate() {
@@ -531,9 +529,13 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                     _ => LrRule::Fixed,
                 };
                 let mut s = Vec::with_capacity(4);
-                for _ in 0..4 {
+                for k in 0..4 {
                     let n = u64_at(&mut at)? as usize;
-                    s.push(slots::decode(blob.get(at..at + n).ok_or_else(bad)?)?);
+                    let specs = self.saved_regions(p, k).ok_or_else(bad)?;
+                    s.push(slots::decode(
+                        blob.get(at..at + n).ok_or_else(bad)?,
+                        &specs,
+                    )?);
                     at += n;
                 }
                 parts.get_mut(p).ok_or_else(bad)?.push(Part {
@@ -589,6 +591,29 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         })
     }
 
+    /// The saved regions of slot `k` of parameter `p` (None for an unknown parameter).
+    fn saved_regions(&self, p: usize, k: usize) -> Option<Vec<lpmm_optim::backend::RegionSpec>> {
+        let d = self.defs.get(p)?;
+        let config = d
+            .config
+            .unwrap_or(*self.groups.get(d.group)?)
+            .resolve(self.numels[p], &d.shape);
+        let states = config.hyper.states();
+        let used = [true, true, states >= 1, states >= 2][k];
+        Some(
+            config.slots()[k]
+                .format()
+                .filter(|_| used)
+                .map(|f| {
+                    f.regions(&d.shape)
+                        .into_iter()
+                        .filter(|r| r.saved)
+                        .collect()
+                })
+                .unwrap_or_default(),
+        )
+    }
+
     /// [`ShardedOptimizer::load`] with this rank's shards on `backend`.
     pub fn load_with(
         backend: B,
@@ -612,19 +637,11 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         s.register(|_, range| vec![0f32; range.len()])?;
         s.opt.set_steps(c.global_steps);
         for (p, cp) in c.params.iter().enumerate() {
-            let config = cp.requested.resolve(s.numels[p], &cp.shape);
-            let states = config.hyper.states();
-            let storages = [config.param, config.grad, config.state1, config.state2];
-            let used = [true, true, states >= 1, states >= 2];
             for (id, range) in s.local[p].clone() {
                 s.opt
                     .restore(id, cp.steps, cp.accumulations, cp.pending, cp.lr_rule)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
-                    let host = if used[k] {
-                        slots::slice(&cp.slots[k], storages[k], range.clone(), s.numels[p])?
-                    } else {
-                        lpmm_optim::HostSlot::Empty
-                    };
+                    let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;
                     s.opt.import_slot(id, slot, host)?;
                 }
             }

@@ -104,7 +104,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
     let saved = Canonical::read(&path).unwrap();
     same_canonical(
         &saved,
-        &refopt.canonical(),
+        &refopt.canonical().expect("canonical"),
         &format!("{name}, {world} ranks, {zero:?}: checkpoint"),
     );
 }
@@ -268,7 +268,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         });
         same_canonical(
             &Canonical::read(&path2).unwrap(),
-            &refopt.canonical(),
+            &refopt.canonical().expect("canonical"),
             &format!("saved at {w} ranks, resumed at {w2}"),
         );
     }

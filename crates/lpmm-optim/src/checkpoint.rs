@@ -3,11 +3,12 @@
 //! file with versioned metadata, written atomically. Loading builds a new optimizer and validates
 //! everything before anything live changes.
 //!
-//! Layout (version 1): per parameter `p` and slot `s` in {param, grad, state1, state2}:
-//! `p/s` (F32, BF16 or U8 codes; the whole tensor, unsharded), `p/s.comp` (BF16, Kahan
-//! compensation), `p/s.rem` (U16, split-f32 remainder), `p/s.absmax` (F32 block scales); and
-//! `maps/<map name>` (F32) for every code map in use. Metadata key `lpmm` holds the JSON of
-//! [`CheckpointMeta`].
+//! Layout (version 1): per parameter `p` and slot `s` in {param, grad, state1, state2}, one
+//! tensor `p/s<suffix>` per saved region of the slot's format (`crate::backend::RegionSpec`: the
+//! primary region's suffix is empty; `.comp` Kahan compensations, `.rem` split-f32 remainders,
+//! `.absmax` block scales, `.scales` rank-1 maxima, `.row`/`.col` factorized statistics), the
+//! whole tensor, unsharded, in the region's dtype; and `maps/<map name>` (F32) for every code map
+//! in use. Metadata key `lpmm` holds the JSON of [`CheckpointMeta`].
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -17,11 +18,11 @@ use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backend, HostSlot, SlotKind};
-use crate::config::{MapKind, ParamConfig, Storage};
+use crate::backend::{Backend, Format, HostRegion, HostSlot, ParamId, SlotKind};
+use crate::config::{MapKind, ParamConfig};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
-use crate::optimizer::{Optimizer, OptimizerOptions};
+use crate::optimizer::{Lender, LrRule, Optimizer, OptimizerOptions};
 
 /// The checkpoint format's name and version, checked on load.
 pub const FORMAT: &str = "lpmm-optim-checkpoint";
@@ -49,7 +50,7 @@ struct ParamMeta {
     accumulations: u64,
     pending: bool,
     #[serde(default)]
-    lr_rule: crate::backend::LrRule,
+    lr_rule: LrRule,
 }
 
 fn err(path: &Path, reason: impl std::fmt::Display) -> OptimError {
@@ -59,91 +60,41 @@ fn err(path: &Path, reason: impl std::fmt::Display) -> OptimError {
     }
 }
 
-/// A slot's tensors: (suffix, dtype, element count, little-endian bytes).
-fn host_tensors(host: &HostSlot) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
-    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let u16s = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    match host {
-        HostSlot::Empty => Vec::new(),
-        HostSlot::F32(v) => vec![("", Dtype::F32, v.len(), f32s(v))],
-        HostSlot::Bf16(v) => vec![("", Dtype::BF16, v.len(), u16s(v))],
-        HostSlot::Kahan { value, comp } => {
-            vec![
-                ("", Dtype::BF16, value.len(), u16s(value)),
-                (".comp", Dtype::BF16, comp.len(), u16s(comp)),
-            ]
-        }
-        HostSlot::Split { hi, rem } => {
-            vec![
-                ("", Dtype::BF16, hi.len(), u16s(hi)),
-                (".rem", Dtype::U16, rem.len(), u16s(rem)),
-            ]
-        }
-        HostSlot::Quantized { codes, absmax } => {
-            vec![
-                ("", Dtype::U8, codes.len(), codes.clone()),
-                (".absmax", Dtype::F32, absmax.len(), f32s(absmax)),
-            ]
-        }
-        HostSlot::Factored { row, col } => {
-            vec![
-                (".row", Dtype::F32, row.len(), f32s(row)),
-                (".col", Dtype::F32, col.len(), f32s(col)),
-            ]
-        }
-        HostSlot::Rank1 { codes, scales } => {
-            vec![
-                ("", Dtype::U8, codes.len(), codes.clone()),
-                (".scales", Dtype::F32, scales.len(), f32s(scales)),
-            ]
-        }
+fn st_dtype(d: crate::backend::Dtype) -> Dtype {
+    use crate::backend::Dtype as D;
+    match d {
+        D::F32 => Dtype::F32,
+        D::Bf16 => Dtype::BF16,
+        D::U16 => Dtype::U16,
+        D::U8 => Dtype::U8,
+        D::U32 => Dtype::U32,
     }
 }
 
-/// Reads the tensors of slot `key` in the layout of `template` (the fresh slot's export).
-fn read_host(st: &SafeTensors<'_>, key: &str, template: &HostSlot) -> Result<HostSlot, String> {
-    let get = |k: &str, dtype: Dtype| -> Result<Vec<u8>, String> {
-        let t = st.tensor(k).map_err(|_| format!("tensor {k} missing"))?;
-        if t.dtype() != dtype {
-            return Err(format!("tensor {k} is {:?}, expected {dtype:?}", t.dtype()));
+/// Reads the saved regions of slot `key` in the format `format` for a tensor of `shape`.
+fn read_host(
+    st: &SafeTensors<'_>,
+    key: &str,
+    format: Option<Format>,
+    shape: &[usize],
+) -> Result<HostSlot, String> {
+    let Some(format) = format else {
+        return Ok(HostSlot::empty());
+    };
+    let mut regions = Vec::new();
+    for spec in format.regions(shape).into_iter().filter(|r| r.saved) {
+        let k = format!("{key}{}", spec.suffix);
+        let t = st.tensor(&k).map_err(|_| format!("tensor {k} missing"))?;
+        let want = st_dtype(spec.dtype);
+        if t.dtype() != want {
+            return Err(format!("tensor {k} is {:?}, expected {want:?}", t.dtype()));
         }
-        Ok(t.data().to_vec())
-    };
-    let f32s = |b: Vec<u8>| {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect::<Vec<f32>>()
-    };
-    let u16s = |b: Vec<u8>| {
-        b.chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect::<Vec<u16>>()
-    };
-    Ok(match template {
-        HostSlot::Empty => HostSlot::Empty,
-        HostSlot::F32(_) => HostSlot::F32(f32s(get(key, Dtype::F32)?)),
-        HostSlot::Bf16(_) => HostSlot::Bf16(u16s(get(key, Dtype::BF16)?)),
-        HostSlot::Kahan { .. } => HostSlot::Kahan {
-            value: u16s(get(key, Dtype::BF16)?),
-            comp: u16s(get(&format!("{key}.comp"), Dtype::BF16)?),
-        },
-        HostSlot::Split { .. } => HostSlot::Split {
-            hi: u16s(get(key, Dtype::BF16)?),
-            rem: u16s(get(&format!("{key}.rem"), Dtype::U16)?),
-        },
-        HostSlot::Quantized { .. } => HostSlot::Quantized {
-            codes: get(key, Dtype::U8)?,
-            absmax: f32s(get(&format!("{key}.absmax"), Dtype::F32)?),
-        },
-        HostSlot::Factored { .. } => HostSlot::Factored {
-            row: f32s(get(&format!("{key}.row"), Dtype::F32)?),
-            col: f32s(get(&format!("{key}.col"), Dtype::F32)?),
-        },
-        HostSlot::Rank1 { .. } => HostSlot::Rank1 {
-            codes: get(key, Dtype::U8)?,
-            scales: f32s(get(&format!("{key}.scales"), Dtype::F32)?),
-        },
-    })
+        regions.push(HostRegion {
+            spec,
+            bytes: t.data().to_vec(),
+        });
+    }
+    Ok(HostSlot { regions })
 }
 
 /// One parameter in the canonical layout: the whole tensor, unsharded, every slot as
@@ -165,7 +116,7 @@ pub struct CanonicalParam {
     /// Whether the accumulator holds gradients not yet consumed.
     pub pending: bool,
     /// How its learning rate follows its group's.
-    pub lr_rule: crate::backend::LrRule,
+    pub lr_rule: LrRule,
     /// Param, grad, state1, state2.
     pub slots: [HostSlot; 4],
 }
@@ -182,38 +133,6 @@ pub struct Canonical {
     pub groups: Vec<ParamConfig>,
     /// Parameters, in registration order.
     pub params: Vec<CanonicalParam>,
-}
-
-/// The host layout a slot of `storage` exports as (an empty instance of it).
-fn template(storage: Storage, used: bool) -> HostSlot {
-    if !used {
-        return HostSlot::Empty;
-    }
-    match storage {
-        Storage::None => HostSlot::Empty,
-        Storage::F32 => HostSlot::F32(Vec::new()),
-        Storage::Bf16(_) => HostSlot::Bf16(Vec::new()),
-        Storage::Bf16Kahan => HostSlot::Kahan {
-            value: Vec::new(),
-            comp: Vec::new(),
-        },
-        Storage::SplitF32 => HostSlot::Split {
-            hi: Vec::new(),
-            rem: Vec::new(),
-        },
-        Storage::Quantized { .. } => HostSlot::Quantized {
-            codes: Vec::new(),
-            absmax: Vec::new(),
-        },
-        Storage::Factorized => HostSlot::Factored {
-            row: Vec::new(),
-            col: Vec::new(),
-        },
-        Storage::Rank1 { .. } => HostSlot::Rank1 {
-            codes: Vec::new(),
-            scales: Vec::new(),
-        },
-    }
 }
 
 impl Canonical {
@@ -245,21 +164,19 @@ impl Canonical {
         let mut maps: Vec<MapKind> = Vec::new();
         for m in &self.params {
             for (slot, host) in SlotKind::ALL.iter().zip(&m.slots) {
-                for (suffix, dtype, n, bytes) in host_tensors(host) {
+                for r in &host.regions {
                     tensors.push((
-                        format!("{}/{}{suffix}", m.name, slot.name()),
-                        dtype,
-                        vec![n],
-                        bytes,
+                        format!("{}/{}{}", m.name, slot.name(), r.spec.suffix),
+                        st_dtype(r.spec.dtype),
+                        vec![r.bytes.len() / r.spec.dtype.size()],
+                        r.bytes.clone(),
                     ));
                 }
             }
             let numel = m.shape.iter().product();
             let c = m.requested.resolve(numel, &m.shape);
-            for storage in [c.param, c.grad, c.state1, c.state2] {
-                if let Storage::Quantized { map, .. } | Storage::Rank1 { map, .. } = storage
-                    && !maps.contains(&map)
-                {
+            for map in c.slots().iter().filter_map(|s| s.format()?.map()) {
+                if !maps.contains(&map) {
                     maps.push(map);
                 }
             }
@@ -380,13 +297,12 @@ impl Canonical {
             let c = p.requested.resolve(numel, &p.shape);
             let states = c.hyper.states();
             let used = [true, true, states >= 1, states >= 2];
-            let storages = [c.param, c.grad, c.state1, c.state2];
             let mut slots = Vec::with_capacity(4);
             for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                 let key = format!("{}/{}", p.name, slot.name());
+                let format = c.slots()[k].format().filter(|_| used[k]);
                 slots.push(
-                    read_host(&st, &key, &template(storages[k], used[k]))
-                        .map_err(|reason| err(path, reason))?,
+                    read_host(&st, &key, format, &p.shape).map_err(|reason| err(path, reason))?,
                 );
             }
             let slots: [HostSlot; 4] = slots.try_into().expect("four slots");
@@ -424,32 +340,64 @@ impl<B: Backend> Optimizer<B> {
     /// flushed to disk, then renamed over `path`. A crash leaves the old file or the new one,
     /// never a partial one.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), OptimError> {
-        self.canonical().write(path)
+        self.canonical()?.write(path)
+    }
+
+    /// [`Optimizer::save`] with the buffers of lent parameters (their values are saved too, so
+    /// the file loads anywhere).
+    pub fn save_lent(
+        &self,
+        path: impl AsRef<Path>,
+        lender: &mut dyn Lender<B>,
+    ) -> Result<(), OptimError> {
+        self.canonical_lent(Some(lender))?.write(path)
     }
 
     /// The whole optimizer in the canonical layout (what [`Optimizer::save`] writes).
-    pub fn canonical(&self) -> Canonical {
-        Canonical {
+    pub fn canonical(&self) -> Result<Canonical, OptimError> {
+        self.canonical_lent(None)
+    }
+
+    /// [`Optimizer::canonical`] with the buffers of lent parameters.
+    pub fn canonical_lent(
+        &self,
+        mut lender: Option<&mut dyn Lender<B>>,
+    ) -> Result<Canonical, OptimError> {
+        let mut params = Vec::with_capacity(self.len());
+        for (i, m) in self.states.iter().enumerate() {
+            let (layout, p) = (&self.layouts[i], &self.params[i]);
+            let mut slots: [HostSlot; 4] = Default::default();
+            for (slot, out) in SlotKind::ALL.into_iter().zip(slots.iter_mut()) {
+                *out = match (&mut lender, slot == SlotKind::Param && layout.lent) {
+                    (Some(lender), true) => {
+                        let mut got = None;
+                        lender.lend(ParamId(i), &mut |buf| {
+                            got = Some(self.backend.export(p, layout, slot, Some(buf))?);
+                            Ok(())
+                        })?;
+                        got.unwrap_or_default()
+                    }
+                    _ => self.backend.export(p, layout, slot, None)?,
+                };
+            }
+            params.push(CanonicalParam {
+                name: m.name.clone(),
+                shape: layout.shape.clone(),
+                group: m.group,
+                requested: m.requested,
+                steps: m.steps,
+                accumulations: m.accumulations,
+                pending: m.pending,
+                lr_rule: m.lr_rule,
+                slots,
+            });
+        }
+        Ok(Canonical {
             options: self.options,
             global_steps: self.global_steps,
             groups: self.groups.clone(),
-            params: self
-                .metas
-                .iter()
-                .zip(&self.params)
-                .map(|(m, p)| CanonicalParam {
-                    name: m.name.clone(),
-                    shape: m.shape.clone(),
-                    group: m.group,
-                    requested: m.requested,
-                    steps: m.steps,
-                    accumulations: m.accumulations,
-                    pending: m.pending,
-                    lr_rule: m.lr_rule,
-                    slots: SlotKind::ALL.map(|slot| self.backend.export(p, m, slot)),
-                })
-                .collect(),
-        }
+            params,
+        })
     }
 
     /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
@@ -469,7 +417,7 @@ impl<B: Backend> Optimizer<B> {
         }
         opt.global_steps = canonical.global_steps;
         for (i, p) in canonical.params.into_iter().enumerate() {
-            let id = crate::optimizer::ParamId(i);
+            let id = ParamId(i);
             opt.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(p.slots) {
                 opt.import_slot(id, slot, host).map_err(|e| err(path, e))?;
@@ -483,19 +431,84 @@ impl<B: Backend> Optimizer<B> {
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<(), OptimError> {
         let path = path.as_ref();
         let loaded = Optimizer::load_with(self.backend.clone(), path)?;
-        let same = loaded.metas.len() == self.metas.len()
+        let same = loaded.len() == self.len()
             && loaded
-                .metas
+                .states
                 .iter()
-                .zip(&self.metas)
-                .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+                .zip(&self.states)
+                .zip(loaded.layouts.iter().zip(&self.layouts))
+                .all(|((a, b), (la, lb))| a.name == b.name && la.shape == lb.shape);
         if !same {
             return Err(err(
                 path,
                 "the checkpoint holds other parameters (names or shapes differ)",
             ));
         }
+        if self.layouts.iter().any(|l| l.lent) {
+            return Err(err(
+                path,
+                "this optimizer holds lent parameters: use load_state_lent",
+            ));
+        }
         *self = loaded;
+        Ok(())
+    }
+
+    /// [`Optimizer::load_state`] into an optimizer with lent parameters, whose saved values go
+    /// into their buffers. The checkpoint must hold the same parameters with the same storages;
+    /// every slot is checked before anything changes.
+    pub fn load_state_lent(
+        &mut self,
+        path: impl AsRef<Path>,
+        lender: &mut dyn Lender<B>,
+    ) -> Result<(), OptimError> {
+        let path = path.as_ref();
+        let c = Canonical::read(path)?;
+        if c.params.len() != self.len() {
+            return Err(err(path, "the checkpoint holds other parameters"));
+        }
+        for (i, p) in c.params.iter().enumerate() {
+            let (m, layout) = (&self.states[i], &self.layouts[i]);
+            let numel = layout.numel;
+            let resolved = p.requested.resolve(numel, &p.shape);
+            if p.name != m.name || p.shape != layout.shape || resolved.slots() != m.config.slots() {
+                return Err(err(
+                    path,
+                    format!("parameter {} differs (name, shape or storage)", m.name),
+                ));
+            }
+            for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+                match layout.format(slot) {
+                    Some(f) => f
+                        .validate(host, &layout.shape, numel, slot != SlotKind::Grad)
+                        .map_err(|r| err(path, format!("{}/{}: {r}", m.name, slot.name())))?,
+                    None if host.is_empty() => {}
+                    None => {
+                        return Err(err(path, format!("{}/{}: unexpected", m.name, slot.name())));
+                    }
+                }
+            }
+        }
+        self.options = c.options;
+        self.global_steps = c.global_steps;
+        self.groups = c.groups;
+        for (i, p) in c.params.into_iter().enumerate() {
+            let id = ParamId(i);
+            self.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            self.states[i].requested = p.requested;
+            self.states[i].config = p.requested.resolve(self.layouts[i].numel, &p.shape);
+            for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+                if slot == SlotKind::Param && self.layouts[i].lent {
+                    let (backend, layout, param) =
+                        (&self.backend, &self.layouts[i], &mut self.params[i]);
+                    lender.lend_mut(id, &mut |buf| {
+                        Ok(backend.import(param, layout, slot, host, Some(buf))?)
+                    })?;
+                } else {
+                    self.import_slot_lent(id, slot, host, None)?;
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -5,7 +5,10 @@ use lpmm_formats::CodeMap;
 use lpmm_quant::BlockSize;
 use serde::{Deserialize, Serialize};
 
+use crate::backend::SlotKind;
 use crate::error::OptimError;
+use crate::format::Format;
+use crate::rule::Hyper;
 
 /// A code map by name, so configurations and checkpoints can say which one a slot uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -23,11 +26,27 @@ pub enum MapKind {
 }
 
 impl MapKind {
+    /// Every built-in map, in id order: the one list that map tables, kernels' map layout and
+    /// checkpoints derive counts and offsets from.
+    pub const ALL: [MapKind; 5] = [
+        MapKind::DynamicSigned8,
+        MapKind::DynamicUnsigned8,
+        MapKind::DynamicExponentSigned4,
+        MapKind::LinearWithoutZero4,
+        MapKind::LinearSigned8,
+    ];
+
+    /// The map's id: its index in [`MapKind::ALL`].
+    pub fn id(self) -> u32 {
+        Self::ALL.iter().position(|&m| m == self).unwrap_or(0) as u32
+    }
+
     /// The map, built once per process and shared by every slot that uses it.
     pub fn shared(self) -> &'static CodeMap {
         use std::sync::OnceLock;
-        static MAPS: [OnceLock<CodeMap>; 5] = [const { OnceLock::new() }; 5];
-        MAPS[self as usize].get_or_init(|| self.build())
+        static MAPS: [OnceLock<CodeMap>; MapKind::ALL.len()] =
+            [const { OnceLock::new() }; MapKind::ALL.len()];
+        MAPS[self.id() as usize].get_or_init(|| self.build())
     }
 
     /// Builds the map.
@@ -55,15 +74,7 @@ impl MapKind {
 
     /// The map with this checkpoint name.
     pub fn from_name(name: &str) -> Option<Self> {
-        [
-            MapKind::DynamicSigned8,
-            MapKind::DynamicUnsigned8,
-            MapKind::DynamicExponentSigned4,
-            MapKind::LinearWithoutZero4,
-            MapKind::LinearSigned8,
-        ]
-        .into_iter()
-        .find(|m| m.name() == name)
+        Self::ALL.into_iter().find(|m| m.name() == name)
     }
 
     /// Whether the map holds negative values.
@@ -160,211 +171,18 @@ impl Storage {
 
     /// Whether this storage is quantized (subject to the minimum-size policy).
     pub fn is_quantized(self) -> bool {
-        matches!(
-            self,
-            Storage::Quantized { .. } | Storage::Rank1 { .. } | Storage::Factorized
-        )
+        Format::of(self).is_some_and(|f| f.quantized())
+    }
+
+    /// The format that stores it (`None` for [`Storage::None`]).
+    pub fn format(self) -> Option<Format> {
+        Format::of(self)
     }
 
     /// A short name for reports and checkpoints.
     pub fn describe(self) -> String {
-        match self {
-            Storage::None => "none".into(),
-            Storage::F32 => "f32".into(),
-            Storage::Bf16(StoreRounding::Nearest) => "bf16".into(),
-            Storage::Bf16(StoreRounding::Stochastic) => "bf16-sr".into(),
-            Storage::Bf16Kahan => "bf16+kahan".into(),
-            Storage::SplitF32 => "split-f32".into(),
-            Storage::Quantized {
-                map,
-                block,
-                rounding,
-            } => format!(
-                "{}/b{}{}",
-                map.name(),
-                block.get(),
-                if rounding == StoreRounding::Stochastic {
-                    "-sr"
-                } else {
-                    ""
-                }
-            ),
-            Storage::Rank1 { map, .. } => format!("{}/rank1", map.name()),
-            Storage::Factorized => "factorized".into(),
-        }
-    }
-}
-
-/// The optimizer and its hyperparameters. Defaults are PyTorch's. Hyperparameters are f64, as
-/// PyTorch's are Python floats: derived factors such as `1 - beta1` are computed in f64 and
-/// rounded to f32 once, as PyTorch does.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum Hyper {
-    /// SGD with momentum, `torch.optim.SGD` semantics.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum factor (0 disables the momentum state).
-        momentum: f64,
-        /// Dampening of the gradient in the momentum update.
-        dampening: f64,
-        /// Nesterov momentum (needs momentum > 0 and dampening = 0, as in PyTorch).
-        nesterov: bool,
-        /// L2 penalty added to the gradient.
-        weight_decay: f64,
-    },
-    /// Adam / AdamW.
-    Adam {
-        /// Learning rate.
-        lr: f64,
-        /// Decay rates of the first and second moments.
-        betas: (f64, f64),
-        /// Added to the bias-corrected root of the second moment.
-        eps: f64,
-        /// Weight decay.
-        weight_decay: f64,
-        /// `true`: AdamW, decay applied to the parameter (`p *= 1 - lr*wd`); `false`: Adam, L2
-        /// penalty added to the gradient (`g += wd*p`).
-        decoupled: bool,
-    },
-    /// Lion (Chen et al. 2023; lion-pytorch semantics).
-    Lion {
-        /// Learning rate.
-        lr: f64,
-        /// Interpolation (beta1) and momentum decay (beta2).
-        betas: (f64, f64),
-        /// Decoupled weight decay.
-        weight_decay: f64,
-    },
-}
-
-impl Hyper {
-    /// `torch.optim.SGD(lr, momentum)` defaults otherwise.
-    pub fn sgd(lr: f64, momentum: f64) -> Self {
-        Hyper::Sgd {
-            lr,
-            momentum,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-        }
-    }
-
-    /// `torch.optim.AdamW(lr)` defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
-    pub fn adamw(lr: f64) -> Self {
-        Hyper::Adam {
-            lr,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.01,
-            decoupled: true,
-        }
-    }
-
-    /// `torch.optim.Adam(lr)` defaults: betas (0.9, 0.999), eps 1e-8, no weight decay.
-    pub fn adam(lr: f64) -> Self {
-        Hyper::Adam {
-            lr,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.0,
-            decoupled: false,
-        }
-    }
-
-    /// lion-pytorch defaults: betas (0.9, 0.99), no weight decay.
-    pub fn lion(lr: f64) -> Self {
-        Hyper::Lion {
-            lr,
-            betas: (0.9, 0.99),
-            weight_decay: 0.0,
-        }
-    }
-
-    /// The learning rate.
-    pub fn lr(&self) -> f64 {
-        match *self {
-            Hyper::Sgd { lr, .. } | Hyper::Adam { lr, .. } | Hyper::Lion { lr, .. } => lr,
-        }
-    }
-
-    /// Sets the learning rate.
-    pub fn set_lr(&mut self, new: f64) {
-        match self {
-            Hyper::Sgd { lr, .. } | Hyper::Adam { lr, .. } | Hyper::Lion { lr, .. } => *lr = new,
-        }
-    }
-
-    /// Number of state slots: 0 (plain SGD), 1 (momentum, Lion) or 2 (Adam).
-    pub fn states(&self) -> usize {
-        match *self {
-            Hyper::Sgd { momentum, .. } => usize::from(momentum != 0.0),
-            Hyper::Adam { .. } => 2,
-            Hyper::Lion { .. } => 1,
-        }
-    }
-
-    /// Checks every hyperparameter; an invalid one is a typed error naming it.
-    pub fn validate(&self) -> Result<(), OptimError> {
-        // Every hyperparameter is used as f32 (or through an f32 factor): it must stay finite
-        // there too (lr = 1e39 is finite in f64 and Inf in f32).
-        let finite_non_negative = |name: &'static str, v: f64| {
-            // A positive value must not round to 0 in f32 either (eps = 1e-50 would).
-            if v.is_finite() && v >= 0.0 && (v as f32).is_finite() && (v == 0.0 || v as f32 > 0.0) {
-                Ok(())
-            } else {
-                Err(OptimError::Hyperparameter { name, value: v })
-            }
-        };
-        let beta = |name: &'static str, v: f64| {
-            if (0.0..1.0).contains(&v) {
-                Ok(())
-            } else {
-                Err(OptimError::Hyperparameter { name, value: v })
-            }
-        };
-        match *self {
-            Hyper::Sgd {
-                lr,
-                momentum,
-                dampening,
-                nesterov,
-                weight_decay,
-            } => {
-                finite_non_negative("lr", lr)?;
-                finite_non_negative("momentum", momentum)?;
-                beta("dampening", dampening)
-                    .or_else(|e| if dampening == 1.0 { Ok(()) } else { Err(e) })?;
-                finite_non_negative("weight_decay", weight_decay)?;
-                if nesterov && (momentum <= 0.0 || dampening != 0.0) {
-                    return Err(OptimError::Nesterov);
-                }
-            }
-            Hyper::Adam {
-                lr,
-                betas,
-                eps,
-                weight_decay,
-                ..
-            } => {
-                finite_non_negative("lr", lr)?;
-                beta("beta1", betas.0)?;
-                beta("beta2", betas.1)?;
-                finite_non_negative("eps", eps)?;
-                finite_non_negative("weight_decay", weight_decay)?;
-            }
-            Hyper::Lion {
-                lr,
-                betas,
-                weight_decay,
-            } => {
-                finite_non_negative("lr", lr)?;
-                beta("beta1", betas.0).or_else(|e| if betas.0 == 1.0 { Ok(()) } else { Err(e) })?;
-                beta("beta2", betas.1)?;
-                finite_non_negative("weight_decay", weight_decay)?;
-            }
-        }
-        Ok(())
+        self.format()
+            .map_or_else(|| "none".into(), |f| f.describe())
     }
 }
 
@@ -403,37 +221,36 @@ impl ParamConfig {
     /// 256 elements, or the largest quantization block of its slots, so that blocks, packed
     /// words, random blocks and the gradient norm's partial sums stay whole on one shard.
     pub fn shard_alignment(&self) -> usize {
-        [self.param, self.grad, self.state1, self.state2]
+        self.slots()
             .iter()
-            .filter_map(|s| match s {
-                Storage::Quantized { block, .. } => Some(block.get()),
-                _ => None,
-            })
+            .filter_map(|s| s.format())
+            .map(|f| f.alignment())
             .fold(256, usize::max)
     }
 
+    /// Whether a tensor with this (resolved) configuration may be cut into shards: no slot keeps
+    /// tensor-wide statistics.
+    pub fn splittable(&self) -> bool {
+        self.slots()
+            .iter()
+            .filter_map(|s| s.format())
+            .all(|f| !f.tensor_wide())
+    }
+
+    /// The four slots' storages: parameter, gradient accumulator, state 1, state 2.
+    pub fn slots(&self) -> [Storage; 4] {
+        [self.param, self.grad, self.state1, self.state2]
+    }
+
     /// The storage each slot will really use for a tensor of `numel` elements and `shape`:
-    /// quantized slots of tensors below `min_quantized_size` are f32, rank-1
-    /// second moments of 1-D tensors fall back to blocks / f32.
+    /// quantized slots of tensors below `min_quantized_size` are f32, and a format that cannot
+    /// hold the shape falls back (rank-1 states of vectors to blocks, factorized ones to f32).
     pub fn resolve(&self, numel: usize, shape: &[usize]) -> ParamConfig {
         let small = numel < self.min_quantized_size;
-        let pick = |s: Storage| {
-            if small && s.is_quantized() {
-                return Storage::F32;
-            }
-            match s {
-                Storage::Rank1 { map, fallback }
-                    if shape.len() < 2 || shape.len() > lpmm_quant::RANK1_MAX_DIMS =>
-                {
-                    Storage::Quantized {
-                        map,
-                        block: fallback,
-                        rounding: StoreRounding::Nearest,
-                    }
-                }
-                Storage::Factorized if shape.len() < 2 => Storage::F32,
-                other => other,
-            }
+        let pick = |s: Storage| match s.format() {
+            Some(f) if small && f.quantized() => Storage::F32,
+            Some(f) => f.resolve(shape).unwrap_or(s),
+            None => s,
         };
         ParamConfig {
             param: pick(self.param),
@@ -447,56 +264,25 @@ impl ParamConfig {
     /// Checks the hyperparameters and that each slot's storage is allowed there.
     pub fn validate(&self) -> Result<(), OptimError> {
         self.hyper.validate()?;
-        if self.state2 == Storage::Factorized && !matches!(self.hyper, Hyper::Adam { .. }) {
+        if self.state2 == Storage::Factorized && !self.hyper.has_second_moment() {
             return Err(OptimError::StorageNotAllowed {
                 slot: "state2",
-                storage: "factorized (Adam only)".into(),
+                storage: "factorized (only a second moment: Adam)".into(),
             });
         }
-        let param_only = |slot: &'static str, s: Storage| match s {
-            Storage::Bf16Kahan | Storage::SplitF32 => Err(OptimError::StorageNotAllowed {
-                slot,
-                storage: s.describe(),
-            }),
-            _ => Ok(()),
-        };
-        param_only("gradient", self.grad)?;
-        for (slot, s) in [
-            ("parameter", self.param),
-            ("state1", self.state1),
-            ("state2", self.state2),
+        for (kind, name, s) in [
+            (SlotKind::Param, "parameter", self.param),
+            (SlotKind::Grad, "gradient", self.grad),
+            (SlotKind::State1, "state1", self.state1),
+            (SlotKind::State2, "state2", self.state2),
         ] {
-            if s == Storage::None {
+            let ok = match s.format() {
+                None => kind == SlotKind::Grad,
+                Some(f) => f.allowed(kind),
+            };
+            if !ok {
                 return Err(OptimError::StorageNotAllowed {
-                    slot,
-                    storage: s.describe(),
-                });
-            }
-        }
-        param_only("state1", self.state1)?;
-        param_only("state2", self.state2)?;
-        for (slot, s) in [
-            ("parameter", self.param),
-            ("gradient", self.grad),
-            ("state1", self.state1),
-        ] {
-            if matches!(s, Storage::Rank1 { .. } | Storage::Factorized) {
-                return Err(OptimError::StorageNotAllowed {
-                    slot,
-                    storage: s.describe(),
-                });
-            }
-        }
-        for (slot, s) in [
-            ("parameter", self.param),
-            ("gradient", self.grad),
-            ("state1", self.state1),
-        ] {
-            if let Storage::Quantized { map, .. } = s
-                && !map.signed()
-            {
-                return Err(OptimError::StorageNotAllowed {
-                    slot,
+                    slot: name,
                     storage: s.describe(),
                 });
             }

@@ -51,10 +51,6 @@ pub enum OptimError {
     /// A checkpoint could not be written or read.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: String, reason: String },
-    /// The backend cannot hold or step this configuration (docs/BACKENDS.md lists what each
-    /// backend supports).
-    #[error("the {backend} backend does not support {what}")]
-    Unsupported { backend: &'static str, what: String },
     /// Host contents for a slot do not fit its storage (layout, length, non-finite values).
     #[error("parameter {param}: {reason}")]
     Slot {
@@ -63,12 +59,34 @@ pub enum OptimError {
         /// What does not fit.
         reason: String,
     },
-    /// The backend's device reported an error (out of memory, device lost, ...).
-    #[error("{backend} device: {reason}")]
-    Device {
-        backend: &'static str,
+    /// A shard of a parameter that cannot be registered (lpmm-dist).
+    #[error("parameter {param}: {reason}")]
+    Shard {
+        /// The parameter.
+        param: String,
+        /// Why.
         reason: String,
     },
+    /// A lent parameter (one that lives in the caller's buffer) was used without its buffer, or
+    /// cannot be lent.
+    #[error("lent parameter {param}: {reason}")]
+    Lent {
+        /// The parameter.
+        param: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A gradient for a quantized accumulator holds a non-finite value (it cannot be stored).
+    #[error(
+        "parameter {param}: the gradient holds a non-finite value, which a quantized accumulator cannot hold"
+    )]
+    NonFiniteGradient {
+        /// The parameter.
+        param: String,
+    },
+    /// The backend failed (device lost, out of memory, unsupported, driver error).
+    #[error(transparent)]
+    Backend(crate::backend::BackendError),
     /// An error from the quantization layer.
     #[error(transparent)]
     Quant(#[from] QuantError),

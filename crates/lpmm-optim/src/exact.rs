@@ -206,6 +206,30 @@ fn scale(mant: u64, exp: i64) -> f64 {
     v * pow2(e)
 }
 
+/// Elements per partial sum of the gradient norm.
+pub const NORM_RUN: usize = 256;
+
+/// Adds the squares of `values`' finite elements to `sum` as the gradient norm defines it (one
+/// f64 partial per [`NORM_RUN`] elements, in element order, added exactly; `values` starts at a
+/// multiple of `NORM_RUN` of the parameter) and returns whether every element is finite.
+pub fn add_squares(values: &[f32], sum: &mut ExactSum) -> bool {
+    let mut finite = true;
+    for run in values.chunks(NORM_RUN) {
+        let mut part = 0.0f64;
+        for &x in run {
+            // Only finite values count towards the norm: under SkipElements one Inf must not
+            // turn clipping off for the rest.
+            if x.is_finite() {
+                part += f64::from(x) * f64::from(x);
+            } else {
+                finite = false;
+            }
+        }
+        sum.add(part);
+    }
+    finite
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

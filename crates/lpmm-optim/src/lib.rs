@@ -2,34 +2,35 @@
 //! gradient accumulators and states can each be stored in low precision, stepped in one fused
 //! pass per chunk. The CPU implementation here is the reference every backend must reproduce.
 //!
-//! `docs/OPTIMIZERS.md` documents every storage, update rule, policy and the evidence behind them;
-//! [`Backend`] is the seam GPU backends implement.
+//! `docs/OPTIMIZERS.md` documents every storage, update rule, policy and the evidence behind them.
+//! Users need [`Optimizer`], a configuration ([`presets`], [`ParamConfig`]) and a backend ([`Cpu`]
+//! here; lpmm-wgpu and lpmm-cuda for GPUs). Backend implementors work against [`backend`].
 
 pub mod backend;
 mod checkpoint;
 mod config;
 mod cpu;
-pub mod device;
 mod error;
 mod exact;
+mod format;
 mod memory;
 mod optimizer;
 pub mod presets;
 mod rule;
-mod slot;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
+pub use backend::{Backend, BackendError, HostSlot, ParamId, SlotKind};
 pub use checkpoint::{
     Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION,
 };
-pub use config::{Hyper, MapKind, ParamConfig, Storage, StoreRounding};
+pub use config::{MapKind, ParamConfig, Storage, StoreRounding};
 pub use cpu::Cpu;
 pub use error::OptimError;
-pub use exact::{EXACT_WORDS, ExactSum};
+pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
-    GradientSummary, NonFinitePolicy, Optimizer, OptimizerOptions, ParamId, StepReport,
+    GradientSummary, Lender, LrRule, NonFinitePolicy, Optimizer, OptimizerOptions, StepInProgress,
+    StepReport,
 };
-pub use rule::{Rule, Updated};
+pub use rule::{Adam, Hyper, Lion, Sgd};

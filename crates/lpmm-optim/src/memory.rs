@@ -64,26 +64,28 @@ impl MemoryReport {
 impl<B: Backend> Optimizer<B> {
     /// The bytes each slot of each parameter occupies on the backend, scratch it keeps for the
     /// parameter included (the code maps, shared by all slots of a kind, and the optimizer's
-    /// bookkeeping are not model memory and are not counted).
+    /// bookkeeping are not model memory and are not counted; nor is a lent parameter's buffer,
+    /// which is the caller's).
     pub fn memory_report(&self) -> MemoryReport {
         let params = self
-            .metas
+            .states
             .iter()
+            .zip(&self.layouts)
             .zip(&self.params)
-            .map(|(m, p)| {
+            .map(|((m, layout), p)| {
                 let states = m.config.hyper.states();
                 let c = m.config;
                 ParamMemory {
                     name: m.name.clone(),
-                    shape: m.shape.clone(),
-                    numel: m.numel,
+                    shape: layout.shape.clone(),
+                    numel: layout.numel,
                     storage: [
                         c.param,
                         c.grad,
                         if states >= 1 { c.state1 } else { Storage::None },
                         if states >= 2 { c.state2 } else { Storage::None },
                     ],
-                    bytes: self.backend.bytes(p),
+                    bytes: self.backend.bytes(p, layout),
                 }
             })
             .collect();

@@ -3,27 +3,18 @@
 //! non-finite-gradient policy. The numeric work is the backend's ([`crate::Backend`]); the CPU
 //! backend defines the semantics.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
-use rayon::prelude::*;
-
-use crate::backend::{Backend, HostSlot, LrRule, ParamMeta, SlotKind};
+use crate::backend::{
+    Backend, BackendError, HostSlot, HostValues, HostValuesMut, Init, ParamId, ParamLayout,
+    ParamStep, SlotKind, StepFlags, StepWork,
+};
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
-use crate::rule::Rule;
-
-/// A registered parameter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ParamId(pub(crate) usize);
-
-impl ParamId {
-    /// The parameter's index in registration order.
-    pub fn index(self) -> usize {
-        self.0
-    }
-}
 
 /// What to do with a gradient that holds NaN or ±Inf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -80,20 +71,121 @@ pub struct GradientSummary {
     pub non_finite: Vec<ParamId>,
 }
 
-/// The optimizer over all registered parameters, on backend `B` (the CPU by default).
+/// How a parameter's learning rate follows its group's when the group's changes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub enum LrRule {
+    /// The group's learning rate.
+    #[default]
+    Group,
+    /// The group's learning rate times this factor (a parameter registered with its own rate).
+    Scaled(f64),
+    /// Its own learning rate, unchanged (registered with its own rate while the group's was 0).
+    Fixed,
+}
+
+/// A step begun with [`Optimizer::begin_step`]: its decision (skipped or not, the clip factor)
+/// and what it has done so far. Finish it with [`Optimizer::finish_step`].
+#[derive(Debug)]
+#[must_use = "a begun step must be finished with Optimizer::finish_step"]
+pub struct StepInProgress {
+    report: StepReport,
+    clip: f32,
+}
+
+impl StepInProgress {
+    /// Whether the step was skipped (a non-finite gradient under `SkipStep`): nothing moves.
+    pub fn skipped(&self) -> bool {
+        self.report.skipped
+    }
+
+    /// The factor gradients are multiplied by (global-norm clipping; 1 if none).
+    pub fn clip(&self) -> f32 {
+        self.clip
+    }
+}
+
+/// Lends the buffers of lent parameters ([`Optimizer::add_lent_param`]) to operations that need
+/// them: a framework hands out its tensors' memory only inside a callback (candle's in-place
+/// operations), so the optimizer asks for one buffer at a time.
+pub trait Lender<B: Backend> {
+    /// Calls `f` with parameter `id`'s buffer, read-only.
+    fn lend(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(B::Input<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError>;
+    /// Calls `f` with parameter `id`'s buffer, writable.
+    fn lend_mut(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(B::Output<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError>;
+}
+
+/// Host slices as lent buffers (for tests and host training loops): `buffers[id.index()]`.
+impl Lender<Cpu> for [Vec<f32>] {
+    fn lend(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(HostValues<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        let b = self
+            .get(id.0)
+            .ok_or(OptimError::UnknownParam(format!("#{}", id.0)))?;
+        f(HostValues::F32(b))
+    }
+
+    fn lend_mut(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(HostValuesMut<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        let b = self
+            .get_mut(id.0)
+            .ok_or(OptimError::UnknownParam(format!("#{}", id.0)))?;
+        f(HostValuesMut::F32(b))
+    }
+}
+
+/// The optimizer's bookkeeping of one parameter.
 #[derive(Debug, Clone)]
+pub(crate) struct ParamState {
+    pub name: String,
+    pub group: usize,
+    /// The configuration asked for.
+    pub requested: ParamConfig,
+    /// The configuration in force (storages resolved by the minimum-size and shape rules).
+    pub config: ParamConfig,
+    /// Steps taken so far (the next is `steps + 1`).
+    pub steps: u64,
+    /// `accumulate` calls so far (the gradient slot's random-stream counter).
+    pub accumulations: u64,
+    /// Whether the accumulator holds gradients not yet consumed.
+    pub pending: bool,
+    pub lr_rule: LrRule,
+}
+
+/// The optimizer over all registered parameters, on backend `B` (the CPU by default).
+#[derive(Debug)]
 pub struct Optimizer<B: Backend = Cpu> {
     pub(crate) backend: B,
     pub(crate) options: OptimizerOptions,
     pub(crate) groups: Vec<ParamConfig>,
-    pub(crate) metas: Vec<ParamMeta>,
+    pub(crate) states: Vec<ParamState>,
+    pub(crate) layouts: Vec<ParamLayout>,
     pub(crate) params: Vec<B::Param>,
-    /// Steps taken by `step()` (the global counter; per-parameter counters are in the metas).
+    names: HashMap<String, usize>,
+    /// Steps taken by `step()` (the global counter; per-parameter counters are in the states).
     pub(crate) global_steps: u64,
-    /// Per-parameter scratch for the backend's answers, allocated at registration so a step
-    /// allocates nothing.
+    /// Per-parameter scratch, allocated at registration so a step allocates nothing: the
+    /// backend's statistics, the step's participants and plans, the non-finite flags.
     stats: Vec<(ExactSum, bool)>,
+    select: Vec<bool>,
+    /// The plans of a begun step's participants not yet stepped.
+    pending_plans: Vec<Option<ParamStep>>,
+    plans: Vec<Option<ParamStep>>,
     flags: Vec<bool>,
+    call_flags: Vec<bool>,
 }
 
 impl Optimizer<Cpu> {
@@ -101,6 +193,17 @@ impl Optimizer<Cpu> {
     pub fn new(options: OptimizerOptions) -> Result<Self, OptimError> {
         Self::with_backend(Cpu, options)
     }
+}
+
+fn numel_of(name: &str, shape: &[usize]) -> Result<usize, OptimError> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n > 0 && n <= usize::MAX / 8)
+        .ok_or_else(|| OptimError::Shape {
+            param: name.to_string(),
+            shape: shape.to_vec(),
+        })
 }
 
 impl<B: Backend> Optimizer<B> {
@@ -118,11 +221,17 @@ impl<B: Backend> Optimizer<B> {
             backend,
             options,
             groups: Vec::new(),
-            metas: Vec::new(),
+            states: Vec::new(),
+            layouts: Vec::new(),
             params: Vec::new(),
+            names: HashMap::new(),
             global_steps: 0,
             stats: Vec::new(),
+            select: Vec::new(),
+            pending_plans: Vec::new(),
+            plans: Vec::new(),
             flags: Vec::new(),
+            call_flags: Vec::new(),
         })
     }
 
@@ -139,6 +248,13 @@ impl<B: Backend> Optimizer<B> {
         Ok(self.groups.len() - 1)
     }
 
+    fn group_config(&self, group: usize) -> Result<ParamConfig, OptimError> {
+        self.groups
+            .get(group)
+            .copied()
+            .ok_or(OptimError::UnknownGroup(group))
+    }
+
     /// Registers a parameter of `shape` with initial values `init` in `group`, with the group's
     /// configuration.
     pub fn add_param(
@@ -148,10 +264,7 @@ impl<B: Backend> Optimizer<B> {
         init: &[f32],
         group: usize,
     ) -> Result<ParamId, OptimError> {
-        let config = *self
-            .groups
-            .get(group)
-            .ok_or(OptimError::UnknownGroup(group))?;
+        let config = self.group_config(group)?;
         self.add_param_with(name, shape, init, group, config)
     }
 
@@ -165,20 +278,18 @@ impl<B: Backend> Optimizer<B> {
         group: usize,
         config: ParamConfig,
     ) -> Result<ParamId, OptimError> {
-        if group >= self.groups.len() {
-            return Err(OptimError::UnknownGroup(group));
-        }
+        self.group_config(group)?;
         config.validate()?;
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .filter(|&n| n > 0 && n <= usize::MAX / 8)
-            .ok_or_else(|| OptimError::Shape {
+        let numel = numel_of(name, shape)?;
+        if let Some(index) = init.iter().position(|v| !v.is_finite()) {
+            return Err(OptimError::NonFiniteParam {
                 param: name.to_string(),
-                shape: shape.to_vec(),
-            })?;
+                index,
+                value: init[index],
+            });
+        }
         let resolved = config.resolve(numel, shape);
-        let stream = self.metas.len();
+        let init = Some(self.backend.host_input(HostValues::F32(init)));
         self.register(
             name,
             shape.to_vec(),
@@ -186,7 +297,61 @@ impl<B: Backend> Optimizer<B> {
             group,
             config,
             resolved,
-            (stream, 0),
+            (self.len(), 0),
+        )
+    }
+
+    /// Registers a parameter that lives in the caller's buffer (a framework's tensor): lpmm
+    /// steps it in place and keeps no copy of it, only its other regions (a Kahan compensation,
+    /// a split remainder), gradient accumulator and states. Its storage must be a framework
+    /// dtype ([`crate::backend::Format::lendable`]: f32 for `F32`; bf16 for `Bf16`,
+    /// `Bf16Kahan`, `SplitF32`) and `values` that buffer, whose values must be finite. Every
+    /// later operation that touches the parameter takes the buffer again ([`Optimizer::step_lent`],
+    /// [`Optimizer::begin_step`], [`Lender`]).
+    pub fn add_lent_param(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        values: B::Input<'_>,
+        group: usize,
+        config: ParamConfig,
+    ) -> Result<ParamId, OptimError> {
+        self.group_config(group)?;
+        config.validate()?;
+        let numel = numel_of(name, shape)?;
+        let resolved = config.resolve(numel, shape);
+        let want = resolved.param.format().and_then(|f| f.lendable());
+        let (dtype, len) = self.backend.input_info(&values);
+        if want != Some(dtype) || len != numel {
+            return Err(OptimError::Lent {
+                param: name.to_string(),
+                reason: match want {
+                    None => format!(
+                        "its storage {} cannot live in a caller's tensor",
+                        resolved.param.describe()
+                    ),
+                    Some(w) => format!(
+                        "its storage needs a {numel}-element {} tensor, not {len} {}",
+                        w.name(),
+                        dtype.name()
+                    ),
+                },
+            });
+        }
+        if !self.backend.finite(values)? {
+            return Err(OptimError::Lent {
+                param: name.to_string(),
+                reason: "its values are not all finite".into(),
+            });
+        }
+        self.register(
+            name,
+            shape.to_vec(),
+            None,
+            group,
+            config,
+            resolved,
+            (self.len(), 0),
         )
     }
 
@@ -211,33 +376,29 @@ impl<B: Backend> Optimizer<B> {
         config: ParamConfig,
         stream: usize,
     ) -> Result<ParamId, OptimError> {
-        if group >= self.groups.len() {
-            return Err(OptimError::UnknownGroup(group));
-        }
+        self.group_config(group)?;
         config.validate()?;
-        let numel = global_shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .filter(|&n| n > 0 && n <= usize::MAX / 8)
-            .ok_or_else(|| OptimError::Shape {
-                param: name.to_string(),
-                shape: global_shape.to_vec(),
-            })?;
+        let numel = numel_of(name, global_shape)?;
         let resolved = config.resolve(numel, global_shape);
         let whole = range.start == 0 && range.end == numel;
-        let tensor_wide = [resolved.state1, resolved.state2]
-            .iter()
-            .any(|s| matches!(s, Storage::Rank1 { .. } | Storage::Factorized));
+        let tensor_wide = !resolved.splittable();
         if range.is_empty()
             || range.end > numel
             || (!whole && (!range.start.is_multiple_of(resolved.shard_alignment()) || tensor_wide))
         {
-            return Err(OptimError::Unsupported {
-                backend: self.backend.name(),
-                what: format!(
-                    "shard {range:?} of {name} ({numel} elements): a shard is a non-empty range starting at a multiple of {} (ParamConfig::shard_alignment), and the whole tensor when a state has tensor-wide statistics",
+            return Err(OptimError::Shard {
+                param: name.to_string(),
+                reason: format!(
+                    "shard {range:?} of {numel} elements: a shard is a non-empty range starting at a multiple of {} (ParamConfig::shard_alignment), and the whole tensor when a state has tensor-wide statistics",
                     resolved.shard_alignment()
                 ),
+            });
+        }
+        if let Some(index) = init.iter().position(|v| !v.is_finite()) {
+            return Err(OptimError::NonFiniteParam {
+                param: name.to_string(),
+                index,
+                value: init[index],
             });
         }
         // A whole tensor keeps its shape (rank-1 and factorized states need it).
@@ -246,6 +407,7 @@ impl<B: Backend> Optimizer<B> {
         } else {
             vec![range.len()]
         };
+        let init = Some(self.backend.host_input(HostValues::F32(init)));
         self.register(
             name,
             shape,
@@ -262,30 +424,26 @@ impl<B: Backend> Optimizer<B> {
         &mut self,
         name: &str,
         shape: Vec<usize>,
-        init: &[f32],
+        init: Option<B::Input<'_>>,
         group: usize,
         config: ParamConfig,
         resolved: ParamConfig,
         (stream, offset): (usize, usize),
     ) -> Result<ParamId, OptimError> {
-        if self.metas.iter().any(|m| m.name == name) {
+        if self.names.contains_key(name) {
             return Err(OptimError::DuplicateName(name.to_string()));
         }
         let numel: usize = shape.iter().product();
-        if init.len() != numel {
-            return Err(OptimError::Length {
-                param: name.to_string(),
-                what: "initial values",
-                expected: numel,
-                actual: init.len(),
-            });
-        }
-        if let Some(index) = init.iter().position(|v| !v.is_finite()) {
-            return Err(OptimError::NonFiniteParam {
-                param: name.to_string(),
-                index,
-                value: init[index],
-            });
+        if let Some(init) = &init {
+            let (_, len) = self.backend.input_info(init);
+            if len != numel {
+                return Err(OptimError::Length {
+                    param: name.to_string(),
+                    what: "initial values",
+                    expected: numel,
+                    actual: len,
+                });
+            }
         }
         let (group_lr, own_lr) = (self.groups[group].hyper.lr(), config.hyper.lr());
         let lr_rule = if own_lr == group_lr {
@@ -295,61 +453,88 @@ impl<B: Backend> Optimizer<B> {
         } else {
             LrRule::Fixed
         };
-        let meta = ParamMeta {
-            name: name.to_string(),
+        let states = resolved.hyper.states();
+        let layout = ParamLayout {
             shape,
             numel,
+            formats: [
+                resolved.param.format(),
+                resolved.grad.format(),
+                if states >= 1 {
+                    resolved.state1.format()
+                } else {
+                    None
+                },
+                if states >= 2 {
+                    resolved.state2.format()
+                } else {
+                    None
+                },
+            ],
+            stream: stream as u64,
+            offset: offset as u64,
+            lent: init.is_none(),
+        };
+        let init = match init {
+            Some(values) => Init::Values(values),
+            None => Init::Lent,
+        };
+        let param = self.backend.allocate(&layout, init, self.options.seed)?;
+        let index = self.states.len();
+        self.names.insert(name.to_string(), index);
+        self.states.push(ParamState {
+            name: name.to_string(),
+            group,
             requested: config,
             config: resolved,
-            group,
             steps: 0,
             accumulations: 0,
             pending: false,
-            rule: Rule::new(&resolved.hyper, 1),
-            active: false,
-            update_param: true,
             lr_rule,
-            stream,
-            offset,
-        };
-        let index = self.metas.len();
-        let param = self
-            .backend
-            .allocate(index, &meta, init, self.options.seed)?;
-        self.metas.push(meta);
+        });
+        self.layouts.push(layout);
         self.params.push(param);
         self.stats.push((ExactSum::new(), true));
+        self.select.push(false);
+        self.pending_plans.push(None);
+        self.plans.push(None);
         self.flags.push(false);
+        self.call_flags.push(false);
         Ok(ParamId(index))
     }
 
     /// The parameter named `name`.
     pub fn param_id(&self, name: &str) -> Result<ParamId, OptimError> {
-        self.metas
-            .iter()
-            .position(|m| m.name == name)
-            .map(ParamId)
+        self.names
+            .get(name)
+            .map(|&i| ParamId(i))
             .ok_or_else(|| OptimError::UnknownParam(name.to_string()))
     }
 
     /// Number of registered parameters.
     pub fn len(&self) -> usize {
-        self.metas.len()
+        self.states.len()
     }
 
     /// Whether no parameter is registered.
     pub fn is_empty(&self) -> bool {
-        self.metas.is_empty()
+        self.states.is_empty()
     }
 
     /// The name of a parameter.
     pub fn name(&self, id: ParamId) -> Result<&str, OptimError> {
-        Ok(&self.meta(id)?.name)
+        Ok(&self.state(id)?.name)
     }
 
     /// The configuration in force for a parameter (after the minimum-size policy).
     pub fn config(&self, id: ParamId) -> Result<ParamConfig, OptimError> {
-        Ok(self.meta(id)?.config)
+        Ok(self.state(id)?.config)
+    }
+
+    /// Whether the parameter lives in the caller's buffer ([`Optimizer::add_lent_param`]).
+    pub fn is_lent(&self, id: ParamId) -> Result<bool, OptimError> {
+        self.state(id)?;
+        Ok(self.layouts[id.0].lent)
     }
 
     /// The options in force.
@@ -362,8 +547,8 @@ impl<B: Backend> Optimizer<B> {
         self.global_steps
     }
 
-    pub(crate) fn meta(&self, id: ParamId) -> Result<&ParamMeta, OptimError> {
-        self.metas
+    pub(crate) fn state(&self, id: ParamId) -> Result<&ParamState, OptimError> {
+        self.states
             .get(id.0)
             .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.0)))
     }
@@ -381,9 +566,7 @@ impl<B: Backend> Optimizer<B> {
     /// the group's (`LrRule::Scaled`), or keeps its learning rate if the group's was 0 when it was
     /// registered (`LrRule::Fixed`).
     pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<(), OptimError> {
-        if group >= self.groups.len() {
-            return Err(OptimError::UnknownGroup(group));
-        }
+        self.group_config(group)?;
         let valid = |v: f64| v.is_finite() && v >= 0.0 && (v as f32).is_finite();
         if !valid(lr) {
             return Err(OptimError::Hyperparameter {
@@ -392,7 +575,7 @@ impl<B: Backend> Optimizer<B> {
             });
         }
         // Check every resulting rate before changing anything.
-        for m in self.metas.iter().filter(|m| m.group == group) {
+        for m in self.states.iter().filter(|m| m.group == group) {
             if let LrRule::Scaled(k) = m.lr_rule
                 && !valid(lr * k)
             {
@@ -403,7 +586,7 @@ impl<B: Backend> Optimizer<B> {
             }
         }
         self.groups[group].hyper.set_lr(lr);
-        for m in self.metas.iter_mut().filter(|m| m.group == group) {
+        for m in self.states.iter_mut().filter(|m| m.group == group) {
             let own = match m.lr_rule {
                 LrRule::Group => lr,
                 LrRule::Scaled(k) => lr * k,
@@ -415,22 +598,18 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    fn check_len(
-        &self,
-        id: ParamId,
-        what: &'static str,
-        len: usize,
-    ) -> Result<&ParamMeta, OptimError> {
-        let meta = self.meta(id)?;
-        if len != meta.numel {
+    fn check_len(&self, id: ParamId, what: &'static str, len: usize) -> Result<(), OptimError> {
+        let state = self.state(id)?;
+        let numel = self.layouts[id.0].numel;
+        if len != numel {
             return Err(OptimError::Length {
-                param: meta.name.clone(),
+                param: state.name.clone(),
                 what,
-                expected: meta.numel,
+                expected: numel,
                 actual: len,
             });
         }
-        Ok(meta)
+        Ok(())
     }
 
     /// Adds a micro-batch gradient into the parameter's gradient accumulator (in its storage
@@ -438,11 +617,8 @@ impl<B: Backend> Optimizer<B> {
     /// Non-finite values are kept for the step's policy, except in quantized accumulators, which
     /// cannot hold them: there the call fails and nothing changes.
     pub fn accumulate(&mut self, id: ParamId, grad: &[f32]) -> Result<(), OptimError> {
-        let meta = self.check_len(id, "gradient", grad.len())?;
-        if meta.config.grad == Storage::None {
-            return Err(OptimError::NoAccumulator(meta.name.clone()));
-        }
-        if matches!(meta.config.grad, Storage::Quantized { .. })
+        self.check_len(id, "gradient", grad.len())?;
+        if self.states[id.0].config.grad.is_quantized()
             && let Some(index) = grad.iter().position(|v| !v.is_finite())
         {
             return Err(lpmm_quant::QuantError::NonFinite {
@@ -451,48 +627,93 @@ impl<B: Backend> Optimizer<B> {
             }
             .into());
         }
+        let grad = self.backend.host_input(HostValues::F32(grad));
+        self.accumulate_input(id, grad)
+    }
+
+    /// [`Optimizer::accumulate`] from a buffer in the backend's memory (a framework's gradient
+    /// tensor: no copy through the host on a device backend), f32 or bf16.
+    pub fn accumulate_input(&mut self, id: ParamId, grad: B::Input<'_>) -> Result<(), OptimError> {
+        let (_, len) = self.backend.input_info(&grad);
+        self.check_len(id, "gradient", len)?;
+        let state = &self.states[id.0];
+        if state.config.grad == Storage::None {
+            return Err(OptimError::NoAccumulator(state.name.clone()));
+        }
+        if state.config.grad.is_quantized() && !self.backend.finite(grad)? {
+            return Err(OptimError::NonFiniteGradient {
+                param: state.name.clone(),
+            });
+        }
         self.backend.accumulate(
-            id.0,
             &mut self.params[id.0],
-            &self.metas[id.0],
+            &self.layouts[id.0],
+            state.accumulations,
             grad,
             self.options.seed,
-        );
-        let meta = &mut self.metas[id.0];
-        meta.accumulations += 1;
-        meta.pending = true;
+        )?;
+        let state = &mut self.states[id.0];
+        state.accumulations += 1;
+        state.pending = true;
         Ok(())
     }
 
     /// Reads the parameter's current value as f32 into `out`.
     pub fn read_param(&self, id: ParamId, out: &mut [f32]) -> Result<(), OptimError> {
-        let meta = self.check_len(id, "output", out.len())?;
+        self.read_slot(id, SlotKind::Param, out)
+    }
+
+    fn read_slot(&self, id: ParamId, slot: SlotKind, out: &mut [f32]) -> Result<(), OptimError> {
+        self.check_len(id, "output", out.len())?;
+        let out = self.backend.host_output(HostValuesMut::F32(out));
         self.backend
-            .read(&self.params[id.0], meta, SlotKind::Param, out);
+            .read(&self.params[id.0], &self.layouts[id.0], slot, out)?;
+        Ok(())
+    }
+
+    /// Decodes one slot into a buffer of the backend's (f32 or bf16).
+    pub fn read_into(
+        &self,
+        id: ParamId,
+        slot: SlotKind,
+        out: B::Output<'_>,
+    ) -> Result<(), OptimError> {
+        let (_, len) = self.backend.output_info(&out);
+        self.check_len(id, "output", len)?;
+        self.backend
+            .read(&self.params[id.0], &self.layouts[id.0], slot, out)?;
         Ok(())
     }
 
     /// One slot of the parameter in the canonical host layout (the stored bits, unsharded): what a
-    /// checkpoint holds, and how two backends are compared bit for bit.
+    /// checkpoint holds, and how two backends are compared bit for bit. A lent parameter's
+    /// parameter slot needs its buffer: [`Optimizer::export_slot_lent`].
     pub fn export_slot(&self, id: ParamId, slot: SlotKind) -> Result<HostSlot, OptimError> {
-        let meta = self
-            .metas
-            .get(id.0)
-            .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.0)))?;
-        Ok(self.backend.export(&self.params[id.0], meta, slot))
+        self.export_slot_lent(id, slot, None)
+    }
+
+    /// [`Optimizer::export_slot`] with a lent parameter's buffer.
+    pub fn export_slot_lent(
+        &self,
+        id: ParamId,
+        slot: SlotKind,
+        lent: Option<B::Input<'_>>,
+    ) -> Result<HostSlot, OptimError> {
+        self.state(id)?;
+        Ok(self
+            .backend
+            .export(&self.params[id.0], &self.layouts[id.0], slot, lent)?)
     }
 
     /// Reads a state (1 or 2) of the parameter as f32 into `out` (zeros if the optimizer has no
     /// such state).
     pub fn read_state(&self, id: ParamId, state: usize, out: &mut [f32]) -> Result<(), OptimError> {
-        let meta = self.check_len(id, "output", out.len())?;
         let slot = if state == 1 {
             SlotKind::State1
         } else {
             SlotKind::State2
         };
-        self.backend.read(&self.params[id.0], meta, slot, out);
-        Ok(())
+        self.read_slot(id, slot, out)
     }
 
     /// Replaces one slot of a parameter with host contents in the canonical layout of its
@@ -503,14 +724,35 @@ impl<B: Backend> Optimizer<B> {
         slot: SlotKind,
         host: HostSlot,
     ) -> Result<(), OptimError> {
-        let meta = self.meta(id)?;
-        let name = meta.name.clone();
+        self.import_slot_lent(id, slot, &host, None)
+    }
+
+    /// [`Optimizer::import_slot`] with a lent parameter's buffer.
+    pub fn import_slot_lent(
+        &mut self,
+        id: ParamId,
+        slot: SlotKind,
+        host: &HostSlot,
+        lent: Option<B::Output<'_>>,
+    ) -> Result<(), OptimError> {
+        let name = self.state(id)?.name.clone();
+        let layout = &self.layouts[id.0];
+        let fail = |reason: String| OptimError::Slot {
+            param: name.clone(),
+            reason: format!("{} slot: {reason}", slot.name()),
+        };
+        match layout.format(slot) {
+            None if !host.is_empty() => {
+                return Err(fail("the configuration has no such slot".into()));
+            }
+            None => return Ok(()),
+            Some(f) => f
+                .validate(host, &layout.shape, layout.numel, slot != SlotKind::Grad)
+                .map_err(fail)?,
+        }
         self.backend
-            .import(&mut self.params[id.0], &self.metas[id.0], slot, host)
-            .map_err(|reason| OptimError::Slot {
-                param: name,
-                reason,
-            })
+            .import(&mut self.params[id.0], layout, slot, host, lent)?;
+        Ok(())
     }
 
     /// Sets a parameter's counters (which position its random streams) and learning-rate rule,
@@ -523,8 +765,8 @@ impl<B: Backend> Optimizer<B> {
         pending: bool,
         lr_rule: LrRule,
     ) -> Result<(), OptimError> {
-        self.meta(id)?;
-        let m = &mut self.metas[id.0];
+        self.state(id)?;
+        let m = &mut self.states[id.0];
         m.steps = steps;
         m.accumulations = accumulations;
         m.pending = pending;
@@ -537,22 +779,130 @@ impl<B: Backend> Optimizer<B> {
         self.global_steps = steps;
     }
 
-    /// Steps every parameter whose accumulator holds gradients, consuming them.
+    /// Steps every parameter whose accumulator holds gradients, consuming them. Lent parameters
+    /// need their buffers: [`Optimizer::step_lent`].
     pub fn step(&mut self) -> Result<StepReport, OptimError> {
+        let step = self.begin_step()?;
+        self.finish_step(step)
+    }
+
+    /// [`Optimizer::step`] with the buffers of lent parameters (each stepped in place).
+    pub fn step_lent(
+        &mut self,
+        lent: &mut [(ParamId, B::Output<'_>)],
+    ) -> Result<StepReport, OptimError> {
+        let step = self.begin_step()?;
+        if !step.skipped() {
+            self.step_part(&step, lent)?;
+        }
+        self.finish_step(step)
+    }
+
+    /// The first part of a step that a caller drives parameter by parameter (a framework that
+    /// lends one tensor at a time): the gradient pre-pass and its decision (skip, clip), with no
+    /// parameter moved yet. Then [`Optimizer::step_part`] for lent parameters (in any order,
+    /// each at most once) and [`Optimizer::finish_step`], which steps every other participant.
+    pub fn begin_step(&mut self) -> Result<StepInProgress, OptimError> {
         // Pre-pass over the gradients when the norm is needed (clipping) or the step may be
         // skipped: one read of each accumulator.
         if self.options.max_grad_norm.is_some()
             || self.options.non_finite == NonFinitePolicy::SkipStep
         {
-            let local = self.gradient_summary();
+            let local = self.gradient_summary()?;
             let any = !local.non_finite.is_empty();
-            Ok(self.step_with_summary(Some((local.sum, any)), local.non_finite))
+            self.begin_with_summary(Some((local.sum, any)), local.non_finite)
         } else {
-            for meta in &mut self.metas {
-                meta.active = meta.pending;
+            for (s, m) in self.select.iter_mut().zip(&self.states) {
+                *s = m.pending;
             }
-            Ok(self.step_with_summary(None, Vec::new()))
+            self.begin_with_summary(None, Vec::new())
         }
+    }
+
+    /// Steps the given participants of a begun step, lent ones in their buffers.
+    pub fn step_part(
+        &mut self,
+        step: &StepInProgress,
+        part: &mut [(ParamId, B::Output<'_>)],
+    ) -> Result<(), OptimError> {
+        if step.skipped() {
+            return Ok(());
+        }
+        for (id, _) in part.iter() {
+            self.state(*id)?;
+            if self.pending_plans[id.0].is_none() {
+                return Err(OptimError::Lent {
+                    param: self.states[id.0].name.clone(),
+                    reason: "it has no gradient in this step, or was stepped already".into(),
+                });
+            }
+        }
+        self.plans.iter_mut().for_each(|p| *p = None);
+        for (id, _) in part.iter() {
+            self.plans[id.0] = self.pending_plans[id.0].take();
+        }
+        self.run_plans(None, part)
+    }
+
+    /// Finishes a begun step: steps every participant not stepped by [`Optimizer::step_part`]
+    /// (a lent one left out is an error naming it) and reports.
+    pub fn finish_step(&mut self, step: StepInProgress) -> Result<StepReport, OptimError> {
+        let StepInProgress { mut report, .. } = step;
+        if report.skipped {
+            return Ok(report);
+        }
+        if let Some(i) = self
+            .pending_plans
+            .iter()
+            .zip(&self.layouts)
+            .position(|(p, l)| p.is_some() && l.lent)
+        {
+            return Err(OptimError::Lent {
+                param: self.states[i].name.clone(),
+                reason: "it takes part in this step but its buffer was not lent (step_lent or step_part)"
+                    .into(),
+            });
+        }
+        std::mem::swap(&mut self.plans, &mut self.pending_plans);
+        self.run_plans(None, &mut [])?;
+        for (index, state) in self.states.iter_mut().enumerate() {
+            if self.select[index] {
+                self.select[index] = false;
+                if self.flags[index] && !report.non_finite.contains(&ParamId(index)) {
+                    report.non_finite.push(ParamId(index));
+                }
+                report.updated += 1;
+                state.steps += 1;
+                state.pending = false;
+            }
+        }
+        self.global_steps += 1;
+        Ok(report)
+    }
+
+    /// Runs the backend's step on `self.plans` (cleared after), folding its non-finite flags
+    /// into `self.flags` (cleared when a step begins).
+    fn run_plans<'l>(
+        &mut self,
+        released: Option<(usize, B::Input<'l>)>,
+        lent: &mut [(ParamId, B::Output<'l>)],
+    ) -> Result<(), OptimError> {
+        let result = self.backend.step(StepWork {
+            params: &mut self.params,
+            layouts: &self.layouts,
+            plans: &self.plans,
+            released,
+            lent,
+            seed: self.options.seed,
+            non_finite: &mut self.call_flags,
+        });
+        for ((f, &c), p) in self.flags.iter_mut().zip(&self.call_flags).zip(&self.plans) {
+            if p.is_some() {
+                *f |= c;
+            }
+        }
+        self.plans.iter_mut().for_each(|p| *p = None);
+        Ok(result?)
     }
 
     /// The first half of a step split across ranks (lpmm-dist): marks every parameter with
@@ -560,22 +910,26 @@ impl<B: Backend> Optimizer<B> {
     /// gradient values and the parameters whose gradients are not all finite. Sums from several
     /// optimizers (the shards of one model) add exactly ([`ExactSum::merge`], or an integer
     /// all-reduce of [`ExactSum::to_words`]) to the unsharded model's sum, bit for bit.
-    pub fn gradient_summary(&mut self) -> GradientSummary {
-        for meta in &mut self.metas {
-            meta.active = meta.pending;
+    pub fn gradient_summary(&mut self) -> Result<GradientSummary, OptimError> {
+        for (s, m) in self.select.iter_mut().zip(&self.states) {
+            *s = m.pending;
         }
-        self.backend
-            .gradient_stats(&mut self.params, &self.metas, &mut self.stats);
+        self.backend.gradient_stats(
+            &mut self.params,
+            &self.layouts,
+            &self.select,
+            &mut self.stats,
+        )?;
         let mut summary = GradientSummary::default();
-        for (index, (meta, (sum, finite))) in self.metas.iter().zip(&self.stats).enumerate() {
-            if meta.active {
+        for (index, (&s, (sum, finite))) in self.select.iter().zip(&self.stats).enumerate() {
+            if s {
                 summary.sum.merge(sum);
                 if !finite {
                     summary.non_finite.push(ParamId(index));
                 }
             }
         }
-        summary
+        Ok(summary)
     }
 
     /// The second half of a split step, after [`Optimizer::gradient_summary`]: steps with the
@@ -587,12 +941,22 @@ impl<B: Backend> Optimizer<B> {
         &mut self,
         global: Option<(ExactSum, bool)>,
         local_non_finite: Vec<ParamId>,
-    ) -> StepReport {
+    ) -> Result<StepReport, OptimError> {
+        let step = self.begin_with_summary(global, local_non_finite)?;
+        self.finish_step(step)
+    }
+
+    /// The decision of a step from the global summary: the norm, the clip factor, a skip (which
+    /// consumes every gradient), or the plans of the participants (`self.select`).
+    fn begin_with_summary(
+        &mut self,
+        global: Option<(ExactSum, bool)>,
+        local_non_finite: Vec<ParamId>,
+    ) -> Result<StepInProgress, OptimError> {
         let mut report = StepReport {
             non_finite: local_non_finite,
             ..StepReport::default()
         };
-        let policy = self.options.non_finite;
         let mut clip = 1.0f32;
         if let Some((sum, any_non_finite)) = global {
             let norm = sum.to_f64().sqrt();
@@ -603,48 +967,52 @@ impl<B: Backend> Optimizer<B> {
             {
                 clip = (max / (norm + 1e-6)) as f32;
             }
-            if any_non_finite && policy == NonFinitePolicy::SkipStep {
+            if any_non_finite && self.options.non_finite == NonFinitePolicy::SkipStep {
                 report.skipped = true;
-                for meta in &mut self.metas {
-                    meta.pending = false;
-                    meta.active = false;
+                for (m, s) in self.states.iter_mut().zip(self.select.iter_mut()) {
+                    m.pending = false;
+                    *s = false;
                 }
-                self.backend.clear_gradients(&mut self.params);
-                return report;
+                self.backend
+                    .clear_gradients(&mut self.params, &self.layouts, None)?;
+                return Ok(StepInProgress { report, clip });
             }
         }
-        for meta in self.metas.iter_mut().filter(|m| m.active) {
-            meta.rule = Rule::new(&meta.config.hyper, meta.steps + 1);
-            meta.update_param = true;
+        self.flags.iter_mut().for_each(|f| *f = false);
+        for ((plan, &s), state) in self
+            .pending_plans
+            .iter_mut()
+            .zip(&self.select)
+            .zip(&self.states)
+        {
+            *plan = s.then(|| ParamStep {
+                t: state.steps + 1,
+                flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
+                rule: state.config.hyper.consts(state.steps + 1),
+                clip,
+            });
         }
-        self.backend.step(
-            &mut self.params,
-            &self.metas,
-            self.options.seed,
-            clip,
-            None,
-            &mut self.flags,
-        );
-        for (index, &flag) in self.flags.iter().enumerate() {
-            if flag && !report.non_finite.contains(&ParamId(index)) {
-                report.non_finite.push(ParamId(index));
-            }
-        }
-        for meta in self.metas.iter_mut().filter(|m| m.active) {
-            meta.steps += 1;
-            meta.pending = false;
-            meta.active = false;
-            report.updated += 1;
-        }
-        self.global_steps += 1;
-        report
+        Ok(StepInProgress { report, clip })
     }
 
     /// Gradient release: steps one parameter now with `grad` (plus anything its accumulator
     /// holds), so a training loop can step each parameter from its backward hook and never hold
     /// all gradients. Global-norm clipping needs every gradient and is not applied here.
     pub fn step_param(&mut self, id: ParamId, grad: &[f32]) -> Result<StepReport, OptimError> {
-        self.release_step(id, grad, true)
+        self.check_len(id, "gradient", grad.len())?;
+        let grad = self.backend.host_input(HostValues::F32(grad));
+        self.release_step(id, grad, true, None)
+    }
+
+    /// [`Optimizer::step_param`] with the gradient in the backend's memory and, for a lent
+    /// parameter, its buffer.
+    pub fn step_param_input<'l>(
+        &mut self,
+        id: ParamId,
+        grad: B::Input<'l>,
+        lent: Option<B::Output<'l>>,
+    ) -> Result<StepReport, OptimError> {
+        self.release_step(id, grad, true, lent)
     }
 
     /// Optimizer accumulation (optimi's, after Zhang et al.'s AdamAccumulation): folds a
@@ -657,64 +1025,96 @@ impl<B: Backend> Optimizer<B> {
         id: ParamId,
         grad: &[f32],
     ) -> Result<StepReport, OptimError> {
-        self.release_step(id, grad, false)
+        self.check_len(id, "gradient", grad.len())?;
+        let grad = self.backend.host_input(HostValues::F32(grad));
+        self.release_step(id, grad, false, None)
     }
 
-    fn release_step(
+    /// [`Optimizer::accumulate_states`] with the gradient in the backend's memory and, for a
+    /// lent parameter, its buffer (read for Adam's L2 penalty; not moved).
+    pub fn accumulate_states_input<'l>(
         &mut self,
         id: ParamId,
-        grad: &[f32],
-        update_param: bool,
+        grad: B::Input<'l>,
+        lent: Option<B::Output<'l>>,
     ) -> Result<StepReport, OptimError> {
-        self.check_len(id, "gradient", grad.len())?;
+        self.release_step(id, grad, false, lent)
+    }
+
+    fn release_step<'l>(
+        &mut self,
+        id: ParamId,
+        grad: B::Input<'l>,
+        update_param: bool,
+        lent: Option<B::Output<'l>>,
+    ) -> Result<StepReport, OptimError> {
+        let (_, len) = self.backend.input_info(&grad);
+        self.check_len(id, "gradient", len)?;
+        if self.layouts[id.0].lent != lent.is_some() {
+            return Err(OptimError::Lent {
+                param: self.states[id.0].name.clone(),
+                reason: if lent.is_some() {
+                    "a buffer was lent for a parameter lpmm holds".into()
+                } else {
+                    "it is lent: pass its buffer".into()
+                },
+            });
+        }
         let mut report = StepReport::default();
-        for (i, m) in self.metas.iter_mut().enumerate() {
-            m.active = i == id.0;
+        for (i, s) in self.select.iter_mut().enumerate() {
+            *s = i == id.0;
         }
         // The gradient is `grad` plus whatever the accumulator holds: both must be finite.
-        // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one).
-        let mut finite = grad
-            .par_chunks(1 << 16)
-            .all(|c| lpmm_formats::simd::abs_max_bits(c) < 0x7F80_0000);
-        if self.metas[id.0].pending {
-            self.backend
-                .gradient_stats(&mut self.params, &self.metas, &mut self.stats);
+        let mut finite = self.backend.finite(grad)?;
+        if self.states[id.0].pending {
+            self.backend.gradient_stats(
+                &mut self.params,
+                &self.layouts,
+                &self.select,
+                &mut self.stats,
+            )?;
             finite &= self.stats[id.0].1;
         }
+        self.select[id.0] = false;
         if !finite {
             report.non_finite.push(id);
             if self.options.non_finite == NonFinitePolicy::SkipStep {
                 // Skipped and consumed, as `step` does.
                 report.skipped = true;
                 self.backend
-                    .clear_gradients(std::slice::from_mut(&mut self.params[id.0]));
-                let m = &mut self.metas[id.0];
-                m.pending = false;
-                m.active = false;
+                    .clear_gradients(&mut self.params, &self.layouts, Some(id.0))?;
+                self.states[id.0].pending = false;
                 return Ok(report);
             }
         }
-
-        let meta = &mut self.metas[id.0];
-        meta.rule = Rule::new(&meta.config.hyper, meta.steps + 1);
-        meta.update_param = update_param;
-        self.backend.step(
-            &mut self.params,
-            &self.metas,
-            self.options.seed,
-            1.0,
-            Some((id.0, grad)),
-            &mut self.flags,
-        );
+        let state = &self.states[id.0];
+        self.plans.iter_mut().for_each(|p| *p = None);
+        self.plans[id.0] = Some(ParamStep {
+            t: state.steps + 1,
+            flags: StepFlags(0)
+                .with(StepFlags::FIRST, state.steps == 0)
+                .with(StepFlags::UPDATE_PARAM, update_param),
+            rule: state.config.hyper.consts(state.steps + 1),
+            clip: 1.0,
+        });
+        self.flags[id.0] = false;
+        match lent {
+            Some(l) => self.run_plans(Some((id.0, grad)), &mut [(id, l)])?,
+            None => self.run_plans(Some((id.0, grad)), &mut [])?,
+        }
         if self.flags[id.0] && !report.non_finite.contains(&id) {
             report.non_finite.push(id);
         }
-        let m = &mut self.metas[id.0];
-        m.active = false;
-        m.update_param = true;
+        let m = &mut self.states[id.0];
         m.steps += 1;
         m.pending = false;
         report.updated = 1;
         Ok(report)
+    }
+}
+
+impl From<BackendError> for OptimError {
+    fn from(e: BackendError) -> Self {
+        OptimError::Backend(e)
     }
 }

@@ -1,7 +1,8 @@
 //! Named configurations a user picks in one line. Each is a [`ParamConfig`]; change any field to
 //! override it.
 
-use crate::config::{Hyper, ParamConfig, Storage, StoreRounding};
+use crate::config::{ParamConfig, Storage, StoreRounding};
+use crate::rule::Hyper;
 
 /// f32 SGD with momentum: the reference for the SGDM presets (12 bytes per parameter).
 pub fn sgdm_f32(lr: f64, momentum: f64) -> ParamConfig {

@@ -4,8 +4,8 @@
 //! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
 
 use crate::{
-    Backend, HostSlot, Hyper, MapKind, NonFinitePolicy, OptimError, Optimizer, OptimizerOptions,
-    ParamConfig, ParamId, SlotKind, Storage, StoreRounding, presets,
+    Adam, Backend, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig,
+    ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
 };
 
 /// SplitMix64: the same numbers everywhere.
@@ -42,28 +42,8 @@ impl Rng {
     }
 }
 
-/// A host slot with floats as bit patterns, so that -0.0 and 0.0 differ.
-pub fn bits(h: &HostSlot) -> (Vec<u32>, Vec<u32>) {
-    let w16 = |v: &[u16]| v.iter().map(|&x| u32::from(x)).collect::<Vec<_>>();
-    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    match h {
-        HostSlot::Empty => (vec![], vec![]),
-        HostSlot::F32(v) => (f(v), vec![]),
-        HostSlot::Bf16(v) => (w16(v), vec![]),
-        HostSlot::Kahan { value, comp } => (w16(value), w16(comp)),
-        HostSlot::Split { hi, rem } => (w16(hi), w16(rem)),
-        HostSlot::Quantized { codes, absmax } => {
-            (codes.iter().map(|&c| u32::from(c)).collect(), f(absmax))
-        }
-        HostSlot::Factored { row, col } => (f(row), f(col)),
-        HostSlot::Rank1 { codes, scales } => {
-            (codes.iter().map(|&c| u32::from(c)).collect(), f(scales))
-        }
-    }
-}
-
 /// Every slot of every parameter of `a` and `b` must hold the same bits; panics naming the
-/// first difference (parameter, slot, element, both values).
+/// first difference (parameter, slot, region, element, both values).
 pub fn assert_same<A: Backend, B: Backend>(
     a: &Optimizer<A>,
     b: &Optimizer<B>,
@@ -76,23 +56,36 @@ pub fn assert_same<A: Backend, B: Backend>(
                 a.export_slot(id, slot).unwrap(),
                 b.export_slot(id, slot).unwrap(),
             );
+            let name = a.name(id).unwrap();
             assert_eq!(
-                std::mem::discriminant(&x),
-                std::mem::discriminant(&y),
-                "{what}: {} {} layouts differ",
-                a.name(id).unwrap(),
+                x.regions.len(),
+                y.regions.len(),
+                "{what}: {name} {} layouts differ",
                 slot.name()
             );
-            let (bx, by) = (bits(&x), bits(&y));
-            for (part, (u, v)) in [(&bx.0, &by.0), (&bx.1, &by.1)].into_iter().enumerate() {
-                assert_eq!(u.len(), v.len(), "{what}: lengths differ");
-                if let Some(k) = u.iter().zip(v.iter()).position(|(p, q)| p != q) {
+            for (u, v) in x.regions.iter().zip(&y.regions) {
+                assert_eq!(
+                    u.spec,
+                    v.spec,
+                    "{what}: {name} {} regions differ",
+                    slot.name()
+                );
+                assert_eq!(u.bytes.len(), v.bytes.len(), "{what}: lengths differ");
+                let size = u.spec.dtype.size();
+                if let Some(k) = u.bytes.iter().zip(&v.bytes).position(|(p, q)| p != q) {
+                    let e = k / size;
+                    let word = |b: &[u8]| {
+                        b[e * size..(e + 1) * size]
+                            .iter()
+                            .rev()
+                            .fold(0u32, |w, &x| w << 8 | u32::from(x))
+                    };
                     panic!(
-                        "{what}: parameter {} slot {} part {part} element {k}: {:#x} vs {:#x}",
-                        a.name(id).unwrap(),
+                        "{what}: parameter {name} slot {} region {:?} element {e}: {:#x} vs {:#x}",
                         slot.name(),
-                        u[k],
-                        v[k]
+                        u.spec.suffix,
+                        word(&u.bytes),
+                        word(&v.bytes)
                     );
                 }
             }
@@ -118,6 +111,8 @@ pub fn shapes() -> Vec<Vec<usize>> {
         vec![4096],
         vec![100],
         vec![7],
+        vec![5, 6, 70],
+        vec![3, 9000],
     ];
     s.extend((0..24).map(|k| vec![33 + k]));
     s
@@ -128,53 +123,29 @@ pub fn hypers() -> Vec<(&'static str, Hyper)> {
         ("sgd", Hyper::sgd(0.05, 0.0)),
         (
             "sgd-nesterov-wd",
-            Hyper::Sgd {
-                lr: 0.05,
-                momentum: 0.9,
-                dampening: 0.0,
-                nesterov: true,
-                weight_decay: 1e-2,
-            },
+            Hyper::Sgd(
+                Sgd::new(0.05)
+                    .momentum(0.9)
+                    .nesterov(true)
+                    .weight_decay(1e-2),
+            ),
         ),
         (
             "sgd-dampening",
-            Hyper::Sgd {
-                lr: 0.05,
-                momentum: 0.9,
-                dampening: 0.3,
-                nesterov: false,
-                weight_decay: 0.0,
-            },
+            Hyper::Sgd(Sgd::new(0.05).momentum(0.9).dampening(0.3)),
         ),
-        (
-            "adam-l2",
-            Hyper::Adam {
-                lr: 1e-3,
-                betas: (0.9, 0.999),
-                eps: 1e-8,
-                weight_decay: 1e-2,
-                decoupled: false,
-            },
-        ),
+        ("adam-l2", Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2))),
         ("adamw", Hyper::adamw(1e-3)),
         (
             "adamw-beta1-0.3",
-            Hyper::Adam {
-                lr: 1e-3,
-                betas: (0.3, 0.99),
-                eps: 1e-6,
-                weight_decay: 0.1,
-                decoupled: true,
-            },
+            Hyper::Adam(
+                Adam::adamw(1e-3)
+                    .betas(0.3, 0.99)
+                    .eps(1e-6)
+                    .weight_decay(0.1),
+            ),
         ),
-        (
-            "lion",
-            Hyper::Lion {
-                lr: 1e-4,
-                betas: (0.9, 0.99),
-                weight_decay: 0.1,
-            },
-        ),
+        ("lion", Hyper::Lion(Lion::new(1e-4).weight_decay(0.1))),
     ]
 }
 
@@ -450,31 +421,46 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
     }
 }
 
-/// Rank-1 and factorized second moments (tensor-wide statistics) are refused with
-/// [`OptimError::Unsupported`] naming the backend and the slot.
-pub fn tensor_wide_second_moments_are_a_typed_error<B: Backend>(gpu: &B) {
-    for state2 in [
-        Storage::Factorized,
-        Storage::Rank1 {
-            map: MapKind::LinearWithoutZero4,
-            fallback: lpmm_quant::BlockSize::B128,
-        },
-    ] {
-        let mut opt = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
-        opt.add_group(ParamConfig {
-            state2,
-            ..presets::adamw_4bit_split(1e-3)
-        })
-        .unwrap();
-        let err = opt
-            .add_param("m", &[128, 64], &vec![0.1; 128 * 64], 0)
-            .unwrap_err();
-        assert!(
-            matches!(&err, OptimError::Unsupported { backend, what } if *backend == gpu.name() && what.contains("state2")),
-            "{err}"
-        );
-        // Below the minimum quantized size the state is f32, which the backend holds.
-        opt.add_param("small", &[10, 10], &[0.1; 100], 0).unwrap();
+/// Rank-1 and factorized second moments (tensor-wide statistics, the two-phase step) with
+/// AdamW and Adam-L2 (whose moment gradient folds the penalty in), clipped and accumulated
+/// gradients, released gradients and optimizer accumulation, on matrices, a 3-D tensor and
+/// vectors (which fall back), on several pieces.
+pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
+    let rank1 = Storage::Rank1 {
+        map: MapKind::LinearWithoutZero4,
+        fallback: lpmm_quant::BlockSize::B128,
+    };
+    let clipped = OptimizerOptions {
+        seed: 3,
+        max_grad_norm: Some(0.5),
+        non_finite: NonFinitePolicy::SkipStep,
+    };
+    for (name, state2) in [("factorized", Storage::Factorized), ("rank-1", rank1)] {
+        for (hname, hyper) in [
+            ("adamw", Hyper::adamw(1e-3)),
+            ("adam-l2", Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2))),
+        ] {
+            for (gname, param, grad, options) in [
+                ("bf16 sr, clipped", BF_SR, BF_SR, clipped),
+                (
+                    "f32, released",
+                    Storage::F32,
+                    Storage::None,
+                    OptimizerOptions::default(),
+                ),
+            ] {
+                let config = ParamConfig {
+                    hyper,
+                    param,
+                    grad,
+                    state1: Storage::FOUR_BIT_SIGNED,
+                    state2,
+                    min_quantized_size: 0,
+                };
+                let label = format!("{name} {hname} {gname}");
+                compare(gpu, &label, config, options, 3);
+            }
+        }
     }
 }
 
@@ -509,4 +495,32 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
     } else {
         eprintln!("this device is not bit-exact on subnormals; see docs/BACKENDS.md");
     }
+}
+
+/// Generates the conformance suite's tests for a backend: one `#[test]` per check, each run on
+/// every backend `$devices` yields (an expression giving an iterator of backends: none, with a
+/// message, where the hardware is missing). A check added here runs on every backend that uses
+/// the macro.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($devices:expr) => {
+        $crate::conformance_tests!(@each $devices;
+            presets_are_bit_exact,
+            every_optimizer_with_every_storage_is_bit_exact,
+            clipping_and_non_finite_gradients_are_bit_exact,
+            reads_decode_as_the_cpu_does,
+            checkpoints_move_between_backends_and_resume_exactly,
+            tensor_wide_second_moments_are_bit_exact,
+        );
+    };
+    (@each $devices:expr; $($check:ident,)*) => {
+        $(
+            #[test]
+            fn $check() {
+                for device in ::std::iter::IntoIterator::into_iter($devices) {
+                    $crate::testing::$check(&device);
+                }
+            }
+        )*
+    };
 }

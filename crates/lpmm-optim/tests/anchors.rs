@@ -7,13 +7,13 @@ mod common;
 use lpmm_optim::{Hyper, ParamConfig, Storage};
 
 fn adamw() -> Hyper {
-    Hyper::Adam {
+    Hyper::Adam(lpmm_optim::Adam {
         lr: 1e-3,
         betas: (0.9, 0.999),
         eps: 1e-8,
         weight_decay: 0.01,
         decoupled: true,
-    }
+    })
 }
 
 fn check(results: &[(u64, &str, f64, f64)], bound: impl Fn(u64, &str) -> f64) {

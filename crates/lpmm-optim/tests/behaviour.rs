@@ -191,12 +191,12 @@ fn gradient_release_equals_accumulate_then_step() {
                 .collect()
         })
         .collect();
-    let mut one = Optimizer::new(OptimizerOptions {
+    let options = OptimizerOptions {
         seed: 9,
         ..Default::default()
-    })
-    .unwrap();
-    let mut two = one.clone();
+    };
+    let mut one = Optimizer::new(options).unwrap();
+    let mut two = Optimizer::new(options).unwrap();
     let g1 = one.add_group(config).unwrap();
     let g2 = two.add_group(config).unwrap();
     let p1 = one.add_param("w", &[50, 100], &init, g1).unwrap();
@@ -216,46 +216,46 @@ fn gradient_release_equals_accumulate_then_step() {
 fn bad_input_gets_typed_errors() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let bad_hyper = [
-        Hyper::Sgd {
+        Hyper::Sgd(lpmm_optim::Sgd {
             lr: -1.0,
             momentum: 0.0,
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
-        },
-        Hyper::Sgd {
+        }),
+        Hyper::Sgd(lpmm_optim::Sgd {
             lr: f64::NAN,
             momentum: 0.0,
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
-        },
-        Hyper::Sgd {
+        }),
+        Hyper::Sgd(lpmm_optim::Sgd {
             lr: 0.1,
             momentum: 0.0,
             dampening: 0.0,
             nesterov: true,
             weight_decay: 0.0,
-        },
-        Hyper::Adam {
+        }),
+        Hyper::Adam(lpmm_optim::Adam {
             lr: 1e-3,
             betas: (1.0, 0.999),
             eps: 1e-8,
             weight_decay: 0.0,
             decoupled: true,
-        },
-        Hyper::Adam {
+        }),
+        Hyper::Adam(lpmm_optim::Adam {
             lr: 1e-3,
             betas: (0.9, -0.1),
             eps: 1e-8,
             weight_decay: 0.0,
             decoupled: true,
-        },
-        Hyper::Lion {
+        }),
+        Hyper::Lion(lpmm_optim::Lion {
             lr: 1e-3,
             betas: (0.9, 1.5),
             weight_decay: 0.0,
-        },
+        }),
     ];
     for h in bad_hyper {
         assert!(
@@ -606,24 +606,24 @@ fn a_per_parameter_learning_rate_survives_schedule_changes() {
 #[test]
 fn hyperparameters_must_survive_the_cast_to_f32() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
-    let too_big = Hyper::Sgd {
+    let too_big = Hyper::Sgd(lpmm_optim::Sgd {
         lr: 1e39,
         momentum: 0.0,
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
-    };
+    });
     assert!(matches!(
         opt.add_group(ParamConfig::f32(too_big)),
         Err(OptimError::Hyperparameter { .. })
     ));
-    let vanishing_eps = Hyper::Adam {
+    let vanishing_eps = Hyper::Adam(lpmm_optim::Adam {
         lr: 1e-3,
         betas: (0.9, 0.999),
         eps: 1e-50,
         weight_decay: 0.0,
         decoupled: true,
-    };
+    });
     assert!(matches!(
         opt.add_group(ParamConfig::f32(vanishing_eps)),
         Err(OptimError::Hyperparameter { .. })
@@ -642,13 +642,13 @@ fn hyperparameters_must_survive_the_cast_to_f32() {
 fn adam_with_beta1_zero_keeps_exactly_the_gradient() {
     // PyTorch's lerp for weights >= 0.5 is fma(w - 1, g - m, g): with beta1 = 0, m = g exactly.
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
-    let hyper = Hyper::Adam {
+    let hyper = Hyper::Adam(lpmm_optim::Adam {
         lr: 1e-3,
         betas: (0.0, 0.999),
         eps: 1e-8,
         weight_decay: 0.0,
         decoupled: true,
-    };
+    });
     let g = opt.add_group(ParamConfig::f32(hyper)).unwrap();
     let id = opt.add_param("p", &[3], &[1.0; 3], g).unwrap();
     let grads = [[0.3f32, -1.7, 2.9e-5], [0.11, 0.7, -3.0]];

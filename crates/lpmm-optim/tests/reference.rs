@@ -28,12 +28,14 @@ fn inputs_are_regenerated_bit_for_bit() {
 
 #[test]
 fn f32_optimizers_match_pytorch_and_lion_pytorch_over_100_steps() {
-    let sgd = |momentum, dampening, nesterov, weight_decay| Hyper::Sgd {
-        lr: 0.01,
-        momentum,
-        dampening,
-        nesterov,
-        weight_decay,
+    let sgd = |momentum, dampening, nesterov, weight_decay| {
+        Hyper::Sgd(lpmm_optim::Sgd {
+            lr: 0.01,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        })
     };
     // (anchor, hyperparameters, bound on max |p - p_ref| / max |p_ref|). SGD and Lion use the same
     // operations as PyTorch in the same order (fused multiply-adds included) and are bit-exact.
@@ -46,44 +48,44 @@ fn f32_optimizers_match_pytorch_and_lion_pytorch_over_100_steps() {
         ("sgd_dampening_wd", sgd(0.9, 0.5, false, 0.001), 0.0),
         (
             "adamw",
-            Hyper::Adam {
+            Hyper::Adam(lpmm_optim::Adam {
                 lr: 1e-3,
                 betas: (0.9, 0.999),
                 eps: 1e-8,
                 weight_decay: 0.01,
                 decoupled: true,
-            },
+            }),
             1e-6,
         ),
         (
             "adam_l2",
-            Hyper::Adam {
+            Hyper::Adam(lpmm_optim::Adam {
                 lr: 1e-3,
                 betas: (0.9, 0.999),
                 eps: 1e-8,
                 weight_decay: 0.01,
                 decoupled: false,
-            },
+            }),
             1e-6,
         ),
         (
             "adam",
-            Hyper::Adam {
+            Hyper::Adam(lpmm_optim::Adam {
                 lr: 1e-3,
                 betas: (0.9, 0.999),
                 eps: 1e-8,
                 weight_decay: 0.0,
                 decoupled: false,
-            },
+            }),
             1e-6,
         ),
         (
             "lion",
-            Hyper::Lion {
+            Hyper::Lion(lpmm_optim::Lion {
                 lr: 1e-4,
                 betas: (0.9, 0.99),
                 weight_decay: 0.01,
-            },
+            }),
             0.0,
         ),
     ];

@@ -21,26 +21,26 @@ fn configs() -> Vec<(&'static str, ParamConfig)> {
         ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9)),
         (
             "sgdm_f32_nesterov",
-            ParamConfig::f32(Hyper::Sgd {
+            ParamConfig::f32(Hyper::Sgd(lpmm_optim::Sgd {
                 lr: 1e-2,
                 momentum: 0.9,
                 dampening: 0.0,
                 nesterov: true,
                 weight_decay: 1e-4,
-            }),
+            })),
         ),
         ("lion_bf16", presets::bf16_nearest(Hyper::lion(1e-4))),
         (
             "adam_l2_kahan",
             ParamConfig {
                 param: Storage::Bf16Kahan,
-                ..ParamConfig::f32(Hyper::Adam {
+                ..ParamConfig::f32(Hyper::Adam(lpmm_optim::Adam {
                     lr: 1e-3,
                     betas: (0.9, 0.999),
                     eps: 1e-8,
                     weight_decay: 1e-2,
                     decoupled: false,
-                })
+                }))
             },
         ),
     ]

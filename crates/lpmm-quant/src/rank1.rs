@@ -20,7 +20,10 @@ const CHUNK_ELEMENTS: usize = 1 << 16;
 #[derive(Debug, Clone)]
 pub struct Rank1<'m> {
     map: &'m CodeMap,
-    shape: Vec<usize>,
+    /// The shape in its first `ndim` entries (a fixed array: building a quantizer allocates
+    /// nothing, so a fused optimizer step may build one per call).
+    dims: [usize; MAX_DIMS],
+    ndim: usize,
     len: usize,
 }
 
@@ -35,15 +38,23 @@ impl<'m> Rank1<'m> {
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .filter(|&n| n > 0 && n <= usize::MAX / 8);
-        let len = len.ok_or(QuantError::Shape {
+        let len = len.ok_or_else(|| QuantError::Shape {
             shape: shape.to_vec(),
             len: 0,
         })?;
+        let mut dims = [0; MAX_DIMS];
+        dims[..shape.len()].copy_from_slice(shape);
         Ok(Self {
             map,
-            shape: shape.to_vec(),
+            dims,
+            ndim: shape.len(),
             len,
         })
+    }
+
+    /// The tensor's shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.dims[..self.ndim]
     }
 
     /// The number of elements.
@@ -63,13 +74,13 @@ impl<'m> Rank1<'m> {
 
     /// Number of f32 scales: the per-dimension max vectors, dimension 0's first.
     pub fn scales_len(&self) -> usize {
-        self.shape.iter().sum()
+        self.shape().iter().sum()
     }
 
     fn check(&self, n: usize, codes: usize, scales: usize) -> Result<(), QuantError> {
         if n != self.len {
             return Err(QuantError::Shape {
-                shape: self.shape.clone(),
+                shape: self.shape().to_vec(),
                 len: n,
             });
         }
@@ -92,14 +103,14 @@ impl<'m> Rank1<'m> {
     fn position(&self, start: usize) -> ([usize; MAX_DIMS], [usize; MAX_DIMS]) {
         let (mut index, mut offsets) = ([0usize; MAX_DIMS], [0usize; MAX_DIMS]);
         let mut acc = 0;
-        for (k, &d) in self.shape.iter().enumerate() {
+        for (k, &d) in self.shape().iter().enumerate() {
             offsets[k] = acc;
             acc += d;
         }
         let mut rest = start;
-        for k in (0..self.shape.len()).rev() {
-            index[k] = rest % self.shape[k];
-            rest /= self.shape[k];
+        for k in (0..self.shape().len()).rev() {
+            index[k] = rest % self.shape()[k];
+            rest /= self.shape()[k];
         }
         (index, offsets)
     }
@@ -107,19 +118,19 @@ impl<'m> Rank1<'m> {
     /// Walks `start .. start + count` in runs along the last dimension: `f(flat, index, run)`
     /// with the multi-index of the run's first element. Allocation-free.
     fn for_each_run(&self, start: usize, count: usize, mut f: impl FnMut(usize, &[usize], usize)) {
-        let nd = self.shape.len();
+        let nd = self.shape().len();
         let (mut index, _) = self.position(start);
         let last = nd - 1;
         let mut flat = start;
         let end = start + count;
         while flat < end {
-            let run = (self.shape[last] - index[last]).min(end - flat);
+            let run = (self.shape()[last] - index[last]).min(end - flat);
             f(flat, &index[..nd], run);
             flat += run;
             index[last] += run;
             // Carry into the outer dimensions.
             let mut k = last;
-            while k > 0 && index[k] == self.shape[k] {
+            while k > 0 && index[k] == self.shape()[k] {
                 index[k] = 0;
                 k -= 1;
                 index[k] += 1;
@@ -135,18 +146,30 @@ impl<'m> Rank1<'m> {
         scales: &[f32],
         start: usize,
         count: usize,
+        f: impl FnMut(usize, f32),
+    ) {
+        self.for_each_scale_with(|k| scales[k], start, count, f);
+    }
+
+    /// [`Rank1::for_each_scale`] with the scales read through `scale(k)` (word `k` of the
+    /// layout), for scales held in memory that is not a slice of f32 (atomics, device words).
+    pub fn for_each_scale_with(
+        &self,
+        scale: impl Fn(usize) -> f32,
+        start: usize,
+        count: usize,
         mut f: impl FnMut(usize, f32),
     ) {
         let (_, offsets) = self.position(0);
-        let last = self.shape.len() - 1;
+        let last = self.shape().len() - 1;
         self.for_each_run(start, count, |flat, index, run| {
             // Min over the outer dimensions, constant along the last one.
             let outer = (0..last)
-                .map(|k| scales[offsets[k] + index[k]])
+                .map(|k| scale(offsets[k] + index[k]))
                 .fold(f32::INFINITY, f32::min);
-            let cols = &scales[offsets[last] + index[last]..][..run];
-            for (j, &c) in cols.iter().enumerate() {
-                f(flat + j, outer.min(c));
+            let first = offsets[last] + index[last];
+            for j in 0..run {
+                f(flat + j, outer.min(scale(first + j)));
             }
         });
     }
@@ -155,21 +178,28 @@ impl<'m> Rank1<'m> {
     /// `maxima` (laid out as the scales). Allocation-free: a sharded or chunked computation of
     /// the scales folds each part and then takes the element-wise max of the parts.
     pub fn fold_maxima(&self, values: &[f32], start: usize, maxima: &mut [f32]) {
+        self.fold_maxima_with(values, start, |k, v| {
+            let m = &mut maxima[k];
+            *m = m.max(v);
+        });
+    }
+
+    /// [`Rank1::fold_maxima`] through `fold(k, |x|)`, which must raise word `k` of the layout to
+    /// at least `|x|` (an atomic max on the bits of a non-negative f32 will do: the result is the
+    /// same in any order).
+    pub fn fold_maxima_with(&self, values: &[f32], start: usize, mut fold: impl FnMut(usize, f32)) {
         let (_, offsets) = self.position(0);
-        let last = self.shape.len() - 1;
+        let last = self.shape().len() - 1;
         self.for_each_run(start, values.len(), |flat, index, run| {
             let run_values = &values[flat - start..][..run];
             let mut run_max = 0.0f32;
-            for (m, &v) in maxima[offsets[last] + index[last]..][..run]
-                .iter_mut()
-                .zip(run_values)
-            {
-                *m = m.max(v.abs());
+            let first = offsets[last] + index[last];
+            for (j, &v) in run_values.iter().enumerate() {
+                fold(first + j, v.abs());
                 run_max = run_max.max(v.abs());
             }
             for k in 0..last {
-                let m = &mut maxima[offsets[k] + index[k]];
-                *m = m.max(run_max);
+                fold(offsets[k] + index[k], run_max);
             }
         });
     }
@@ -191,9 +221,9 @@ impl<'m> Rank1<'m> {
         }
         // Pass 1: the per-dimension max vectors. Tasks take ranges of dimension 0 (contiguous
         // memory), write dimension 0's maxima directly and reduce the others by element-wise max.
-        let (dim0, rest) = scales.split_at_mut(self.shape[0]);
-        let inner_shape = &self.shape[1..];
-        let stride0 = self.len / self.shape[0];
+        let (dim0, rest) = scales.split_at_mut(self.shape()[0]);
+        let inner_shape = &self.shape()[1..];
+        let stride0 = self.len / self.shape()[0];
         let rows_per_task = (CHUNK_ELEMENTS / stride0).max(1);
         let partial = x
             .par_chunks(stride0 * rows_per_task)

@@ -33,7 +33,7 @@ fn software_fma_is_correctly_rounded() {
         };
         triples.push([a, b, c]);
     }
-    let out = gpu.probe_arith(&triples);
+    let out = gpu.probe_arith(&triples).unwrap();
     let mut wrong = 0;
     for (&[a, b, c], o) in triples.iter().zip(&out) {
         let want = a.mul_add(b, c);

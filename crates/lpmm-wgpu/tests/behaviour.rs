@@ -1,5 +1,4 @@
-//! Checkpoints across backends, typed errors for what the backend does not hold, many tensors
-//! per dispatch, subnormal values, large tensors cut at the storage-binding limit.
+//! Many tensors per dispatch, subnormal values, large tensors cut at the storage-binding limit.
 
 mod common;
 
@@ -7,18 +6,6 @@ use common::{backend, small};
 use lpmm_optim::testing::{self, Rng, assert_same};
 use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, presets};
 use lpmm_wgpu::WgpuOptions;
-
-#[test]
-fn checkpoints_move_between_cpu_and_wgpu_and_resume_exactly() {
-    let Some(gpu) = backend(small()) else { return };
-    testing::checkpoints_move_between_backends_and_resume_exactly(&gpu);
-}
-
-#[test]
-fn tensor_wide_second_moments_are_a_typed_error() {
-    let Some(gpu) = backend(small()) else { return };
-    testing::tensor_wide_second_moments_are_a_typed_error(&gpu);
-}
 
 #[test]
 fn many_small_tensors_share_one_dispatch() {

@@ -152,13 +152,13 @@ pub fn configs() -> Vec<(&'static str, ParamConfig)> {
         (
             "sgd nesterov, quantized grads and params",
             ParamConfig {
-                hyper: Hyper::Sgd {
+                hyper: Hyper::Sgd(lpmm_optim::Sgd {
                     lr: 0.05,
                     momentum: 0.9,
                     dampening: 0.0,
                     nesterov: true,
                     weight_decay: 1e-2,
-                },
+                }),
                 param: Storage::LINEAR8_GROUP64_SR,
                 grad: Storage::LINEAR8_GROUP64_SR,
                 state1: Storage::DYNAMIC8_SIGNED,

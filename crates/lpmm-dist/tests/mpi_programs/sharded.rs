@@ -79,7 +79,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
     opt.save(&path).expect("save");
     same_canonical(
         &Canonical::read(&path).expect("read"),
-        &refopt.canonical(),
+        &refopt.canonical().expect("canonical"),
         &format!("{name} {shard:?} at {world} ranks"),
     );
 }
@@ -167,7 +167,7 @@ fn main() {
             }
             same_canonical(
                 &Canonical::read(&args[2]).expect("read"),
-                &refopt.canonical(),
+                &refopt.canonical().expect("canonical"),
                 "resumed",
             );
             println!("rank {rank}/{world}: resumed bit-identically");

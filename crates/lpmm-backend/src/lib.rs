@@ -1,0 +1,171 @@
+//! What lpmm's device backends are built from, so that lpmm-wgpu and lpmm-cuda are thin adapters:
+//!
+//! - [`abi`]: the kernel ABI — the descriptor every launch carries, flags, entry points and the
+//!   code-map layout — defined once in Rust;
+//! - [`codegen`]: that ABI and the dispatch over lpmm-optim's format and rule registries written
+//!   in WGSL and CUDA C, and each backend's kernel program assembled from its hand-written
+//!   sources (`cargo xtask codegen` writes them; the backends' tests fail, naming the command,
+//!   when the committed files are stale);
+//! - [`Runtime`]: the little a device must offer (memory, copies, launching an entry point over
+//!   descriptors);
+//! - [`Device`]: lpmm-optim's `Backend` on any runtime — the one host orchestration of
+//!   allocation, batching, gradient statistics, the two-phase step (fold, combine, fused pass),
+//!   export and import, lent parameters and device-resident inputs and outputs.
+//!
+//! This crate touches no GPU API: runtimes do.
+
+pub mod abi;
+pub mod codegen;
+mod device;
+mod runtime;
+
+pub use device::{Device, DeviceInput, DeviceOptions, DeviceOutput, DeviceParam};
+pub use runtime::{Io, Launch, Limits, Runtime};
+
+/// What [`device_backend!`] expands to refers to.
+#[doc(hidden)]
+pub mod reexport {
+    pub use lpmm_optim::ExactSum;
+    pub use lpmm_optim::backend::{
+        Backend, BackendError, Dtype, HostSlot, HostValues, HostValuesMut, Init, ParamLayout,
+        SlotKind, StepWork,
+    };
+}
+
+/// Defines a backend type that is a [`Device`] on one runtime: a newtype that dereferences to the
+/// device and implements lpmm-optim's `Backend` by delegating to it (what lpmm-wgpu's `Wgpu` and
+/// lpmm-cuda's `Cuda` are).
+#[macro_export]
+macro_rules! device_backend {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident($rt:ty);) => {
+        $(#[$meta])*
+        #[derive(Clone, Debug)]
+        $vis struct $name($crate::Device<$rt>);
+
+        impl $name {
+            /// The backend on `runtime`.
+            pub fn from_runtime(
+                runtime: $rt,
+                options: $crate::DeviceOptions,
+            ) -> Result<Self, $crate::reexport::BackendError> {
+                Ok(Self($crate::Device::new(runtime, options)?))
+            }
+        }
+
+        impl ::std::ops::Deref for $name {
+            type Target = $crate::Device<$rt>;
+            fn deref(&self) -> &$crate::Device<$rt> {
+                &self.0
+            }
+        }
+
+        impl $crate::reexport::Backend for $name {
+            type Param = $crate::DeviceParam<$rt>;
+            type Input<'a> = $crate::DeviceInput<'a, $rt>;
+            type Output<'a> = $crate::DeviceOutput<'a, $rt>;
+
+            fn name(&self) -> &'static str {
+                self.0.name()
+            }
+            fn host_input<'a>(&self, v: $crate::reexport::HostValues<'a>) -> Self::Input<'a> {
+                self.0.host_input(v)
+            }
+            fn host_output<'a>(&self, v: $crate::reexport::HostValuesMut<'a>) -> Self::Output<'a> {
+                self.0.host_output(v)
+            }
+            fn input_info(&self, i: &Self::Input<'_>) -> ($crate::reexport::Dtype, usize) {
+                self.0.input_info(i)
+            }
+            fn output_info(&self, o: &Self::Output<'_>) -> ($crate::reexport::Dtype, usize) {
+                self.0.output_info(o)
+            }
+            fn allocate(
+                &self,
+                layout: &$crate::reexport::ParamLayout,
+                init: $crate::reexport::Init<'_, Self>,
+                seed: u64,
+            ) -> Result<Self::Param, $crate::reexport::BackendError> {
+                let init = match init {
+                    $crate::reexport::Init::Values(v) => $crate::reexport::Init::Values(v),
+                    $crate::reexport::Init::Lent => $crate::reexport::Init::Lent,
+                };
+                self.0.allocate(layout, init, seed)
+            }
+            fn accumulate(
+                &self,
+                param: &mut Self::Param,
+                layout: &$crate::reexport::ParamLayout,
+                counter: u64,
+                grad: Self::Input<'_>,
+                seed: u64,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.accumulate(param, layout, counter, grad, seed)
+            }
+            fn finite(&self, values: Self::Input<'_>) -> Result<bool, $crate::reexport::BackendError> {
+                self.0.finite(values)
+            }
+            fn gradient_stats(
+                &self,
+                params: &mut [Self::Param],
+                layouts: &[$crate::reexport::ParamLayout],
+                select: &[bool],
+                out: &mut [($crate::reexport::ExactSum, bool)],
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.gradient_stats(params, layouts, select, out)
+            }
+            fn step(
+                &self,
+                w: $crate::reexport::StepWork<'_, '_, Self>,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.step($crate::reexport::StepWork {
+                    params: w.params,
+                    layouts: w.layouts,
+                    plans: w.plans,
+                    released: w.released,
+                    lent: w.lent,
+                    seed: w.seed,
+                    non_finite: w.non_finite,
+                })
+            }
+            fn clear_gradients(
+                &self,
+                params: &mut [Self::Param],
+                layouts: &[$crate::reexport::ParamLayout],
+                only: Option<usize>,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.clear_gradients(params, layouts, only)
+            }
+            fn read(
+                &self,
+                param: &Self::Param,
+                layout: &$crate::reexport::ParamLayout,
+                slot: $crate::reexport::SlotKind,
+                out: Self::Output<'_>,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.read(param, layout, slot, out)
+            }
+            fn export(
+                &self,
+                param: &Self::Param,
+                layout: &$crate::reexport::ParamLayout,
+                slot: $crate::reexport::SlotKind,
+                lent: Option<Self::Input<'_>>,
+            ) -> Result<$crate::reexport::HostSlot, $crate::reexport::BackendError> {
+                self.0.export(param, layout, slot, lent)
+            }
+            fn import(
+                &self,
+                param: &mut Self::Param,
+                layout: &$crate::reexport::ParamLayout,
+                slot: $crate::reexport::SlotKind,
+                host: &$crate::reexport::HostSlot,
+                lent: Option<Self::Output<'_>>,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                self.0.import(param, layout, slot, host, lent)
+            }
+            fn bytes(&self, param: &Self::Param, layout: &$crate::reexport::ParamLayout) -> [usize; 4] {
+                self.0.bytes(param, layout)
+            }
+        }
+    };
+}

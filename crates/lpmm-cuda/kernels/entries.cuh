@@ -1,0 +1,187 @@
+// The entry points (abi.rs `Entry`): every tile's descriptor says which operation's fields it
+// fills. Each takes the launch's descriptors, their count, the code-map table and the flag words
+// (one per parameter); a descriptor's `io` is the address of its element 0's input or output.
+
+#define LPMM_ARGS const Desc *descs, uint32_t ndesc, const uint32_t *maps, uint32_t *flags
+
+// Stores the 16 values of thread `lt` in slot `s` (format/*.rs `encode`), drawing the random
+// words of a stochastic format from the slot's stream at `counter`. Called by every thread of
+// the block.
+__device__ __forceinline__ void store(const Tile& t, const uint32_t* maps, uint32_t* red,
+                                      uint32_t lt, uint32_t s, const float v[16], uint32_t count,
+                                      uint64_t counter) {
+    uint32_t r[16] = {};
+    if (fmt_stochastic(slot_format(t, s), slot_aux(t, s)) && count > 0u) {
+        thread_bits(t, lt, s, counter, r);
+    }
+    fmt_store(t, maps, red, lt, s, v, count, r);
+}
+
+// cpu.rs `allocate`: the initial values stored as the parameter (stream counter 0).
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_init(LPMM_ARGS) {
+    __shared__ uint32_t red[THREADS];
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    float v[16];
+    for (uint32_t j = 0u; j < count; j++) {
+        v[j] = io_load(t, first + j);
+    }
+    store(t, maps, red, lt, S_PARAM, v, count, 0ull);
+}
+
+// cpu.rs `accumulate`: accumulator + micro-batch gradient, stored with the gradient stream.
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_accumulate(LPMM_ARGS) {
+    __shared__ uint32_t red[THREADS];
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    float v[16];
+    for (uint32_t j = 0u; j < count; j++) {
+        v[j] = fmt_load(t, maps, S_GRAD, first + j) + io_load(t, first + j);
+    }
+    store(t, maps, red, lt, S_GRAD, v, count, t.d->acc);
+}
+
+// cpu.rs `read`: slot `mode` decoded into the io values.
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_decode(LPMM_ARGS) {
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    uint32_t s = t.d->mode;
+    float v[16];
+    for (uint32_t j = 0u; j < count; j++) {
+        v[j] = fmt_load(t, maps, s, first + j);
+    }
+    io_store(t, first, v, count);
+}
+
+// cpu.rs `clear_gradients`.
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_clear(LPMM_ARGS) {
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    fmt_clear(t, maps, lt, S_GRAD, thread_count(t, lt));
+}
+
+// Backend::finite of a caller's buffer: the item's flag is set if an input value is not finite.
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_check(LPMM_ARGS) {
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    bool bad = false;
+    for (uint32_t j = 0u; j < count; j++) {
+        bad = bad || !is_finite(io_load(t, first + j));
+    }
+    if (bad) {
+        atomicOr(&flags[t.d->flag_index], 1u);
+    }
+}
+
+// The gradient of item element `i`: the accumulator plus the released gradient, if any.
+__device__ __forceinline__ float gradient(const Tile& t, const uint32_t* maps, uint32_t i) {
+    float g = fmt_load(t, maps, S_GRAD, i);
+    if ((t.d->flags & F_INPUT) != 0u) {
+        g = g + io_load(t, i);
+    }
+    return g;
+}
+
+// cpu.rs `fold_piece`: pass `mode & 255` of a two-phase step folds, per element, the updated
+// second moment (the rule applied, nothing stored; mode >> 8 = 0) or the moment gradient (1).
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    uint32_t fl = t.d->flags;
+    float clip = t.d->clip;
+    uint32_t mode = t.d->mode;
+    for (uint32_t j = 0u; j < count; j++) {
+        float gi = gradient(t, maps, first + j) * clip;
+        float p0 = fmt_load(t, maps, S_PARAM, first + j);
+        float x;
+        if ((mode >> 8u) == 0u) {
+            float m0 = fmt_load(t, maps, S_STATE1, first + j);
+            float v0 = fmt_load(t, maps, S_STATE2, first + j);
+            Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
+            bool ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) &&
+                      is_finite(u.v);
+            x = ok ? u.v : v0;
+        } else {
+            x = moment_gradient(t.d, fl, p0, gi);
+        }
+        fmt_fold(t, maps, S_STATE2, mode & 0xFFu, first + j, x);
+    }
+}
+
+// cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
+// the rule (an element whose gradient or results are not finite is left unchanged and flags the
+// parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
+    __shared__ uint32_t red[THREADS];
+    Tile t = tile_of(descs, ndesc);
+    if (!t.valid) {
+        return;
+    }
+    uint32_t lt = threadIdx.x;
+    uint32_t count = thread_count(t, lt);
+    uint32_t first = t.start + PER * lt;
+    uint32_t fl = t.d->flags;
+    float clip = t.d->clip;
+    float p[16];
+    float m[16];
+    float v[16];
+    float d[16];
+    bool bad = false;
+    for (uint32_t j = 0u; j < count; j++) {
+        float gi = gradient(t, maps, first + j) * clip;
+        float p0 = fmt_load(t, maps, S_PARAM, first + j);
+        float m0 = fmt_load(t, maps, S_STATE1, first + j);
+        float v0 = fmt_load(t, maps, S_STATE2, first + j);
+        Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
+        bool ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) &&
+                  is_finite(u.v);
+        m[j] = ok ? u.m : m0;
+        v[j] = ok ? u.v : v0;
+        p[j] = ok ? u.p : p0;
+        d[j] = ok ? u.d : 0.0f;
+        bad = bad || !ok;
+    }
+    if (bad) {
+        atomicOr(&flags[t.d->flag_index], 1u);
+    }
+    uint64_t counter = t.d->step;
+    store(t, maps, red, lt, S_STATE1, m, count, counter);
+    store(t, maps, red, lt, S_STATE2, v, count, counter);
+    if ((fl & F_UPDATE_PARAM) != 0u) {
+        if (!fmt_add(t, lt, S_PARAM, d, count)) {
+            store(t, maps, red, lt, S_PARAM, p, count, counter);
+        }
+    }
+    // Every thread has read the block scales of the gradient it shares with its neighbours
+    // before any of them is zeroed.
+    __syncthreads();
+    fmt_clear(t, maps, lt, S_GRAD, count);
+}

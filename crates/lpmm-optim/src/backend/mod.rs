@@ -1,0 +1,403 @@
+//! The backend seam, for implementors of backends: where model memory lives and where the numeric
+//! work runs. Users need only [`crate::Optimizer`] and a backend value; this module is what a
+//! backend (lpmm-backend's device layer, the CPU reference here) is written against.
+//!
+//! The [`crate::Optimizer`] keeps the bookkeeping (names, groups, counters, policies, the
+//! checkpoint format); a [`Backend`] owns every parameter's slots and does the operations on them.
+//! The CPU backend ([`crate::Cpu`]) defines the semantics (docs/OPTIMIZERS.md, docs/FORMATS.md);
+//! a device backend implements the same operations on device memory and is tested against it
+//! bit for bit by the conformance suite (`lpmm_optim::conformance_tests!`, feature `testing`).
+//!
+//! Every operation is fallible ([`BackendError`]). Values come in and go out through the
+//! backend's own buffer types ([`Backend::Input`], [`Backend::Output`]: host slices on the CPU,
+//! device buffers on a GPU), so a framework's tensors reach a device backend without host copies,
+//! and a parameter whose primary region has a framework dtype (f32, bf16) may *be* the caller's
+//! buffer ([`ParamLayout::lent`]): the backend steps it in place and allocates no copy.
+
+use lpmm_formats::bf16;
+use lpmm_quant::RandomStream;
+
+pub use crate::format::{
+    Dtype, Extent, FoldInput, Format, HostRegion, HostSlot, KERNELS as FORMAT_KERNELS, RegionSpec,
+};
+pub use crate::rule::{
+    AdamConsts, FieldType, KernelStruct, LionConsts, RuleConsts, SgdConsts, StepFlags, Updated,
+};
+
+use crate::exact::ExactSum;
+
+/// A registered parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(pub(crate) usize);
+
+impl ParamId {
+    /// The parameter's index in registration order.
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// Which slot of a parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SlotKind {
+    /// The parameter itself.
+    Param = 0,
+    /// The gradient accumulator.
+    Grad = 1,
+    /// State 1 (momentum, first moment).
+    State1 = 2,
+    /// State 2 (second moment).
+    State2 = 3,
+}
+
+impl SlotKind {
+    /// All four, in checkpoint order.
+    pub const ALL: [SlotKind; 4] = [
+        SlotKind::Param,
+        SlotKind::Grad,
+        SlotKind::State1,
+        SlotKind::State2,
+    ];
+
+    /// The slot's name in checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            SlotKind::Param => "param",
+            SlotKind::Grad => "grad",
+            SlotKind::State1 => "state1",
+            SlotKind::State2 => "state2",
+        }
+    }
+}
+
+/// How one parameter is laid out: fixed when it is registered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamLayout {
+    /// Its shape as the backend holds it (row-major; a shard's is `[len]`).
+    pub shape: Vec<usize>,
+    /// Its element count.
+    pub numel: usize,
+    /// Each slot's format (resolved by the minimum-size and shape rules), `None` where the slot
+    /// is not allocated (no gradient accumulator, states the rule does not use).
+    pub formats: [Option<Format>; 4],
+    /// The logical parameter index that keys its random streams (its own index, or for a shard
+    /// the logical parameter's index in the unsharded model).
+    pub stream: u64,
+    /// For a shard, the logical index of its first element (random words are keyed by logical
+    /// element index, so a shard draws the bits the unsharded tensor would); 0 otherwise.
+    pub offset: u64,
+    /// The parameter slot's primary region is the caller's buffer ([`Format::lendable`] dtype),
+    /// lent to every call that touches it; the backend allocates only the other regions.
+    pub lent: bool,
+}
+
+impl ParamLayout {
+    /// The format of `slot`.
+    pub fn format(&self, slot: SlotKind) -> Option<Format> {
+        self.formats[slot as usize]
+    }
+
+    /// The random stream of `slot` at `counter` (the step, or for the gradient accumulator its
+    /// accumulate count): docs/OPTIMIZERS.md.
+    pub fn stream(&self, seed: u64, slot: SlotKind, counter: u64) -> RandomStream {
+        RandomStream::new(seed, self.stream << 2 | slot as u64, counter)
+    }
+}
+
+/// What one parameter's step does: decided by the optimizer for each step call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParamStep {
+    /// The 1-based step: the random-stream counter of the parameter and its states.
+    pub t: u64,
+    /// First step, whether the parameter moves ([`StepFlags`]).
+    pub flags: StepFlags,
+    /// The rule's constants for this step.
+    pub rule: RuleConsts,
+    /// Gradients are multiplied by this first (global-norm clipping).
+    pub clip: f32,
+}
+
+/// Host values, as a buffer every backend accepts.
+#[derive(Debug, Clone, Copy)]
+pub enum HostValues<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 values.
+    Bf16(&'a [bf16]),
+}
+
+/// Writable host values.
+#[derive(Debug)]
+pub enum HostValuesMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// bf16 values.
+    Bf16(&'a mut [bf16]),
+}
+
+impl HostValues<'_> {
+    /// Element type and count.
+    pub fn info(&self) -> (Dtype, usize) {
+        match self {
+            HostValues::F32(v) => (Dtype::F32, v.len()),
+            HostValues::Bf16(v) => (Dtype::Bf16, v.len()),
+        }
+    }
+
+    /// The values as little-endian bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            HostValues::F32(v) => bytemuck::cast_slice(v),
+            HostValues::Bf16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// Elements `range` as f32 into `out`.
+    pub fn read_f32(&self, start: usize, out: &mut [f32]) {
+        match self {
+            HostValues::F32(v) => out.copy_from_slice(&v[start..start + out.len()]),
+            HostValues::Bf16(v) => {
+                lpmm_formats::simd::bf16_to_f32(&v[start..start + out.len()], out)
+            }
+        }
+    }
+}
+
+impl HostValuesMut<'_> {
+    /// Element type and count.
+    pub fn info(&self) -> (Dtype, usize) {
+        match self {
+            HostValuesMut::F32(v) => (Dtype::F32, v.len()),
+            HostValuesMut::Bf16(v) => (Dtype::Bf16, v.len()),
+        }
+    }
+
+    /// A shorter-lived view.
+    pub fn reborrow(&mut self) -> HostValuesMut<'_> {
+        match self {
+            HostValuesMut::F32(v) => HostValuesMut::F32(v),
+            HostValuesMut::Bf16(v) => HostValuesMut::Bf16(v),
+        }
+    }
+
+    /// The values as little-endian bytes.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostValuesMut::F32(v) => bytemuck::cast_slice_mut(v),
+            HostValuesMut::Bf16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+}
+
+/// Why a backend operation failed. After a device is lost every later call returns the same
+/// error; nothing panics.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The device is gone (driver reset, device removed, a previous fatal error).
+    #[error("the {backend} device was lost: {reason}")]
+    DeviceLost {
+        /// The backend.
+        backend: &'static str,
+        /// What the driver said.
+        reason: String,
+    },
+    /// An allocation failed.
+    #[error("the {backend} device is out of memory ({bytes} bytes asked for)")]
+    OutOfMemory {
+        /// The backend.
+        backend: &'static str,
+        /// The size of the failed allocation.
+        bytes: u64,
+    },
+    /// The backend cannot hold or run this (docs/BACKENDS.md lists what each supports).
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// The backend.
+        backend: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// Host contents do not fit a slot (layout, length, non-finite values).
+    #[error("{slot} slot: {reason}")]
+    SlotMismatch {
+        /// The slot.
+        slot: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+    /// A caller's buffer does not fit (dtype, length, device).
+    #[error("{what}")]
+    Buffer {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A driver call failed.
+    #[error("{backend} driver: {what}")]
+    Driver {
+        /// The backend.
+        backend: &'static str,
+        /// The call and the driver's message.
+        what: String,
+        /// The driver's error, where it has one.
+        #[source]
+        source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+/// What a new parameter starts from.
+pub enum Init<'a, B: Backend> {
+    /// These values, stored in the parameter's format (rounded as it rounds; random stream
+    /// counter 0).
+    Values(B::Input<'a>),
+    /// The caller's buffer is the parameter ([`ParamLayout::lent`]): its other regions start at
+    /// zero (a Kahan compensation, a split remainder).
+    Lent,
+}
+
+impl<B: Backend> std::fmt::Debug for Init<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Init::Values(_) => "Init::Values",
+            Init::Lent => "Init::Lent",
+        })
+    }
+}
+
+/// One `step` call: the parameters that step (`plans[i]` is `Some`), each with its plan.
+pub struct StepWork<'a, 'l, B: Backend> {
+    /// Every parameter.
+    pub params: &'a mut [B::Param],
+    /// Their layouts.
+    pub layouts: &'a [ParamLayout],
+    /// The plan of each parameter that steps.
+    pub plans: &'a [Option<ParamStep>],
+    /// Gradient release: parameter `.0` adds this gradient to what its accumulator holds.
+    pub released: Option<(usize, B::Input<'l>)>,
+    /// The buffers of stepping parameters that are lent ([`ParamLayout::lent`]).
+    pub lent: &'a mut [(ParamId, B::Output<'l>)],
+    /// The seed of every random stream.
+    pub seed: u64,
+    /// Set to true for each parameter where a non-finite gradient or result was met (those
+    /// elements are left unchanged).
+    pub non_finite: &'a mut [bool],
+}
+
+impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepWork")
+            .field("params", &self.params.len())
+            .field("lent", &self.lent.len())
+            .field("released", &self.released.map(|(i, _)| i))
+            .finish()
+    }
+}
+
+/// Where model memory lives and where the step runs.
+///
+/// Contract: results equal the CPU backend's bit for bit where the backend's arithmetic allows
+/// (otherwise within a bound the backend documents); random words follow docs/FORMATS.md §9 with
+/// the stream ids of [`ParamLayout::stream`]. Every method returns an error rather than panic.
+pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
+    /// Everything the backend holds for one parameter (its slots' regions). Not `Clone`: a copy of
+    /// model memory is never made implicitly.
+    type Param: std::fmt::Debug + Send + Sync;
+    /// A read-only buffer of one tensor's values in the backend's memory (a gradient; a lent
+    /// parameter's values).
+    type Input<'a>: Copy + Send + Sync;
+    /// A writable buffer of one tensor's values (decoded reads; a lent parameter).
+    type Output<'a>: Send;
+
+    /// A short name ("cpu", "wgpu", ...).
+    fn name(&self) -> &'static str;
+
+    /// Host values as an input (every backend accepts them; a device backend uploads them).
+    fn host_input<'a>(&self, values: HostValues<'a>) -> Self::Input<'a>;
+    /// A host buffer as an output.
+    fn host_output<'a>(&self, out: HostValuesMut<'a>) -> Self::Output<'a>;
+    /// An input's element type and count.
+    fn input_info(&self, input: &Self::Input<'_>) -> (Dtype, usize);
+    /// An output's element type and count.
+    fn output_info(&self, output: &Self::Output<'_>) -> (Dtype, usize);
+
+    /// Allocates a parameter (slots zero-filled, quantized codes as [`Format::fresh`] says) and
+    /// stores its initial value.
+    fn allocate(
+        &self,
+        layout: &ParamLayout,
+        init: Init<'_, Self>,
+        seed: u64,
+    ) -> Result<Self::Param, BackendError>;
+
+    /// Adds a micro-batch gradient into the accumulator; `counter` (the accumulate count) keys
+    /// its random stream. The gradient is finite if the accumulator is quantized.
+    fn accumulate(
+        &self,
+        param: &mut Self::Param,
+        layout: &ParamLayout,
+        counter: u64,
+        grad: Self::Input<'_>,
+        seed: u64,
+    ) -> Result<(), BackendError>;
+
+    /// Whether every value of `values` is finite.
+    fn finite(&self, values: Self::Input<'_>) -> Result<bool, BackendError>;
+
+    /// For every selected parameter: the sum of squares of its accumulated gradient's finite
+    /// values and whether they are all finite, in `out[index]`. The sum is exact over one f64
+    /// partial per 256 elements of the parameter (each the sum of its squares in element order),
+    /// so that it does not depend on how the work is split.
+    fn gradient_stats(
+        &self,
+        params: &mut [Self::Param],
+        layouts: &[ParamLayout],
+        select: &[bool],
+        out: &mut [(ExactSum, bool)],
+    ) -> Result<(), BackendError>;
+
+    /// The fused step of every parameter with a plan (docs/OPTIMIZERS.md, "The step"), with the
+    /// two-phase fold for formats with tensor-wide statistics ([`Format::folds`]).
+    fn step(&self, work: StepWork<'_, '_, Self>) -> Result<(), BackendError>;
+
+    /// Clears the gradient accumulator of parameter `only`, or of every parameter.
+    fn clear_gradients(
+        &self,
+        params: &mut [Self::Param],
+        layouts: &[ParamLayout],
+        only: Option<usize>,
+    ) -> Result<(), BackendError>;
+
+    /// Decodes one slot into `out` (f32; `layout.numel` elements; zeros for an unused slot).
+    fn read(
+        &self,
+        param: &Self::Param,
+        layout: &ParamLayout,
+        slot: SlotKind,
+        out: Self::Output<'_>,
+    ) -> Result<(), BackendError>;
+
+    /// One slot in the canonical host layout; `lent` is the caller's buffer of a lent parameter
+    /// slot.
+    fn export(
+        &self,
+        param: &Self::Param,
+        layout: &ParamLayout,
+        slot: SlotKind,
+        lent: Option<Self::Input<'_>>,
+    ) -> Result<HostSlot, BackendError>;
+
+    /// Replaces one slot with canonical host contents ([`Format::validate`]d by the caller); a
+    /// lent parameter slot writes its primary region into `lent`.
+    fn import(
+        &self,
+        param: &mut Self::Param,
+        layout: &ParamLayout,
+        slot: SlotKind,
+        host: &HostSlot,
+        lent: Option<Self::Output<'_>>,
+    ) -> Result<(), BackendError>;
+
+    /// Bytes each slot of the parameter occupies on the backend (scratch it keeps for the
+    /// parameter included, a lent region excluded).
+    fn bytes(&self, param: &Self::Param, layout: &ParamLayout) -> [usize; 4];
+}

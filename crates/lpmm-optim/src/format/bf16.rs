@@ -1,0 +1,82 @@
+//! bf16: 2 bytes per element, rounded to nearest even or stochastically (docs/FORMATS.md §2).
+
+use lpmm_formats::{bf16, float, simd};
+
+use super::{
+    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
+};
+use crate::backend::SlotKind;
+use crate::config::{Storage, StoreRounding};
+
+/// bf16 values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bf16 {
+    rounding: StoreRounding,
+}
+
+const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
+
+impl Codec for Bf16 {
+    const NAME: &'static str = "bf16";
+
+    fn from_storage(storage: Storage) -> Option<Self> {
+        match storage {
+            Storage::Bf16(rounding) => Some(Bf16 { rounding }),
+            _ => None,
+        }
+    }
+
+    fn describe(&self) -> String {
+        if self.stochastic() { "bf16-sr" } else { "bf16" }.into()
+    }
+
+    fn regions(&self, _shape: &[usize]) -> Vec<RegionSpec> {
+        vec![VALUES]
+    }
+
+    fn allowed(&self, _slot: SlotKind) -> bool {
+        true
+    }
+
+    fn stochastic(&self) -> bool {
+        self.rounding == StoreRounding::Stochastic
+    }
+
+    fn lendable(&self) -> Option<Dtype> {
+        Some(Dtype::Bf16)
+    }
+
+    fn kernel_aux(&self) -> u32 {
+        u32::from(self.stochastic())
+    }
+
+    fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
+        if values && !u16s(&host.regions[0].bytes).all(bf16_finite) {
+            return Err("holds a non-finite value".into());
+        }
+        Ok(())
+    }
+
+    fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        simd::bf16_to_f32(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
+    }
+
+    fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], random: Random) {
+        let n = values.len();
+        let out: &mut [bf16] = bytemuck::cast_slice_mut(&mut r.elem[0][2 * at..2 * (at + n)]);
+        match self.rounding {
+            StoreRounding::Stochastic => {
+                let mut bits = random.stream.at(random.index);
+                out.iter_mut()
+                    .zip(values)
+                    .for_each(|(o, &x)| *o = float::bf16_stochastic(x, bits.next()));
+            }
+            StoreRounding::Nearest => simd::f32_to_bf16_nearest(values, out),
+        }
+    }
+
+    fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
+        r.elem[0][2 * at..2 * (at + len)].fill(0);
+    }
+}

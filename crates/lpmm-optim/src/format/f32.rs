@@ -1,0 +1,57 @@
+//! f32: 4 bytes per element, the reference storage.
+
+use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, f32s};
+use crate::backend::SlotKind;
+use crate::config::Storage;
+
+/// f32 values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct F32;
+
+const VALUES: RegionSpec = RegionSpec::new("", Dtype::F32, Extent::Elements { bits: 32 });
+
+impl Codec for F32 {
+    const NAME: &'static str = "f32";
+
+    fn from_storage(storage: Storage) -> Option<Self> {
+        (storage == Storage::F32).then_some(F32)
+    }
+
+    fn describe(&self) -> String {
+        "f32".into()
+    }
+
+    fn regions(&self, _shape: &[usize]) -> Vec<RegionSpec> {
+        vec![VALUES]
+    }
+
+    fn allowed(&self, _slot: SlotKind) -> bool {
+        true
+    }
+
+    fn lendable(&self) -> Option<Dtype> {
+        Some(Dtype::F32)
+    }
+
+    fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
+        if values && !f32s(&host.regions[0].bytes).all(f32::is_finite) {
+            return Err("holds a non-finite value".into());
+        }
+        Ok(())
+    }
+
+    fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        out.copy_from_slice(bytemuck::cast_slice(&r.elem[0][4 * at..4 * (at + n)]));
+    }
+
+    fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], _random: Random) {
+        let n = values.len();
+        let out: &mut [f32] = bytemuck::cast_slice_mut(&mut r.elem[0][4 * at..4 * (at + n)]);
+        out.copy_from_slice(values);
+    }
+
+    fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
+        r.elem[0][4 * at..4 * (at + len)].fill(0);
+    }
+}

@@ -1,0 +1,537 @@
+//! Storage formats as data: one file per format, each implementing [`Codec`] — the regions the
+//! format stores (their dtype and how a tensor's elements map onto them), its CPU chunk decode,
+//! encode and clear (the reference every backend reproduces), the checks on loaded contents, and
+//! the parameters its GPU kernels read. The registry at the bottom generates [`Format`] and the
+//! dispatch; the kernels' dispatch (`fmt_<name>_load`, `..._store`, ...) is generated from the
+//! same registry by `cargo xtask codegen`.
+//!
+//! A slot's canonical host contents ([`HostSlot`]) are its saved regions in the order the format
+//! lists them, as little-endian bytes: checkpoints, sharding (cutting and joining), moving state
+//! between backends and the conformance suite's bit comparison all work on regions and never
+//! match on formats.
+
+mod bf16;
+mod blockwise;
+mod f32;
+mod factored;
+mod kahan;
+mod rank1;
+mod split_f32;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use lpmm_quant::RandomStream;
+
+use crate::backend::SlotKind;
+use crate::config::Storage;
+use crate::rule::RuleConsts;
+
+/// The element type of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// 16-bit unsigned integers.
+    U16,
+    /// Bytes (packed codes).
+    U8,
+    /// 32-bit unsigned integers.
+    U32,
+}
+
+impl Dtype {
+    /// Bytes per value.
+    pub const fn size(self) -> usize {
+        match self {
+            Dtype::F32 | Dtype::U32 => 4,
+            Dtype::Bf16 | Dtype::U16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+
+    /// The name in checkpoints and messages ("f32", "bf16", ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::U16 => "u16",
+            Dtype::U8 => "u8",
+            Dtype::U32 => "u32",
+        }
+    }
+}
+
+/// How a tensor's elements map onto a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Extent {
+    /// `bits` bits per element, packed little-endian in element order (f32: 32, bf16: 16,
+    /// codes: their width). Cut with the tensor: elements `a..b` are bits `a*bits .. b*bits`.
+    Elements {
+        /// Bits per element.
+        bits: u32,
+    },
+    /// One value per block of `block` consecutive elements (the last block may be partial).
+    Blocks {
+        /// Elements per block.
+        block: usize,
+    },
+    /// A fixed number of values for the whole tensor, never cut (rank-1 maxima, factorized
+    /// statistics).
+    Tensor {
+        /// Values.
+        len: usize,
+    },
+}
+
+/// One region of a slot: a name suffix (the primary region's is empty), its dtype and extent,
+/// and whether checkpoints hold it (scratch regions are rebuilt or recomputed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RegionSpec {
+    /// Appended to the slot's name in checkpoints (`""`, `".comp"`, `".absmax"`, ...).
+    pub suffix: &'static str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// How elements map onto it.
+    pub extent: Extent,
+    /// Whether checkpoints and the canonical layout hold it.
+    pub saved: bool,
+}
+
+impl RegionSpec {
+    const fn new(suffix: &'static str, dtype: Dtype, extent: Extent) -> Self {
+        RegionSpec {
+            suffix,
+            dtype,
+            extent,
+            saved: true,
+        }
+    }
+
+    const fn scratch(suffix: &'static str, dtype: Dtype, len: usize) -> Self {
+        RegionSpec {
+            suffix,
+            dtype,
+            extent: Extent::Tensor { len },
+            saved: false,
+        }
+    }
+
+    /// Whether the region is cut with the tensor (one per piece or shard) rather than held once.
+    pub fn per_element(&self) -> bool {
+        !matches!(self.extent, Extent::Tensor { .. })
+    }
+
+    /// Bytes for `n` elements (elements `0..n`; a tensor-wide region ignores `n`).
+    pub fn bytes(&self, n: usize) -> usize {
+        self.byte_range(0, n).end
+    }
+
+    /// Values for `n` elements.
+    pub fn len(&self, n: usize) -> usize {
+        self.bytes(n) / self.dtype.size()
+    }
+
+    /// 32-bit words for `n` elements (device regions and CPU storage are word-aligned).
+    pub fn words(&self, n: usize) -> usize {
+        self.bytes(n).div_ceil(4)
+    }
+
+    /// The bytes of elements `a..b` (`a` a multiple of the slot's alignment; a tensor-wide
+    /// region is always whole).
+    pub fn byte_range(&self, a: usize, b: usize) -> std::ops::Range<usize> {
+        let size = self.dtype.size();
+        match self.extent {
+            Extent::Elements { bits } => {
+                let bits = bits as usize;
+                (a * bits / 8)..(b * bits).div_ceil(8)
+            }
+            Extent::Blocks { block } => (a / block * size)..(b.div_ceil(block) * size),
+            Extent::Tensor { len } => 0..len * size,
+        }
+    }
+}
+
+/// One region's contents in the canonical layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRegion {
+    /// What the region is.
+    pub spec: RegionSpec,
+    /// Its values, little-endian.
+    pub bytes: Vec<u8>,
+}
+
+/// One slot's contents in the canonical host layout (the whole tensor, unsharded): its saved
+/// regions in the format's order. Empty for an unallocated slot. The interchange format of
+/// checkpoints, shards and backends.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HostSlot {
+    /// The saved regions.
+    pub regions: Vec<HostRegion>,
+}
+
+impl HostSlot {
+    /// An unallocated slot.
+    pub fn empty() -> Self {
+        HostSlot::default()
+    }
+
+    /// Whether the slot holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    /// The region with this suffix.
+    pub fn region(&self, suffix: &str) -> Option<&HostRegion> {
+        self.regions.iter().find(|r| r.spec.suffix == suffix)
+    }
+
+    /// The values of the region with this suffix as f32 (for tests and reports).
+    pub fn f32s(&self, suffix: &str) -> Option<Vec<f32>> {
+        self.region(suffix).map(|r| {
+            r.bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+    }
+}
+
+/// A slot's regions for one piece of a tensor on the CPU: byte views of the element regions
+/// (in the format's order) and the tensor-wide regions.
+#[derive(Debug)]
+pub(crate) struct Regions<'a> {
+    pub elem: [&'a [u8]; MAX_REGIONS],
+    pub wide: &'a [Box<[AtomicU32]>],
+    /// The tensor index of the piece's element 0 (multi-indices of rank-1 and factorized states).
+    pub global: usize,
+    /// The tensor's shape.
+    pub shape: &'a [usize],
+}
+
+/// Writable element regions of one piece (tensor-wide regions are written through atomics).
+#[derive(Debug)]
+pub(crate) struct RegionsMut<'a> {
+    pub elem: [&'a mut [u8]; MAX_REGIONS],
+    pub wide: &'a [Box<[AtomicU32]>],
+    pub global: usize,
+    pub shape: &'a [usize],
+}
+
+/// Element regions a format may have.
+pub(crate) const MAX_REGIONS: usize = 3;
+
+/// The random bits of a stochastic store: element `j` of the values uses word `index + j` of
+/// `stream` (`index`: the element's logical index in the whole tensor).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Random {
+    pub stream: RandomStream,
+    pub index: u64,
+}
+
+/// A fold pass of a two-phase step (tensor-wide statistics, gathered before the fused pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FoldInput {
+    /// The pass folds each element's updated state 2 (the rule applied, nothing stored).
+    UpdatedState2,
+    /// The pass folds each element's moment gradient (the gradient the second moment sees).
+    MomentGradient,
+}
+
+/// The definition of one storage format.
+pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'static {
+    /// The stem of its kernel files and its name in the kernels' dispatch.
+    const NAME: &'static str;
+    /// The format of `storage`, if it is this one.
+    fn from_storage(storage: Storage) -> Option<Self>;
+    /// A short name for reports and messages ("bf16-sr", "dynamic_signed_8/b256", ...).
+    fn describe(&self) -> String;
+    /// Every region (element regions first, then tensor-wide ones) of a tensor of `shape`.
+    fn regions(&self, shape: &[usize]) -> Vec<RegionSpec>;
+    /// The slots that may use it.
+    fn allowed(&self, slot: SlotKind) -> bool;
+    /// Subject to the minimum-size policy (kept in f32 below `min_quantized_size`).
+    fn quantized(&self) -> bool {
+        false
+    }
+    /// The storage a tensor of `shape` really uses (a fallback for shapes the format cannot hold).
+    fn resolve(&self, _shape: &[usize]) -> Option<Storage> {
+        None
+    }
+    /// A shard of the tensor must start at a multiple of this.
+    fn alignment(&self) -> usize {
+        1
+    }
+    /// Whether storing draws random bits.
+    fn stochastic(&self) -> bool {
+        false
+    }
+    /// The dtype of the primary region, if a caller's tensor of that dtype can be it.
+    fn lendable(&self) -> Option<Dtype> {
+        None
+    }
+    /// The format's parameters as its kernels read them.
+    fn kernel_aux(&self) -> u32 {
+        0
+    }
+    /// The code map it stores codes of (checkpoints record the maps in use).
+    fn map(&self) -> Option<crate::config::MapKind> {
+        None
+    }
+    /// The fold passes of a two-phase step (none for element-wise formats).
+    fn folds(&self) -> &'static [FoldInput] {
+        &[]
+    }
+    /// Checks loaded contents (lengths are checked by the caller): scales and, when `values`,
+    /// the values themselves must be finite.
+    fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String>;
+    /// The raw words of freshly allocated element region `k` for `n` elements.
+    fn fresh(&self, _k: usize, words: &mut [u32], _n: usize) {
+        words.fill(0);
+    }
+
+    /// Decodes elements `at .. at + out.len()` of the piece (`at` a multiple of the chunk).
+    fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]);
+    /// Stores `values` as elements `at ..`.
+    fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], random: Random);
+    /// Zeroes elements `at .. at + len` (a consumed gradient accumulator).
+    fn clear(&self, _r: &mut RegionsMut<'_>, _at: usize, _len: usize) {}
+    /// Adds increments `d` to elements `at ..` instead of storing the new values (Kahan); false
+    /// if the format stores values.
+    fn add(&self, _r: &mut RegionsMut<'_>, _at: usize, _d: &[f32]) -> bool {
+        false
+    }
+    /// Folds `values` (elements `at ..` of the piece) into the tensor-wide scratch in pass
+    /// `pass`, by atomic max or add only, so that the result does not depend on the order.
+    fn fold(&self, _r: &Regions<'_>, _pass: usize, _at: usize, _values: &[f32]) {}
+    /// The tensor-wide regions the folds accumulate into (zeroed before the first fold).
+    fn fold_targets(&self) -> &'static [usize] {
+        &[]
+    }
+    /// After the folds, before the fused pass: turns the folded scratch into the statistics the
+    /// fused pass uses (host code, the same for every backend).
+    fn combine(&self, _wide: &[Box<[AtomicU32]>], _shape: &[usize], _rule: &RuleConsts) {}
+    /// Two tensor-wide regions that trade places after the fused pass (rank-1: the next maxima
+    /// become the current ones).
+    fn swap_after_step(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// Recomputes derived scratch after the saved tensor-wide regions were loaded (factorized:
+    /// `mean(r)`).
+    fn loaded(&self, _wide: &[Box<[AtomicU32]>], _shape: &[usize]) {}
+}
+
+/// Views a region's words as bytes, truncated to `n` bytes.
+pub(crate) fn bytes_of(words: &[u32], n: usize) -> &[u8] {
+    &bytemuck::cast_slice(words)[..n]
+}
+
+/// Mutable [`bytes_of`].
+pub(crate) fn bytes_of_mut(words: &mut [u32], n: usize) -> &mut [u8] {
+    &mut bytemuck::cast_slice_mut(words)[..n]
+}
+
+/// Reads word `i` of a tensor-wide region.
+#[inline]
+pub(crate) fn wide_f32(region: &[AtomicU32], i: usize) -> f32 {
+    f32::from_bits(region[i].load(Ordering::Relaxed))
+}
+
+/// Writes word `i` of a tensor-wide region.
+#[inline]
+pub(crate) fn set_wide_f32(region: &[AtomicU32], i: usize, x: f32) {
+    region[i].store(x.to_bits(), Ordering::Relaxed);
+}
+
+/// Finite check for bf16 bit patterns.
+pub(crate) fn bf16_finite(bits: u16) -> bool {
+    bits & 0x7F80 != 0x7F80
+}
+
+/// The little-endian u16 values of a region.
+pub(crate) fn u16s(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
+    bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+}
+
+/// The little-endian f32 values of a region.
+pub(crate) fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+/// Scales must be finite and non-negative.
+pub(crate) fn check_scales(host: &HostSlot, suffix: &str) -> Result<(), String> {
+    if let Some(r) = host.region(suffix)
+        && let Some(bad) = f32s(&r.bytes).find(|x| !x.is_finite() || *x < 0.0)
+    {
+        return Err(format!("scale {bad} is not a finite non-negative number"));
+    }
+    Ok(())
+}
+
+macro_rules! formats {
+    ($($variant:ident($ty:ty),)*) => {
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        enum Inner {
+            $($variant($ty),)*
+        }
+
+        /// A storage format: how one slot is stored (see the module documentation). Built from
+        /// a [`Storage`] by [`Format::of`].
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub struct Format(Inner);
+
+        /// Every format, in kernel-id order: the stems of their kernel files.
+        pub const KERNELS: &[&str] = &[$(<$ty as Codec>::NAME,)*];
+
+        impl Format {
+            /// The format of `storage` (`None` for [`Storage::None`]).
+            pub fn of(storage: Storage) -> Option<Format> {
+                $(
+                    if let Some(c) = <$ty as Codec>::from_storage(storage) {
+                        return Some(Format(Inner::$variant(c)));
+                    }
+                )*
+                None
+            }
+
+            /// The format's id in the kernels (its index in [`KERNELS`]), from 1 (0: no slot).
+            pub fn kernel_id(&self) -> u32 {
+                let mut k = 1u32;
+                $(
+                    if let Inner::$variant(_) = self.0 {
+                        return k;
+                    }
+                    k += 1;
+                )*
+                k
+            }
+
+            /// A short name for reports and messages.
+            pub fn describe(&self) -> String {
+                match &self.0 { $(Inner::$variant(c) => c.describe(),)* }
+            }
+
+            /// The format's name (its kernel stem).
+            pub fn name(&self) -> &'static str {
+                match self.0 { $(Inner::$variant(_) => <$ty as Codec>::NAME,)* }
+            }
+
+            /// Every region of a tensor of `shape`: element regions first, then tensor-wide ones.
+            pub fn regions(&self, shape: &[usize]) -> Vec<RegionSpec> {
+                match &self.0 { $(Inner::$variant(c) => c.regions(shape),)* }
+            }
+
+            /// The code map it stores codes of, if any.
+            pub fn map(&self) -> Option<crate::config::MapKind> {
+                match &self.0 { $(Inner::$variant(c) => c.map(),)* }
+            }
+
+            /// Whether it keeps tensor-wide statistics (folded in a two-phase step): such a slot
+            /// is never cut into shards.
+            pub fn tensor_wide(&self) -> bool {
+                !self.folds().is_empty()
+            }
+
+            /// The format's parameters as the kernels read them.
+            pub fn kernel_aux(&self) -> u32 {
+                match &self.0 { $(Inner::$variant(c) => c.kernel_aux(),)* }
+            }
+
+            /// Whether storing draws random bits.
+            pub fn stochastic(&self) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.stochastic(),)* }
+            }
+
+            /// The dtype a caller's tensor must have to be the primary region.
+            pub fn lendable(&self) -> Option<Dtype> {
+                match &self.0 { $(Inner::$variant(c) => c.lendable(),)* }
+            }
+
+            /// The fold passes of a two-phase step.
+            pub fn folds(&self) -> &'static [FoldInput] {
+                match &self.0 { $(Inner::$variant(c) => c.folds(),)* }
+            }
+
+            /// The raw words of freshly allocated element region `k` for `n` elements.
+            pub fn fresh(&self, k: usize, words: &mut [u32], n: usize) {
+                match &self.0 { $(Inner::$variant(c) => c.fresh(k, words, n),)* }
+            }
+
+            /// Checks canonical contents against the format (layout, lengths for a tensor of
+            /// `shape` with `n` elements, finite scales; finite values when `values`).
+            pub fn validate(&self, host: &HostSlot, shape: &[usize], n: usize, values: bool) -> Result<(), String> {
+                let specs: Vec<RegionSpec> = self.regions(shape).into_iter().filter(|s| s.saved).collect();
+                if host.regions.len() != specs.len()
+                    || host.regions.iter().zip(&specs).any(|(h, s)| h.spec != *s || h.bytes.len() != s.bytes(n))
+                {
+                    return Err("stored layout or length does not match the configuration".into());
+                }
+                match &self.0 { $(Inner::$variant(c) => c.validate(host, values),)* }
+            }
+
+            /// Allowed in `slot`.
+            pub(crate) fn allowed(&self, slot: SlotKind) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.allowed(slot),)* }
+            }
+            pub(crate) fn quantized(&self) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.quantized(),)* }
+            }
+            pub(crate) fn resolve(&self, shape: &[usize]) -> Option<Storage> {
+                match &self.0 { $(Inner::$variant(c) => c.resolve(shape),)* }
+            }
+            pub(crate) fn alignment(&self) -> usize {
+                match &self.0 { $(Inner::$variant(c) => c.alignment(),)* }
+            }
+            pub(crate) fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
+                match &self.0 { $(Inner::$variant(c) => c.decode(r, at, out),)* }
+            }
+            pub(crate) fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], random: Random) {
+                match &self.0 { $(Inner::$variant(c) => c.encode(r, at, values, random),)* }
+            }
+            pub(crate) fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
+                match &self.0 { $(Inner::$variant(c) => c.clear(r, at, len),)* }
+            }
+            pub(crate) fn add(&self, r: &mut RegionsMut<'_>, at: usize, d: &[f32]) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.add(r, at, d),)* }
+            }
+            pub(crate) fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32]) {
+                match &self.0 { $(Inner::$variant(c) => c.fold(r, pass, at, values),)* }
+            }
+            /// The tensor-wide regions (indices among the tensor-wide ones) the folds accumulate
+            /// into: zero them before the first fold.
+            pub fn fold_targets(&self) -> &'static [usize] {
+                match &self.0 { $(Inner::$variant(c) => c.fold_targets(),)* }
+            }
+            /// After the folds: turns the folded tensor-wide regions into the statistics the
+            /// fused pass reads (host code shared by every backend; `wide` holds every
+            /// tensor-wide region of the slot, as words).
+            pub fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) {
+                match &self.0 { $(Inner::$variant(c) => c.combine(wide, shape, rule),)* }
+            }
+            /// Two tensor-wide regions that trade places after the fused pass.
+            pub fn swap_after_step(&self) -> Option<(usize, usize)> {
+                match &self.0 { $(Inner::$variant(c) => c.swap_after_step(),)* }
+            }
+            /// Recomputes derived tensor-wide scratch after a load.
+            pub fn loaded(&self, wide: &[Box<[AtomicU32]>], shape: &[usize]) {
+                match &self.0 { $(Inner::$variant(c) => c.loaded(wide, shape),)* }
+            }
+        }
+    };
+}
+
+// The registry: one line per format, in kernel-id order (ids start at 1).
+formats! {
+    F32(f32::F32),
+    Bf16(bf16::Bf16),
+    Kahan(kahan::Kahan),
+    SplitF32(split_f32::SplitF32),
+    Blockwise(blockwise::Blockwise),
+    Rank1(rank1::Rank1),
+    Factored(factored::Factored),
+}

@@ -1,0 +1,81 @@
+//! Split f32: a bf16 visible half and a 16-bit remainder, exactly f32 in 4 bytes, whose bf16
+//! half a bf16 forward pass reads as the parameter (docs/FORMATS.md §10). Parameters only.
+
+use lpmm_formats::{SplitF32 as Split, bf16};
+
+use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, u16s};
+use crate::backend::SlotKind;
+use crate::config::Storage;
+
+/// Split f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SplitF32;
+
+const HI: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
+const REM: RegionSpec = RegionSpec::new(".rem", Dtype::U16, Extent::Elements { bits: 16 });
+
+impl Codec for SplitF32 {
+    const NAME: &'static str = "split_f32";
+
+    fn from_storage(storage: Storage) -> Option<Self> {
+        (storage == Storage::SplitF32).then_some(SplitF32)
+    }
+
+    fn describe(&self) -> String {
+        "split-f32".into()
+    }
+
+    fn regions(&self, _shape: &[usize]) -> Vec<RegionSpec> {
+        vec![HI, REM]
+    }
+
+    fn allowed(&self, slot: SlotKind) -> bool {
+        slot == SlotKind::Param
+    }
+
+    fn lendable(&self) -> Option<Dtype> {
+        Some(Dtype::Bf16)
+    }
+
+    fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
+        let finite = u16s(&host.regions[0].bytes)
+            .zip(u16s(&host.regions[1].bytes))
+            .all(|(hi, rem)| {
+                Split {
+                    hi: bf16::from_bits(hi),
+                    rem,
+                }
+                .to_f32()
+                .is_finite()
+            });
+        if values && !finite {
+            return Err("holds a non-finite value".into());
+        }
+        Ok(())
+    }
+
+    fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        let hi: &[bf16] = bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]);
+        let rem: &[u16] = bytemuck::cast_slice(&r.elem[1][2 * at..2 * (at + n)]);
+        for ((o, &hi), &rem) in out.iter_mut().zip(hi).zip(rem) {
+            *o = Split { hi, rem }.to_f32();
+        }
+    }
+
+    fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], _random: Random) {
+        let n = values.len();
+        let [hi, rem, _] = &mut r.elem;
+        let hi: &mut [bf16] = bytemuck::cast_slice_mut(&mut hi[2 * at..2 * (at + n)]);
+        let rem: &mut [u16] = bytemuck::cast_slice_mut(&mut rem[2 * at..2 * (at + n)]);
+        for ((h, m), &x) in hi.iter_mut().zip(rem.iter_mut()).zip(values) {
+            let s = Split::from_f32(x);
+            (*h, *m) = (s.hi, s.rem);
+        }
+    }
+
+    fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
+        r.elem[0][2 * at..2 * (at + len)].fill(0);
+        r.elem[1][2 * at..2 * (at + len)].fill(0);
+    }
+}

@@ -1,0 +1,176 @@
+// The entry points (abi.rs `Entry`): every tile's descriptor says which operation's fields it
+// fills.
+
+// Stores the 16 values of thread `lt` in slot `s` (format/*.rs `encode`), drawing the random
+// words of a stochastic format from the slot's stream at `counter`. Uniform control flow.
+fn store(t: Tile, lt: u32, s: u32, v: array<f32, 16>, count: u32, counter: vec2<u32>) {
+    var r: array<u32, 16>;
+    if (fmt_stochastic(slot_format(t, s), slot_aux(t, s)) && count > 0u) {
+        r = thread_bits(t, lt, s, counter);
+    }
+    fmt_store(t, lt, s, v, count, r);
+}
+
+// cpu.rs `allocate`: the initial values stored as the parameter (stream counter 0).
+@compute @workgroup_size(256)
+fn lpmm_init(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    var v: array<f32, 16>;
+    for (var j = 0u; j < count; j = j + 1u) {
+        v[j] = io_load(t, first + j);
+    }
+    store(t, lt, S_PARAM, v, count, vec2<u32>(0u, 0u));
+}
+
+// cpu.rs `accumulate`: accumulator + micro-batch gradient, stored with the gradient stream.
+@compute @workgroup_size(256)
+fn lpmm_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    var v: array<f32, 16>;
+    for (var j = 0u; j < count; j = j + 1u) {
+        v[j] = fmt_load(t, S_GRAD, first + j) + io_load(t, first + j);
+    }
+    store(t, lt, S_GRAD, v, count, pair(t, D_ACC));
+}
+
+// cpu.rs `read`: slot `mode` decoded into the io binding.
+@compute @workgroup_size(256)
+fn lpmm_decode(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    let s = dw(t, D_MODE);
+    var v: array<f32, 16>;
+    for (var j = 0u; j < count; j = j + 1u) {
+        v[j] = fmt_load(t, s, first + j);
+    }
+    io_store(t, first, v, count);
+}
+
+// cpu.rs `clear_gradients`.
+@compute @workgroup_size(256)
+fn lpmm_clear(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    fmt_clear(t, lt, S_GRAD, thread_count(t, lt));
+}
+
+// Backend::finite of a caller's buffer: the item's flag is set if an input value is not finite.
+@compute @workgroup_size(256)
+fn lpmm_check(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    var bad = false;
+    for (var j = 0u; j < count; j = j + 1u) {
+        bad = bad || !is_finite(io_load(t, first + j));
+    }
+    if (bad) {
+        atomicOr(&flags[dw(t, D_FLAG_INDEX)], 1u);
+    }
+}
+
+// The gradient of item element `i`: the accumulator plus the released gradient, if any.
+fn gradient(t: Tile, i: u32) -> f32 {
+    var g = fmt_load(t, S_GRAD, i);
+    if ((dw(t, D_FLAGS) & F_INPUT) != 0u) {
+        g = g + io_load(t, i);
+    }
+    return g;
+}
+
+// cpu.rs `fold_piece`: pass `mode & 255` of a two-phase step folds, per element, the updated
+// second moment (the rule applied, nothing stored; mode >> 8 = 0) or the moment gradient (1).
+@compute @workgroup_size(256)
+fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    let fl = dw(t, D_FLAGS);
+    let clip = df(t, D_CLIP);
+    let mode = dw(t, D_MODE);
+    for (var j = 0u; j < count; j = j + 1u) {
+        let gi = gradient(t, first + j) * clip;
+        let p0 = fmt_load(t, S_PARAM, first + j);
+        var x: f32;
+        if ((mode >> 8u) == 0u) {
+            let m0 = fmt_load(t, S_STATE1, first + j);
+            let v0 = fmt_load(t, S_STATE2, first + j);
+            let u = apply_rule(t, fl, p0, gi, m0, v0);
+            let ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) && is_finite(u.v);
+            x = select(v0, u.v, ok);
+        } else {
+            x = moment_gradient(t, fl, p0, gi);
+        }
+        fmt_fold(t, S_STATE2, mode & 0xFFu, first + j, x);
+    }
+}
+
+// cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
+// the rule (an element whose gradient or results are not finite is left unchanged and flags the
+// parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+@compute @workgroup_size(256)
+fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
+    let t = tile_of(wid, nwg);
+    if (!t.valid) {
+        return;
+    }
+    let count = thread_count(t, lt);
+    let first = t.start + PER * lt;
+    let fl = dw(t, D_FLAGS);
+    let clip = df(t, D_CLIP);
+    var p: array<f32, 16>;
+    var m: array<f32, 16>;
+    var v: array<f32, 16>;
+    var d: array<f32, 16>;
+    var bad = false;
+    for (var j = 0u; j < count; j = j + 1u) {
+        let gi = gradient(t, first + j) * clip;
+        let p0 = fmt_load(t, S_PARAM, first + j);
+        let m0 = fmt_load(t, S_STATE1, first + j);
+        let v0 = fmt_load(t, S_STATE2, first + j);
+        let u = apply_rule(t, fl, p0, gi, m0, v0);
+        let ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) && is_finite(u.v);
+        m[j] = select(m0, u.m, ok);
+        v[j] = select(v0, u.v, ok);
+        p[j] = select(p0, u.p, ok);
+        d[j] = select(0.0, u.d, ok);
+        bad = bad || !ok;
+    }
+    if (bad) {
+        atomicOr(&flags[dw(t, D_FLAG_INDEX)], 1u);
+    }
+    let counter = pair(t, D_STEP);
+    store(t, lt, S_STATE1, m, count, counter);
+    store(t, lt, S_STATE2, v, count, counter);
+    if ((fl & F_UPDATE_PARAM) != 0u) {
+        if (!fmt_add(t, lt, S_PARAM, d, count)) {
+            store(t, lt, S_PARAM, p, count, counter);
+        }
+    }
+    // Every invocation has read the block scales of the gradient it shares with its neighbours
+    // before any of them is zeroed.
+    workgroupBarrier();
+    fmt_clear(t, lt, S_GRAD, count);
+}

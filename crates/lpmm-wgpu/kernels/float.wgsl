@@ -1,0 +1,276 @@
+// Floats: bf16 rounding (lpmm-formats float.rs; half's conversion), an exact fused multiply-add
+// for drivers whose `fma` is not fused, and the probe of the driver's arithmetic.
+
+// ---------------------------------------------------------------------------------------------
+// Floats (lpmm-formats float.rs, split.rs; half's bf16 conversion).
+
+fn is_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7F800000u) != 0x7F800000u;
+}
+
+// half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
+fn bf16_nearest(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (b >> 16u) | 0x40u;
+    }
+    if ((b & 0x8000u) != 0u && (b & 0x17FFFu) != 0u) {
+        return (b >> 16u) + 1u;
+    }
+    return b >> 16u;
+}
+
+// float::bf16_stochastic.
+fn bf16_stochastic(x: f32, r: u32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7FFFFFFFu) >= 0x7F800000u) {
+        return bf16_nearest(x);
+    }
+    let up = select(0u, 1u, (r >> 16u) < (b & 0xFFFFu));
+    let res = (b >> 16u) + up;
+    if ((res & 0x7FFFu) == 0x7F80u) {
+        return bf16_nearest(x);
+    }
+    return res;
+}
+
+fn bf16_value(h: u32) -> f32 {
+    return bitcast<f32>(h << 16u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused multiply-add. WGSL's `fma` may be evaluated as a multiply and an add (lavapipe does), so
+// unless the backend's probe found the driver's `fma` correctly rounded (FMA_NATIVE), `fmaf`
+// computes round-to-nearest-even(a * b + c) exactly in integer arithmetic: the 48-bit product and
+// the addend are placed in a 128-bit fixed-point window (bits shifted out of the window fold into
+// a sticky bit), added or subtracted, and rounded once, subnormal results included.
+
+override FMA_NATIVE: bool = false;
+
+fn fmaf(a: f32, b: f32, c: f32) -> f32 {
+    if (FMA_NATIVE) {
+        return fma(a, b, c);
+    }
+    return fma_soft(a, b, c);
+}
+
+fn shl128(v: vec4<u32>, s: u32) -> vec4<u32> {
+    var out = vec4<u32>(0u);
+    let q = s / 32u;
+    let r = s % 32u;
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        if (i >= q) {
+            var x = v[i - q] << r;
+            if (r > 0u && i >= q + 1u) {
+                x = x | (v[i - q - 1u] >> (32u - r));
+            }
+            out[i] = x;
+        }
+    }
+    return out;
+}
+
+// Shifts right by `s`; `sticky` says whether a set bit was shifted out.
+struct Shifted {
+    v: vec4<u32>,
+    sticky: bool,
+}
+
+fn shr128(v: vec4<u32>, s: u32) -> Shifted {
+    var out: Shifted;
+    out.v = vec4<u32>(0u);
+    out.sticky = false;
+    if (s >= 128u) {
+        out.sticky = any(v != vec4<u32>(0u));
+        return out;
+    }
+    let q = s / 32u;
+    let r = s % 32u;
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        if (i < q && v[i] != 0u) {
+            out.sticky = true;
+        }
+        if (i + q < 4u) {
+            var x = v[i + q] >> r;
+            if (r > 0u && i + q + 1u < 4u) {
+                x = x | (v[i + q + 1u] << (32u - r));
+            }
+            out.v[i] = x;
+        }
+    }
+    if (r > 0u && q < 4u && (v[q] & ((1u << r) - 1u)) != 0u) {
+        out.sticky = true;
+    }
+    return out;
+}
+
+fn add128(x: vec4<u32>, y: vec4<u32>) -> vec4<u32> {
+    var out = vec4<u32>(0u);
+    var carry = 0u;
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        let s = x[i] + y[i];
+        let c1 = select(0u, 1u, s < x[i]);
+        let t = s + carry;
+        let c2 = select(0u, 1u, t < s);
+        out[i] = t;
+        carry = c1 + c2;
+    }
+    return out;
+}
+
+fn sub128(x: vec4<u32>, y: vec4<u32>) -> vec4<u32> {
+    var out = vec4<u32>(0u);
+    var borrow = 0u;
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        let d = x[i] - y[i];
+        let b1 = select(0u, 1u, x[i] < y[i]);
+        let t = d - borrow;
+        let b2 = select(0u, 1u, d < borrow);
+        out[i] = t;
+        borrow = b1 + b2;
+    }
+    return out;
+}
+
+// x < y as unsigned 128-bit integers.
+fn less128(x: vec4<u32>, y: vec4<u32>) -> bool {
+    for (var k = 0; k < 4; k = k + 1) {
+        let i = u32(3 - k);
+        if (x[i] != y[i]) {
+            return x[i] < y[i];
+        }
+    }
+    return false;
+}
+
+// Index of the highest set bit (-1 for zero).
+fn msb128(v: vec4<u32>) -> i32 {
+    for (var k = 0; k < 4; k = k + 1) {
+        let i = 3 - k;
+        if (v[u32(i)] != 0u) {
+            return 32 * i + 31 - i32(countLeadingZeros(v[u32(i)]));
+        }
+    }
+    return -1;
+}
+
+// Places m * 2^lsb in the window whose bit 0 is worth 2^frame; bits below it become a sticky 1.
+fn place(m: vec4<u32>, lsb: i32, frame: i32) -> vec4<u32> {
+    let s = lsb - frame;
+    if (s >= 0) {
+        return shl128(m, u32(s));
+    }
+    let r = shr128(m, u32(-s));
+    var v = r.v;
+    if (r.sticky) {
+        v.x = v.x | 1u;
+    }
+    return v;
+}
+
+fn fma_soft(a: f32, b: f32, c: f32) -> f32 {
+    let ua = bitcast<u32>(a);
+    let ub = bitcast<u32>(b);
+    let uc = bitcast<u32>(c);
+    var ea = i32((ua >> 23u) & 0xFFu);
+    var eb = i32((ub >> 23u) & 0xFFu);
+    var ec = i32((uc >> 23u) & 0xFFu);
+    if (ea == 255 || eb == 255) {
+        // A non-finite factor: IEEE's a * b + c gives the fma's result (Inf or NaN).
+        return a * b + c;
+    }
+    if (ec == 255) {
+        // A finite product plus Inf or NaN is c (the rounded product could overflow instead).
+        return c;
+    }
+    var ma = ua & 0x7FFFFFu;
+    var mb = ub & 0x7FFFFFu;
+    var mc = uc & 0x7FFFFFu;
+    if (ea == 0) { ea = 1; } else { ma = ma | 0x800000u; }
+    if (eb == 0) { eb = 1; } else { mb = mb | 0x800000u; }
+    if (ec == 0) { ec = 1; } else { mc = mc | 0x800000u; }
+    let sp = (ua ^ ub) >> 31u;
+    let sc = uc >> 31u;
+    if (ma == 0u || mb == 0u) {
+        // An exact zero product: c itself, or a zero whose sign is negative only if both are.
+        if (mc == 0u) {
+            return bitcast<f32>((sp & sc) << 31u);
+        }
+        return c;
+    }
+    // The 48-bit product of the significands, from 16-bit limbs.
+    let a0 = ma & 0xFFFFu;
+    let a1 = ma >> 16u;
+    let b0 = mb & 0xFFFFu;
+    let b1 = mb >> 16u;
+    let mid = a0 * b1 + a1 * b0;
+    let p00 = a0 * b0;
+    let lo = p00 + (mid << 16u);
+    let hi = a1 * b1 + (mid >> 16u) + select(0u, 1u, lo < p00);
+    let pm = vec4<u32>(lo, hi, 0u, 0u);
+    let cm = vec4<u32>(mc, 0u, 0u, 0u);
+    // Values: pm * 2^lsb_p and cm * 2^lsb_c (a = ma * 2^(ea - 150)).
+    let lsb_p = ea + eb - 300;
+    let lsb_c = ec - 150;
+    var top = lsb_p + msb128(pm);
+    if (mc != 0u) {
+        top = max(top, lsb_c + msb128(cm));
+    }
+    let frame = top - 126;
+    let xp = place(pm, lsb_p, frame);
+    let xc = place(cm, lsb_c, frame);
+    var sign = sp;
+    var r: vec4<u32>;
+    if (sp == sc) {
+        r = add128(xp, xc);
+    } else if (less128(xp, xc)) {
+        r = sub128(xc, xp);
+        sign = sc;
+    } else {
+        r = sub128(xp, xc);
+    }
+    let k = msb128(r);
+    if (k < 0) {
+        // Exact cancellation: +0 under round-to-nearest.
+        return 0.0;
+    }
+    // Drop `drop` bits: down to 24 significant bits, or to the subnormal grid (2^-149).
+    let drop = max(k - 23, -149 - frame);
+    var mant: u32;
+    if (drop <= 0) {
+        mant = shl128(r, u32(-drop)).x;
+    } else {
+        let t = shr128(r, u32(drop - 1));
+        let round = (t.v.x & 1u) == 1u;
+        mant = t.v.x >> 1u;
+        if (round && (t.sticky || (mant & 1u) == 1u)) {
+            mant = mant + 1u;
+        }
+    }
+    // mant * 2^(frame + drop): the exponent field and the significand add up (a carry out of the
+    // significand moves the exponent; subnormals have exponent field 0).
+    let e = frame + drop + 149;
+    if (e >= 254 && (u32(e) << 23u) + mant >= 0x7F800000u) {
+        return bitcast<f32>((sign << 31u) | 0x7F800000u);
+    }
+    return bitcast<f32>((sign << 31u) | ((u32(e) << 23u) + mant));
+}
+
+// The backend's probe of the driver's arithmetic: for each (a, b, c) in `io` (8 floats apart),
+// writes fma(a, b, c), fma_soft(a, b, c), a * b + c, a / b, sqrt(|a|).
+@compute @workgroup_size(64)
+fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
+    let i = 8u * id.x;
+    if (i + 8u > arrayLength(&io) || i / 8u >= work[0]) {
+        return;
+    }
+    let a = bitcast<f32>(io[i]);
+    let b = bitcast<f32>(io[i + 1u]);
+    let c = bitcast<f32>(io[i + 2u]);
+    io[i + 3u] = bitcast<u32>(fma(a, b, c));
+    io[i + 4u] = bitcast<u32>(fma_soft(a, b, c));
+    io[i + 5u] = bitcast<u32>(a * b + c);
+    io[i + 6u] = bitcast<u32>(a / b);
+    io[i + 7u] = bitcast<u32>(sqrt(abs(a)));
+}
+

@@ -1,0 +1,166 @@
+//! The probe of the driver's f32 arithmetic, run when the backend is created: which results
+//! equal the CPU's bit for bit (is `fma` fused, are division and `sqrt` correctly rounded, are
+//! subnormals kept), by running `arith_main` (kernels/float.wgsl) on inputs whose correctly
+//! rounded results are known on the host.
+
+use lpmm_optim::BackendError;
+use wgpu::util::DeviceExt;
+
+use crate::WgpuRuntime;
+
+/// What the driver's f32 arithmetic does, measured by running the probe kernel on inputs whose
+/// correctly rounded results are known on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FloatBehaviour {
+    /// WGSL `fma` is fused (one rounding) on every probe input: the shader uses it; otherwise
+    /// it uses its exact software fma.
+    pub fma_fused: bool,
+    /// The software fma equals the CPU's `mul_add` on every probe input (always expected).
+    pub fma_soft_exact: bool,
+    /// `a / b` is correctly rounded on every probe input.
+    pub div_exact: bool,
+    /// `sqrt` is correctly rounded on every probe input.
+    pub sqrt_exact: bool,
+    /// Subnormal results are kept (not flushed to zero).
+    pub subnormals_kept: bool,
+}
+
+impl FloatBehaviour {
+    /// Whether every step is bit-exact with the CPU backend: correctly rounded division and
+    /// square root, and subnormals kept (fma is exact either way).
+    pub fn bit_exact(&self) -> bool {
+        self.fma_soft_exact && self.div_exact && self.sqrt_exact && self.subnormals_kept
+    }
+}
+
+/// The probe's inputs: products that need a fused rounding, cancellations, results that are
+/// subnormal or overflow, and quotients and roots across the exponent range.
+pub fn probe_inputs() -> Vec<[f32; 3]> {
+    let mut s = 0x1234_5678_9ABC_DEF0u64;
+    let mut next = move || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut out = Vec::new();
+    let finite = |b: u32| {
+        let x = f32::from_bits(b);
+        if x.is_finite() { x } else { 1.0 }
+    };
+    for k in 0..4096 {
+        let r = next();
+        let a = finite(r as u32);
+        let b = finite((r >> 32) as u32);
+        let c = match k % 4 {
+            // Cancellation: c close to -(a * b).
+            0 => -(a * b) * (1.0 + f32::EPSILON * ((next() % 5) as f32 - 2.0)),
+            1 => finite(next() as u32),
+            // Moderate magnitudes, where fused and unfused differ most often.
+            2 => a * b * 1e-3,
+            _ => 0.0,
+        };
+        out.push([a, b, c]);
+        // Ordinary magnitudes.
+        let u = |x: u64| (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+        out.push([u(next()) + 0.5, u(next()) * 3.0, u(next())]);
+    }
+    // Subnormal results of the plain product and of fma.
+    for k in 0..64 {
+        let a = 1.5e-20f32 * (1.0 + k as f32 / 64.0);
+        out.push([a, 3.1e-20, 0.0]);
+        out.push([a, -2.7e-19, 1e-39]);
+    }
+    out
+}
+
+pub(crate) fn probe(rt: &WgpuRuntime) -> Result<FloatBehaviour, BackendError> {
+    let inputs = probe_inputs();
+    let out = run_arith(rt, &inputs)?;
+    let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+    let mut b = FloatBehaviour {
+        fma_fused: true,
+        fma_soft_exact: true,
+        div_exact: true,
+        sqrt_exact: true,
+        subnormals_kept: true,
+    };
+    for (&[x, y, z], o) in inputs.iter().zip(&out) {
+        let fused = x.mul_add(y, z);
+        b.fma_fused &= same(o[0], fused);
+        b.fma_soft_exact &= same(o[1], fused);
+        let plain = x * y + z;
+        if plain != 0.0 && plain.abs() < f32::MIN_POSITIVE {
+            b.subnormals_kept &= same(o[2], plain);
+        }
+        let q = x / y;
+        if q.is_normal() && x.is_normal() && y.is_normal() {
+            b.div_exact &= same(o[3], q);
+        }
+        if x.is_normal() {
+            b.sqrt_exact &= same(o[4], x.abs().sqrt());
+        }
+    }
+    Ok(b)
+}
+
+/// Runs `arith_main` (kernels/float.wgsl) over `triples`, 8 floats apart in an io buffer.
+pub(crate) fn run_arith(
+    rt: &WgpuRuntime,
+    triples: &[[f32; 3]],
+) -> Result<Vec<[f32; 5]>, BackendError> {
+    let mut data = vec![0f32; 8 * triples.len()];
+    for (k, t) in triples.iter().enumerate() {
+        data[8 * k..8 * k + 3].copy_from_slice(t);
+    }
+    let io = rt
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("lpmm probe io"),
+            contents: bytemuck::cast_slice(&data),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        });
+    let work = rt
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("lpmm probe work"),
+            contents: bytemuck::cast_slice(&[triples.len() as u32, 0u32]),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let buffers = [
+        &rt.dummy,
+        &work,
+        &io,
+        &rt.dummy_ro,
+        &rt.dummy,
+        &rt.dummy,
+        &rt.dummy,
+    ];
+    let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        .iter()
+        .enumerate()
+        .map(|(k, b)| wgpu::BindGroupEntry {
+            binding: k as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    let bind = rt.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("lpmm probe"),
+        layout: &rt.layout,
+        entries: &entries,
+    });
+    let mut encoder = rt.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&rt.arith);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups((triples.len() as u32).div_ceil(64), 1, 1);
+    }
+    rt.queue.submit([encoder.finish()]);
+    let bytes = rt.read_buffer(&io, 0, 32 * triples.len() as u64)?;
+    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+    Ok((0..triples.len())
+        .map(|k| [0, 1, 2, 3, 4].map(|j| f32::from_bits(words[8 * k + 3 + j])))
+        .collect())
+}
