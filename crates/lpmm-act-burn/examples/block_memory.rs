@@ -1,5 +1,5 @@
 //! Peak heap memory and time of one training step (forward + backward) of a pre-LN transformer
-//! block on burn's ndarray CPU backend, with burn's own LayerNorm / softmax / dropout / GELU and
+//! block on burn-flex (burn 0.22.1 CPU backend), with burn's own LayerNorm / softmax / dropout / GELU and
 //! with lpmm-act's operators (`lpmm_act_burn::block`), measured with a counting global allocator
 //! in the same run.
 //!
@@ -34,8 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
-    #[allow(deprecated)]
-    let device = Device::ndarray().autodiff();
+    let device = Device::flex().autodiff();
     let cfg = BlockConfig::default();
     let block = Block::new(cfg, &device, 1);
     let mut rng = Rng::new(2);
@@ -49,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let base = results[0].1;
 
-    println!("## Transformer block training step: burn 0.22.1 (ndarray, CPU) vs lpmm-act\n");
+    println!("## Transformer block training step: burn 0.22.1 (flex, CPU) vs lpmm-act\n");
     println!(
         "pre-LN block, d_model {}, {} heads, d_ff {}, sequence {}, batch {}, attention dropout {}; \
          forward + backward of an MSE loss; median of {steps} steps after a warm-up.\n",
@@ -91,7 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let report = serde_json::json!({
         "command": "cargo run --release -p lpmm-act-burn --example block_memory",
-        "backend": "burn 0.22.1 Autodiff<NdArray> (CPU)",
+        "backend": "burn 0.22.1 Autodiff<Flex> (CPU)",
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "config": {
             "d_model": cfg.d_model, "heads": cfg.heads, "d_ff": cfg.d_ff, "seq": cfg.seq,

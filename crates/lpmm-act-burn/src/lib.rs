@@ -5,8 +5,11 @@
 //! burn-autodiff lets a custom backward op choose its state: `Backward::prepare` /
 //! `compute_bound` / `stateful` / `finish(state, output)`, and nothing else of the op is kept by
 //! the graph. [`ops`] implements the operators on burn-autodiff's primitives for any inner backend
-//! `B`; the functions here apply them to burn's high-level [`Tensor`] on the ndarray CPU backend
-//! (`Device::ndarray()`, with or without `.autodiff()`, either checkpointing strategy):
+//! `B`; the functions here apply them to burn's high-level [`Tensor`] on the backend of its device
+//! (with or without `.autodiff()`, either checkpointing strategy): burn-flex, burn 0.22's CPU
+//! backend (`Device::flex()`), and with feature `wgpu` burn's cubecl backend (`Device::wgpu(..)`;
+//! the lpmm-act kernels run on the host, so each operator reads its tensors back and writes its
+//! result: correct on any device, a host round trip per operator on a GPU):
 //!
 //! - [`gelu_few_bit`]: GELU saving the packed `b`-bit codes of its input ([`Table`]).
 //! - [`gelu_from_output`]: exact GELU saving a 1-bit branch mask beside its output, which the next
@@ -19,7 +22,8 @@
 //!
 //! Inputs without autodiff are lifted as constants with the default strategy (so under
 //! `gradient_checkpointing()` every input must already be on the autodiff device); tensors of
-//! another backend make these functions panic (use [`ops`] with that backend instead).
+//! another backend (burn's deprecated ndarray, libtorch) make these functions panic (use [`ops`]
+//! with that backend instead).
 //!
 //! [`block`] builds a pre-LN transformer block with burn's own operators and with these, for the
 //! memory and time comparison of `examples/block_memory.rs`.
@@ -33,14 +37,18 @@ use burn_autodiff::{
     Autodiff,
     checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing},
 };
+use burn_dispatch::DispatchDevice;
 use burn_tensor::{GradientCheckpointingStrategy, Tensor};
 pub use lpmm_act::{Activation, Grid, Table, Weight};
 pub use lpmm_quant::RandomStream;
 
-/// The inner backend the high-level functions run on: burn-ndarray (deprecated by burn 0.22 in
-/// favour of burn-flex, but the CPU backend this workspace builds).
-#[allow(deprecated)]
-pub type Cpu = burn_ndarray::NdArray;
+/// The CPU backend the high-level functions run on: burn-flex (burn 0.22's CPU backend; burn's
+/// ndarray backend is deprecated).
+pub type Cpu = burn_flex::Flex;
+
+/// burn's cubecl backend (wgpu, and every cubecl runtime), as burn's dispatch holds it.
+#[cfg(feature = "wgpu")]
+pub type Cube = burn_cubecl::Cube;
 
 /// The `bits`-bit few-bit GELU table for N(0, 1)-distributed pre-activations (lpmm-act's optimal
 /// piecewise-constant derivative on the default grid, N(0, 1)-weighted). Panics outside 1..=8.
@@ -49,6 +57,29 @@ pub fn gelu_table(bits: u32) -> Arc<Table> {
         Table::solve(Activation::Gelu, bits, Weight::STANDARD, Grid::default())
             .unwrap_or_else(|e| panic!("few-bit GELU table: {e}")),
     )
+}
+
+/// Runs `$body` with `$B` bound to the inner backend of tensor `$x`'s device and `$C` to its
+/// checkpointing strategy (an autodiff device).
+macro_rules! with_backend {
+    ($x:expr, $B:ident, $C:ident => $body:expr) => {{
+        let device = $x.device();
+        match device.clone().inner().as_dispatch() {
+            DispatchDevice::Flex(_) => {
+                type $B = Cpu;
+                with_strategy!(device, $C => $body)
+            }
+            #[cfg(feature = "wgpu")]
+            DispatchDevice::Cube(_) => {
+                type $B = Cube;
+                with_strategy!(device, $C => $body)
+            }
+            #[allow(unreachable_patterns)]
+            other => panic!(
+                "lpmm-act-burn's operators run on burn-flex (Device::flex()) and, with feature `wgpu`, burn's cubecl devices; not {other:?}"
+            ),
+        }
+    }};
 }
 
 /// Runs `$body` with `$C` bound to the checkpointing strategy of `$device` (an autodiff device).
@@ -67,20 +98,20 @@ macro_rules! with_strategy {
     };
 }
 
-/// The autodiff primitive of `$t` (on the ndarray backend with autodiff enabled) for strategy `$C`.
+/// The autodiff primitive of `$t` on backend `$B` with strategy `$C`.
 macro_rules! primitive {
-    ($t:expr, $C:ty) => {
-        $t.try_into_primitive::<Autodiff<Cpu, $C>>()
+    ($t:expr, $B:ty, $C:ty) => {
+        $t.try_into_primitive::<Autodiff<$B, $C>>()
             .unwrap_or_else(|e| {
-                panic!("lpmm-act-burn's operators run on the ndarray backend (Device::ndarray()): {e:?}")
+                panic!("lpmm-act-burn's operators need all their tensors on one device: {e:?}")
             })
     };
 }
 
-/// The high-level tensor of an autodiff primitive for strategy `$C`.
+/// The high-level tensor of an autodiff primitive of backend `$B` with strategy `$C`.
 macro_rules! wrap {
-    ($t:expr, $C:ty) => {
-        Tensor::from_primitive::<Autodiff<Cpu, $C>>($t)
+    ($t:expr, $B:ty, $C:ty) => {
+        Tensor::from_primitive::<Autodiff<$B, $C>>($t)
     };
 }
 
@@ -98,9 +129,9 @@ fn lifted<const D: usize>(x: Tensor<D>, op: impl FnOnce(Tensor<D>) -> Tensor<D>)
 /// graph keeps `table.bits` bits per element. See [`ops::gelu_few_bit`].
 pub fn gelu_few_bit<const D: usize>(x: Tensor<D>, table: &Arc<Table>) -> Tensor<D> {
     lifted(x, |x| {
-        with_strategy!(x.device(), C => {
-            let y = ops::gelu_few_bit::<Cpu, C>(primitive!(x, C), table.clone());
-            wrap!(y, C)
+        with_backend!(x, B, C => {
+            let y = ops::gelu_few_bit::<B, C>(primitive!(x, B, C), table.clone());
+            wrap!(y, B, C)
         })
     })
 }
@@ -109,9 +140,9 @@ pub fn gelu_few_bit<const D: usize>(x: Tensor<D>, table: &Arc<Table>) -> Tensor<
 /// [`ops::gelu_from_output`].
 pub fn gelu_from_output<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     lifted(x, |x| {
-        with_strategy!(x.device(), C => {
-            let y = ops::gelu_from_output::<Cpu, C>(primitive!(x, C));
-            wrap!(y, C)
+        with_backend!(x, B, C => {
+            let y = ops::gelu_from_output::<B, C>(primitive!(x, B, C));
+            wrap!(y, B, C)
         })
     })
 }
@@ -126,14 +157,14 @@ pub fn layer_norm_from_output<const D: usize>(
 ) -> Tensor<D> {
     lifted(x, |x| {
         let (gamma, beta) = (gamma.autodiff(), beta.autodiff());
-        with_strategy!(x.device(), C => {
-            let y = ops::layer_norm_from_output::<Cpu, C>(
-                primitive!(x, C),
-                primitive!(gamma, C),
-                primitive!(beta, C),
+        with_backend!(x, B, C => {
+            let y = ops::layer_norm_from_output::<B, C>(
+                primitive!(x, B, C),
+                primitive!(gamma, B, C),
+                primitive!(beta, B, C),
                 eps,
             );
-            wrap!(y, C)
+            wrap!(y, B, C)
         })
     })
 }
@@ -142,9 +173,9 @@ pub fn layer_norm_from_output<const D: usize>(
 /// keeping the softmax output and a 1-bit mask. See [`ops::softmax_dropout`].
 pub fn softmax_dropout<const D: usize>(x: Tensor<D>, p: f32, stream: &RandomStream) -> Tensor<D> {
     lifted(x, |x| {
-        with_strategy!(x.device(), C => {
-            let y = ops::softmax_dropout::<Cpu, C>(primitive!(x, C), p, stream);
-            wrap!(y, C)
+        with_backend!(x, B, C => {
+            let y = ops::softmax_dropout::<B, C>(primitive!(x, B, C), p, stream);
+            wrap!(y, B, C)
         })
     })
 }
@@ -159,14 +190,14 @@ pub fn softmax_dropout_matmul<const D: usize>(
 ) -> Tensor<D> {
     lifted(scores, |scores| {
         let v = v.autodiff();
-        with_strategy!(scores.device(), C => {
-            let y = ops::softmax_dropout_matmul::<Cpu, C>(
-                primitive!(scores, C),
-                primitive!(v, C),
+        with_backend!(scores, B, C => {
+            let y = ops::softmax_dropout_matmul::<B, C>(
+                primitive!(scores, B, C),
+                primitive!(v, B, C),
                 p,
                 stream,
             );
-            wrap!(y, C)
+            wrap!(y, B, C)
         })
     })
 }

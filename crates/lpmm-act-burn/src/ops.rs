@@ -6,7 +6,7 @@
 //! type below, nothing is registered with the checkpointer, and the op is compute-bound so that no
 //! strategy recomputes it (or keeps its input to do so). The lpmm-act kernels run on the host:
 //! the tensors are read with `B::float_into_data` and written back with `B::float_from_data`,
-//! which on burn-ndarray is a copy in the same memory.
+//! which on burn-flex is a copy in the same memory (on a GPU, a round trip through the host).
 //!
 //! | op | saved state (beside shapes and scalars) |
 //! |---|---|

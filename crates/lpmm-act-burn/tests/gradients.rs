@@ -1,5 +1,5 @@
 //! Each operator's output and gradients against burn's own uncompressed operators on
-//! `Autodiff<NdArray>`: the exact ones (GELU and LayerNorm from their outputs, softmax·dropout,
+//! `Autodiff<Flex>` and on burn's wgpu device (lavapipe in CI): the exact ones (GELU and LayerNorm from their outputs, softmax·dropout,
 //! softmax·dropout·matmul) to f32 tolerance, the few-bit GELU to its table's error (and bit for bit
 //! to `dy × level[code]`).
 
@@ -10,9 +10,41 @@ use lpmm_act_burn::{
     layer_norm_from_output, softmax_dropout, softmax_dropout_matmul,
 };
 
-#[allow(deprecated)]
-fn device() -> Device {
-    Device::ndarray().autodiff()
+fn flex() -> Device {
+    Device::flex().autodiff()
+}
+
+/// burn's wgpu device, or `None` with a message when there is no adapter (a failure with
+/// `LPMM_REQUIRE_WGPU=1`, as CI sets it).
+fn wgpu() -> Option<Device> {
+    static DEVICE: std::sync::OnceLock<Result<Device, String>> = std::sync::OnceLock::new();
+    match DEVICE.get_or_init(|| Device::wgpu_options().init().map_err(|e| e.to_string())) {
+        Ok(d) => Some(d.clone().autodiff()),
+        Err(e) => {
+            if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                panic!("LPMM_REQUIRE_WGPU=1 but burn's wgpu device: {e}");
+            }
+            eprintln!("skipping the wgpu case: {e}");
+            None
+        }
+    }
+}
+
+/// `#[test] $name` on flex and `$name_wgpu` on burn's wgpu device, both running `$body(dev)`.
+macro_rules! on_devices {
+    ($name:ident, $wgpu:ident, $body:ident) => {
+        #[test]
+        fn $name() {
+            $body(flex());
+        }
+
+        #[test]
+        fn $wgpu() {
+            if let Some(dev) = wgpu() {
+                $body(dev);
+            }
+        }
+    };
 }
 
 fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
@@ -41,9 +73,9 @@ fn weighted_sum<const D: usize>(y: Tensor<D>, w: &Tensor<D>) -> Tensor<1> {
     (y * w.clone()).sum()
 }
 
-#[test]
-fn gelu_from_output_matches_burn_gelu() {
-    let dev = device();
+on_devices!(gelu_from_output_matches_burn_gelu, gelu_from_output_matches_burn_gelu_on_wgpu, gelu_from_output_matches_burn_gelu_on);
+
+fn gelu_from_output_matches_burn_gelu_on(dev: Device) {
     let mut rng = Rng::new(11);
     // Beyond one chunk, both branches, around the minimum.
     let shape = [3, 100, 301];
@@ -81,9 +113,9 @@ fn gelu_from_output_matches_burn_gelu() {
     );
 }
 
-#[test]
-fn few_bit_gelu_is_the_table_derivative_within_its_error() {
-    let dev = device();
+on_devices!(few_bit_gelu_is_the_table_derivative_within_its_error, few_bit_gelu_is_the_table_derivative_within_its_error_on_wgpu, few_bit_gelu_is_the_table_derivative_within_its_error_on);
+
+fn few_bit_gelu_is_the_table_derivative_within_its_error_on(dev: Device) {
     let mut rng = Rng::new(12);
     let shape = [8, 64, 64];
     let x0 = rng.tensor(shape, 1.0, &dev);
@@ -143,9 +175,9 @@ fn few_bit_gelu_is_the_table_derivative_within_its_error() {
     }
 }
 
-#[test]
-fn layer_norm_from_output_matches_burn_layer_norm() {
-    let dev = device();
+on_devices!(layer_norm_from_output_matches_burn_layer_norm, layer_norm_from_output_matches_burn_layer_norm_on_wgpu, layer_norm_from_output_matches_burn_layer_norm_on);
+
+fn layer_norm_from_output_matches_burn_layer_norm_on(dev: Device) {
     let mut rng = Rng::new(13);
     let (rows, cols) = (6, 48);
     let shape = [2, rows, cols];
@@ -199,9 +231,9 @@ fn burn_softmax_dropout(x: Tensor<4>, mask: &Tensor<4>, p: f32) -> Tensor<4> {
     (activation::softmax(x, 3) * mask.clone()).mul_scalar(1.0 / (1.0 - p))
 }
 
-#[test]
-fn softmax_dropout_matches_burn_softmax_and_dropout() {
-    let dev = device();
+on_devices!(softmax_dropout_matches_burn_softmax_and_dropout, softmax_dropout_matches_burn_softmax_and_dropout_on_wgpu, softmax_dropout_matches_burn_softmax_and_dropout_on);
+
+fn softmax_dropout_matches_burn_softmax_and_dropout_on(dev: Device) {
     let mut rng = Rng::new(14);
     let shape = [2, 3, 17, 40];
     let stream = RandomStream::new(5, 9, 1);
@@ -224,9 +256,9 @@ fn softmax_dropout_matches_burn_softmax_and_dropout() {
     }
 }
 
-#[test]
-fn softmax_dropout_matmul_matches_burn() {
-    let dev = device();
+on_devices!(softmax_dropout_matmul_matches_burn, softmax_dropout_matmul_matches_burn_on_wgpu, softmax_dropout_matmul_matches_burn_on);
+
+fn softmax_dropout_matmul_matches_burn_on(dev: Device) {
     let mut rng = Rng::new(15);
     let (b, h, n, m, k) = (2, 3, 17, 23, 8);
     let stream = RandomStream::new(5, 10, 2);
@@ -264,11 +296,15 @@ fn softmax_dropout_matmul_matches_burn() {
     );
 }
 
-#[test]
-fn operators_run_without_autodiff_and_with_checkpointing() {
-    #[allow(deprecated)]
-    let plain = Device::ndarray();
-    let balanced = device().gradient_checkpointing();
+on_devices!(
+    operators_run_without_autodiff_and_with_checkpointing,
+    operators_run_without_autodiff_and_with_checkpointing_on_wgpu,
+    modes_on
+);
+
+fn modes_on(dev: Device) {
+    let plain = dev.clone().inner();
+    let balanced = dev.clone().gradient_checkpointing();
     let mut rng = Rng::new(16);
     let shape = [2, 5, 12];
     let x0 = rng.tensor(shape, 1.0, &plain);
@@ -292,7 +328,7 @@ fn operators_run_without_autodiff_and_with_checkpointing() {
     assert!(!y_plain.is_autodiff());
     // Default autodiff and balanced checkpointing give the same values and gradients.
     let mut results = Vec::new();
-    for dev in [device(), balanced] {
+    for dev in [dev, balanced] {
         let x = Tensor::<3>::from_data(x0.to_data(), &dev).require_grad();
         let g = Tensor::<1>::from_data(gamma.to_data(), &dev).require_grad();
         let b = Tensor::<1>::from_data(beta.to_data(), &dev).require_grad();

@@ -13,8 +13,7 @@ static ALLOC: Counting = Counting;
 
 #[test]
 fn lpmm_act_block_peaks_lower_than_the_baseline() {
-    #[allow(deprecated)]
-    let device = Device::ndarray().autodiff();
+    let device = Device::flex().autodiff();
     // Small enough for a debug build.
     let cfg = BlockConfig {
         d_model: 64,

@@ -6,7 +6,11 @@
 //! `candle_nn::Optimizer` for any lpmm configuration. Feature `wgpu`: `wgpu`, the backend that
 //! runs the optimizer step as compute shaders (`Optimizer::with_backend(lpmm::wgpu::Wgpu::new(..)?, ..)`).
 //! Feature `cuda`: `cuda`, the CUDA backend (`Optimizer::with_backend(lpmm::cuda::Cuda::new(0)?, ..)`).
+//! Feature `burn`: `burn`, lpmm's optimizers for burn modules
+//! (`lpmm::burn::Lpmm8bitAdamWConfig::new().init()` where burn has `AdamWConfig::new().init()`).
 
+#[cfg(feature = "burn")]
+pub use lpmm_burn as burn;
 #[cfg(feature = "candle")]
 pub use lpmm_candle as candle;
 #[cfg(feature = "cuda")]

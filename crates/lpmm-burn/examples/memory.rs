@@ -1,0 +1,347 @@
+//! A wide digits classifier (64 -> H -> H -> 10, ReLU, cross-entropy) trained in burn with burn's
+//! own AdamW and with lpmm's optimizers, on burn's ndarray CPU backend and on burn's wgpu device
+//! (Mesa's lavapipe where there is no GPU: its "device" memory is the process's memory), each
+//! configuration in its own child process, which reports its peak (`VmHWM`) and steady (`VmRSS`
+//! after the last step) resident memory, the memory lpmm's optimizer holds, and the loss and
+//! validation accuracy it reached.
+//!
+//! ```sh
+//! cargo run --release -p lpmm-burn --example memory                # H = 2048 (4.3M parameters), 30 steps
+//! cargo run --release -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
+//! ```
+
+use std::io::Read;
+use std::sync::OnceLock;
+
+use burn_core as burn;
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{log_softmax, relu};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
+use lpmm_optim::{NonFinitePolicy, ParamConfig, Storage};
+
+const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
+const BATCH: usize = 256;
+
+/// The digits (8x8 images in [0, 1], labels 0..9), split as lpmm-candle splits them: sample `i`
+/// validates iff `i % 5 == 0`.
+#[derive(Debug)]
+pub struct Digits {
+    pub train_x: Vec<f32>,
+    pub train_y: Vec<i64>,
+    pub val_x: Vec<f32>,
+    pub val_y: Vec<i64>,
+}
+
+pub fn digits() -> Digits {
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(DIGITS_GZ)
+        .read_to_string(&mut text)
+        .expect("the embedded digits decompress");
+    let mut d = Digits {
+        train_x: Vec::new(),
+        train_y: Vec::new(),
+        val_x: Vec::new(),
+        val_y: Vec::new(),
+    };
+    for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
+        let v: Vec<u32> = line.split(',').map(|f| f.trim().parse().expect("a number")).collect();
+        let (x, y) = if i % 5 == 0 {
+            (&mut d.val_x, &mut d.val_y)
+        } else {
+            (&mut d.train_x, &mut d.train_y)
+        };
+        x.extend(v[..64].iter().map(|&p| p as f32 / 16.0));
+        y.push(v[64] as i64);
+    }
+    d
+}
+
+/// 64 -> h -> h -> 10.
+#[derive(Module, Debug)]
+pub struct Wide {
+    w1: Param<Tensor<2>>,
+    b1: Param<Tensor<1>>,
+    w2: Param<Tensor<2>>,
+    b2: Param<Tensor<1>>,
+    w3: Param<Tensor<2>>,
+    b3: Param<Tensor<1>>,
+}
+
+/// splitmix64, so every configuration starts from the same weights.
+fn uniform(state: &mut u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = *state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+            (2.0 * u - 1.0) * scale
+        })
+        .collect()
+}
+
+fn param<const D: usize>(v: Vec<f32>, shape: [usize; D], device: &Device) -> Param<Tensor<D>> {
+    Param::from_tensor(Tensor::from_data(TensorData::new(v, shape), device))
+}
+
+impl Wide {
+    pub fn new(device: &Device, h: usize) -> Self {
+        let mut s = 42u64;
+        let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
+        Wide {
+            w1: param(uniform(&mut s, 64 * h, k(64)), [64, h], device),
+            b1: param(vec![0.0; h], [h], device),
+            w2: param(uniform(&mut s, h * h, k(h)), [h, h], device),
+            b2: param(vec![0.0; h], [h], device),
+            w3: param(uniform(&mut s, h * 10, k(h)), [h, 10], device),
+            b3: param(vec![0.0; 10], [10], device),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let x = relu(x.matmul(self.w1.val()) + self.b1.val().unsqueeze::<2>());
+        let x = relu(x.matmul(self.w2.val()) + self.b2.val().unsqueeze::<2>());
+        x.matmul(self.w3.val()) + self.b3.val().unsqueeze::<2>()
+    }
+}
+
+/// The optimizers compared.
+pub const OPTIMIZERS: [&str; 5] = [
+    "none",
+    "burn-adamw",
+    "lpmm-adamw8",
+    "lpmm-adamw8-bf16grad",
+    "lpmm-adamw4-released",
+];
+
+fn describe(opt: &str) -> &'static str {
+    match opt {
+        "none" => "no optimizer (forward + backward only)",
+        "burn-adamw" => "burn AdamW (f32 states)",
+        "lpmm-adamw8" => "lpmm 8-bit AdamW, f32 grad accumulator",
+        "lpmm-adamw8-bf16grad" => "lpmm 8-bit AdamW, bf16 grad accumulator",
+        "lpmm-adamw4-released" => "lpmm 4-bit AdamW, no accumulator",
+        _ => "?",
+    }
+}
+
+enum Optim {
+    None,
+    Burn(ModuleOptimizer),
+    Lpmm(LpmmOptimizer),
+}
+
+/// The device of `backend` (burn's wgpu device is shared with lpmm, once per process).
+pub fn device(backend: &str) -> Result<Device, String> {
+    static WGPU: OnceLock<Result<Device, String>> = OnceLock::new();
+    match backend {
+        #[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex.
+        "ndarray" => Ok(Device::ndarray().autodiff()),
+        "flex" => Ok(Device::flex().autodiff()),
+        "wgpu" => WGPU
+            .get_or_init(|| {
+                lpmm_burn::wgpu::init(Device::wgpu_options()).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map(Device::autodiff),
+        other => Err(format!("unknown backend {other}")),
+    }
+}
+
+/// One configuration's result.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Run {
+    pub backend: String,
+    pub optimizer: String,
+    pub params: usize,
+    pub steps: usize,
+    pub first_loss: f32,
+    pub last_loss: f32,
+    pub val_accuracy: f32,
+    /// Bytes lpmm's optimizer holds (0 for burn's).
+    pub lpmm_bytes: usize,
+    pub peak_kib: u64,
+    pub steady_kib: u64,
+}
+
+fn status_kib(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn loss(model: &Wide, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+    let logp = log_softmax(model.forward(x), 1);
+    let picked = logp.gather(1, y.unsqueeze_dim::<2>(1));
+    picked.mean().neg()
+}
+
+/// Trains `steps` steps of `opt` on `backend` with hidden width `h` and reports.
+pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, String> {
+    let device = device(backend)?;
+    let data = digits();
+    let mut model = Wide::new(&device, h);
+    let params = 64 * h + h + h * h + h + h * 10 + 10;
+    let lr = 1e-3;
+    let mut optim = match opt {
+        "none" => Optim::None,
+        "burn-adamw" => Optim::Burn(AdamWConfig::new().init()),
+        "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init()),
+        "lpmm-adamw8-bf16grad" => Optim::Lpmm(
+            Lpmm8bitAdamWConfig::new()
+                .with_bf16_gradients(true)
+                .init(),
+        ),
+        "lpmm-adamw4-released" => {
+            let base = Lpmm8bitAdamWConfig::new().lpmm();
+            let config = ParamConfig {
+                grad: Storage::None,
+                state1: Storage::FOUR_BIT_SIGNED,
+                state2: Storage::FOUR_BIT_UNSIGNED,
+                ..base.param
+            };
+            Optim::Lpmm(
+                LpmmOptimizerConfig::from(config)
+                    .with_non_finite(NonFinitePolicy::SkipElements)
+                    .init(),
+            )
+        }
+        other => return Err(format!("unknown optimizer {other}")),
+    };
+    let n = data.train_y.len();
+    let (mut first_loss, mut last_loss) = (f32::NAN, f32::NAN);
+    for step in 0..steps {
+        let idx: Vec<usize> = (0..BATCH).map(|i| (step * BATCH + i * 7) % n).collect();
+        let x: Vec<f32> = idx
+            .iter()
+            .flat_map(|&i| data.train_x[64 * i..64 * i + 64].iter().copied())
+            .collect();
+        let y: Vec<i64> = idx.iter().map(|&i| data.train_y[i]).collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [BATCH, 64]), &device);
+        let y = Tensor::<1, Int>::from_data(TensorData::new(y, [BATCH]), &device);
+        let l = loss(&model, x, y);
+        let value = l
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))?[0];
+        if step == 0 {
+            first_loss = value;
+        }
+        last_loss = value;
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        model = match &mut optim {
+            Optim::None => {
+                drop(grads);
+                model
+            }
+            Optim::Burn(o) => o.step(lr, model, grads),
+            Optim::Lpmm(o) => o.step(lr, model, grads).map_err(|e| e.to_string())?,
+        };
+    }
+    device.sync().map_err(|e| format!("{e:?}"))?;
+    let steady_kib = status_kib("VmRSS:");
+    // Validation accuracy.
+    let nv = data.val_y.len();
+    let x = Tensor::<2>::from_data(TensorData::new(data.val_x.clone(), [nv, 64]), &device);
+    let pred = model.forward(x).argmax(1).into_data().convert::<i64>();
+    let pred = pred.try_to_vec::<i64>().map_err(|e| format!("{e:?}"))?;
+    let correct = pred.iter().zip(&data.val_y).filter(|(a, b)| a == b).count();
+    let lpmm_bytes = match &optim {
+        Optim::Lpmm(o) => o.memory_report().total(),
+        _ => 0,
+    };
+    Ok(Run {
+        backend: backend.into(),
+        optimizer: opt.into(),
+        params,
+        steps,
+        first_loss,
+        last_loss,
+        val_accuracy: correct as f32 / nv as f32,
+        lpmm_bytes,
+        peak_kib: status_kib("VmHWM:"),
+        steady_kib,
+    })
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+#[allow(dead_code)]
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let steps: usize = arg(&args, "--steps").map_or(30, |s| s.parse().expect("--steps N"));
+    let h: usize = arg(&args, "--hidden").map_or(2048, |s| s.parse().expect("--hidden H"));
+    if let Some(spec) = arg(&args, "--child") {
+        let (backend, opt) = spec.split_once('/').expect("--child backend/optimizer");
+        match train(backend, opt, steps, h) {
+            Ok(run) => println!("{}", serde_json::to_string(&run).expect("json")),
+            Err(e) => {
+                eprintln!("{backend}/{opt}: {e}");
+                std::process::exit(2);
+            }
+        }
+        return;
+    }
+    let backends = arg(&args, "--backends").unwrap_or_else(|| "ndarray,wgpu".into());
+    let exe = std::env::current_exe().expect("the example's path");
+    let mut runs = Vec::new();
+    for backend in backends.split(',') {
+        for opt in OPTIMIZERS {
+            let out = std::process::Command::new(&exe)
+                .args(["--child", &format!("{backend}/{opt}")])
+                .args(["--steps", &steps.to_string(), "--hidden", &h.to_string()])
+                .output()
+                .expect("the child process runs");
+            if !out.status.success() {
+                eprintln!(
+                    "{backend}/{opt} failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                continue;
+            }
+            let line = String::from_utf8_lossy(&out.stdout);
+            let run: Run = serde_json::from_str(line.lines().last().unwrap_or_default())
+                .expect("the child's report");
+            eprintln!("{backend}/{opt}: done");
+            runs.push(run);
+        }
+    }
+    let params = runs.first().map_or(0, |r| r.params);
+    println!(
+        "burn digits MLP 64-{h}-{h}-10 ({params} parameters, {:.1} MiB in f32), batch {BATCH}, {steps} steps, lr 1e-3; one process per row",
+        params as f64 * 4.0 / (1 << 20) as f64
+    );
+    println!();
+    println!(
+        "| backend | optimizer | peak RSS (MiB) | steady RSS (MiB) | lpmm state (MiB) | loss first -> last | val acc |"
+    );
+    println!("|---|---|---:|---:|---:|---|---:|");
+    for r in &runs {
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.3} -> {:.3} | {:.1}% |",
+            r.backend,
+            describe(&r.optimizer),
+            r.peak_kib as f64 / 1024.0,
+            r.steady_kib as f64 / 1024.0,
+            r.lpmm_bytes as f64 / (1 << 20) as f64,
+            r.first_loss,
+            r.last_loss,
+            100.0 * r.val_accuracy
+        );
+    }
+}

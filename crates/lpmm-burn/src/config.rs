@@ -1,0 +1,123 @@
+//! Configurations, used as burn's own: `Lpmm8bitAdamWConfig::new().init()`, or any lpmm
+//! configuration with `LpmmOptimizerConfig::from(preset).init()`.
+
+use burn_core as burn;
+use burn_core::config::Config;
+use lpmm_optim::{Hyper, NonFinitePolicy, OptimizerOptions, ParamConfig, Storage};
+
+use crate::LpmmOptimizer;
+
+/// Any lpmm configuration as a burn optimizer: the storage of each slot (parameter, gradient
+/// accumulator, states), the update rule and its hyperparameters ([`ParamConfig`], e.g. one of
+/// [`lpmm_optim::presets`]), and the optimizer-wide options (seed of the stochastic-rounding
+/// streams, global-norm clipping, the non-finite-gradient policy).
+///
+/// The learning rate is the one each [`LpmmOptimizer::step`] is given (burn's schedulers drive
+/// it); the configuration's own is replaced at every step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LpmmOptimizerConfig {
+    /// Storages and hyperparameters of every parameter.
+    pub param: ParamConfig,
+    /// Seed, clipping, non-finite policy.
+    pub options: OptimizerOptions,
+}
+
+impl From<ParamConfig> for LpmmOptimizerConfig {
+    fn from(param: ParamConfig) -> Self {
+        LpmmOptimizerConfig {
+            param,
+            options: OptimizerOptions::default(),
+        }
+    }
+}
+
+impl LpmmOptimizerConfig {
+    /// The seed of every stochastic-rounding stream (default 0). Streams are keyed by the
+    /// parameter's registration order (the module's visiting order), so two processes that
+    /// build the same module and seed step the same bits.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.options.seed = seed;
+        self
+    }
+
+    /// Clips the global L2 norm of all the module's gradients to `max_norm` (`None`: off).
+    pub fn with_max_grad_norm(mut self, max_norm: Option<f64>) -> Self {
+        self.options.max_grad_norm = max_norm;
+        self
+    }
+
+    /// What a non-finite gradient does: skip the whole step (default, all-or-nothing) or skip
+    /// those elements.
+    pub fn with_non_finite(mut self, policy: NonFinitePolicy) -> Self {
+        self.options.non_finite = policy;
+        self
+    }
+
+    /// The optimizer. Nothing is allocated until the first step, which registers the module's
+    /// parameters (in its visiting order) on the lpmm backend of their device.
+    pub fn init(&self) -> LpmmOptimizer {
+        LpmmOptimizer::new(*self)
+    }
+}
+
+/// AdamW with 8-bit states (bitsandbytes' blockwise dynamic maps, blocks of 256), the parameter
+/// stepped in place in the module's own tensor (f32, or bf16 on a backend with bf16 tensors) and
+/// gradients accumulated in the parameter's dtype: burn's `AdamWConfig` with 2 bytes of
+/// optimizer state per parameter instead of 8. Defaults are burn's `AdamWConfig`'s (betas 0.9 and
+/// 0.999, epsilon 1e-5, weight decay 1e-4); tensors smaller than 4096 elements keep f32 states
+/// (bitsandbytes' `min_8bit_size`).
+#[derive(Config, Debug)]
+pub struct Lpmm8bitAdamWConfig {
+    /// First-moment decay.
+    #[config(default = 0.9)]
+    pub beta_1: f64,
+    /// Second-moment decay.
+    #[config(default = 0.999)]
+    pub beta_2: f64,
+    /// Added to the bias-corrected root of the second moment.
+    #[config(default = 1e-5)]
+    pub epsilon: f64,
+    /// Decoupled weight decay.
+    #[config(default = 1e-4)]
+    pub weight_decay: f64,
+    /// Global-norm clipping of all gradients together (burn's `GradientClippingConfig::Norm`,
+    /// applied to the whole module rather than per tensor).
+    pub max_grad_norm: Option<f64>,
+    /// Seed of the stochastic-rounding streams (the preset rounds to nearest; kept for
+    /// configurations derived from it).
+    #[config(default = 0)]
+    pub seed: u64,
+    /// Gradient accumulator storage: f32 by default; `true` stores it in bf16 (2 bytes fewer
+    /// per parameter, rounded to nearest).
+    #[config(default = false)]
+    pub bf16_gradients: bool,
+}
+
+impl Lpmm8bitAdamWConfig {
+    /// The lpmm configuration this is.
+    pub fn lpmm(&self) -> LpmmOptimizerConfig {
+        let mut hyper = lpmm_optim::Adam::adamw(0.0);
+        hyper.betas = (self.beta_1, self.beta_2);
+        hyper.eps = self.epsilon;
+        hyper.weight_decay = self.weight_decay;
+        let param = ParamConfig {
+            param: Storage::F32,
+            grad: if self.bf16_gradients {
+                Storage::Bf16(lpmm_optim::StoreRounding::Nearest)
+            } else {
+                Storage::F32
+            },
+            state1: Storage::DYNAMIC8_SIGNED,
+            state2: Storage::DYNAMIC8_UNSIGNED,
+            ..ParamConfig::f32(Hyper::Adam(hyper))
+        };
+        LpmmOptimizerConfig::from(param)
+            .with_seed(self.seed)
+            .with_max_grad_norm(self.max_grad_norm)
+    }
+
+    /// The optimizer.
+    pub fn init(&self) -> LpmmOptimizer {
+        self.lpmm().init()
+    }
+}

@@ -1,0 +1,916 @@
+//! The optimizer over one lane: registration of a module's parameters, the whole-module step
+//! (gradients accumulated, the global decision, then each parameter stepped in its own tensor),
+//! and attaching a loaded state to a module.
+
+use std::collections::HashMap;
+
+use burn_core::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId as BurnId};
+use burn_core::tensor::{GradientCheckpointingStrategy, Tensor};
+use burn_optim::GradientsParams;
+use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use lpmm_optim::backend::{Dtype, HostRegion, HostSlot, HostValues};
+use lpmm_optim::{
+    Backend, Canonical, Lender, NonFinitePolicy, OptimError, Optimizer, ParamConfig, ParamId,
+    SlotKind, StepInProgress, StepReport, Storage,
+};
+
+use crate::BurnError;
+use crate::lane::Lane;
+
+/// A loaded state waiting for its module: the canonical layout, where the parameter slot of a
+/// parameter that lives in the module's tensor may lack its primary region (burn records leave it
+/// to the module record).
+#[derive(Debug, Clone)]
+pub(crate) struct Pending {
+    pub canonical: Canonical,
+    /// Per parameter: its primary region is the module tensor's (not in the record).
+    pub from_module: Vec<bool>,
+}
+
+/// The lpmm optimizer on one lane, with the map from burn's parameter ids.
+pub(crate) struct Core<L: Lane> {
+    pub lane: L,
+    pub opt: Optimizer<L::B>,
+    pub index: HashMap<BurnId, ParamId>,
+    pub burn_ids: Vec<BurnId>,
+    /// The lpmm group of each parameter (one per parameter, so each takes its own learning rate).
+    pub groups: Vec<usize>,
+    /// The shape of each parameter.
+    pub shapes: Vec<Vec<usize>>,
+    /// lpmm holds the parameter in its own storage; the module's tensor gets its decoded value
+    /// after each step.
+    pub held: Vec<bool>,
+    /// Private copies made because a tensor was shared or not contiguous.
+    pub copies: u64,
+    /// Weights of [`crate::LpmmLinear`] layers: held by lpmm, not module parameters, with
+    /// their shapes.
+    pub external: HashMap<BurnId, Vec<usize>>,
+}
+
+/// The id of the `n`th layer weight an optimizer holds: deterministic, so the same model built
+/// in another process names its weights alike (module records cannot: they are not module
+/// parameters).
+pub(crate) fn external_id(n: usize) -> BurnId {
+    BurnId::from(0x4C50_4D4D_0000_0000 | n as u64)
+}
+
+impl<L: Lane> std::fmt::Debug for Core<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("lane", &self.lane.name())
+            .field("params", &self.burn_ids.len())
+            .field("copies", &self.copies)
+            .finish()
+    }
+}
+
+/// The autodiff state a parameter carries, put back on its updated value (as burn's own
+/// optimizers do).
+struct Ctx {
+    require_grad: bool,
+    checkpointing: Option<GradientCheckpointingStrategy>,
+    distributed: bool,
+}
+
+impl Ctx {
+    fn capture<const D: usize>(t: &Tensor<D>) -> Self {
+        Ctx {
+            require_grad: t.is_require_grad(),
+            checkpointing: t.gradient_checkpointing_strategy(),
+            distributed: t.is_distributed(),
+        }
+    }
+
+    fn restore<const D: usize>(self, t: Tensor<D>, id: BurnId) -> Tensor<D> {
+        let mut p = Tensor::from_inner(t);
+        if let Some(s) = self.checkpointing {
+            p = p.with_gradient_checkpointing_strategy(s);
+        }
+        if self.require_grad {
+            p = p.require_grad();
+        }
+        if self.distributed {
+            p = p.set_distributed(id);
+        }
+        p
+    }
+}
+
+fn label(id: BurnId, path: &str) -> String {
+    if path.is_empty() {
+        format!("{}", id.val())
+    } else {
+        format!("{} ({path})", id.val())
+    }
+}
+
+impl<L: Lane> Core<L> {
+    pub fn new(lane: L, options: lpmm_optim::OptimizerOptions) -> Result<Self, BurnError> {
+        let opt = Optimizer::with_backend(lane.backend().clone(), options)?;
+        Ok(Core {
+            lane,
+            opt,
+            index: HashMap::new(),
+            burn_ids: Vec::new(),
+            groups: Vec::new(),
+            shapes: Vec::new(),
+            held: Vec::new(),
+            copies: 0,
+            external: HashMap::new(),
+        })
+    }
+
+    /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values.
+    pub fn add_external(
+        &mut self,
+        t: Tensor<2>,
+        config: ParamConfig,
+    ) -> Result<BurnId, BurnError> {
+        let id = external_id(self.external.len());
+        let shape = t.dims().to_vec();
+        let prim = self.lane.take(t)?;
+        let host = self.lane.to_host(&prim)?;
+        drop(prim);
+        let group = self.opt.add_group(config)?;
+        let lid = self
+            .opt
+            .add_param_with(&id.val().to_string(), &shape, &host, group, config)?;
+        self.index.insert(id, lid);
+        self.burn_ids.push(id);
+        self.groups.push(group);
+        self.shapes.push(shape.clone());
+        self.held.push(true);
+        self.external.insert(id, shape);
+        Ok(id)
+    }
+
+    /// A layer weight's value, decoded into a new tensor on `device`.
+    pub fn decode_external(&mut self, id: BurnId, device: &burn_core::tensor::Device) -> Result<Tensor<2>, BurnError> {
+        let (lid, shape) = self.external_lid(id)?;
+        let t = Tensor::<2>::empty([shape[0], shape[1]], device);
+        let mut p = self.lane.take(t)?;
+        self.lane.prepare(&mut p, true)?;
+        {
+            let out = self.lane.output(&mut p)?;
+            self.opt.read_into(lid, SlotKind::Param, out)?;
+        }
+        self.lane.settle()?;
+        Ok(self.lane.give(p))
+    }
+
+    /// Adds a layer weight's gradient to its accumulator.
+    pub fn accumulate_external(&mut self, id: BurnId, grad: Tensor<2>) -> Result<(), BurnError> {
+        let (lid, _) = self.external_lid(id)?;
+        let mut g = self.lane.take(grad)?;
+        self.lane.prepare(&mut g, false)?;
+        self.opt.accumulate_input(lid, self.lane.input(&g)?)?;
+        self.lane.settle()?;
+        Ok(())
+    }
+
+    fn external_lid(&self, id: BurnId) -> Result<(ParamId, Vec<usize>), BurnError> {
+        match (self.index.get(&id), self.external.get(&id)) {
+            (Some(&lid), Some(shape)) if shape.len() == 2 => Ok((lid, shape.clone())),
+            _ => Err(BurnError::param(
+                id.val(),
+                "not a layer weight of this optimizer",
+            )),
+        }
+    }
+
+    /// Whether `config`'s parameter storage lives in a tensor of `dtype`.
+    fn lends(config: &ParamConfig, numel: usize, shape: &[usize], dtype: Option<Dtype>) -> bool {
+        let want = config
+            .resolve(numel, shape)
+            .param
+            .format()
+            .and_then(|f| f.lendable());
+        want.is_some() && want == dtype
+    }
+
+    /// Registers `prim` (the tensor of parameter `id`, read-only) under `group` with `config`.
+    fn add(
+        &mut self,
+        id: BurnId,
+        prim: &mut L::Prim,
+        shape: &[usize],
+        group: usize,
+        config: ParamConfig,
+    ) -> Result<ParamId, BurnError> {
+        let numel: usize = shape.iter().product();
+        let name = id.val().to_string();
+        let lent = Self::lends(&config, numel, shape, self.lane.dtype(prim));
+        let lid = if lent {
+            self.lane.prepare(prim, false)?;
+            let values = self.lane.input(prim)?;
+            let lid = self.opt.add_lent_param(&name, shape, values, group, config)?;
+            self.lane.settle()?;
+            lid
+        } else {
+            let host = self.lane.to_host(prim)?;
+            self.opt.add_param_with(&name, shape, &host, group, config)?
+        };
+        self.index.insert(id, lid);
+        self.burn_ids.push(id);
+        self.groups.push(group);
+        self.shapes.push(shape.to_vec());
+        self.held.push(!lent);
+        Ok(lid)
+    }
+
+    /// One step of the whole module with `grads`.
+    pub fn step<M: Module>(
+        &mut self,
+        base: &ParamConfig,
+        lr: &ModuleLearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<(M, StepReport), BurnError> {
+        let mut gather = Gather {
+            core: self,
+            grads: &mut grads,
+            lr,
+            base,
+            path: Vec::new(),
+            lent: HashMap::new(),
+            held: HashMap::new(),
+            released: HashMap::new(),
+            error: None,
+        };
+        module.visit(&mut gather);
+        let Gather {
+            lent,
+            mut held,
+            released,
+            error,
+            ..
+        } = gather;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        drop(grads);
+        for id in self.external.keys() {
+            let lid = self.index[id];
+            self.opt
+                .set_group_lr(self.groups[lid.index()], lr.lr_from_param(*id, None))?;
+        }
+        let step = self.opt.begin_step()?;
+        let module = if step.skipped() || lent.is_empty() {
+            module
+        } else if self.lane.batches() {
+            self.step_batched(module, &step, lent)?
+        } else {
+            let mut apply = Apply {
+                core: self,
+                work: Work::Step(&step),
+                parts: lent,
+                error: None,
+            };
+            let module = module.map(&mut apply);
+            if let Some(e) = apply.error {
+                return Err(e);
+            }
+            module
+        };
+        let mut report = self.opt.finish_step(step)?;
+        // Gradient release (gradient storage None): each such parameter steps with its gradient.
+        let module = if released.is_empty() {
+            module
+        } else {
+            let lent_released: HashMap<BurnId, (ParamId, L::Prim)> = released
+                .into_iter()
+                .filter(|(b, (lid, _))| {
+                    if self.held[lid.index()] {
+                        held.insert(*b, *lid);
+                    }
+                    true
+                })
+                .collect();
+            let mut apply = Apply {
+                core: self,
+                work: Work::Release(lent_released, Vec::new()),
+                parts: HashMap::new(),
+                error: None,
+            };
+            let module = module.map(&mut apply);
+            if let Some(e) = apply.error {
+                return Err(e);
+            }
+            if let Work::Release(rest, reports) = apply.work {
+                // Parameters lpmm holds step without their tensor.
+                let mut reports = reports;
+                for (_, (lid, g)) in rest {
+                    let input = self.lane.input(&g)?;
+                    reports.push(self.opt.step_param_input(lid, input, None)?);
+                    self.lane.settle()?;
+                }
+                for r in reports {
+                    report.updated += r.updated;
+                    report.non_finite.extend(r.non_finite);
+                }
+            }
+            module
+        };
+        let module = if !report.skipped && !held.is_empty() {
+            self.write_back(module, held)?
+        } else {
+            module
+        };
+        Ok((module, report))
+    }
+
+    /// Steps every lent parameter in one call (device lanes): the module keeps tensors that
+    /// share the memory lpmm writes.
+    fn step_batched<M: Module>(
+        &mut self,
+        module: M,
+        step: &StepInProgress,
+        parts: HashMap<BurnId, ParamId>,
+    ) -> Result<M, BurnError> {
+        let mut lend = Lend {
+            core: self,
+            parts,
+            prims: Vec::new(),
+            error: None,
+        };
+        let module = module.map(&mut lend);
+        let Lend {
+            mut prims, error, ..
+        } = lend;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        {
+            let mut outs = Vec::with_capacity(prims.len());
+            for (lid, p) in prims.iter_mut() {
+                outs.push((*lid, self.lane.output(p)?));
+            }
+            self.opt.step_part(step, &mut outs)?;
+        }
+        self.lane.settle()?;
+        drop(prims);
+        Ok(module)
+    }
+
+    /// Writes the decoded values of the parameters lpmm holds into the module's tensors.
+    fn write_back<M: Module>(
+        &mut self,
+        module: M,
+        parts: HashMap<BurnId, ParamId>,
+    ) -> Result<M, BurnError> {
+        let mut apply = Apply {
+            core: self,
+            work: Work::Decode,
+            parts,
+            error: None,
+        };
+        let module = module.map(&mut apply);
+        match apply.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
+    }
+
+    /// Replaces this (empty) optimizer's state with a loaded one, matched to `module`'s
+    /// parameters by burn's `ParamId`s: registered in the checkpoint's order (which keys their
+    /// random streams), every slot imported, values the record holds written into the module's
+    /// tensors.
+    pub fn attach<M: Module>(&mut self, module: M, pending: Pending) -> Result<M, BurnError> {
+        if self.opt.len() > self.external.len() {
+            return Err(BurnError::Record(
+                "the optimizer has stepped already: load a record into a new optimizer".into(),
+            ));
+        }
+        let external = std::mem::take(&mut self.external);
+        let Pending {
+            canonical: c,
+            from_module,
+        } = pending;
+        let mut collect = Collect::<L> {
+            lane: &self.lane,
+            prims: HashMap::new(),
+            error: None,
+        };
+        module.visit(&mut collect);
+        let Collect { mut prims, error, .. } = collect;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        self.opt = Optimizer::with_backend(self.lane.backend().clone(), c.options)?;
+        self.index.clear();
+        self.burn_ids.clear();
+        self.groups.clear();
+        self.shapes.clear();
+        self.held.clear();
+        self.external.clear();
+        let fresh = &mut *self;
+        for g in &c.groups {
+            fresh.opt.add_group(*g)?;
+        }
+        // Parameter-slot imports that write into the module's tensors.
+        let mut writes: HashMap<BurnId, (ParamId, HostSlot)> = HashMap::new();
+        for (p, &from_module) in c.params.iter().zip(&from_module) {
+            let bad = |reason: String| BurnError::Record(format!("parameter {}: {reason}", p.name));
+            let id: BurnId = p
+                .name
+                .parse::<u64>()
+                .map_err(|_| bad("its name is not a burn ParamId".into()))?
+                .into();
+            if let Some(shape) = external.get(&id) {
+                // A layer weight: held by lpmm, every slot in the record.
+                if *shape != p.shape {
+                    return Err(bad(format!(
+                        "the record's shape {:?} is not the layer's {:?}",
+                        p.shape, shape
+                    )));
+                }
+                let zeros = vec![0f32; shape.iter().product()];
+                let lid = fresh
+                    .opt
+                    .add_param_with(&p.name, shape, &zeros, p.group, p.requested)?;
+                fresh.index.insert(id, lid);
+                fresh.burn_ids.push(id);
+                fresh.groups.push(p.group);
+                fresh.shapes.push(shape.clone());
+                fresh.held.push(true);
+                fresh.external.insert(id, shape.clone());
+                fresh
+                    .opt
+                    .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+                for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+                    fresh.opt.import_slot(lid, slot, host.clone())?;
+                }
+                continue;
+            }
+            let (shape, prim) = prims
+                .get_mut(&id)
+                .ok_or_else(|| bad("the module has no parameter with this ParamId".into()))?;
+            if *shape != p.shape {
+                return Err(bad(format!(
+                    "the record's shape {:?} is not the module's {:?}",
+                    p.shape, shape
+                )));
+            }
+            let lid = fresh.add(id, prim, &p.shape, p.group, p.requested)?;
+            let held = fresh.held[lid.index()];
+            if held && from_module {
+                return Err(bad(
+                    "the record leaves its value to the module's tensor, whose dtype does not hold its storage"
+                        .into(),
+                ));
+            }
+            fresh
+                .opt
+                .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+                match slot {
+                    SlotKind::Param if !held => {
+                        let primary = host.region("").is_some();
+                        let others = host.regions.iter().any(|r| !r.spec.suffix.is_empty());
+                        // A primary region the record holds, or other regions (a Kahan
+                        // compensation, a split remainder), are written; the module's own value
+                        // alone needs nothing.
+                        if primary || others {
+                            writes.insert(id, (lid, host.clone()));
+                        }
+                    }
+                    _ => fresh.opt.import_slot(lid, slot, host.clone())?,
+                }
+            }
+        }
+        fresh.opt.set_steps(c.global_steps);
+        drop(prims);
+        if let Some(id) = external.keys().find(|id| !fresh.external.contains_key(id)) {
+            return Err(BurnError::Record(format!(
+                "the record has no state for layer weight {}: it is another model's",
+                id.val()
+            )));
+        }
+        let module = if writes.is_empty() {
+            module
+        } else {
+            let mut apply = Apply {
+                core: self,
+                work: Work::Import(writes),
+                parts: HashMap::new(),
+                error: None,
+            };
+            let module = module.map(&mut apply);
+            if let Some(e) = apply.error {
+                return Err(e);
+            }
+            module
+        };
+        let held: HashMap<BurnId, ParamId> = self
+            .burn_ids
+            .iter()
+            .zip(&self.held)
+            .filter(|(b, h)| **h && !self.external.contains_key(b))
+            .map(|(b, _)| (*b, self.index[b]))
+            .collect();
+        if held.is_empty() {
+            Ok(module)
+        } else {
+            self.write_back(module, held)
+        }
+    }
+
+    /// Read-only primitives of `module`'s parameters (prepared for reading), by burn id.
+    pub fn collect<M: Module>(&self, module: &M) -> Result<HashMap<BurnId, L::Prim>, BurnError> {
+        let mut collect = Collect::<L> {
+            lane: &self.lane,
+            prims: HashMap::new(),
+            error: None,
+        };
+        module.visit(&mut collect);
+        if let Some(e) = collect.error {
+            return Err(e);
+        }
+        let mut prims = HashMap::new();
+        for (id, (_, mut prim)) in collect.prims {
+            self.lane.prepare(&mut prim, false)?;
+            prims.insert(id, prim);
+        }
+        Ok(prims)
+    }
+
+    /// The whole state in the canonical layout. With the module's `prims`, lent parameters'
+    /// values are read from its tensors; without, their primary regions are zeros (the module
+    /// record holds them).
+    pub fn canonical(
+        &self,
+        prims: Option<HashMap<BurnId, L::Prim>>,
+    ) -> Result<Canonical, BurnError> {
+        let mut lender = ModuleLender::<L> {
+            core: self,
+            prims: prims.unwrap_or_default(),
+        };
+        Ok(self.opt.canonical_lent(Some(&mut lender))?)
+    }
+}
+
+/// Lends the module's tensors (or zeros without a module) to `Optimizer::canonical_lent`.
+struct ModuleLender<'a, L: Lane> {
+    core: &'a Core<L>,
+    prims: HashMap<BurnId, L::Prim>,
+}
+
+impl<L: Lane> Lender<L::B> for ModuleLender<'_, L> {
+    fn lend(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(<L::B as Backend>::Input<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        let burn = self
+            .core
+            .burn_ids
+            .get(id.index())
+            .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.index())))?;
+        if let Some(prim) = self.prims.get(burn) {
+            let input = self.core.lane.input(prim).map_err(to_optim)?;
+            return f(input);
+        }
+        // No module: zeros of the parameter's dtype stand in for its primary region.
+        let config = self.core.opt.config(id)?;
+        let numel = self
+            .core
+            .shapes
+            .get(id.index())
+            .map_or(0, |s| s.iter().product());
+        let backend = self.core.lane.backend();
+        match config.param.format().and_then(|f| f.lendable()) {
+            Some(Dtype::Bf16) => {
+                let zeros = vec![lpmm_formats::bf16::ZERO; numel];
+                f(backend.host_input(HostValues::Bf16(&zeros)))
+            }
+            _ => {
+                let zeros = vec![0f32; numel];
+                f(backend.host_input(HostValues::F32(&zeros)))
+            }
+        }
+    }
+
+    fn lend_mut(
+        &mut self,
+        id: ParamId,
+        _f: &mut dyn FnMut(<L::B as Backend>::Output<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        Err(OptimError::Lent {
+            param: format!("#{}", id.index()),
+            reason: "lpmm-burn lends parameters read-only here".into(),
+        })
+    }
+}
+
+fn to_optim(e: BurnError) -> OptimError {
+    match e {
+        BurnError::Optim(o) => o,
+        other => OptimError::Lent {
+            param: String::new(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Pass 1: every parameter with a gradient is registered (at its first gradient), takes its
+/// learning rate, and has its gradient accumulated.
+struct Gather<'a, L: Lane> {
+    core: &'a mut Core<L>,
+    grads: &'a mut GradientsParams,
+    lr: &'a ModuleLearningRate,
+    base: &'a ParamConfig,
+    path: Vec<String>,
+    lent: HashMap<BurnId, ParamId>,
+    held: HashMap<BurnId, ParamId>,
+    /// Gradients of parameters without an accumulator (gradient release), until their step.
+    released: HashMap<BurnId, (ParamId, L::Prim)>,
+    error: Option<BurnError>,
+}
+
+impl<L: Lane> Gather<'_, L> {
+    fn gather<const D: usize>(
+        &mut self,
+        param: &Param<Tensor<D>>,
+        grad: Tensor<D>,
+    ) -> Result<(), BurnError> {
+        let id = param.id;
+        let path = self.path.join(".");
+        let name = label(id, &path);
+        let lr = self.lr.lr_from_param(id, Some(&path));
+        let core = &mut *self.core;
+        let t = param.val().inner();
+        let shape = t.dims().to_vec();
+        let lid = match core.index.get(&id) {
+            Some(&lid) => lid,
+            None => {
+                if !core.lane.owns(&t.device()) {
+                    return Err(BurnError::param(
+                        &name,
+                        format!(
+                            "on {:?}, not on the {} device this optimizer steps",
+                            t.device(),
+                            core.lane.name()
+                        ),
+                    ));
+                }
+                let mut prim = core.lane.take(t)?;
+                let group = core.opt.add_group(*self.base)?;
+                core.add(id, &mut prim, &shape, group, *self.base)
+                    .map_err(|e| BurnError::param(&name, e.to_string()))?
+            }
+        };
+        let registered = &core.shapes[lid.index()];
+        if *registered != shape {
+            return Err(BurnError::param(
+                &name,
+                format!("its shape {shape:?} differs from the {registered:?} it was registered with"),
+            ));
+        }
+        let numel: usize = shape.iter().product();
+        core.opt.set_group_lr(core.groups[lid.index()], lr)?;
+        let grad = grad.inner();
+        if !core.lane.owns(&grad.device()) {
+            return Err(BurnError::param(
+                &name,
+                format!(
+                    "its gradient is on {:?}, not on the {} device",
+                    grad.device(),
+                    core.lane.name()
+                ),
+            ));
+        }
+        let mut g = core.lane.take(grad)?;
+        if core.lane.dtype(&g).is_none() {
+            return Err(BurnError::param(&name, "its gradient is not f32 or bf16"));
+        }
+        if core.lane.numel(&g) != numel {
+            return Err(BurnError::param(&name, "its gradient's size is not its own"));
+        }
+        core.lane.prepare(&mut g, false)?;
+        if core.opt.config(lid)?.grad == Storage::None {
+            let options = core.opt.options();
+            if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
+                return Err(BurnError::param(
+                    &name,
+                    "gradient storage None releases each gradient into its parameter's own step: global-norm clipping and the all-or-nothing skip need an accumulator (use NonFinitePolicy::SkipElements without clipping, or a gradient storage)",
+                ));
+            }
+            self.released.insert(id, (lid, g));
+            return Ok(());
+        }
+        core.opt.accumulate_input(lid, core.lane.input(&g)?)?;
+        core.lane.settle()?;
+        drop(g);
+        if core.held[lid.index()] {
+            self.held.insert(id, lid);
+        } else {
+            self.lent.insert(id, lid);
+        }
+        Ok(())
+    }
+}
+
+impl<L: Lane> ModuleVisitor for Gather<'_, L> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.error.is_some() {
+            return;
+        }
+        let Some(grad) = self.grads.remove::<D>(param.id) else {
+            return;
+        };
+        if let Err(e) = self.gather(param, grad) {
+            self.error = Some(e);
+        }
+    }
+}
+
+/// What [`Apply`] does to each parameter it maps.
+enum Work<'a, L: Lane> {
+    /// Steps the lent parameter with its released gradient (gradient storage None), collecting
+    /// the reports; parameters lpmm holds stay in the map.
+    Release(HashMap<BurnId, (ParamId, L::Prim)>, Vec<StepReport>),
+    /// Steps the lent parameter in its tensor.
+    Step(&'a StepInProgress),
+    /// Writes the decoded value of a parameter lpmm holds into its tensor.
+    Decode,
+    /// Imports a loaded parameter slot, whose primary region goes into the tensor.
+    Import(HashMap<BurnId, (ParamId, HostSlot)>),
+}
+
+/// Passes 2 and 3: each parameter's tensor, taken out of the module (so it is not shared), lent
+/// to lpmm for writing, and put back with its autodiff state.
+struct Apply<'a, L: Lane> {
+    core: &'a mut Core<L>,
+    work: Work<'a, L>,
+    parts: HashMap<BurnId, ParamId>,
+    error: Option<BurnError>,
+}
+
+impl<L: Lane> Apply<'_, L> {
+    fn apply<const D: usize>(
+        &mut self,
+        lid: ParamId,
+        host: Option<HostSlot>,
+        t: Tensor<D>,
+    ) -> Result<Tensor<D>, BurnError> {
+        let core = &mut *self.core;
+        let mut p = core.lane.take(t)?;
+        if core.lane.prepare(&mut p, true)? {
+            core.copies += 1;
+        }
+        match (&mut self.work, host) {
+            (Work::Release(released, reports), _) => {
+                if let Some((_, g)) = released.remove(&core.burn_ids[lid.index()]) {
+                    let input = core.lane.input(&g)?;
+                    let out = core.lane.output(&mut p)?;
+                    reports.push(core.opt.step_param_input(lid, input, Some(out))?);
+                }
+            }
+            (Work::Step(step), _) => {
+                let out = core.lane.output(&mut p)?;
+                core.opt.step_part(step, &mut [(lid, out)])?;
+            }
+            (Work::Decode, _) => {
+                let out = core.lane.output(&mut p)?;
+                core.opt.read_into(lid, SlotKind::Param, out)?;
+            }
+            (Work::Import(_), Some(mut host)) => {
+                if host.region("").is_none() {
+                    // The module's value is the primary region.
+                    let bytes = core.lane.to_host_bytes(&p)?;
+                    let spec = core
+                        .opt
+                        .config(lid)?
+                        .param
+                        .format()
+                        .and_then(|f| {
+                            let shape = &core.shapes[lid.index()];
+                            f.regions(shape).into_iter().find(|r| r.suffix.is_empty())
+                        })
+                        .ok_or_else(|| BurnError::Record("no primary region".into()))?;
+                    host.regions.insert(0, HostRegion { spec, bytes });
+                }
+                let out = core.lane.output(&mut p)?;
+                core.opt.import_slot_lent(lid, SlotKind::Param, &host, Some(out))?;
+            }
+            (Work::Import(_), None) => {}
+        }
+        core.lane.settle()?;
+        Ok(core.lane.give(p))
+    }
+}
+
+impl<L: Lane> ModuleMapper for Apply<'_, L> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let (lid, host) = match &mut self.work {
+            Work::Import(writes) => match writes.remove(&param.id) {
+                Some((lid, host)) => (lid, Some(host)),
+                None => return param,
+            },
+            Work::Release(released, _) => match released.get(&param.id) {
+                Some((lid, _)) if !self.core.held[lid.index()] => (*lid, None),
+                _ => return param,
+            },
+            _ => match self.parts.remove(&param.id) {
+                Some(lid) => (lid, None),
+                None => return param,
+            },
+        };
+        let (id, tensor, mapper) = param.consume();
+        let ctx = Ctx::capture(&tensor);
+        let (dims, device) = (tensor.dims(), tensor.device().inner());
+        let out = match self.apply(lid, host, tensor.inner()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error = Some(e);
+                // The step fails and the module is dropped; any value will do.
+                Tensor::zeros(dims, &device)
+            }
+        };
+        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
+    }
+}
+
+/// Takes each lent participant's tensor out of the module (so it is not shared), keeps its
+/// prepared primitive, and puts back a tensor sharing its memory.
+struct Lend<'a, L: Lane> {
+    core: &'a mut Core<L>,
+    parts: HashMap<BurnId, ParamId>,
+    prims: Vec<(ParamId, L::Prim)>,
+    error: Option<BurnError>,
+}
+
+impl<L: Lane> Lend<'_, L> {
+    fn lend<const D: usize>(&mut self, lid: ParamId, t: Tensor<D>) -> Result<Tensor<D>, BurnError> {
+        let core = &mut *self.core;
+        let mut p = core.lane.take(t)?;
+        if core.lane.prepare(&mut p, true)? {
+            core.copies += 1;
+        }
+        let shared = core
+            .lane
+            .share::<D>(&p)
+            .ok_or_else(|| BurnError::Record("internal: the lane does not share".into()))?;
+        self.prims.push((lid, p));
+        Ok(shared)
+    }
+}
+
+impl<L: Lane> ModuleMapper for Lend<'_, L> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let Some(lid) = self.parts.remove(&param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let ctx = Ctx::capture(&tensor);
+        let (dims, device) = (tensor.dims(), tensor.device().inner());
+        let out = match self.lend(lid, tensor.inner()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error = Some(e);
+                Tensor::zeros(dims, &device)
+            }
+        };
+        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
+    }
+}
+
+/// Read-only primitives of every float parameter, by burn id.
+struct Collect<'a, L: Lane> {
+    lane: &'a L,
+    prims: HashMap<BurnId, (Vec<usize>, L::Prim)>,
+    error: Option<BurnError>,
+}
+
+impl<L: Lane> ModuleVisitor for Collect<'_, L> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.error.is_some() || self.prims.contains_key(&param.id) {
+            return;
+        }
+        let t = param.val().inner();
+        if !self.lane.owns(&t.device()) {
+            return;
+        }
+        let shape = t.dims().to_vec();
+        match self.lane.take(t) {
+            Ok(p) => {
+                self.prims.insert(param.id, (shape, p));
+            }
+            Err(e) => self.error = Some(e),
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! lpmm's canonical state inside a burn record (burnpack).
+//!
+//! Layout (version 1): one tensor per saved region of every allocated slot, named
+//! `{param_id}.{slot}{suffix}` (`slot` in `param`, `grad`, `state1`, `state2`; `suffix` the
+//! region's, as in lpmm's safetensors checkpoint: `""`, `.absmax`, `.comp`, `.rem`, ...) and
+//! carrying the parameter's burn id, in the region's dtype (u8 codes, f32 scales, bf16 values,
+//! ...), 1-D; and metadata key `lpmm` holding the JSON of [`Meta`]: options, step counter,
+//! groups, and per parameter its shape, configuration, counters and whether its value is the
+//! module's (then its parameter slot's primary region is not in the record: the module record
+//! holds it).
+
+use burn_core::tensor::{Bytes, DType};
+use burn_optim::OptimizerRecord;
+use lpmm_optim::backend::{Dtype, HostRegion, HostSlot};
+use lpmm_optim::{
+    Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, SlotKind,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::BurnError;
+use crate::core::Pending;
+
+/// The record format's name and version, checked on load.
+pub const FORMAT: &str = "lpmm-burn-record";
+/// Bumped when the layout changes.
+pub const VERSION: u32 = 1;
+const META_KEY: &str = "lpmm";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Meta {
+    format: String,
+    version: u32,
+    options: OptimizerOptions,
+    global_steps: u64,
+    groups: Vec<ParamConfig>,
+    params: Vec<ParamMeta>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ParamMeta {
+    name: String,
+    shape: Vec<usize>,
+    group: usize,
+    requested: ParamConfig,
+    steps: u64,
+    accumulations: u64,
+    pending: bool,
+    lr_rule: LrRule,
+    /// The parameter's value is the module's tensor (not in this record).
+    from_module: bool,
+}
+
+fn burn_dtype(d: Dtype) -> DType {
+    match d {
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+        Dtype::U16 => DType::U16,
+        Dtype::U8 => DType::U8,
+        Dtype::U32 => DType::U32,
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> BurnError {
+    BurnError::Record(e.to_string())
+}
+
+/// The record of `pending` (an empty record for an optimizer that has not stepped).
+pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnError> {
+    let Some(Pending {
+        canonical: c,
+        from_module,
+    }) = pending
+    else {
+        return OptimizerRecord::from_bytes(
+            burn_pack::Writer::new(Vec::new())
+                .into_bytes()
+                .map_err(err)?,
+        )
+        .map_err(err);
+    };
+    let mut tensors = Vec::new();
+    let mut params = Vec::with_capacity(c.params.len());
+    for (p, &from_module) in c.params.iter().zip(from_module) {
+        let id: u64 = p
+            .name
+            .parse()
+            .map_err(|_| err(format!("parameter {} is not named by a burn ParamId", p.name)))?;
+        for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+            for r in &host.regions {
+                if from_module && slot == SlotKind::Param && r.spec.suffix.is_empty() {
+                    continue;
+                }
+                let n = r.bytes.len() / r.spec.dtype.size();
+                tensors.push(burn_pack::Tensor::new(
+                    format!("{id}.{}{}", slot.name(), r.spec.suffix),
+                    burn_dtype(r.spec.dtype),
+                    vec![n],
+                    Some(id),
+                    Bytes::from_bytes_vec(r.bytes.clone()),
+                ));
+            }
+        }
+        params.push(ParamMeta {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            group: p.group,
+            requested: p.requested,
+            steps: p.steps,
+            accumulations: p.accumulations,
+            pending: p.pending,
+            lr_rule: p.lr_rule,
+            from_module,
+        });
+    }
+    let meta = Meta {
+        format: FORMAT.into(),
+        version: VERSION,
+        options: c.options,
+        global_steps: c.global_steps,
+        groups: c.groups.clone(),
+        params,
+    };
+    let json = serde_json::to_string(&meta).map_err(err)?;
+    let bytes = burn_pack::Writer::new(tensors)
+        .with_metadata(META_KEY, &json)
+        .into_bytes()
+        .map_err(err)?;
+    OptimizerRecord::from_bytes(bytes).map_err(err)
+}
+
+/// The state a record holds (`None` for the record of an optimizer that had not stepped).
+pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnError> {
+    let bytes = record.into_bytes().map_err(err)?;
+    let reader = burn_pack::Reader::from_bytes(bytes).map_err(err)?;
+    let Some(json) = reader.metadata().get(META_KEY) else {
+        if reader.tensor_names().is_empty() {
+            return Ok(None);
+        }
+        return Err(err(
+            "not an lpmm-burn record (no lpmm metadata): a record of burn's own optimizers?",
+        ));
+    };
+    let meta: Meta = serde_json::from_str(json).map_err(|e| err(format!("metadata: {e}")))?;
+    if meta.format != FORMAT || meta.version != VERSION {
+        return Err(err(format!(
+            "{} version {}, this lpmm-burn reads {FORMAT} version {VERSION}",
+            meta.format, meta.version
+        )));
+    }
+    let mut params = Vec::with_capacity(meta.params.len());
+    let mut from_module = Vec::with_capacity(meta.params.len());
+    for p in meta.params {
+        let numel = p
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| err(format!("parameter {}: shape {:?}", p.name, p.shape)))?;
+        p.requested.validate()?;
+        let c = p.requested.resolve(numel, &p.shape);
+        let states = c.hyper.states();
+        let used = [true, true, states >= 1, states >= 2];
+        let mut slots: [HostSlot; 4] = Default::default();
+        for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
+            let Some(format) = c.slots()[k].format().filter(|_| used[k]) else {
+                continue;
+            };
+            for spec in format.regions(&p.shape).into_iter().filter(|r| r.saved) {
+                if p.from_module && slot == SlotKind::Param && spec.suffix.is_empty() {
+                    continue;
+                }
+                let name = format!("{}.{}{}", p.name, slot.name(), spec.suffix);
+                let bytes = reader
+                    .tensor_data(&name)
+                    .map_err(|e| err(format!("tensor {name}: {e}")))?;
+                slots[k].regions.push(HostRegion { spec, bytes });
+            }
+        }
+        from_module.push(p.from_module);
+        params.push(CanonicalParam {
+            name: p.name,
+            shape: p.shape,
+            group: p.group,
+            requested: p.requested,
+            steps: p.steps,
+            accumulations: p.accumulations,
+            pending: p.pending,
+            lr_rule: p.lr_rule,
+            slots,
+        });
+    }
+    if params.iter().any(|p| p.group >= meta.groups.len()) {
+        return Err(err("a parameter's group is not in the record"));
+    }
+    Ok(Some(Pending {
+        canonical: Canonical {
+            options: meta.options,
+            global_steps: meta.global_steps,
+            groups: meta.groups,
+            params,
+        },
+        from_module,
+    }))
+}

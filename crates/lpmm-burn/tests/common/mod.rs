@@ -1,0 +1,135 @@
+//! A small burn MLP, deterministic data, and lpmm's own optimizer as the reference the burn
+//! integration must reproduce bit for bit.
+
+#![allow(dead_code)]
+
+use burn_core as burn;
+
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Device, Tensor, TensorData, activation::relu};
+use burn_optim::GradientsParams;
+use lpmm_optim::testing::Rng;
+
+/// Two dense layers; `w1` is large enough (8192 elements) for 8-bit states, the rest keep f32
+/// states (lpmm's minimum quantized size is 4096).
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub w1: Param<Tensor<2>>,
+    pub b1: Param<Tensor<1>>,
+    pub w2: Param<Tensor<2>>,
+    pub b2: Param<Tensor<1>>,
+}
+
+pub const D_IN: usize = 64;
+pub const HIDDEN: usize = 128;
+pub const D_OUT: usize = 16;
+pub const BATCH: usize = 32;
+
+/// `n` values uniform in `[-scale, scale)`.
+pub fn uniform(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.uniform() * 2.0 - 1.0) * scale).collect()
+}
+
+fn param<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &Device,
+    dtype: DType,
+) -> Param<Tensor<D>> {
+    let data = TensorData::new(values, shape).convert_dtype(dtype);
+    Param::from_tensor(Tensor::from_data(data, device))
+}
+
+impl Mlp {
+    pub fn new(device: &Device, seed: u64) -> Self {
+        Self::new_in(device, seed, DType::F32)
+    }
+
+    /// The model with parameters of `dtype`.
+    pub fn new_in(device: &Device, seed: u64, dtype: DType) -> Self {
+        let mut rng = Rng(seed);
+        Mlp {
+            w1: param(uniform(&mut rng, D_IN * HIDDEN, 0.15), [D_IN, HIDDEN], device, dtype),
+            b1: param(uniform(&mut rng, HIDDEN, 0.05), [HIDDEN], device, dtype),
+            w2: param(uniform(&mut rng, HIDDEN * D_OUT, 0.1), [HIDDEN, D_OUT], device, dtype),
+            b2: param(uniform(&mut rng, D_OUT, 0.05), [D_OUT], device, dtype),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = relu(x.matmul(self.w1.val()) + self.b1.val().unsqueeze::<2>());
+        h.matmul(self.w2.val()) + self.b2.val().unsqueeze::<2>()
+    }
+
+    /// The parameters' values in visiting order, as f32 bits.
+    pub fn bits(&self) -> Vec<Vec<u32>> {
+        [
+            self.w1.val().into_data(),
+            self.b1.val().into_data(),
+            self.w2.val().into_data(),
+            self.b2.val().into_data(),
+        ]
+        .into_iter()
+        .map(|d| {
+            d.convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("f32 values")
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
+        })
+        .collect()
+    }
+}
+
+/// Batch `step` of a fixed regression task.
+pub fn batch(step: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let mut rng = Rng(1000 + step as u64);
+    let x = uniform(&mut rng, BATCH * D_IN, 1.0);
+    let y = uniform(&mut rng, BATCH * D_OUT, 1.0);
+    (
+        Tensor::from_data(TensorData::new(x, [BATCH, D_IN]), device),
+        Tensor::from_data(TensorData::new(y, [BATCH, D_OUT]), device),
+    )
+}
+
+/// The gradients of the mean squared error on batch `step`.
+pub fn grads(model: &Mlp, step: usize, device: &Device) -> GradientsParams {
+    let (x, y) = batch(step, device);
+    let dtype = model.w1.val().dtype();
+    let (x, y) = (x.cast(dtype), y.cast(dtype));
+    let loss = (model.forward(x) - y).powf_scalar(2.0).mean();
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+/// The gradients' values in visiting order (for the reference optimizer).
+pub fn host_grads(model: &Mlp, grads: &GradientsParams) -> Vec<Vec<f32>> {
+    fn get<const D: usize>(g: &GradientsParams, p: &Param<Tensor<D>>) -> Vec<f32> {
+        g.get::<D>(p.id)
+            .expect("a gradient")
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .expect("f32")
+    }
+    vec![
+        get(grads, &model.w1),
+        get(grads, &model.b1),
+        get(grads, &model.w2),
+        get(grads, &model.b2),
+    ]
+}
+
+/// The model's shapes in visiting order.
+pub fn shapes() -> [Vec<usize>; 4] {
+    [vec![D_IN, HIDDEN], vec![HIDDEN], vec![HIDDEN, D_OUT], vec![D_OUT]]
+}
+
+/// The model's values in visiting order.
+pub fn values(model: &Mlp) -> Vec<Vec<f32>> {
+    model
+        .bits()
+        .into_iter()
+        .map(|b| b.into_iter().map(f32::from_bits).collect())
+        .collect()
+}

@@ -1,0 +1,263 @@
+//! lpmm's optimizers on burn's CPU backends: each step of a burn module equals lpmm's own
+//! optimizer on the same gradients bit for bit (learning rate from burn's scheduler, clipping,
+//! the skip-step policy), parameters are stepped in the module's own buffers, and records resume
+//! exactly.
+
+mod common;
+
+use burn_core::module::Module;
+use burn_core::tensor::{DType, Device, Tensor, TensorData};
+use burn_optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use common::{Mlp, grads, host_grads, shapes, values};
+use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
+use lpmm_optim::{NonFinitePolicy, Optimizer, ParamId, presets};
+
+#[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex; both are supported.
+fn ndarray() -> Device {
+    Device::ndarray().autodiff()
+}
+
+/// lpmm's own optimizer over the same parameters, registered in the module's visiting order.
+fn reference(config: &LpmmOptimizerConfig, init: &[Vec<f32>]) -> (Optimizer, Vec<ParamId>) {
+    let mut r = Optimizer::new(config.options).unwrap();
+    r.add_group(config.param).unwrap();
+    let ids = shapes()
+        .iter()
+        .zip(init)
+        .enumerate()
+        .map(|(i, (s, v))| r.add_param(&format!("p{i}"), s, v, 0).unwrap())
+        .collect();
+    (r, ids)
+}
+
+fn read(r: &Optimizer, ids: &[ParamId]) -> Vec<Vec<u32>> {
+    ids.iter()
+        .zip(shapes())
+        .map(|(&id, s)| {
+            let mut out = vec![0f32; s.iter().product()];
+            r.read_param(id, &mut out).unwrap();
+            out.into_iter().map(f32::to_bits).collect()
+        })
+        .collect()
+}
+
+/// Trains `steps` steps with `optim` and with the reference, the learning rate from burn's
+/// cosine scheduler, and checks every parameter bit after every step.
+fn same_as_reference(device: &Device, config: LpmmOptimizerConfig, mut optim: LpmmOptimizer) {
+    let mut model = Mlp::new(device, 7);
+    let (mut r, ids) = reference(&config, &values(&model));
+    let mut scheduler = CosineAnnealingLrSchedulerConfig::new(2e-2, 6)
+        .init()
+        .unwrap();
+    let mut lrs = Vec::new();
+    for step in 0..6 {
+        let lr = scheduler.step();
+        lrs.push(lr.base());
+        let g = grads(&model, step, device);
+        for (&id, h) in ids.iter().zip(host_grads(&model, &g)) {
+            r.accumulate(id, &h).unwrap();
+        }
+        r.set_lr(lr.base()).unwrap();
+        let want = r.step().unwrap();
+        model = optim.step(lr, model, g).unwrap();
+        assert_eq!(optim.last_report(), Some(want), "step {step}");
+        assert_eq!(model.bits(), read(&r, &ids), "step {step}");
+    }
+    // The scheduler did drive it.
+    assert!(lrs.windows(2).all(|w| w[1] < w[0]), "{lrs:?}");
+}
+
+#[test]
+fn eight_bit_adamw_on_ndarray_equals_lpmm_bit_for_bit() {
+    let config = Lpmm8bitAdamWConfig::new();
+    same_as_reference(&ndarray(), config.lpmm(), config.init());
+}
+
+#[test]
+fn global_norm_clipping_over_the_whole_module_equals_lpmm() {
+    let config = Lpmm8bitAdamWConfig::new().with_max_grad_norm(Some(0.05));
+    same_as_reference(&ndarray(), config.lpmm(), config.init());
+}
+
+#[test]
+fn eight_bit_parameters_held_by_lpmm_are_written_back_exactly() {
+    // LPMM-SGDM: parameters, gradients and momentum 8-bit with stochastic rounding.
+    let config = LpmmOptimizerConfig::from(presets::lpmm_sgdm(0.0, 0.9)).with_seed(3);
+    same_as_reference(&ndarray(), config, config.init());
+    // 4-bit AdamW with split-f32 parameters (bf16 + remainder: not an f32 tensor's dtype).
+    let config = LpmmOptimizerConfig::from(presets::adamw_4bit_split(0.0));
+    same_as_reference(&ndarray(), config, config.init());
+}
+
+#[test]
+fn flex_steps_too() {
+    let device = Device::flex().autodiff();
+    let config = Lpmm8bitAdamWConfig::new().lpmm();
+    same_as_reference(&device, config, config.init());
+    // bf16 parameters with stochastic rounding: held by lpmm beside an f32 tensor.
+    let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
+    same_as_reference(&device, config, config.init());
+}
+
+#[test]
+fn parameters_are_stepped_in_the_modules_own_buffers() {
+    let device = ndarray();
+    let mut model = Mlp::new(&device, 1);
+    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let before = model.w1.val().into_data();
+    for step in 0..3 {
+        let g = grads(&model, step, &device);
+        model = optim.step(1e-3, model, g).unwrap();
+    }
+    assert_ne!(model.w1.val().into_data(), before);
+    let stats = optim.stats();
+    assert_eq!(stats.lane, Some("cpu"));
+    assert_eq!((stats.params, stats.held, stats.copies), (4, 0, 0));
+    // lpmm allocates no parameter memory: the module's tensors are the parameters.
+    let report = optim.memory_report();
+    assert_eq!(report.slot_totals()[0], 0, "{report:?}");
+    // 8-bit states for w1, f32 for the small tensors, an f32 gradient accumulator each.
+    let n1 = common::D_IN * common::HIDDEN;
+    assert_eq!(report.params[0].bytes[2], n1 + 4 * n1.div_ceil(256));
+
+    // A clone of the model kept by the caller shares the tensors: the step copies (as burn's
+    // own in-place operations do) and the clone keeps its values.
+    let kept = model.clone();
+    let kept_bits = kept.bits();
+    let g = grads(&model, 3, &device);
+    model = optim.step(1e-3, model, g).unwrap();
+    assert_eq!(kept.bits(), kept_bits);
+    assert_ne!(model.bits(), kept_bits);
+    assert_eq!(optim.stats().copies, 4);
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_whole_step_or_only_its_elements() {
+    let device = ndarray();
+    for policy in [NonFinitePolicy::SkipStep, NonFinitePolicy::SkipElements] {
+        let mut model = Mlp::new(&device, 2);
+        let mut optim = Lpmm8bitAdamWConfig::new()
+            .lpmm()
+            .with_non_finite(policy)
+            .init();
+        let g = grads(&model, 0, &device);
+        model = optim.step(1e-3, model, g).unwrap();
+        let before = model.bits();
+        let mut g = grads(&model, 1, &device);
+        let mut bad = vec![0.5f32; common::D_OUT];
+        bad[3] = f32::NAN;
+        g.register(
+            model.b2.id,
+            Tensor::<1>::from_data(TensorData::new(bad, [common::D_OUT]), &device.clone().inner()),
+        );
+        model = optim.step(1e-3, model, g).unwrap();
+        let after = model.bits();
+        let report = optim.last_report().unwrap();
+        match policy {
+            NonFinitePolicy::SkipStep => {
+                assert!(report.skipped);
+                assert_eq!(after, before, "nothing moves");
+            }
+            NonFinitePolicy::SkipElements => {
+                assert!(!report.skipped);
+                assert_ne!(after[0], before[0], "w1 moves");
+                assert_eq!(after[3][3], before[3][3], "the NaN element does not");
+                assert_ne!(after[3][2], before[3][2]);
+            }
+        }
+    }
+}
+
+/// Trains 3 steps, saves, and resumes in a new optimizer and a new model loaded from records;
+/// the resumed run must equal the uninterrupted one bit for bit.
+fn resumes_exactly(lpmm_checkpoint: bool) {
+    let device = ndarray();
+    let config = LpmmOptimizerConfig::from(presets::lpmm_sgdm(0.02, 0.9)).with_seed(9);
+    let eight = Lpmm8bitAdamWConfig::new().lpmm().with_seed(9);
+    for config in [config, eight] {
+        let mut model = Mlp::new(&device, 4);
+        let mut optim = config.init();
+        for step in 0..3 {
+            let g = grads(&model, step, &device);
+            model = optim.step(0.01, model, g).unwrap();
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "lpmm-burn-resume-{}-{lpmm_checkpoint}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let module_record = model.clone().into_record();
+        let mut resumed = if lpmm_checkpoint {
+            optim.save_lpmm(dir.join("optim.safetensors"), &model).unwrap();
+            config.init().load_lpmm(dir.join("optim.safetensors")).unwrap()
+        } else {
+            optim.save(dir.join("optim.bpk")).unwrap();
+            config.init().load(dir.join("optim.bpk")).unwrap()
+        };
+        // A fresh model (other values, other ids) loaded from the module record.
+        let mut other = Mlp::new(&device, 5).load_record(module_record);
+        if lpmm_checkpoint {
+            // lpmm's checkpoint holds the parameters too: zero the module to show it.
+            other = Mlp::new(&device, 6).load_record(other.clone().into_record());
+        }
+        for step in 3..6 {
+            let g = grads(&model, step, &device);
+            model = optim.step(0.01, model, g).unwrap();
+            let g = grads(&other, step, &device);
+            other = resumed.step(0.01, other, g).unwrap();
+            assert_eq!(model.bits(), other.bits(), "step {step}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_burn_record_resumes_bit_for_bit() {
+    resumes_exactly(false);
+}
+
+#[test]
+fn an_lpmm_checkpoint_resumes_bit_for_bit() {
+    resumes_exactly(true);
+}
+
+#[test]
+fn a_record_from_another_model_is_a_typed_error() {
+    let device = ndarray();
+    let mut model = Mlp::new(&device, 4);
+    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let g = grads(&model, 0, &device);
+    model = optim.step(0.01, model, g).unwrap();
+    let record = optim.to_record().unwrap();
+    let mut loaded = Lpmm8bitAdamWConfig::new().init().load_record(record).unwrap();
+    // A new model: other ParamIds.
+    let other = Mlp::new(&device, 4);
+    let g = grads(&other, 1, &device);
+    let err = loaded.step(0.01, other, g).unwrap_err();
+    assert!(matches!(err, lpmm_burn::BurnError::Record(_)), "{err}");
+    drop(model);
+}
+
+#[test]
+fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
+    let device = Device::flex().autodiff();
+    let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
+    let mut optim = config.init();
+    let mut model = Mlp::new_in(&device, 8, DType::BF16);
+    let (mut r, ids) = reference(&config, &values(&model));
+    for step in 0..4 {
+        let g = grads(&model, step, &device);
+        for (&id, h) in ids.iter().zip(host_grads(&model, &g)) {
+            r.accumulate(id, &h).unwrap();
+        }
+        r.set_lr(1e-2).unwrap();
+        r.step().unwrap();
+        model = optim.step(1e-2, model, g).unwrap();
+        assert_eq!(model.bits(), read(&r, &ids), "step {step}");
+    }
+    assert_eq!(model.w1.val().dtype(), DType::BF16);
+    let stats = optim.stats();
+    assert_eq!((stats.params, stats.held, stats.copies), (4, 0, 0));
+    // One copy of each parameter: the module's bf16 tensor.
+    assert_eq!(optim.memory_report().slot_totals()[0], 0);
+}
