@@ -1,5 +1,4 @@
-//! Differentiable layer norm, RMS norm and softmax, built from candle's differentiable tensor
-//! operations.
+//! Differentiable layer norm, RMS norm and softmax.
 //!
 //! candle-nn 0.11's fused operators `candle_nn::ops::layer_norm`, `candle_nn::ops::rms_norm` and
 //! `candle_nn::ops::softmax_last_dim` are applied with `apply_op3_no_bwd` / `apply_op2_no_bwd` /
@@ -9,13 +8,17 @@
 //! parameters after the last such operator; see the crate's documentation, "A warning for candle
 //! users".
 //!
-//! The operators here compute the same values (to f32 rounding) with operations that candle
-//! differentiates: [`layer_norm`], [`rms_norm`], [`softmax_last_dim`], and the module types
-//! [`LayerNorm`] and [`RmsNorm`], drop-in replacements for candle-nn's (convert with `.into()`, or
-//! build with [`LayerNorm::load`] / [`RmsNorm::load`] as with `candle_nn::layer_norm`).
-//! They are slower than the fused kernels (a few passes over the activations instead of one).
+//! The operators here compute the same values (to f32 rounding) and have a backward pass:
+//! [`layer_norm`], [`rms_norm`], [`softmax_last_dim`], and the module types [`LayerNorm`] and
+//! [`RmsNorm`], drop-in replacements for candle-nn's (convert with `.into()`, or build with
+//! [`LayerNorm::load`] / [`RmsNorm::load`] as with `candle_nn::layer_norm`). f32 tensors on the
+//! CPU take fused kernels (one pass forward, one backward, as custom operations with their own
+//! backward); every other dtype and device is computed with candle's differentiable tensor
+//! operations (several passes), the same formulas.
 
-use candle_core::{D, DType, Module, Result, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, D, DType, Layout, Module, Result, Shape, Tensor,
+};
 use candle_nn::{Init, VarBuilder};
 
 /// Computes in f32 for half-precision input, as candle-nn's operators do.
@@ -44,6 +47,19 @@ fn normalize(
             weight.shape(),
             bias.map(|b| b.shape())
         );
+    }
+    if fused(x) && weight.dtype() == DType::F32 && weight.device().is_cpu() {
+        let y = x.contiguous()?.apply_op2(
+            &weight.contiguous()?,
+            NormOp {
+                eps: eps as f32,
+                remove_mean,
+            },
+        )?;
+        return match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        };
     }
     let dtype = x.dtype();
     let wide = widen(x)?;
@@ -76,7 +92,161 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 /// Softmax over the last dimension: the values of `candle_nn::ops::softmax_last_dim`, with a
 /// backward pass (it is `candle_nn::ops::softmax(x, D::Minus1)`, which candle differentiates).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    candle_nn::ops::softmax(x, D::Minus1)
+    if fused(x) {
+        x.contiguous()?.apply_op1(SoftmaxOp)
+    } else {
+        candle_nn::ops::softmax(x, D::Minus1)
+    }
+}
+
+/// Whether `x` takes the fused CPU kernels (f32 on the CPU).
+fn fused(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+/// The contiguous f32 slice of a CPU storage.
+fn cpu_slice<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&storage.as_slice::<f32>()?[start..end]),
+        None => candle_core::bail!("lpmm-candle's fused kernels need contiguous input"),
+    }
+}
+
+/// A tensor's values as a contiguous f32 vector.
+fn values_of(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight` (or `x / sqrt(mean(x²) + eps) * weight`) over the
+/// last dimension, f32 on the CPU, with its backward pass.
+struct NormOp {
+    eps: f32,
+    remove_mean: bool,
+}
+
+impl NormOp {
+    /// The row's mean (0 without mean removal) and 1 / sqrt(var + eps).
+    fn stats(&self, row: &[f32]) -> (f32, f32) {
+        let n = row.len() as f32;
+        let mean = if self.remove_mean {
+            row.iter().sum::<f32>() / n
+        } else {
+            0.0
+        };
+        let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / n;
+        (mean, 1.0 / (var + self.eps).sqrt())
+    }
+}
+
+impl CustomOp2 for NormOp {
+    fn name(&self) -> &'static str {
+        "lpmm-candle-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (cpu_slice(s1, l1)?, cpu_slice(s2, l2)?);
+        let n = w.len();
+        let mut y = vec![0f32; x.len()];
+        for (row, out) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+            let (mean, rstd) = self.stats(row);
+            for ((o, &v), &g) in out.iter_mut().zip(row).zip(w) {
+                *o = (v - mean) * rstd * g;
+            }
+        }
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    /// With x̂ the normalised input and g the incoming gradient: dw = Σ_rows g·x̂, and
+    /// dx = (w·g - mean(w·g) - x̂·mean(w·g·x̂)) / σ (without the `mean(w·g)` term for RMS norm).
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (xs, ws, gs) = (values_of(x)?, values_of(w)?, values_of(grad)?);
+        let n = ws.len();
+        let mut dx = vec![0f32; xs.len()];
+        let mut dw = vec![0f32; n];
+        let mut wg = vec![0f32; n];
+        let mut xh = vec![0f32; n];
+        for ((row, g), out) in xs
+            .chunks_exact(n)
+            .zip(gs.chunks_exact(n))
+            .zip(dx.chunks_exact_mut(n))
+        {
+            let (mean, rstd) = self.stats(row);
+            let (mut m1, mut m2) = (0f32, 0f32);
+            for i in 0..n {
+                xh[i] = (row[i] - mean) * rstd;
+                wg[i] = ws[i] * g[i];
+                dw[i] += g[i] * xh[i];
+                m1 += wg[i];
+                m2 += wg[i] * xh[i];
+            }
+            let m1 = if self.remove_mean { m1 / n as f32 } else { 0.0 };
+            let m2 = m2 / n as f32;
+            for i in 0..n {
+                out[i] = (wg[i] - m1 - xh[i] * m2) * rstd;
+            }
+        }
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+            Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+        ))
+    }
+}
+
+/// Softmax over the last dimension, f32 on the CPU, with its backward pass.
+struct SoftmaxOp;
+
+impl CustomOp1 for SoftmaxOp {
+    fn name(&self) -> &'static str {
+        "lpmm-candle-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_slice(storage, layout)?;
+        let n = layout.dims().last().copied().unwrap_or(1).max(1);
+        let mut y = vec![0f32; x.len()];
+        for (row, out) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = (v - max).exp();
+                sum += *o;
+            }
+            for o in out.iter_mut() {
+                *o /= sum;
+            }
+        }
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    /// dx = s·(g - Σ g·s), with s the softmax.
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (s, g) = (values_of(res)?, values_of(grad)?);
+        let n = res.dims().last().copied().unwrap_or(1).max(1);
+        let mut dx = vec![0f32; s.len()];
+        for ((sr, gr), out) in s
+            .chunks_exact(n)
+            .zip(g.chunks_exact(n))
+            .zip(dx.chunks_exact_mut(n))
+        {
+            let dot: f32 = sr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            for ((o, &a), &b) in out.iter_mut().zip(sr).zip(gr) {
+                *o = a * (b - dot);
+            }
+        }
+        Ok(Some(Tensor::from_vec(dx, res.shape(), res.device())?))
+    }
 }
 
 /// A layer norm (or, without mean removal, RMS norm) module that gradients cross: use it in place
@@ -306,25 +476,47 @@ mod tests {
     }
 
     /// The closed forms: layer norm dx = (w·g - mean(w·g) - x̂·mean(w·g·x̂)) / σ, dw = Σ g·x̂,
-    /// db = Σ g; softmax dx = s·(g - Σ g·s).
+    /// db = Σ g; softmax dx = s·(g - Σ g·s). In f64 (candle's operations) and in f32 (the fused
+    /// CPU kernels), with the input transposed so that it is not contiguous.
     #[test]
     fn gradients_match_the_closed_forms() -> Result<()> {
+        for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 2e-5)] {
+            closed_forms(dtype, tol)?;
+        }
+        Ok(())
+    }
+
+    fn closed_forms(dtype: DType, tol: f64) -> Result<()> {
         let (rows, n) = (5, 12);
         let xs = values(rows * n, 21);
         let ws = values(n, 22);
         let gs = values(rows * n, 23);
-        let x = Var::from_tensor(&Tensor::from_vec(xs.clone(), (rows, n), &Device::Cpu)?)?;
-        let w = Var::from_tensor(&Tensor::from_vec(ws.clone(), n, &Device::Cpu)?)?;
-        let b = Var::zeros(n, DType::F64, &Device::Cpu)?;
-        let g = Tensor::from_vec(gs.clone(), (rows, n), &Device::Cpu)?;
+        let dev = Device::Cpu;
+        // x is stored transposed: the (rows, n) view is not contiguous.
+        let xt: Vec<f64> = (0..n * rows)
+            .map(|k| xs[(k % rows) * n + k / rows])
+            .collect();
+        let x = Var::from_tensor(&Tensor::from_vec(xt, (n, rows), &dev)?.to_dtype(dtype)?)?;
+        let xv = x.t()?;
+        assert!(!xv.is_contiguous());
+        let w = Var::from_tensor(&Tensor::from_vec(ws.clone(), n, &dev)?.to_dtype(dtype)?)?;
+        let b = Var::zeros(n, dtype, &dev)?;
+        let g = Tensor::from_vec(gs.clone(), (rows, n), &dev)?.to_dtype(dtype)?;
         let eps = 1e-5;
-        let grads = layer_norm(&x, &w, &b, eps)?
+        let f64s = |t: Option<&Tensor>, what: &str| -> Result<Vec<f64>> {
+            t.unwrap_or_else(|| panic!("{dtype:?}: no gradient for {what}"))
+                .to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1::<f64>()
+        };
+        let grads = layer_norm(&xv, &w, &b, eps)?
             .mul(&g)?
             .sum_all()?
             .backward()?;
-        let dx = grads.get(&x).expect("dx").flatten_all()?.to_vec1::<f64>()?;
-        let dw = grads.get(&w).expect("dw").to_vec1::<f64>()?;
-        let db = grads.get(&b).expect("db").to_vec1::<f64>()?;
+        // The gradient of x is laid out as x is: transposed.
+        let dx = f64s(grads.get(&x).map(|t| t.t().unwrap()).as_ref(), "x")?;
+        let dw = f64s(grads.get(&w), "w")?;
+        let db = f64s(grads.get(&b), "b")?;
         let (mut dw_ref, mut db_ref) = (vec![0.0; n], vec![0.0; n]);
         for r in 0..rows {
             let row = &xs[r * n..(r + 1) * n];
@@ -338,17 +530,27 @@ mod tests {
             let m2 = (0..n).map(|i| wg[i] * xh[i]).sum::<f64>() / n as f64;
             for i in 0..n {
                 let want = (wg[i] - m1 - xh[i] * m2) / sigma;
-                assert!((dx[r * n + i] - want).abs() < 1e-9, "dx[{r},{i}]");
+                assert!(
+                    (dx[r * n + i] - want).abs() < tol * (1.0 + want.abs()),
+                    "{dtype:?}: dx[{r},{i}] {} vs {want}",
+                    dx[r * n + i]
+                );
                 dw_ref[i] += gr[i] * xh[i];
                 db_ref[i] += gr[i];
             }
         }
         for i in 0..n {
-            assert!((dw[i] - dw_ref[i]).abs() < 1e-9, "dw[{i}]");
-            assert!((db[i] - db_ref[i]).abs() < 1e-9, "db[{i}]");
+            assert!(
+                (dw[i] - dw_ref[i]).abs() < tol * (1.0 + dw_ref[i].abs()),
+                "{dtype:?}: dw[{i}]"
+            );
+            assert!(
+                (db[i] - db_ref[i]).abs() < tol * (1.0 + db_ref[i].abs()),
+                "{dtype:?}: db[{i}]"
+            );
         }
-        let grads = softmax_last_dim(&x)?.mul(&g)?.sum_all()?.backward()?;
-        let dx = grads.get(&x).expect("dx").flatten_all()?.to_vec1::<f64>()?;
+        let grads = softmax_last_dim(&xv)?.mul(&g)?.sum_all()?.backward()?;
+        let dx = f64s(grads.get(&x).map(|t| t.t().unwrap()).as_ref(), "x")?;
         for r in 0..rows {
             let row = &xs[r * n..(r + 1) * n];
             let gr = &gs[r * n..(r + 1) * n];
@@ -358,7 +560,60 @@ mod tests {
             let gs_dot: f64 = (0..n).map(|i| gr[i] * s[i]).sum();
             for i in 0..n {
                 let want = s[i] * (gr[i] - gs_dot);
-                assert!((dx[r * n + i] - want).abs() < 1e-12, "softmax dx[{r},{i}]");
+                assert!(
+                    (dx[r * n + i] - want).abs() < tol,
+                    "{dtype:?}: softmax dx[{r},{i}]"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused f32 kernels and candle's operations in f64 agree on values and on every
+    /// gradient (layer norm with and without bias, RMS norm, softmax), on a 3-d input.
+    #[test]
+    fn fused_kernels_match_the_differentiable_composition() -> Result<()> {
+        let shape = [3, 4, 16];
+        let n = 3 * 4 * 16;
+        let r = tensor(n, &shape, 44, DType::F64)?;
+        type Op = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+        let cases: [(&str, Op); 4] = [
+            ("layer norm", |x, w, b| layer_norm(x, w, b, 1e-5)),
+            ("layer norm, no bias", |x, w, _| {
+                LayerNorm::new_no_bias(w.clone(), 1e-5).forward(x)
+            }),
+            ("rms norm", |x, w, _| rms_norm(x, w, 1e-5)),
+            ("softmax", |x, _, _| softmax_last_dim(&(x * 3.0)?)),
+        ];
+        for (what, op) in cases {
+            let mut outs = Vec::new();
+            for dtype in [DType::F64, DType::F32] {
+                let x = Var::from_tensor(&tensor(n, &shape, 41, dtype)?)?;
+                let w = Var::from_tensor(&tensor(16, &[16], 42, dtype)?)?;
+                let b = Var::from_tensor(&tensor(16, &[16], 43, dtype)?)?;
+                let y = op(&x, &w, &b)?;
+                let grads = y.mul(&r.to_dtype(dtype)?)?.sum_all()?.backward()?;
+                let grad = |v: &Var| -> Result<Option<Tensor>> {
+                    grads
+                        .get(v.as_tensor())
+                        .map(|g| g.to_dtype(DType::F64))
+                        .transpose()
+                };
+                outs.push((y.to_dtype(DType::F64)?, grad(&x)?, grad(&w)?, grad(&b)?));
+            }
+            let (a, b) = (&outs[0], &outs[1]);
+            assert!(max_diff(&a.0, &b.0)? < 1e-5, "{what}: values");
+            for (k, (ga, gb)) in [(&a.1, &b.1), (&a.2, &b.2), (&a.3, &b.3)]
+                .into_iter()
+                .enumerate()
+            {
+                match (ga, gb) {
+                    (Some(ga), Some(gb)) => {
+                        assert!(max_diff(ga, gb)? < 1e-4, "{what}: gradient of input {k}")
+                    }
+                    (None, None) => {}
+                    _ => panic!("{what}: input {k} has a gradient in one dtype only"),
+                }
             }
         }
         Ok(())
