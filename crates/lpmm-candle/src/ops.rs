@@ -471,7 +471,12 @@ mod tests {
             &r,
             "rms norm",
         )?;
-        check_gradient(&[x.clone()], &|| softmax_last_dim(&x), &r, "softmax")?;
+        check_gradient(
+            std::slice::from_ref(&x),
+            &|| softmax_last_dim(&x),
+            &r,
+            "softmax",
+        )?;
         Ok(())
     }
 
