@@ -99,6 +99,41 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Causal attention weights: the softmax over the last dimension of `scale * x`, where `x` holds
+/// attention scores `(..., queries, keys)` and key `j` is hidden from query `i` when
+/// `j > i + keys - queries` (the queries are the last `queries` positions of the keys). The
+/// values of `softmax_last_dim(scale * x + mask)` with the mask's hidden entries at -inf, with a
+/// backward pass; f32 on the CPU skips the hidden entries in one fused pass.
+pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
+    let dims = x.dims();
+    if dims.len() < 2 {
+        candle_core::bail!(
+            "causal_softmax needs (..., queries, keys), got {:?}",
+            x.shape()
+        );
+    }
+    let (q, k) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    if q > k {
+        candle_core::bail!("causal_softmax: {q} queries for {k} keys");
+    }
+    if fused(x) {
+        return x.contiguous()?.apply_op1(CausalSoftmaxOp {
+            scale: scale as f32,
+        });
+    }
+    let mask: Vec<f32> = (0..q * k)
+        .map(|e| {
+            if e % k > e / k + (k - q) {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (q, k), x.device())?.to_dtype(x.dtype())?;
+    softmax_last_dim(&(x * scale)?.broadcast_add(&mask)?)
+}
+
 /// Whether `x` takes the fused CPU kernels (f32 on the CPU).
 fn fused(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
@@ -204,6 +239,56 @@ impl CustomOp2 for NormOp {
     }
 }
 
+/// [`causal_softmax`], f32 on the CPU, with its backward pass.
+struct CausalSoftmaxOp {
+    scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmaxOp {
+    fn name(&self) -> &'static str {
+        "lpmm-candle-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_slice(storage, layout)?;
+        let dims = layout.dims();
+        let (q, k) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let mut y = vec![0f32; x.len()];
+        for (r, (row, out)) in x.chunks_exact(k).zip(y.chunks_exact_mut(k)).enumerate() {
+            let seen = r % q + (k - q) + 1;
+            let (row, out) = (&row[..seen], &mut out[..seen]);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = ((v - max) * self.scale).exp();
+                sum += *o;
+            }
+            for o in out.iter_mut() {
+                *o /= sum;
+            }
+        }
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    /// dx = scale · s·(g - Σ g·s), with s the weights (0 where hidden).
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (s, g) = (values_of(res)?, values_of(grad)?);
+        let k = res.dims().last().copied().unwrap_or(1).max(1);
+        let mut dx = vec![0f32; s.len()];
+        for ((sr, gr), out) in s
+            .chunks_exact(k)
+            .zip(g.chunks_exact(k))
+            .zip(dx.chunks_exact_mut(k))
+        {
+            let dot: f32 = sr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            for ((o, &a), &b) in out.iter_mut().zip(sr).zip(gr) {
+                *o = self.scale * a * (b - dot);
+            }
+        }
+        Ok(Some(Tensor::from_vec(dx, res.shape(), res.device())?))
+    }
+}
+
 /// Softmax over the last dimension, f32 on the CPU, with its backward pass.
 struct SoftmaxOp;
 
@@ -286,6 +371,16 @@ impl LayerNorm {
         Ok(LayerNorm::new(
             vb.get_with_hints(size, "weight", Init::Const(1.0))?,
             vb.get_with_hints(size, "bias", Init::Const(0.0))?,
+            eps,
+        ))
+    }
+
+    /// Builds a layer norm of `size` without bias in `vb` as
+    /// `candle_nn::layer_norm_no_bias(size, eps, vb)` does: the variable `weight`, initialised
+    /// to 1.
+    pub fn load_no_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(LayerNorm::new_no_bias(
+            vb.get_with_hints(size, "weight", Init::Const(1.0))?,
             eps,
         ))
     }
@@ -413,6 +508,33 @@ mod tests {
         let s = softmax_last_dim(&(x.clone() * 4.0)?)?;
         let fused = candle_nn::ops::softmax_last_dim(&(x * 4.0)?)?;
         assert!(max_diff(&s, &fused)? < 1e-6, "softmax");
+        // Causal: the same as adding a mask of -inf above the diagonal, for square scores and
+        // for the last 3 queries of 5 keys.
+        let x = tensor(2 * 5 * 5, &[2, 5, 5], 5, DType::F32)?;
+        for (queries, from) in [(5, 0), (3, 2)] {
+            let xq = x.narrow(1, from, queries)?;
+            let mask: Vec<f32> = (0..queries * 5)
+                .map(|e| {
+                    if e % 5 > e / 5 + from {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (queries, 5), &Device::Cpu)?;
+            let want = candle_nn::ops::softmax_last_dim(&(&xq * 0.7)?.broadcast_add(&mask)?)?;
+            let got = causal_softmax(&xq, 0.7)?;
+            assert!(
+                max_diff(&got, &want)? < 1e-6,
+                "causal softmax, {queries} queries"
+            );
+            let row0 = got.get(0)?.get(0)?.to_vec1::<f32>()?;
+            assert_eq!(
+                row0[from + 1..].iter().filter(|&&v| v == 0.0).count(),
+                4 - from
+            );
+        }
         Ok(())
     }
 
@@ -476,6 +598,14 @@ mod tests {
             &|| softmax_last_dim(&x),
             &r,
             "softmax",
+        )?;
+        let sq = Var::from_tensor(&tensor(2 * 5 * 5, &[2, 5, 5], 15, DType::F64)?)?;
+        let rq = tensor(2 * 5 * 5, &[2, 5, 5], 16, DType::F64)?;
+        check_gradient(
+            std::slice::from_ref(&sq),
+            &|| causal_softmax(&sq, 0.7),
+            &rq,
+            "causal softmax",
         )?;
         Ok(())
     }
@@ -582,13 +712,17 @@ mod tests {
         let n = 3 * 4 * 16;
         let r = tensor(n, &shape, 44, DType::F64)?;
         type Op = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
-        let cases: [(&str, Op); 4] = [
+        let cases: [(&str, Op); 6] = [
             ("layer norm", |x, w, b| layer_norm(x, w, b, 1e-5)),
             ("layer norm, no bias", |x, w, _| {
                 LayerNorm::new_no_bias(w.clone(), 1e-5).forward(x)
             }),
             ("rms norm", |x, w, _| rms_norm(x, w, 1e-5)),
             ("softmax", |x, _, _| softmax_last_dim(&(x * 3.0)?)),
+            ("causal softmax", |x, _, _| causal_softmax(x, 3.0)),
+            ("causal softmax, 2 of 4 queries", |x, _, _| {
+                causal_softmax(&x.narrow(2, 0, 4)?.narrow(1, 2, 2)?, 0.5)
+            }),
         ];
         for (what, op) in cases {
             let mut outs = Vec::new();
@@ -597,7 +731,9 @@ mod tests {
                 let w = Var::from_tensor(&tensor(16, &[16], 42, dtype)?)?;
                 let b = Var::from_tensor(&tensor(16, &[16], 43, dtype)?)?;
                 let y = op(&x, &w, &b)?;
-                let grads = y.mul(&r.to_dtype(dtype)?)?.sum_all()?.backward()?;
+                // r cut to y's shape (smaller where the case narrows its input).
+                let ry = r.narrow(1, 0, y.dim(1)?)?.narrow(2, 0, y.dim(2)?)?;
+                let grads = y.mul(&ry.to_dtype(dtype)?)?.sum_all()?.backward()?;
                 let grad = |v: &Var| -> Result<Option<Tensor>> {
                     grads
                         .get(v.as_tensor())
