@@ -4,9 +4,9 @@
 //! updates; then text sampled from the trained language models.
 //!
 //! `cargo run --release -p lpmm-candle --example compare` (about 15 minutes on 2 cores).
-//! Options: `--full` (the longer language-model schedule, about an hour), `--quick` (a smoke run
-//! of a minute), `--text PATH` (train the language model on your own text: the first 90% of its
-//! bytes train, the last 10% validate; `.gz` files are decompressed).
+//! Options: `--quick` (a smoke run of a minute), `--text PATH` (train the language model on your
+//! own text: the first 90% of its bytes train, the last 10% validate; `.gz` files are
+//! decompressed).
 //! Prints the table and writes `target/lpmm-report/train.json` (schema: docs/RESULTS.md),
 //! `train.md` and `train_loss.png`.
 
@@ -117,33 +117,27 @@ fn candle_threads() {
 
 struct Args {
     quick: bool,
-    full: bool,
     text: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         quick: false,
-        full: false,
         text: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => args.quick = true,
-            "--full" => args.full = true,
             "--text" => {
                 args.text = Some(it.next().ok_or("--text needs a file: --text PATH")?.into())
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other:?}; options: --quick, --full, --text PATH"
+                    "unknown argument {other:?}; options: --quick, --text PATH"
                 ));
             }
         }
-    }
-    if args.quick && args.full {
-        return Err("--quick and --full exclude each other".into());
     }
     Ok(args)
 }
@@ -166,18 +160,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     batch: 16,
                 },
                 warmup: 5,
-                val_windows: 64,
+                val_windows: Some(64),
                 ..LmRecipe::default_run()
             },
-        )
-    } else if args.full {
-        (
-            "full",
-            Budget {
-                steps: 1500,
-                batch: 64,
-            },
-            LmRecipe::full_run(),
         )
     } else {
         (

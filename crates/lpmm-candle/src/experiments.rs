@@ -726,9 +726,10 @@ pub struct LmRecipe {
     /// embeddings N(0, 1), its linear layers uniform with bound 1/sqrt(fan-in)), re-drawn from
     /// the seed by [`reinit`].
     pub init_std: f64,
-    /// Validation windows (of `context` tokens, spread evenly over the validation split; fewer
-    /// if the split is short).
-    pub val_windows: usize,
+    /// Validation windows of `context` tokens: `None` tiles the whole validation split (every
+    /// token predicted once, the last window ending at the split's end); `Some(n)`: `n` windows
+    /// spread evenly over it (for short runs).
+    pub val_windows: Option<usize>,
 }
 
 impl LmRecipe {
@@ -740,26 +741,15 @@ impl LmRecipe {
             layers: 2,
             context: 64,
             budget: Budget {
-                steps: 1200,
+                steps: 1000,
                 batch: 32,
             },
-            adamw_lr: 3e-3,
+            adamw_lr: 6e-3,
             sgd_lr: 0.3,
             warmup: 50,
             final_lr_fraction: 0.01,
             init_std: 0.02,
-            val_windows: 512,
-        }
-    }
-
-    /// The longer run of `--full`.
-    pub fn full_run() -> LmRecipe {
-        LmRecipe {
-            budget: Budget {
-                steps: 3000,
-                batch: 32,
-            },
-            ..LmRecipe::default_run()
+            val_windows: None,
         }
     }
 
@@ -788,13 +778,21 @@ impl LmRecipe {
     }
 }
 
-/// The validation loss and next-character accuracy of `model` on `tokens`: `windows` windows of
-/// the model's context, spread evenly (every prediction of every window counts).
-pub fn evaluate(model: &CharLm, tokens: &[u32], windows: usize) -> Result<(f64, f64)> {
+/// The validation loss and next-character accuracy of `model` on `tokens`, over windows of the
+/// model's context (every prediction of every window counts): with `windows` `None`, windows
+/// that tile `tokens` (the last one ending at its end); with `Some(n)`, `n` windows spread
+/// evenly.
+pub fn evaluate(model: &CharLm, tokens: &[u32], windows: Option<usize>) -> Result<(f64, f64)> {
     let t = model.shape.context;
     let dev = model.device.clone();
-    let span = tokens.len() - t - 1;
-    let count = windows.clamp(1, span + 1);
+    if tokens.len() < t + 1 {
+        return Err(candle_core::Error::Msg(format!(
+            "{} tokens cannot hold a window of {t} and its next token",
+            tokens.len()
+        )));
+    }
+    let span = tokens.len() - t - 1; // the last start
+    let count = windows.unwrap_or(span.div_ceil(t) + 1).clamp(1, span + 1);
     let starts: Vec<usize> = (0..count)
         .map(|k| {
             if count == 1 {
@@ -845,8 +843,8 @@ fn windows_of(
     ))
 }
 
-/// Tokens sampled after training (at temperature 0.8, after the validation split's first
-/// `context / 2` tokens).
+/// Tokens sampled after training (at temperature 0.8, after `context / 2` tokens of the
+/// validation split from its first line start).
 const SAMPLE_TOKENS: usize = 320;
 
 /// Trains the character-level transformer on `text` with `preset` and `recipe`;
@@ -903,7 +901,11 @@ pub fn run_char_lm(
     }
     let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
     let (val_loss, accuracy) = evaluate(&model, &text.val, recipe.val_windows)?;
-    let prompt = &text.val[..t / 2];
+    // The prompt: half a context from the validation split, from its first line start.
+    let from = (1..text.val.len() - t / 2)
+        .find(|&i| text.vocab[text.val[i - 1] as usize] == b'\n')
+        .unwrap_or(0);
+    let prompt = &text.val[from..from + t / 2];
     let mut sample_rng = Rng::new(777);
     let sample = model.sample(prompt, SAMPLE_TOKENS, 0.8, &mut sample_rng)?;
     let mut r = finish(

@@ -9,8 +9,9 @@
 //! users".
 //!
 //! The operators here compute the same values (to f32 rounding) and have a backward pass:
-//! [`layer_norm`], [`rms_norm`], [`softmax_last_dim`], and the module types [`LayerNorm`] and
-//! [`RmsNorm`], drop-in replacements for candle-nn's (convert with `.into()`, or build with
+//! [`layer_norm`], [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention weights with
+//! the scale and the causal mask inside), and the module types [`LayerNorm`] and [`RmsNorm`],
+//! drop-in replacements for candle-nn's (convert with `.into()`, or build with
 //! [`LayerNorm::load`] / [`RmsNorm::load`] as with `candle_nn::layer_norm`). f32 tensors on the
 //! CPU take fused kernels (one pass forward, one backward, as custom operations with their own
 //! backward); every other dtype and device is computed with candle's differentiable tensor

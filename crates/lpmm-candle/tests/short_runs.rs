@@ -44,7 +44,7 @@ fn every_preset_learns_on_both_tasks_and_the_json_schema_holds() -> candle_core:
                 batch: 16,
             },
             warmup: 5,
-            val_windows: 16,
+            val_windows: Some(16),
             ..LmRecipe::default_run()
         };
         let s = experiments::run_char_lm(&text, &preset, 0, &recipe, |_| {})?;
