@@ -15,6 +15,8 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use lpmm_candle::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use serde::Serialize;
 
@@ -327,6 +329,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     plot(
         &report.runs,
         &[tasks[0].clone(), tasks[1].clone(), low_task],
+        &presets,
         &dir.join("train_loss.png"),
     )?;
     println!("(written to target/lpmm-report/train.json, train.md and train_loss.png)");
@@ -583,6 +586,7 @@ fn render(
 fn plot(
     runs: &[RunResult],
     tasks: &[String],
+    presets: &[Preset],
     path: &Path,
 ) -> Result<(), Box<dyn std::error::Error>> {
     plotters::style::register_font(
@@ -591,7 +595,7 @@ fn plot(
         include_bytes!("../assets/DejaVuSans.ttf"),
     )
     .map_err(|_| "cannot load the embedded font")?;
-    let root = BitMapBackend::new(path, (600 * tasks.len() as u32, 600)).into_drawing_area();
+    let root = BitMapBackend::new(path, (640 * tasks.len() as u32, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, tasks.len()));
     for (area, task) in panels.iter().zip(tasks) {
@@ -614,42 +618,80 @@ fn plot(
             .flat_map(|r| r.curve.iter().copied())
             .fold(f64::MAX, f64::min)
             .min(max_loss);
-        let mut chart = ChartBuilder::on(area)
-            .caption(format!("{task}: training loss"), ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(56)
-            .build_cartesian_2d(
+        let builder = |area| {
+            let mut b = ChartBuilder::on(area);
+            b.caption(format!("{task}: training loss"), ("sans-serif", 20))
+                .margin(12)
+                .x_label_area_size(36)
+                .y_label_area_size(56);
+            b
+        };
+        // A log scale where the loss spans more than a decade (digits), linear otherwise.
+        if max_loss / min_loss > 10.0 {
+            let chart = builder(area).build_cartesian_2d(
                 0.0..max_step,
                 ((min_loss * 0.9).max(1e-4)..max_loss * 1.05).log_scale(),
             )?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .y_desc("loss (log scale)")
-            .label_style(("sans-serif", 14))
-            .draw()?;
-        for (k, r) in series.iter().enumerate() {
-            let color = Palette99::pick(k).to_rgba();
-            let points = r
-                .curve
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (((i + 1) * r.curve_every) as f64, l));
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))?
-                .label(r.preset.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
+            draw_curves(chart, &series, presets, "loss (log scale)")?;
+        } else {
+            let chart = builder(area).build_cartesian_2d(
+                0.0..max_step,
+                (min_loss - 0.05 * (max_loss - min_loss))..max_loss,
+            )?;
+            draw_curves(chart, &series, presets, "loss")?;
         }
-        chart
-            .configure_series_labels()
-            .label_font(("sans-serif", 14))
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
     }
     root.present()?;
+    Ok(())
+}
+
+/// Each run's curve, coloured by its preset's place in the comparison (the same colour in every
+/// panel).
+fn draw_curves<'a, Y>(
+    mut chart: ChartContext<'a, BitMapBackend<'a>, Cartesian2d<RangedCoordf64, Y>>,
+    series: &[&RunResult],
+    presets: &[Preset],
+    y_desc: &str,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| match *y {
+            y if y >= 1.0 => format!("{y:.1}"),
+            y if y >= 0.1 => format!("{y:.2}"),
+            y => format!("{y:.3}"),
+        })
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for r in series {
+        let k = presets
+            .iter()
+            .position(|p| p.name == r.preset)
+            .unwrap_or(presets.len());
+        let color = Palette99::pick(k).to_rgba();
+        let points = r
+            .curve
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (((i + 1) * r.curve_every) as f64, l));
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))?
+            .label(r.preset.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }
