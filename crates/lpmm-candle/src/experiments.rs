@@ -228,37 +228,112 @@ impl Rng {
     }
 }
 
-/// Re-initialises every variable deterministically from `seed`: a variable whose values are all
-/// equal (layer-norm gains and biases) keeps them; any other gets uniform values with the same
-/// standard deviation candle's initialiser gave it.
-pub fn reinit(varmap: &VarMap, seed: u64) -> Result<()> {
+/// A `VarBuilder` whose new variables (kept in `varmap`) take the distribution candle-nn's
+/// initialiser would give them (constant, uniform, normal, Kaiming) but draw their values from
+/// this module's generator, seeded by `seed` and the variable's name: the same bits on every run
+/// and whatever the order the model asks for them. (candle's own CPU initialiser cannot be
+/// seeded.)
+pub fn seeded_var_builder(varmap: &VarMap, seed: u64, device: &Device) -> VarBuilder<'static> {
+    VarBuilder::from_backend(
+        Box::new(SeededInit {
+            varmap: varmap.clone(),
+            seed,
+        }),
+        DType::F32,
+        device.clone(),
+    )
+}
+
+/// The backend of [`seeded_var_builder`].
+struct SeededInit {
+    varmap: VarMap,
+    seed: u64,
+}
+
+/// FNV-1a of a name, to key a variable's random stream.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl candle_nn::var_builder::SimpleBackend for SeededInit {
+    fn get(
+        &self,
+        shape: candle_core::Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        use candle_nn::init::NormalOrUniform;
+        let mut data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if let Some(var) = data.get(name) {
+            if var.shape() != &shape {
+                candle_core::bail!("{name}: shape {:?}, asked for {shape:?}", var.shape());
+            }
+            return Ok(var.as_tensor().clone());
+        }
+        let mut rng = Rng::new(self.seed ^ name_key(name));
+        let n = shape.elem_count();
+        let uniform = |rng: &mut Rng, lo: f64, up: f64| lo + (up - lo) * rng.uniform();
+        let values: Vec<f64> = match init {
+            candle_nn::Init::Const(c) => vec![c; n],
+            candle_nn::Init::Uniform { lo, up } => {
+                (0..n).map(|_| uniform(&mut rng, lo, up)).collect()
+            }
+            candle_nn::Init::Randn { mean, stdev } => {
+                (0..n).map(|_| mean + stdev * rng.normal()).collect()
+            }
+            candle_nn::Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(&shape) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Normal => (0..n).map(|_| std * rng.normal()).collect(),
+                    NormalOrUniform::Uniform => {
+                        let bound = 3f64.sqrt() * std;
+                        (0..n).map(|_| uniform(&mut rng, -bound, bound)).collect()
+                    }
+                }
+            }
+        };
+        let var =
+            candle_core::Var::from_tensor(&Tensor::from_vec(values, shape, dev)?.to_dtype(dtype)?)?;
+        let tensor = var.as_tensor().clone();
+        data.insert(name.to_string(), var);
+        Ok(tensor)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        candle_core::bail!("{name}: a seeded VarBuilder creates variables; ask with a shape")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.varmap
+            .data()
+            .lock()
+            .is_ok_and(|data| data.contains_key(name))
+    }
+}
+
+/// The variables of `varmap` in the order of their names (a `VarMap` is a hash map: its own
+/// order changes from run to run, and the optimizer's per-parameter random streams follow the
+/// order it is given).
+pub fn sorted_vars(varmap: &VarMap) -> Result<Vec<candle_core::Var>> {
     let data = varmap
         .data()
         .lock()
         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    let mut rng = Rng::new(seed);
-    for name in names {
-        let var = &data[name];
-        let v = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-        if v.iter().all(|&x| x == v[0]) {
-            continue;
-        }
-        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
-        let std = (v
-            .iter()
-            .map(|&x| (f64::from(x) - mean).powi(2))
-            .sum::<f64>()
-            / v.len() as f64)
-            .sqrt();
-        let a = std * 3f64.sqrt();
-        let fresh: Vec<f32> = (0..v.len())
-            .map(|_| ((rng.uniform() * 2.0 - 1.0) * a) as f32)
-            .collect();
-        var.set(&Tensor::from_vec(fresh, var.shape(), var.device())?)?;
-    }
-    Ok(())
+    let mut named: Vec<(&String, &candle_core::Var)> = data.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    Ok(named.into_iter().map(|(_, v)| v.clone()).collect())
 }
 
 /// The digits classifier: 64 -> 128 (ReLU) -> 10.
@@ -366,8 +441,8 @@ impl CharLm {
 
     /// GPT-2's initialisation, deterministic from `seed`: embeddings and weight matrices
     /// N(0, `std`²), the residual projections (`proj`, `down`) N(0, `std`² / (2 layers)),
-    /// layer-norm gains 1. (candle's own starts the embeddings at N(0, 1), which swamps the
-    /// positions and the attention at this width.)
+    /// layer-norm gains 1. (candle's own starts the embeddings at N(0, 1) and the linear weights
+    /// at N(0, 2 / fan-in); docs/RESULTS.md has what that costs this model.)
     pub fn init(&self, varmap: &VarMap, seed: u64, std: f64) -> Result<()> {
         let data = varmap
             .data()
@@ -639,10 +714,9 @@ pub fn run_digits(
 ) -> Result<RunResult> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-    reinit(&varmap, seed)?;
+    let model = Mlp::new(seeded_var_builder(&varmap, seed, &dev))?;
     let lr = if preset.sgd { 0.05 } else { 2e-3 };
-    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
+    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
     let n = d.train_y.len();
     let mut order: Vec<usize> = (0..n).collect();
     let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
@@ -723,8 +797,8 @@ pub struct LmRecipe {
     /// The last step's learning rate as a fraction of the peak (cosine decay after the warmup).
     pub final_lr_fraction: f64,
     /// Initialisation scale (see [`CharLm::init`]); 0 keeps candle's initialisation (its
-    /// embeddings N(0, 1), its linear layers uniform with bound 1/sqrt(fan-in)), re-drawn from
-    /// the seed by [`reinit`].
+    /// embeddings N(0, 1), its linear weights Kaiming-normal N(0, 2 / fan-in)), drawn from the
+    /// seed by [`seeded_var_builder`].
     pub init_std: f64,
     /// Validation windows of `context` tokens: `None` tiles the whole validation split (every
     /// token predicted once, the last window ending at the split's end); `Some(n)`: `n` windows
@@ -865,22 +939,16 @@ pub fn run_char_lm(
         )));
     }
     let varmap = VarMap::new();
-    let model = CharLm::new(
-        shape,
-        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
-        &dev,
-    )?;
+    let model = CharLm::new(shape, seeded_var_builder(&varmap, seed, &dev), &dev)?;
     if recipe.init_std > 0.0 {
         model.init(&varmap, seed, recipe.init_std)?;
-    } else {
-        reinit(&varmap, seed)?;
     }
     let lr = if preset.sgd {
         recipe.sgd_lr
     } else {
         recipe.adamw_lr
     };
-    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
+    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
     let budget = recipe.budget;
     let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
     let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
