@@ -38,7 +38,12 @@ fn every_preset_learns_on_both_tasks_and_the_json_schema_holds() -> candle_core:
             |_| {},
         )?;
         falls(&d);
+        // A smaller model than the comparison's, to keep the test short.
         let recipe = LmRecipe {
+            width: 32,
+            heads: 2,
+            layers: 1,
+            context: 32,
             budget: Budget {
                 steps: 30,
                 batch: 16,
