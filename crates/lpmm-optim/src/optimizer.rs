@@ -1082,8 +1082,8 @@ impl<B: Backend> Optimizer<B> {
             })?;
             grads.consumed(id);
         }
-        for i in 0..n {
-            if given[i] || self.select[i] {
+        for (i, &was_given) in given.iter().enumerate().take(n) {
+            if was_given || self.select[i] {
                 let id = ParamId(i);
                 if self.flags[i] && !report.non_finite.contains(&id) {
                     report.non_finite.push(id);
