@@ -989,6 +989,33 @@ impl<R: Runtime> Backend for Device<R> {
         Ok(word[0] == 0)
     }
 
+    fn input_stats(&self, values: DeviceInput<'_, R>) -> Result<(ExactSum, bool), BackendError> {
+        self.check()?;
+        match values {
+            DeviceInput::Host(v) => lpmm_optim::Cpu.input_stats(v),
+            DeviceInput::Device(view) => {
+                // Summed on the host in the CPU's order, as the accumulators' statistics are (the
+                // price of a bit-identical norm: the gradient comes back).
+                let (dtype, n) = self.inner.rt.view_info(&view);
+                self.check_view(&view, &[Dtype::F32, Dtype::Bf16], n)?;
+                let bytes = self.guard(self.inner.rt.read_view(&view))?;
+                let values: Vec<f32> = match dtype {
+                    Dtype::Bf16 => bytes
+                        .chunks_exact(2)
+                        .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                        .collect(),
+                    _ => bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                };
+                let mut sum = ExactSum::new();
+                let finite = add_squares(&values, &mut sum);
+                Ok((sum, finite))
+            }
+        }
+    }
+
     fn gradient_stats(
         &self,
         params: &mut [DeviceParam<R>],
@@ -1021,7 +1048,7 @@ impl<R: Runtime> Backend for Device<R> {
         Ok(())
     }
 
-    fn step(&self, work: StepWork<'_, '_, Self>) -> Result<(), BackendError> {
+    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
         self.check()?;
         let StepWork {
             params,
@@ -1032,6 +1059,14 @@ impl<R: Runtime> Backend for Device<R> {
             seed,
             non_finite,
         } = work;
+        // One lifetime for the caller's lent and released buffers (both outlive this call).
+        let released = released.map(|(i, g)| {
+            let g = match g {
+                DeviceInput::Host(v) => DeviceInput::Host(v),
+                DeviceInput::Device(v) => DeviceInput::Device(R::shorten(v)),
+            };
+            (i, g)
+        });
         let mut views: Vec<Option<R::View<'_>>> = vec![None; params.len()];
         for (id, out) in lent.iter() {
             let DeviceOutput::Device(view) = out else {
@@ -1045,7 +1080,7 @@ impl<R: Runtime> Backend for Device<R> {
                     what: format!("parameter #{i} is not lent, but a buffer was lent for it"),
                 });
             }
-            views[i] = self.lent_view(&layouts[i], Some(*view))?;
+            views[i] = self.lent_view(&layouts[i], Some(R::shorten(*view)))?;
         }
         for (i, (l, p)) in layouts.iter().zip(plans).enumerate() {
             if p.is_some() && l.lent && views[i].is_none() {

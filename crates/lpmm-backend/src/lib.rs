@@ -104,6 +104,12 @@ macro_rules! device_backend {
             fn finite(&self, values: Self::Input<'_>) -> Result<bool, $crate::reexport::BackendError> {
                 self.0.finite(values)
             }
+            fn input_stats(
+                &self,
+                values: Self::Input<'_>,
+            ) -> Result<($crate::reexport::ExactSum, bool), $crate::reexport::BackendError> {
+                self.0.input_stats(values)
+            }
             fn gradient_stats(
                 &self,
                 params: &mut [Self::Param],
@@ -115,7 +121,7 @@ macro_rules! device_backend {
             }
             fn step(
                 &self,
-                w: $crate::reexport::StepWork<'_, '_, Self>,
+                w: $crate::reexport::StepWork<'_, '_, '_, Self>,
             ) -> Result<(), $crate::reexport::BackendError> {
                 self.0.step($crate::reexport::StepWork {
                     params: w.params,

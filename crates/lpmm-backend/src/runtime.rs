@@ -82,6 +82,8 @@ pub trait Runtime: Send + Sync + 'static {
     fn address(&self, binding: Binding, buffer: &Self::Buffer, word: usize) -> u64;
     /// The element type and count of a caller's buffer.
     fn view_info(&self, view: &Self::View<'_>) -> (Dtype, usize);
+    /// The same view for a shorter time (implementations return `view`: views are borrows).
+    fn shorten<'a, 'b: 'a>(view: Self::View<'b>) -> Self::View<'a>;
     /// The address of word `word` of a lent parameter's buffer, as descriptors carry it.
     fn lent_address(&self, view: &Self::View<'_>, word: usize) -> u64;
     /// Where element `element` of the io binding is, as [`crate::abi::Desc::io`] carries it

@@ -597,6 +597,29 @@ impl Backend for Cpu {
         })
     }
 
+    fn input_stats(&self, values: HostValues<'_>) -> Result<(ExactSum, bool), BackendError> {
+        // The partials of 256 elements stay whole inside chunks of 2^16, which are summed in
+        // parallel and merged exactly.
+        let (n, chunk) = (values.info().1, 1 << 16);
+        let parts: Vec<(ExactSum, bool)> = (0..n)
+            .into_par_iter()
+            .step_by(chunk)
+            .map(|start| {
+                let mut buf = vec![0f32; chunk.min(n - start)];
+                values.read_f32(start, &mut buf);
+                let mut sum = ExactSum::new();
+                let finite = add_squares(&buf, &mut sum);
+                (sum, finite)
+            })
+            .collect();
+        let mut total = (ExactSum::new(), true);
+        for (s, f) in &parts {
+            total.0.merge(s);
+            total.1 &= f;
+        }
+        Ok(total)
+    }
+
     fn gradient_stats(
         &self,
         params: &mut [CpuParam],
@@ -639,7 +662,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn step(&self, work: StepWork<'_, '_, Self>) -> Result<(), BackendError> {
+    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
         let StepWork {
             params,
             layouts,

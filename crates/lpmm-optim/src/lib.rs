@@ -30,7 +30,7 @@ pub use error::OptimError;
 pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
-    GradientSummary, Lender, LrRule, NonFinitePolicy, Optimizer, OptimizerOptions, StepInProgress,
-    StepReport,
+    GradientSummary, Gradients, Lender, LrRule, NonFinitePolicy, Optimizer, OptimizerOptions,
+    StepInProgress, StepReport, WithGradient,
 };
 pub use rule::{Adam, Hyper, Lion, Sgd};

@@ -122,8 +122,33 @@ pub trait Lender<B: Backend> {
     ) -> Result<(), OptimError>;
 }
 
+/// What [`Gradients::gradient`] calls with a parameter's gradient (`None`: no gradient).
+pub type WithGradient<'f, B> =
+    dyn FnMut(Option<<B as Backend>::Input<'_>>) -> Result<(), OptimError> + 'f;
+
+/// The gradients of a step taken straight from the caller's gradient buffers
+/// ([`Optimizer::step_gradients`]): a framework's gradient tensors, read where they are, each
+/// released as soon as its parameter has stepped.
+pub trait Gradients<B: Backend> {
+    /// Calls `f` with parameter `id`'s gradient, or `None` if it has none this step.
+    fn gradient(&mut self, id: ParamId, f: &mut WithGradient<'_, B>) -> Result<(), OptimError>;
+    /// Parameter `id` has stepped (or the step was skipped): its gradient may be dropped.
+    fn consumed(&mut self, _id: ParamId) {}
+}
+
+/// Host slices as gradients (for tests and host training loops): `grads[id.index()]`, empty for
+/// none.
+impl Gradients<Cpu> for Vec<Vec<f32>> {
+    fn gradient(&mut self, id: ParamId, f: &mut WithGradient<'_, Cpu>) -> Result<(), OptimError> {
+        match self.get(id.0) {
+            Some(g) if !g.is_empty() => f(Some(HostValues::F32(g))),
+            _ => f(None),
+        }
+    }
+}
+
 /// Host slices as lent buffers (for tests and host training loops): `buffers[id.index()]`.
-impl Lender<Cpu> for [Vec<f32>] {
+impl Lender<Cpu> for Vec<Vec<f32>> {
     fn lend(
         &mut self,
         id: ParamId,
@@ -882,10 +907,10 @@ impl<B: Backend> Optimizer<B> {
 
     /// Runs the backend's step on `self.plans` (cleared after), folding its non-finite flags
     /// into `self.flags` (cleared when a step begins).
-    fn run_plans<'l>(
+    fn run_plans(
         &mut self,
-        released: Option<(usize, B::Input<'l>)>,
-        lent: &mut [(ParamId, B::Output<'l>)],
+        released: Option<(usize, B::Input<'_>)>,
+        lent: &mut [(ParamId, B::Output<'_>)],
     ) -> Result<(), OptimError> {
         let result = self.backend.step(StepWork {
             params: &mut self.params,
@@ -903,6 +928,182 @@ impl<B: Backend> Optimizer<B> {
         }
         self.plans.iter_mut().for_each(|p| *p = None);
         Ok(result?)
+    }
+
+    /// A step whose gradients come from the caller's buffers (a framework's gradient tensors
+    /// after a backward pass: no accumulator is needed and no copy is made), together with
+    /// every parameter whose accumulator holds gradients (e.g. accumulated during the backward
+    /// pass by a layer over an lpmm parameter). The policies keep their meaning over all of them
+    /// — the exact global norm for clipping, all or nothing under SkipStep — and each given
+    /// gradient is released (`Gradients::consumed`) as soon as its parameter has stepped, so the
+    /// caller can drop it parameter by parameter. Lent parameters get their buffers from
+    /// `lender`. A parameter cannot take both a given gradient and an accumulated one (an error
+    /// naming it; nothing moves).
+    pub fn step_gradients(
+        &mut self,
+        grads: &mut dyn Gradients<B>,
+        mut lender: Option<&mut dyn Lender<B>>,
+    ) -> Result<StepReport, OptimError> {
+        let n = self.len();
+        let need_stats = self.options.max_grad_norm.is_some()
+            || self.options.non_finite == NonFinitePolicy::SkipStep;
+        let mut report = StepReport::default();
+        let mut sum = ExactSum::new();
+        let mut given = vec![false; n];
+        for (i, given) in given.iter_mut().enumerate() {
+            let id = ParamId(i);
+            let (numel, pending, name) = (
+                self.layouts[i].numel,
+                self.states[i].pending,
+                &self.states[i].name,
+            );
+            let backend = &self.backend;
+            grads.gradient(id, &mut |g| {
+                let Some(g) = g else { return Ok(()) };
+                let (_, len) = backend.input_info(&g);
+                if len != numel {
+                    return Err(OptimError::Length {
+                        param: name.clone(),
+                        what: "gradient",
+                        expected: numel,
+                        actual: len,
+                    });
+                }
+                if pending {
+                    return Err(OptimError::Lent {
+                        param: name.clone(),
+                        reason: "it holds an accumulated gradient and was given another: pass all of its gradient one way".into(),
+                    });
+                }
+                *given = true;
+                if need_stats {
+                    let (s, finite) = backend.input_stats(g)?;
+                    sum.merge(&s);
+                    if !finite {
+                        report.non_finite.push(id);
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        // The accumulated ones.
+        for (s, m) in self.select.iter_mut().zip(&self.states) {
+            *s = m.pending;
+        }
+        if need_stats && self.select.iter().any(|&s| s) {
+            self.backend.gradient_stats(
+                &mut self.params,
+                &self.layouts,
+                &self.select,
+                &mut self.stats,
+            )?;
+            for (i, (&s, (part, finite))) in self.select.iter().zip(&self.stats).enumerate() {
+                if s {
+                    sum.merge(part);
+                    if !finite {
+                        report.non_finite.push(ParamId(i));
+                    }
+                }
+            }
+            report.non_finite.sort();
+        }
+        let mut clip = 1.0f32;
+        if need_stats {
+            let norm = sum.to_f64().sqrt();
+            report.grad_norm = Some(norm);
+            if let Some(max) = self.options.max_grad_norm
+                && norm.is_finite()
+                && norm > max
+            {
+                clip = (max / (norm + 1e-6)) as f32;
+            }
+            if !report.non_finite.is_empty() && self.options.non_finite == NonFinitePolicy::SkipStep
+            {
+                report.skipped = true;
+                for (i, &g) in given.iter().enumerate() {
+                    if g {
+                        grads.consumed(ParamId(i));
+                    }
+                }
+                for (m, s) in self.states.iter_mut().zip(self.select.iter_mut()) {
+                    m.pending = false;
+                    *s = false;
+                }
+                self.backend
+                    .clear_gradients(&mut self.params, &self.layouts, None)?;
+                return Ok(report);
+            }
+        }
+        let plan = |state: &ParamState| ParamStep {
+            t: state.steps + 1,
+            flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
+            rule: state.config.hyper.consts(state.steps + 1),
+            clip,
+        };
+        self.flags.iter_mut().for_each(|f| *f = false);
+        // Accumulated gradients: every held parameter in one call, lent ones one at a time.
+        self.plans.iter_mut().for_each(|p| *p = None);
+        for i in 0..n {
+            if self.select[i] && !self.layouts[i].lent {
+                self.plans[i] = Some(plan(&self.states[i]));
+            }
+        }
+        if self.plans.iter().any(Option::is_some) {
+            self.run_plans(None, &mut [])?;
+        }
+        for i in 0..n {
+            if !(self.select[i] && self.layouts[i].lent) {
+                continue;
+            }
+            let id = ParamId(i);
+            self.plans[i] = Some(plan(&self.states[i]));
+            let Some(lender) = lender.as_deref_mut() else {
+                return Err(self.unlent(i));
+            };
+            lender.lend_mut(id, &mut |buf| self.run_plans(None, &mut [(id, buf)]))?;
+        }
+        // Given gradients, released as they are consumed.
+        for i in (0..n).filter(|&i| given[i]) {
+            let id = ParamId(i);
+            self.plans.iter_mut().for_each(|p| *p = None);
+            self.plans[i] = Some(plan(&self.states[i]));
+            let lent = self.layouts[i].lent;
+            grads.gradient(id, &mut |g| {
+                let Some(g) = g else { return Ok(()) };
+                if !lent {
+                    return self.run_plans(Some((i, g)), &mut []);
+                }
+                let Some(lender) = lender.as_deref_mut() else {
+                    return Err(self.unlent(i));
+                };
+                lender.lend_mut(id, &mut |buf| {
+                    self.run_plans(Some((i, g)), &mut [(id, buf)])
+                })
+            })?;
+            grads.consumed(id);
+        }
+        for (i, &was_given) in given.iter().enumerate().take(n) {
+            if was_given || self.select[i] {
+                let id = ParamId(i);
+                if self.flags[i] && !report.non_finite.contains(&id) {
+                    report.non_finite.push(id);
+                }
+                let m = &mut self.states[i];
+                m.steps += 1;
+                m.pending = false;
+                self.select[i] = false;
+                report.updated += 1;
+            }
+        }
+        self.global_steps += 1;
+        Ok(report)
+    }
+
+    fn unlent(&self, i: usize) -> OptimError {
+        OptimError::Lent {
+            param: self.states[i].name.clone(),
+            reason: "it takes part in this step but no lender was given".into(),
+        }
     }
 
     /// The first half of a step split across ranks (lpmm-dist): marks every parameter with

@@ -452,6 +452,10 @@ impl Runtime for WgpuRuntime {
         (view.dtype, view.len)
     }
 
+    fn shorten<'a, 'b: 'a>(view: WgpuView<'b>) -> WgpuView<'a> {
+        view
+    }
+
     fn lent_address(&self, view: &WgpuView<'_>, word: usize) -> u64 {
         (Binding::Lent as u64) << 32 | (self.bound(view).1 + word as u64)
     }

@@ -265,7 +265,7 @@ impl<B: Backend> std::fmt::Debug for Init<'_, B> {
 }
 
 /// One `step` call: the parameters that step (`plans[i]` is `Some`), each with its plan.
-pub struct StepWork<'a, 'l, B: Backend> {
+pub struct StepWork<'a, 'r, 'l, B: Backend> {
     /// Every parameter.
     pub params: &'a mut [B::Param],
     /// Their layouts.
@@ -273,7 +273,7 @@ pub struct StepWork<'a, 'l, B: Backend> {
     /// The plan of each parameter that steps.
     pub plans: &'a [Option<ParamStep>],
     /// Gradient release: parameter `.0` adds this gradient to what its accumulator holds.
-    pub released: Option<(usize, B::Input<'l>)>,
+    pub released: Option<(usize, B::Input<'r>)>,
     /// The buffers of stepping parameters that are lent ([`ParamLayout::lent`]).
     pub lent: &'a mut [(ParamId, B::Output<'l>)],
     /// The seed of every random stream.
@@ -283,7 +283,7 @@ pub struct StepWork<'a, 'l, B: Backend> {
     pub non_finite: &'a mut [bool],
 }
 
-impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, B> {
+impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, '_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepWork")
             .field("params", &self.params.len())
@@ -343,6 +343,11 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     /// Whether every value of `values` is finite.
     fn finite(&self, values: Self::Input<'_>) -> Result<bool, BackendError>;
 
+    /// The gradient statistics of a caller's gradient buffer, as [`Backend::gradient_stats`]
+    /// defines them for an accumulator: the exact sum of squares of its finite values (one f64
+    /// partial per 256 elements) and whether all are finite.
+    fn input_stats(&self, values: Self::Input<'_>) -> Result<(ExactSum, bool), BackendError>;
+
     /// For every selected parameter: the sum of squares of its accumulated gradient's finite
     /// values and whether they are all finite, in `out[index]`. The sum is exact over one f64
     /// partial per 256 elements of the parameter (each the sum of its squares in element order),
@@ -357,7 +362,7 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
 
     /// The fused step of every parameter with a plan (docs/OPTIMIZERS.md, "The step"), with the
     /// two-phase fold for formats with tensor-wide statistics ([`Format::folds`]).
-    fn step(&self, work: StepWork<'_, '_, Self>) -> Result<(), BackendError>;
+    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError>;
 
     /// Clears the gradient accumulator of parameter `only`, or of every parameter.
     fn clear_gradients(

@@ -1,0 +1,217 @@
+//! A step taken straight from the caller's gradient buffers (`Optimizer::step_gradients`): the
+//! same bits as accumulating the same gradients into exact (f32) accumulators and stepping, the
+//! global policies over all gradients, every gradient released once its parameter has stepped.
+
+use lpmm_optim::backend::HostValues;
+use lpmm_optim::testing::Rng;
+use lpmm_optim::{
+    Gradients, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind,
+    Storage, presets,
+};
+
+/// Gradients from host vectors that record which were consumed.
+struct Grads {
+    grads: Vec<Vec<f32>>,
+    consumed: Vec<ParamId>,
+}
+
+impl Gradients<lpmm_optim::Cpu> for Grads {
+    fn gradient(
+        &mut self,
+        id: ParamId,
+        f: &mut lpmm_optim::WithGradient<'_, lpmm_optim::Cpu>,
+    ) -> Result<(), lpmm_optim::OptimError> {
+        match self.grads.get(id.index()) {
+            Some(g) if !g.is_empty() => f(Some(HostValues::F32(g))),
+            _ => f(None),
+        }
+    }
+
+    fn consumed(&mut self, id: ParamId) {
+        self.consumed.push(id);
+        // The caller drops it.
+        self.grads[id.index()] = Vec::new();
+    }
+}
+
+const SIZES: [usize; 4] = [3 << 20, 5000, 300, 64];
+
+fn optimizer(config: ParamConfig, options: OptimizerOptions, rng: &mut Rng) -> Optimizer {
+    let mut opt = Optimizer::new(options).unwrap();
+    opt.add_group(config).unwrap();
+    for (k, &n) in SIZES.iter().enumerate() {
+        opt.add_param(&format!("p{k}"), &[n], &rng.spread(n, 0.5), 0)
+            .unwrap();
+    }
+    opt
+}
+
+fn id(opt: &Optimizer, k: usize) -> ParamId {
+    opt.param_id(&format!("p{k}")).unwrap()
+}
+
+fn same(a: &Optimizer, b: &Optimizer, what: &str) {
+    for k in 0..SIZES.len() {
+        let id = a.param_id(&format!("p{k}")).unwrap();
+        for slot in SlotKind::ALL {
+            assert_eq!(
+                a.export_slot(id, slot).unwrap(),
+                b.export_slot(id, slot).unwrap(),
+                "{what}: p{k} {}",
+                slot.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn stepping_from_the_callers_gradients_equals_accumulating_them() {
+    let clipped = OptimizerOptions {
+        seed: 3,
+        max_grad_norm: Some(0.5),
+        non_finite: NonFinitePolicy::SkipStep,
+    };
+    for (name, config) in [
+        ("adamw f32", presets::adamw_f32(1e-3)),
+        ("sgdm f32", presets::sgdm_f32(0.05, 0.9)),
+        (
+            "8-bit adamw, bf16-sr params, f32 gradients",
+            ParamConfig {
+                grad: Storage::F32,
+                ..presets::adamw_8bit_bf16_sr(1e-3)
+            },
+        ),
+    ] {
+        let mut rng = Rng(9);
+        let mut acc = optimizer(config, clipped, &mut rng);
+        let mut rng = Rng(9);
+        let mut direct = optimizer(config, clipped, &mut rng);
+        for step in 0..3 {
+            let grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 2.0)).collect();
+            for (k, g) in grads.iter().enumerate() {
+                acc.accumulate(id(&acc, k), g).unwrap();
+            }
+            let r1 = acc.step().unwrap();
+            let mut g = Grads {
+                grads,
+                consumed: Vec::new(),
+            };
+            let r2 = direct.step_gradients(&mut g, None).unwrap();
+            assert_eq!(r1, r2, "{name} step {step}");
+            assert!(r1.grad_norm.unwrap() > 0.5, "the case must clip");
+            assert_eq!(g.consumed.len(), SIZES.len());
+            assert!(g.grads.iter().all(Vec::is_empty), "every gradient released");
+            same(&acc, &direct, &format!("{name} step {step}"));
+        }
+        assert_eq!(acc.steps(), direct.steps());
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
+    let mut rng = Rng(2);
+    let mut opt = optimizer(
+        presets::adamw_f32(1e-3),
+        OptimizerOptions::default(),
+        &mut rng,
+    );
+    let before: Vec<_> = (0..SIZES.len())
+        .map(|k| opt.export_slot(id(&opt, k), SlotKind::Param).unwrap())
+        .collect();
+    let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
+    grads[2][17] = f32::NAN;
+    // Parameter 3 has no gradient this step.
+    grads[3] = Vec::new();
+    let mut g = Grads {
+        grads,
+        consumed: Vec::new(),
+    };
+    let report = opt.step_gradients(&mut g, None).unwrap();
+    assert!(report.skipped);
+    assert_eq!(report.non_finite, vec![id(&opt, 2)]);
+    assert_eq!(g.consumed.len(), 3, "every given gradient released");
+    for (k, b) in before.iter().enumerate() {
+        assert_eq!(
+            &opt.export_slot(id(&opt, k), SlotKind::Param).unwrap(),
+            b,
+            "nothing moved"
+        );
+    }
+}
+
+#[test]
+fn a_lent_parameter_steps_in_the_lenders_buffer() {
+    let config = presets::adamw_f32(1e-3);
+    let mut rng = Rng(4);
+    let init = rng.spread(5000, 0.5);
+    let mut held = Optimizer::new(OptimizerOptions::default()).unwrap();
+    held.add_group(config).unwrap();
+    let a = held.add_param("w", &[5000], &init, 0).unwrap();
+    let mut lent = Optimizer::new(OptimizerOptions::default()).unwrap();
+    lent.add_group(config).unwrap();
+    let mut buffers = vec![init.clone()];
+    let b = lent
+        .add_lent_param("w", &[5000], HostValues::F32(&buffers[0]), 0, config)
+        .unwrap();
+    for _ in 0..2 {
+        let grad = rng.spread(5000, 1.0);
+        held.accumulate(a, &grad).unwrap();
+        held.step().unwrap();
+        let mut g = vec![grad];
+        lent.step_gradients(&mut g, Some(&mut buffers)).unwrap();
+    }
+    let want = held.export_slot(a, SlotKind::Param).unwrap();
+    assert_eq!(want.regions[0].bytes, HostValues::F32(&buffers[0]).bytes());
+    // Without a lender the lent parameter is a typed error.
+    let mut g = vec![rng.spread(5000, 1.0)];
+    assert!(matches!(
+        lent.step_gradients(&mut g, None),
+        Err(lpmm_optim::OptimError::Lent { .. })
+    ));
+    let _ = b;
+}
+
+#[test]
+fn a_pending_accumulated_gradient_is_refused() {
+    let mut rng = Rng(5);
+    let mut opt = optimizer(
+        presets::sgdm_f32(0.1, 0.9),
+        OptimizerOptions::default(),
+        &mut rng,
+    );
+    opt.accumulate(id(&opt, 1), &rng.spread(5000, 1.0)).unwrap();
+    let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
+    let err = opt.step_gradients(&mut grads, None).unwrap_err();
+    assert!(matches!(err, lpmm_optim::OptimError::Lent { .. }), "{err}");
+    assert_eq!(opt.steps(), 0);
+}
+
+#[test]
+fn given_and_accumulated_gradients_step_together_under_one_norm() {
+    let clipped = OptimizerOptions {
+        seed: 8,
+        max_grad_norm: Some(0.5),
+        non_finite: NonFinitePolicy::SkipStep,
+    };
+    let config = presets::adamw_f32(1e-3);
+    let mut rng = Rng(6);
+    let mut acc = optimizer(config, clipped, &mut rng);
+    let mut rng = Rng(6);
+    let mut mixed = optimizer(config, clipped, &mut rng);
+    for step in 0..2 {
+        let grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 2.0)).collect();
+        for (k, g) in grads.iter().enumerate() {
+            acc.accumulate(id(&acc, k), g).unwrap();
+        }
+        let r1 = acc.step().unwrap();
+        // Parameters 0 and 2 accumulated, 1 and 3 given.
+        let mut given = grads.clone();
+        for k in [0, 2] {
+            mixed.accumulate(id(&mixed, k), &grads[k]).unwrap();
+            given[k] = Vec::new();
+        }
+        let r2 = mixed.step_gradients(&mut given, None).unwrap();
+        assert_eq!(r1, r2, "step {step}");
+        same(&acc, &mixed, &format!("step {step}"));
+    }
+}
