@@ -19,8 +19,8 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{log_softmax, relu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
-use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::{NonFinitePolicy, ParamConfig, Storage};
+use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
+use lpmm_optim::{ParamConfig, Storage};
 
 const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
 const BATCH: usize = 256;
@@ -47,7 +47,10 @@ pub fn digits() -> Digits {
         val_y: Vec::new(),
     };
     for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
-        let v: Vec<u32> = line.split(',').map(|f| f.trim().parse().expect("a number")).collect();
+        let v: Vec<u32> = line
+            .split(',')
+            .map(|f| f.trim().parse().expect("a number"))
+            .collect();
         let (x, y) = if i % 5 == 0 {
             (&mut d.val_x, &mut d.val_y)
         } else {
@@ -109,22 +112,76 @@ impl Wide {
     }
 }
 
+/// The same network with [`LpmmLinear`] layers: each weight lives only in the optimizer (in its
+/// configuration's parameter storage), decoded one layer at a time.
+#[derive(Module, Debug)]
+pub struct WideLayers {
+    l1: LpmmLinear,
+    l2: LpmmLinear,
+    l3: LpmmLinear,
+}
+
+impl WideLayers {
+    /// The layers of `optim`, initialised as [`Wide::new`] initialises its weights.
+    pub fn new(device: &Device, h: usize, optim: &LpmmOptimizer) -> Result<Self, String> {
+        let mut s = 42u64;
+        let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
+        let mut layer = |d_in: usize, d_out: usize| {
+            let w = Tensor::from_data(
+                TensorData::new(uniform(&mut s, d_in * d_out, k(d_in)), [d_in, d_out]),
+                device,
+            );
+            let b = Tensor::zeros([d_out], device);
+            optim.linear(w, Some(b)).map_err(|e| e.to_string())
+        };
+        Ok(WideLayers {
+            l1: layer(64, h)?,
+            l2: layer(h, h)?,
+            l3: layer(h, 10)?,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, String> {
+        let e = |e: lpmm_burn::BurnError| e.to_string();
+        let x = relu(self.l1.forward(x).map_err(e)?);
+        let x = relu(self.l2.forward(x).map_err(e)?);
+        self.l3.forward(x).map_err(e)
+    }
+}
+
+/// Either network.
+enum Model {
+    Plain(Wide),
+    Layers(WideLayers),
+}
+
+impl Model {
+    fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, String> {
+        match self {
+            Model::Plain(m) => Ok(m.forward(x)),
+            Model::Layers(m) => m.forward(x),
+        }
+    }
+}
+
 /// The optimizers compared.
-pub const OPTIMIZERS: [&str; 5] = [
+pub const OPTIMIZERS: [&str; 6] = [
     "none",
     "burn-adamw",
     "lpmm-adamw8",
-    "lpmm-adamw8-bf16grad",
-    "lpmm-adamw4-released",
+    "lpmm-adamw4",
+    "lpmm-adamw8-accumulator",
+    "lpmm-sgdm-layers",
 ];
 
 fn describe(opt: &str) -> &'static str {
     match opt {
         "none" => "no optimizer (forward + backward only)",
         "burn-adamw" => "burn AdamW (f32 states)",
-        "lpmm-adamw8" => "lpmm 8-bit AdamW, f32 grad accumulator",
-        "lpmm-adamw8-bf16grad" => "lpmm 8-bit AdamW, bf16 grad accumulator",
-        "lpmm-adamw4-released" => "lpmm 4-bit AdamW, no accumulator",
+        "lpmm-adamw8" => "lpmm 8-bit AdamW (`Lpmm8bitAdamWConfig`)",
+        "lpmm-adamw4" => "lpmm 4-bit AdamW",
+        "lpmm-adamw8-accumulator" => "lpmm 8-bit AdamW with an f32 gradient accumulator",
+        "lpmm-sgdm-layers" => "lpmm LPMM-SGDM, 8-bit weights in `LpmmLinear` layers",
         _ => "?",
     }
 }
@@ -179,43 +236,65 @@ fn status_kib(key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn loss(model: &Wide, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
-    let logp = log_softmax(model.forward(x), 1);
+fn loss(model: &Model, x: Tensor<2>, y: Tensor<1, Int>) -> Result<Tensor<1>, String> {
+    let logp = log_softmax(model.forward(x)?, 1);
     let picked = logp.gather(1, y.unsqueeze_dim::<2>(1));
-    picked.mean().neg()
+    Ok(picked.mean().neg())
 }
 
 /// Trains `steps` steps of `opt` on `backend` with hidden width `h` and reports.
 pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, String> {
     let device = device(backend)?;
     let data = digits();
-    let mut model = Wide::new(&device, h);
     let params = 64 * h + h + h * h + h + h * 10 + 10;
-    let lr = 1e-3;
+    let lr = if opt == "lpmm-sgdm-layers" {
+        0.05
+    } else {
+        1e-3
+    };
     let mut optim = match opt {
         "none" => Optim::None,
         "burn-adamw" => Optim::Burn(AdamWConfig::new().init()),
         "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init()),
-        "lpmm-adamw8-bf16grad" => Optim::Lpmm(
-            Lpmm8bitAdamWConfig::new()
-                .with_bf16_gradients(true)
-                .init(),
-        ),
-        "lpmm-adamw4-released" => {
+        "lpmm-adamw4" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
             let config = ParamConfig {
-                grad: Storage::None,
                 state1: Storage::FOUR_BIT_SIGNED,
                 state2: Storage::FOUR_BIT_UNSIGNED,
                 ..base.param
             };
             Optim::Lpmm(
-                LpmmOptimizerConfig::from(config)
-                    .with_non_finite(NonFinitePolicy::SkipElements)
-                    .init(),
+                LpmmOptimizerConfig {
+                    param: config,
+                    ..base
+                }
+                .init(),
             )
         }
+        "lpmm-adamw8-accumulator" => {
+            let base = Lpmm8bitAdamWConfig::new().lpmm();
+            let config = ParamConfig {
+                grad: Storage::F32,
+                ..base.param
+            };
+            Optim::Lpmm(
+                LpmmOptimizerConfig {
+                    param: config,
+                    ..base
+                }
+                .init(),
+            )
+        }
+        "lpmm-sgdm-layers" => {
+            Optim::Lpmm(LpmmOptimizerConfig::from(lpmm_optim::presets::lpmm_sgdm(0.0, 0.9)).init())
+        }
         other => return Err(format!("unknown optimizer {other}")),
+    };
+    let mut model = match &optim {
+        Optim::Lpmm(o) if opt == "lpmm-sgdm-layers" => {
+            Model::Layers(WideLayers::new(&device, h, o)?)
+        }
+        _ => Model::Plain(Wide::new(&device, h)),
     };
     let n = data.train_y.len();
     let (mut first_loss, mut last_loss) = (f32::NAN, f32::NAN);
@@ -228,7 +307,7 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
         let y: Vec<i64> = idx.iter().map(|&i| data.train_y[i]).collect();
         let x = Tensor::<2>::from_data(TensorData::new(x, [BATCH, 64]), &device);
         let y = Tensor::<1, Int>::from_data(TensorData::new(y, [BATCH]), &device);
-        let l = loss(&model, x, y);
+        let l = loss(&model, x, y)?;
         let value = l
             .clone()
             .into_data()
@@ -239,14 +318,27 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
             first_loss = value;
         }
         last_loss = value;
-        let grads = GradientsParams::from_grads(l.backward(), &model);
-        model = match &mut optim {
-            Optim::None => {
+        let grads = l.backward();
+        model = match (&mut optim, model) {
+            (Optim::None, m) => {
                 drop(grads);
-                model
+                m
             }
-            Optim::Burn(o) => o.step(lr, model, grads),
-            Optim::Lpmm(o) => o.step(lr, model, grads).map_err(|e| e.to_string())?,
+            (Optim::Burn(o), Model::Plain(m)) => {
+                let grads = GradientsParams::from_grads(grads, &m);
+                Model::Plain(o.step(lr, m, grads))
+            }
+            (Optim::Lpmm(o), Model::Plain(m)) => {
+                let grads = GradientsParams::from_grads(grads, &m);
+                Model::Plain(o.step(lr, m, grads).map_err(|e| e.to_string())?)
+            }
+            (Optim::Lpmm(o), Model::Layers(m)) => {
+                let grads = GradientsParams::from_grads(grads, &m);
+                Model::Layers(o.step(lr, m, grads).map_err(|e| e.to_string())?)
+            }
+            (Optim::Burn(_), Model::Layers(_)) => {
+                return Err("burn's optimizer on lpmm layers".into());
+            }
         };
     }
     device.sync().map_err(|e| format!("{e:?}"))?;
@@ -254,7 +346,7 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
     // Validation accuracy.
     let nv = data.val_y.len();
     let x = Tensor::<2>::from_data(TensorData::new(data.val_x.clone(), [nv, 64]), &device);
-    let pred = model.forward(x).argmax(1).into_data().convert::<i64>();
+    let pred = model.forward(x)?.argmax(1).into_data().convert::<i64>();
     let pred = pred.try_to_vec::<i64>().map_err(|e| format!("{e:?}"))?;
     let correct = pred.iter().zip(&data.val_y).filter(|(a, b)| a == b).count();
     let lpmm_bytes = match &optim {

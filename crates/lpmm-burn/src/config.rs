@@ -12,6 +12,12 @@ use crate::LpmmOptimizer;
 /// [`lpmm_optim::presets`]), and the optimizer-wide options (seed of the stochastic-rounding
 /// streams, global-norm clipping, the non-finite-gradient policy).
 ///
+/// Gradient storage `Storage::None` reads each gradient where burn's backward pass wrote it and
+/// drops it once its parameter has stepped (no accumulator, no copy); any other gradient storage
+/// adds burn's gradient into lpmm's accumulator of that format first (what the presets specify,
+/// e.g. LPMM-SGDM's 8-bit stochastically rounded gradient), so the step has the preset's exact
+/// numerics. Clipping and the skip-step policy see every gradient either way.
+///
 /// The learning rate is the one each [`LpmmOptimizer::step`] is given (burn's schedulers drive
 /// it); the configuration's own is replaced at every step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,10 +68,10 @@ impl LpmmOptimizerConfig {
 
 /// AdamW with 8-bit states (bitsandbytes' blockwise dynamic maps, blocks of 256), the parameter
 /// stepped in place in the module's own tensor (f32, or bf16 on a backend with bf16 tensors) and
-/// gradients accumulated in the parameter's dtype: burn's `AdamWConfig` with 2 bytes of
-/// optimizer state per parameter instead of 8. Defaults are burn's `AdamWConfig`'s (betas 0.9 and
-/// 0.999, epsilon 1e-5, weight decay 1e-4); tensors smaller than 4096 elements keep f32 states
-/// (bitsandbytes' `min_8bit_size`).
+/// the gradients read where burn's backward pass wrote them (no gradient accumulator): burn's
+/// `AdamWConfig` with 2 bytes of optimizer state per parameter instead of 8. Defaults are burn's
+/// `AdamWConfig`'s (betas 0.9 and 0.999, epsilon 1e-5, weight decay 1e-4); tensors smaller than
+/// 4096 elements keep f32 states (bitsandbytes' `min_8bit_size`).
 #[derive(Config, Debug)]
 pub struct Lpmm8bitAdamWConfig {
     /// First-moment decay.
@@ -87,10 +93,6 @@ pub struct Lpmm8bitAdamWConfig {
     /// configurations derived from it).
     #[config(default = 0)]
     pub seed: u64,
-    /// Gradient accumulator storage: f32 by default; `true` stores it in bf16 (2 bytes fewer
-    /// per parameter, rounded to nearest).
-    #[config(default = false)]
-    pub bf16_gradients: bool,
 }
 
 impl Lpmm8bitAdamWConfig {
@@ -102,11 +104,7 @@ impl Lpmm8bitAdamWConfig {
         hyper.weight_decay = self.weight_decay;
         let param = ParamConfig {
             param: Storage::F32,
-            grad: if self.bf16_gradients {
-                Storage::Bf16(lpmm_optim::StoreRounding::Nearest)
-            } else {
-                Storage::F32
-            },
+            grad: Storage::None,
             state1: Storage::DYNAMIC8_SIGNED,
             state2: Storage::DYNAMIC8_UNSIGNED,
             ..ParamConfig::f32(Hyper::Adam(hyper))

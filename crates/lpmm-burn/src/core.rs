@@ -10,8 +10,8 @@ use burn_optim::GradientsParams;
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use lpmm_optim::backend::{Dtype, HostRegion, HostSlot, HostValues};
 use lpmm_optim::{
-    Backend, Canonical, Lender, NonFinitePolicy, OptimError, Optimizer, ParamConfig, ParamId,
-    SlotKind, StepInProgress, StepReport, Storage,
+    Backend, Canonical, Gradients, Lender, OptimError, Optimizer, ParamConfig, ParamId, SlotKind,
+    StepReport, Storage, WithGradient,
 };
 
 use crate::BurnError;
@@ -120,12 +120,18 @@ impl<L: Lane> Core<L> {
         })
     }
 
-    /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values.
+    /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values. Its
+    /// gradient is added into lpmm's accumulator during the backward pass, so a configuration
+    /// without one (gradient storage `None`: burn's gradients read in place) gets an f32
+    /// accumulator for layer weights.
     pub fn add_external(
         &mut self,
         t: Tensor<2>,
-        config: ParamConfig,
+        mut config: ParamConfig,
     ) -> Result<BurnId, BurnError> {
+        if config.grad == Storage::None {
+            config.grad = Storage::F32;
+        }
         let id = external_id(self.external.len());
         let shape = t.dims().to_vec();
         let prim = self.lane.take(t)?;
@@ -145,7 +151,11 @@ impl<L: Lane> Core<L> {
     }
 
     /// A layer weight's value, decoded into a new tensor on `device`.
-    pub fn decode_external(&mut self, id: BurnId, device: &burn_core::tensor::Device) -> Result<Tensor<2>, BurnError> {
+    pub fn decode_external(
+        &mut self,
+        id: BurnId,
+        device: &burn_core::tensor::Device,
+    ) -> Result<Tensor<2>, BurnError> {
         let (lid, shape) = self.external_lid(id)?;
         let t = Tensor::<2>::empty([shape[0], shape[1]], device);
         let mut p = self.lane.take(t)?;
@@ -203,12 +213,15 @@ impl<L: Lane> Core<L> {
         let lid = if lent {
             self.lane.prepare(prim, false)?;
             let values = self.lane.input(prim)?;
-            let lid = self.opt.add_lent_param(&name, shape, values, group, config)?;
+            let lid = self
+                .opt
+                .add_lent_param(&name, shape, values, group, config)?;
             self.lane.settle()?;
             lid
         } else {
             let host = self.lane.to_host(prim)?;
-            self.opt.add_param_with(&name, shape, &host, group, config)?
+            self.opt
+                .add_param_with(&name, shape, &host, group, config)?
         };
         self.index.insert(id, lid);
         self.burn_ids.push(id);
@@ -218,7 +231,10 @@ impl<L: Lane> Core<L> {
         Ok(lid)
     }
 
-    /// One step of the whole module with `grads`.
+    /// One step of the whole module with `grads`, taken straight from burn's gradient tensors
+    /// (`Optimizer::step_gradients`): the global decision (clipping, skip) over all of them and
+    /// the layer weights' accumulated gradients, then each parameter stepped in its own tensor,
+    /// each gradient dropped as soon as its parameter has stepped.
     pub fn step<M: Module>(
         &mut self,
         base: &ParamConfig,
@@ -232,84 +248,74 @@ impl<L: Lane> Core<L> {
             lr,
             base,
             path: Vec::new(),
-            lent: HashMap::new(),
-            held: HashMap::new(),
-            released: HashMap::new(),
+            given: HashMap::new(),
             error: None,
         };
         module.visit(&mut gather);
-        let Gather {
-            lent,
-            mut held,
-            released,
-            error,
-            ..
-        } = gather;
+        let Gather { given, error, .. } = gather;
         if let Some(e) = error {
             return Err(e);
         }
+        // Gradients of tensors that are not the module's parameters (none in a plain loop).
         drop(grads);
         for id in self.external.keys() {
             let lid = self.index[id];
             self.opt
                 .set_group_lr(self.groups[lid.index()], lr.lr_from_param(*id, None))?;
         }
-        let step = self.opt.begin_step()?;
-        let module = if step.skipped() || lent.is_empty() {
-            module
-        } else if self.lane.batches() {
-            self.step_batched(module, &step, lent)?
-        } else {
-            let mut apply = Apply {
-                core: self,
-                work: Work::Step(&step),
-                parts: lent,
-                error: None,
-            };
-            let module = module.map(&mut apply);
-            if let Some(e) = apply.error {
-                return Err(e);
+        let (mut lent, mut held) = (HashMap::new(), HashMap::new());
+        for &lid in given.keys() {
+            let id = self.burn_ids[lid.index()];
+            if self.held[lid.index()] {
+                held.insert(id, lid);
+            } else {
+                lent.insert(id, lid);
             }
-            module
+        }
+        // The lent parameters' tensors, taken out of the module for the step.
+        let mut take = Take {
+            core: self,
+            parts: lent,
+            prims: HashMap::new(),
+            shared: true,
+            error: None,
         };
-        let mut report = self.opt.finish_step(step)?;
-        // Gradient release (gradient storage None): each such parameter steps with its gradient.
-        let module = if released.is_empty() {
+        let module = module.map(&mut take);
+        let Take {
+            prims,
+            shared,
+            error,
+            ..
+        } = take;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        let mut gradients = GivenGrads::<L> {
+            lane: &self.lane,
+            prims: given,
+        };
+        let mut lender = StepLender::<L> {
+            lane: &self.lane,
+            prims,
+        };
+        let result = self.opt.step_gradients(&mut gradients, Some(&mut lender));
+        drop(gradients);
+        self.lane.settle()?;
+        let report = result?;
+        let module = if shared {
+            // The module holds tensors sharing the memory lpmm wrote.
+            drop(lender);
             module
         } else {
-            let lent_released: HashMap<BurnId, (ParamId, L::Prim)> = released
-                .into_iter()
-                .filter(|(b, (lid, _))| {
-                    if self.held[lid.index()] {
-                        held.insert(*b, *lid);
-                    }
-                    true
-                })
-                .collect();
-            let mut apply = Apply {
-                core: self,
-                work: Work::Release(lent_released, Vec::new()),
-                parts: HashMap::new(),
-                error: None,
+            let mut put = Restore::<L> {
+                lane: &self.lane,
+                prims: lender
+                    .prims
+                    .into_iter()
+                    .map(|(lid, p)| (self.burn_ids[lid.index()], p))
+                    .collect(),
             };
-            let module = module.map(&mut apply);
-            if let Some(e) = apply.error {
-                return Err(e);
-            }
-            if let Work::Release(rest, reports) = apply.work {
-                // Parameters lpmm holds step without their tensor.
-                let mut reports = reports;
-                for (_, (lid, g)) in rest {
-                    let input = self.lane.input(&g)?;
-                    reports.push(self.opt.step_param_input(lid, input, None)?);
-                    self.lane.settle()?;
-                }
-                for r in reports {
-                    report.updated += r.updated;
-                    report.non_finite.extend(r.non_finite);
-                }
-            }
-            module
+            module.map(&mut put)
         };
         let module = if !report.skipped && !held.is_empty() {
             self.write_back(module, held)?
@@ -317,39 +323,6 @@ impl<L: Lane> Core<L> {
             module
         };
         Ok((module, report))
-    }
-
-    /// Steps every lent parameter in one call (device lanes): the module keeps tensors that
-    /// share the memory lpmm writes.
-    fn step_batched<M: Module>(
-        &mut self,
-        module: M,
-        step: &StepInProgress,
-        parts: HashMap<BurnId, ParamId>,
-    ) -> Result<M, BurnError> {
-        let mut lend = Lend {
-            core: self,
-            parts,
-            prims: Vec::new(),
-            error: None,
-        };
-        let module = module.map(&mut lend);
-        let Lend {
-            mut prims, error, ..
-        } = lend;
-        if let Some(e) = error {
-            return Err(e);
-        }
-        {
-            let mut outs = Vec::with_capacity(prims.len());
-            for (lid, p) in prims.iter_mut() {
-                outs.push((*lid, self.lane.output(p)?));
-            }
-            self.opt.step_part(step, &mut outs)?;
-        }
-        self.lane.settle()?;
-        drop(prims);
-        Ok(module)
     }
 
     /// Writes the decoded values of the parameters lpmm holds into the module's tensors.
@@ -392,7 +365,9 @@ impl<L: Lane> Core<L> {
             error: None,
         };
         module.visit(&mut collect);
-        let Collect { mut prims, error, .. } = collect;
+        let Collect {
+            mut prims, error, ..
+        } = collect;
         if let Some(e) = error {
             return Err(e);
         }
@@ -612,18 +587,16 @@ fn to_optim(e: BurnError) -> OptimError {
     }
 }
 
-/// Pass 1: every parameter with a gradient is registered (at its first gradient), takes its
-/// learning rate, and has its gradient accumulated.
+/// Pass 1: every parameter with a gradient is registered (at its first gradient) and takes its
+/// learning rate; its gradient is taken out of burn's `GradientsParams`, prepared for reading
+/// where burn wrote it.
 struct Gather<'a, L: Lane> {
     core: &'a mut Core<L>,
     grads: &'a mut GradientsParams,
     lr: &'a ModuleLearningRate,
     base: &'a ParamConfig,
     path: Vec<String>,
-    lent: HashMap<BurnId, ParamId>,
-    held: HashMap<BurnId, ParamId>,
-    /// Gradients of parameters without an accumulator (gradient release), until their step.
-    released: HashMap<BurnId, (ParamId, L::Prim)>,
+    given: HashMap<ParamId, L::Prim>,
     error: Option<BurnError>,
 }
 
@@ -663,7 +636,9 @@ impl<L: Lane> Gather<'_, L> {
         if *registered != shape {
             return Err(BurnError::param(
                 &name,
-                format!("its shape {shape:?} differs from the {registered:?} it was registered with"),
+                format!(
+                    "its shape {shape:?} differs from the {registered:?} it was registered with"
+                ),
             ));
         }
         let numel: usize = shape.iter().product();
@@ -684,28 +659,13 @@ impl<L: Lane> Gather<'_, L> {
             return Err(BurnError::param(&name, "its gradient is not f32 or bf16"));
         }
         if core.lane.numel(&g) != numel {
-            return Err(BurnError::param(&name, "its gradient's size is not its own"));
+            return Err(BurnError::param(
+                &name,
+                "its gradient's size is not its own",
+            ));
         }
         core.lane.prepare(&mut g, false)?;
-        if core.opt.config(lid)?.grad == Storage::None {
-            let options = core.opt.options();
-            if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
-                return Err(BurnError::param(
-                    &name,
-                    "gradient storage None releases each gradient into its parameter's own step: global-norm clipping and the all-or-nothing skip need an accumulator (use NonFinitePolicy::SkipElements without clipping, or a gradient storage)",
-                ));
-            }
-            self.released.insert(id, (lid, g));
-            return Ok(());
-        }
-        core.opt.accumulate_input(lid, core.lane.input(&g)?)?;
-        core.lane.settle()?;
-        drop(g);
-        if core.held[lid.index()] {
-            self.held.insert(id, lid);
-        } else {
-            self.lent.insert(id, lid);
-        }
+        self.given.insert(lid, g);
         Ok(())
     }
 }
@@ -732,24 +692,150 @@ impl<L: Lane> ModuleVisitor for Gather<'_, L> {
     }
 }
 
+/// burn's gradient tensors as lpmm's [`Gradients`]: each read where burn wrote it, and dropped
+/// once its parameter has stepped.
+struct GivenGrads<'a, L: Lane> {
+    lane: &'a L,
+    prims: HashMap<ParamId, L::Prim>,
+}
+
+impl<L: Lane> Gradients<L::B> for GivenGrads<'_, L> {
+    fn gradient(&mut self, id: ParamId, f: &mut WithGradient<'_, L::B>) -> Result<(), OptimError> {
+        match self.prims.get(&id) {
+            Some(g) => f(Some(self.lane.input(g).map_err(to_optim)?)),
+            None => f(None),
+        }
+    }
+
+    fn consumed(&mut self, id: ParamId) {
+        self.prims.remove(&id);
+    }
+}
+
+/// The lent parameters' tensors, taken out of the module, as lpmm's [`Lender`] for the step.
+struct StepLender<'a, L: Lane> {
+    lane: &'a L,
+    prims: HashMap<ParamId, L::Prim>,
+}
+
+impl<L: Lane> StepLender<'_, L> {
+    fn prim(&mut self, id: ParamId) -> Result<&mut L::Prim, OptimError> {
+        self.prims.get_mut(&id).ok_or_else(|| OptimError::Lent {
+            param: format!("#{}", id.index()),
+            reason: "internal: its tensor was not taken out of the module".into(),
+        })
+    }
+}
+
+impl<L: Lane> Lender<L::B> for StepLender<'_, L> {
+    fn lend(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(<L::B as Backend>::Input<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        let lane = self.lane;
+        let p = self.prim(id)?;
+        f(lane.input(p).map_err(to_optim)?)
+    }
+
+    fn lend_mut(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(<L::B as Backend>::Output<'_>) -> Result<(), OptimError>,
+    ) -> Result<(), OptimError> {
+        let lane = self.lane;
+        let p = self.prim(id)?;
+        f(lane.output(p).map_err(to_optim)?)
+    }
+}
+
+/// Takes each lent participant's tensor out of the module (so nothing else holds it) and
+/// prepares it for writing; the module keeps a tensor sharing its memory where the lane can
+/// write memory others hold (devices), or an empty stand-in until [`Restore`] puts it back (the
+/// CPU, whose slices need sole ownership).
+struct Take<'a, L: Lane> {
+    core: &'a mut Core<L>,
+    parts: HashMap<BurnId, ParamId>,
+    prims: HashMap<ParamId, L::Prim>,
+    /// Every stand-in shares its tensor's memory.
+    shared: bool,
+    error: Option<BurnError>,
+}
+
+impl<L: Lane> Take<'_, L> {
+    fn take<const D: usize>(&mut self, lid: ParamId, t: Tensor<D>) -> Result<Tensor<D>, BurnError> {
+        let core = &mut *self.core;
+        let device = t.device();
+        let mut p = core.lane.take(t)?;
+        if core.lane.prepare(&mut p, true)? {
+            core.copies += 1;
+        }
+        let stand_in = match core.lane.share::<D>(&p) {
+            Some(t) => t,
+            None => {
+                self.shared = false;
+                Tensor::empty([0; D], &device)
+            }
+        };
+        self.prims.insert(lid, p);
+        Ok(stand_in)
+    }
+}
+
+impl<L: Lane> ModuleMapper for Take<'_, L> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let Some(lid) = self.parts.remove(&param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let ctx = Ctx::capture(&tensor);
+        let device = tensor.device().inner();
+        let out = match self.take(lid, tensor.inner()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error = Some(e);
+                // The step fails and the module is dropped; any value will do.
+                Tensor::empty([0; D], &device)
+            }
+        };
+        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
+    }
+}
+
+/// Puts the stepped tensors back into the module in place of their stand-ins.
+struct Restore<'a, L: Lane> {
+    lane: &'a L,
+    prims: HashMap<BurnId, L::Prim>,
+}
+
+impl<L: Lane> ModuleMapper for Restore<'_, L> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(p) = self.prims.remove(&param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let ctx = Ctx::capture(&tensor);
+        drop(tensor);
+        Param::from_mapped_value(id, ctx.restore(self.lane.give(p), id), mapper)
+    }
+}
+
 /// What [`Apply`] does to each parameter it maps.
-enum Work<'a, L: Lane> {
-    /// Steps the lent parameter with its released gradient (gradient storage None), collecting
-    /// the reports; parameters lpmm holds stay in the map.
-    Release(HashMap<BurnId, (ParamId, L::Prim)>, Vec<StepReport>),
-    /// Steps the lent parameter in its tensor.
-    Step(&'a StepInProgress),
+enum Work {
     /// Writes the decoded value of a parameter lpmm holds into its tensor.
     Decode,
     /// Imports a loaded parameter slot, whose primary region goes into the tensor.
     Import(HashMap<BurnId, (ParamId, HostSlot)>),
 }
 
-/// Passes 2 and 3: each parameter's tensor, taken out of the module (so it is not shared), lent
-/// to lpmm for writing, and put back with its autodiff state.
+/// Each parameter's tensor, taken out of the module (so it is not shared), lent to lpmm for
+/// writing, and put back with its autodiff state.
 struct Apply<'a, L: Lane> {
     core: &'a mut Core<L>,
-    work: Work<'a, L>,
+    work: Work,
     parts: HashMap<BurnId, ParamId>,
     error: Option<BurnError>,
 }
@@ -766,18 +852,7 @@ impl<L: Lane> Apply<'_, L> {
         if core.lane.prepare(&mut p, true)? {
             core.copies += 1;
         }
-        match (&mut self.work, host) {
-            (Work::Release(released, reports), _) => {
-                if let Some((_, g)) = released.remove(&core.burn_ids[lid.index()]) {
-                    let input = core.lane.input(&g)?;
-                    let out = core.lane.output(&mut p)?;
-                    reports.push(core.opt.step_param_input(lid, input, Some(out))?);
-                }
-            }
-            (Work::Step(step), _) => {
-                let out = core.lane.output(&mut p)?;
-                core.opt.step_part(step, &mut [(lid, out)])?;
-            }
+        match (&self.work, host) {
             (Work::Decode, _) => {
                 let out = core.lane.output(&mut p)?;
                 core.opt.read_into(lid, SlotKind::Param, out)?;
@@ -799,7 +874,8 @@ impl<L: Lane> Apply<'_, L> {
                     host.regions.insert(0, HostRegion { spec, bytes });
                 }
                 let out = core.lane.output(&mut p)?;
-                core.opt.import_slot_lent(lid, SlotKind::Param, &host, Some(out))?;
+                core.opt
+                    .import_slot_lent(lid, SlotKind::Param, &host, Some(out))?;
             }
             (Work::Import(_), None) => {}
         }
@@ -818,11 +894,7 @@ impl<L: Lane> ModuleMapper for Apply<'_, L> {
                 Some((lid, host)) => (lid, Some(host)),
                 None => return param,
             },
-            Work::Release(released, _) => match released.get(&param.id) {
-                Some((lid, _)) if !self.core.held[lid.index()] => (*lid, None),
-                _ => return param,
-            },
-            _ => match self.parts.remove(&param.id) {
+            Work::Decode => match self.parts.remove(&param.id) {
                 Some(lid) => (lid, None),
                 None => return param,
             },
@@ -835,53 +907,6 @@ impl<L: Lane> ModuleMapper for Apply<'_, L> {
             Err(e) => {
                 self.error = Some(e);
                 // The step fails and the module is dropped; any value will do.
-                Tensor::zeros(dims, &device)
-            }
-        };
-        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
-    }
-}
-
-/// Takes each lent participant's tensor out of the module (so it is not shared), keeps its
-/// prepared primitive, and puts back a tensor sharing its memory.
-struct Lend<'a, L: Lane> {
-    core: &'a mut Core<L>,
-    parts: HashMap<BurnId, ParamId>,
-    prims: Vec<(ParamId, L::Prim)>,
-    error: Option<BurnError>,
-}
-
-impl<L: Lane> Lend<'_, L> {
-    fn lend<const D: usize>(&mut self, lid: ParamId, t: Tensor<D>) -> Result<Tensor<D>, BurnError> {
-        let core = &mut *self.core;
-        let mut p = core.lane.take(t)?;
-        if core.lane.prepare(&mut p, true)? {
-            core.copies += 1;
-        }
-        let shared = core
-            .lane
-            .share::<D>(&p)
-            .ok_or_else(|| BurnError::Record("internal: the lane does not share".into()))?;
-        self.prims.push((lid, p));
-        Ok(shared)
-    }
-}
-
-impl<L: Lane> ModuleMapper for Lend<'_, L> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        if self.error.is_some() {
-            return param;
-        }
-        let Some(lid) = self.parts.remove(&param.id) else {
-            return param;
-        };
-        let (id, tensor, mapper) = param.consume();
-        let ctx = Ctx::capture(&tensor);
-        let (dims, device) = (tensor.dims(), tensor.device().inner());
-        let out = match self.lend(lid, tensor.inner()) {
-            Ok(t) => t,
-            Err(e) => {
-                self.error = Some(e);
                 Tensor::zeros(dims, &device)
             }
         };

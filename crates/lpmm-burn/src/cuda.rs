@@ -72,7 +72,9 @@ impl CudaLane {
     }
 
     fn view<'a>(&self, p: &'a CudaPrim) -> Result<CudaView<'a>, BurnError> {
-        let ptr = p.ptr.ok_or_else(|| to_err("internal: tensor not prepared"))?;
+        let ptr = p
+            .ptr
+            .ok_or_else(|| to_err("internal: tensor not prepared"))?;
         let dtype = self
             .dtype(p)
             .ok_or_else(|| to_err("lpmm reads f32 and bf16 CUDA tensors"))?;
@@ -134,10 +136,6 @@ impl Lane for CudaLane {
         Tensor::from_primitive::<Cube>(fusion)
     }
 
-    fn batches(&self) -> bool {
-        true
-    }
-
     fn share<const D: usize>(&self, p: &Self::Prim) -> Option<Tensor<D>> {
         Some(Tensor::from_primitive::<Cube>(p.fusion.clone()))
     }
@@ -192,7 +190,10 @@ impl Lane for CudaLane {
         Ok(copied)
     }
 
-    fn input<'a>(&self, p: &'a CudaPrim) -> Result<DeviceInput<'a, lpmm_cuda::CudaRuntime>, BurnError> {
+    fn input<'a>(
+        &self,
+        p: &'a CudaPrim,
+    ) -> Result<DeviceInput<'a, lpmm_cuda::CudaRuntime>, BurnError> {
         Ok(DeviceInput::Device(self.view(p)?))
     }
 

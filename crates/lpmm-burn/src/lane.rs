@@ -51,24 +51,21 @@ pub(crate) trait Lane: Send + 'static {
     /// Its values on the host in its own dtype, little-endian (records of lent parameters).
     fn to_host_bytes(&self, p: &Self::Prim) -> Result<Vec<u8>, BurnError>;
     /// A tensor sharing the prepared primitive's memory, where lpmm writes device memory in
-    /// place whoever else holds it (device lanes): the module keeps it while lpmm steps all
-    /// parameters in one call. `None` on the CPU, whose slices need the primitive's sole
-    /// ownership (one call per parameter there).
+    /// place whoever else holds it (device lanes): the module keeps it during the step. `None` on
+    /// the CPU, whose slices need the primitive's sole ownership (the module holds an empty
+    /// stand-in until the primitive is put back).
     fn share<const D: usize>(&self, p: &Self::Prim) -> Option<Tensor<D>> {
         let _ = p;
         None
-    }
-    /// Whether [`Lane::share`] gives tensors (all lent parameters stepped in one call).
-    fn batches(&self) -> bool {
-        false
     }
     /// Waits until lpmm's work on lent tensors is done before they go back to burn, where the two
     /// run on different streams (CUDA); nothing where they share one queue.
     fn settle(&self) -> Result<(), BurnError> {
         Ok(())
     }
-    /// Host reads (buffer maps) lpmm's backend has made so far, where it counts them.
-    fn host_reads(&self) -> Option<u64> {
+    /// Host reads (buffer maps) lpmm's backend has made so far and the bytes they brought
+    /// back, where it counts them.
+    fn host_reads(&self) -> Option<(u64, u64)> {
         None
     }
 }
@@ -160,9 +157,9 @@ pub(crate) mod cpu {
                     t.try_into_primitive::<NdArray>().map_err(fail)?,
                 )),
                 #[cfg(feature = "flex")]
-                DispatchDevice::Flex(_) => Ok(CpuPrim::Flex(
-                    t.try_into_primitive::<Flex>().map_err(fail)?,
-                )),
+                DispatchDevice::Flex(_) => {
+                    Ok(CpuPrim::Flex(t.try_into_primitive::<Flex>().map_err(fail)?))
+                }
                 #[allow(unreachable_patterns)]
                 _ => Err(BurnError::device(
                     &device,
@@ -289,9 +286,9 @@ pub(crate) mod cpu {
                         .contiguous_offsets()
                         .ok_or_else(|| unsupported("a non-contiguous flex tensor"))?;
                     match t.dtype() {
-                        DType::F32 => Ok(HostValuesMut::F32(
-                            &mut t.storage_mut::<f32>()[start..end],
-                        )),
+                        DType::F32 => {
+                            Ok(HostValuesMut::F32(&mut t.storage_mut::<f32>()[start..end]))
+                        }
                         DType::BF16 => Ok(HostValuesMut::Bf16(
                             &mut t.storage_mut::<lpmm_formats::bf16>()[start..end],
                         )),

@@ -174,7 +174,9 @@ where
     let device = x.device();
     let fail = |e| BurnError::device(&device, format!("{e:?}"));
     let xp = x.try_into_primitive::<Autodiff<B, C>>().map_err(fail)?;
-    let ap = anchor.try_into_primitive::<Autodiff<B, C>>().map_err(fail)?;
+    let ap = anchor
+        .try_into_primitive::<Autodiff<B, C>>()
+        .map_err(fail)?;
     let y = linear_ad::<B, C>(xp, ap, weight)?;
     Ok(Tensor::<2>::from_primitive::<Autodiff<B, C>>(y))
 }
@@ -211,7 +213,9 @@ impl LpmmLinear {
                     forward_on::<burn_core::backend::Flex>(x2, anchor, &self.weight)?
                 }
                 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-                DispatchDevice::Cube(_) => forward_on::<burn_cubecl::Cube>(x2, anchor, &self.weight)?,
+                DispatchDevice::Cube(_) => {
+                    forward_on::<burn_cubecl::Cube>(x2, anchor, &self.weight)?
+                }
                 #[allow(unreachable_patterns)]
                 other => {
                     return Err(BurnError::device(

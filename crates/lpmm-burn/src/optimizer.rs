@@ -78,6 +78,8 @@ pub struct LpmmStats {
     pub copies: u64,
     /// Buffer maps (reads back to the host) of the wgpu lane so far.
     pub host_reads: Option<u64>,
+    /// Bytes those reads brought back.
+    pub host_read_bytes: Option<u64>,
 }
 
 /// A burn optimizer for any lpmm configuration, used like burn's `ModuleOptimizer`:
@@ -196,7 +198,8 @@ impl LpmmOptimizer {
                 params: core.burn_ids.len(),
                 held: core.held.iter().filter(|h| **h).count(),
                 copies: core.copies,
-                host_reads: core.lane.host_reads(),
+                host_reads: core.lane.host_reads().map(|r| r.0),
+                host_read_bytes: core.lane.host_reads().map(|r| r.1),
             }),
             None => LpmmStats::default(),
         }
@@ -237,7 +240,11 @@ impl LpmmOptimizer {
     /// Saves lpmm's own safetensors checkpoint (`lpmm_optim::Optimizer::save`'s format),
     /// complete: the parameters' values are read from `module`'s tensors, so it loads anywhere,
     /// with or without burn (`lpmm_optim::Optimizer::load`).
-    pub fn save_lpmm<M: Module>(&self, path: impl AsRef<Path>, module: &M) -> Result<(), BurnError> {
+    pub fn save_lpmm<M: Module>(
+        &self,
+        path: impl AsRef<Path>,
+        module: &M,
+    ) -> Result<(), BurnError> {
         match self.lock().canonical(Some(module))? {
             Some(p) => Ok(p.canonical.write(path)?),
             None => Err(BurnError::Record(

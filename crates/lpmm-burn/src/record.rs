@@ -12,9 +12,7 @@
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
 use lpmm_optim::backend::{Dtype, HostRegion, HostSlot};
-use lpmm_optim::{
-    Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, SlotKind,
-};
+use lpmm_optim::{Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, SlotKind};
 use serde::{Deserialize, Serialize};
 
 use crate::BurnError;
@@ -81,10 +79,12 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
     let mut tensors = Vec::new();
     let mut params = Vec::with_capacity(c.params.len());
     for (p, &from_module) in c.params.iter().zip(from_module) {
-        let id: u64 = p
-            .name
-            .parse()
-            .map_err(|_| err(format!("parameter {} is not named by a burn ParamId", p.name)))?;
+        let id: u64 = p.name.parse().map_err(|_| {
+            err(format!(
+                "parameter {} is not named by a burn ParamId",
+                p.name
+            ))
+        })?;
         for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
             for r in &host.regions {
                 if from_module && slot == SlotKind::Param && r.spec.suffix.is_empty() {

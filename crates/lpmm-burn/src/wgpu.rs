@@ -207,10 +207,6 @@ impl Lane for WgpuLane {
         Tensor::from_primitive::<Cube>(fusion)
     }
 
-    fn batches(&self) -> bool {
-        true
-    }
-
     fn share<const D: usize>(&self, p: &Self::Prim) -> Option<Tensor<D>> {
         Some(Tensor::from_primitive::<Cube>(p.fusion.clone()))
     }
@@ -272,7 +268,10 @@ impl Lane for WgpuLane {
         Ok(copied)
     }
 
-    fn input<'a>(&self, p: &'a WgpuPrim) -> Result<DeviceInput<'a, lpmm_wgpu::WgpuRuntime>, BurnError> {
+    fn input<'a>(
+        &self,
+        p: &'a WgpuPrim,
+    ) -> Result<DeviceInput<'a, lpmm_wgpu::WgpuRuntime>, BurnError> {
         Ok(DeviceInput::Device(self.view(p)?))
     }
 
@@ -291,10 +290,14 @@ impl Lane for WgpuLane {
     }
 
     fn to_host_bytes(&self, p: &WgpuPrim) -> Result<Vec<u8>, BurnError> {
-        Ok(self.to_host(p)?.iter().flat_map(|v| v.to_le_bytes()).collect())
+        Ok(self
+            .to_host(p)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect())
     }
 
-    fn host_reads(&self) -> Option<u64> {
-        Some(self.wgpu.host_reads())
+    fn host_reads(&self) -> Option<(u64, u64)> {
+        Some((self.wgpu.host_reads(), self.wgpu.host_read_bytes()))
     }
 }

@@ -8,37 +8,15 @@ mod common;
 use burn_core::module::Module;
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 use burn_optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use common::{Mlp, grads, host_grads, shapes, values};
+use common::{
+    Mlp, grads, host_grads, read, reference, reference_accumulated_step, reference_step, values,
+};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::{NonFinitePolicy, Optimizer, ParamId, presets};
+use lpmm_optim::{NonFinitePolicy, presets};
 
 #[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex; both are supported.
 fn ndarray() -> Device {
     Device::ndarray().autodiff()
-}
-
-/// lpmm's own optimizer over the same parameters, registered in the module's visiting order.
-fn reference(config: &LpmmOptimizerConfig, init: &[Vec<f32>]) -> (Optimizer, Vec<ParamId>) {
-    let mut r = Optimizer::new(config.options).unwrap();
-    r.add_group(config.param).unwrap();
-    let ids = shapes()
-        .iter()
-        .zip(init)
-        .enumerate()
-        .map(|(i, (s, v))| r.add_param(&format!("p{i}"), s, v, 0).unwrap())
-        .collect();
-    (r, ids)
-}
-
-fn read(r: &Optimizer, ids: &[ParamId]) -> Vec<Vec<u32>> {
-    ids.iter()
-        .zip(shapes())
-        .map(|(&id, s)| {
-            let mut out = vec![0f32; s.iter().product()];
-            r.read_param(id, &mut out).unwrap();
-            out.into_iter().map(f32::to_bits).collect()
-        })
-        .collect()
 }
 
 /// Trains `steps` steps with `optim` and with the reference, the learning rate from burn's
@@ -54,11 +32,7 @@ fn same_as_reference(device: &Device, config: LpmmOptimizerConfig, mut optim: Lp
         let lr = scheduler.step();
         lrs.push(lr.base());
         let g = grads(&model, step, device);
-        for (&id, h) in ids.iter().zip(host_grads(&model, &g)) {
-            r.accumulate(id, &h).unwrap();
-        }
-        r.set_lr(lr.base()).unwrap();
-        let want = r.step().unwrap();
+        let want = reference_step(&mut r, &ids, host_grads(&model, &g), lr.base());
         model = optim.step(lr, model, g).unwrap();
         assert_eq!(optim.last_report(), Some(want), "step {step}");
         assert_eq!(model.bits(), read(&r, &ids), "step {step}");
@@ -71,6 +45,28 @@ fn same_as_reference(device: &Device, config: LpmmOptimizerConfig, mut optim: Lp
 fn eight_bit_adamw_on_ndarray_equals_lpmm_bit_for_bit() {
     let config = Lpmm8bitAdamWConfig::new();
     same_as_reference(&ndarray(), config.lpmm(), config.init());
+}
+
+#[test]
+fn with_an_f32_accumulator_the_step_equals_accumulating_and_stepping() {
+    // burn's gradients added into lpmm's f32 accumulator inside the step: the same bits as lpmm's
+    // plain accumulate-then-step, with clipping over the whole module.
+    let device = ndarray();
+    let mut config = Lpmm8bitAdamWConfig::new()
+        .with_max_grad_norm(Some(0.05))
+        .lpmm();
+    config.param.grad = lpmm_optim::Storage::F32;
+    let mut optim = config.init();
+    let mut model = Mlp::new(&device, 3);
+    let (mut r, ids) = reference(&config, &values(&model));
+    for step in 0..4 {
+        let g = grads(&model, step, &device);
+        let want = reference_accumulated_step(&mut r, &ids, host_grads(&model, &g), 1e-2);
+        model = optim.step(1e-2, model, g).unwrap();
+        assert_eq!(optim.last_report(), Some(want), "step {step}");
+        assert_eq!(model.bits(), read(&r, &ids), "step {step}");
+    }
+    assert!(optim.memory_report().slot_totals()[1] > 0);
 }
 
 #[test]
@@ -113,12 +109,20 @@ fn parameters_are_stepped_in_the_modules_own_buffers() {
     let stats = optim.stats();
     assert_eq!(stats.lane, Some("cpu"));
     assert_eq!((stats.params, stats.held, stats.copies), (4, 0, 0));
-    // lpmm allocates no parameter memory: the module's tensors are the parameters.
+    // lpmm allocates no parameter memory (the module's tensors are the parameters) and no
+    // gradient memory (burn's gradient tensors are read where they are): only the states, 8-bit
+    // for w1 (a code and a scale per 256), f32 for the small tensors.
     let report = optim.memory_report();
     assert_eq!(report.slot_totals()[0], 0, "{report:?}");
-    // 8-bit states for w1, f32 for the small tensors, an f32 gradient accumulator each.
+    assert_eq!(report.slot_totals()[1], 0, "{report:?}");
     let n1 = common::D_IN * common::HIDDEN;
     assert_eq!(report.params[0].bytes[2], n1 + 4 * n1.div_ceil(256));
+    assert_eq!(report.params[0].bytes[3], n1 + 4 * n1.div_ceil(256));
+    let small = common::HIDDEN + common::HIDDEN * common::D_OUT + common::D_OUT;
+    assert_eq!(
+        report.total(),
+        2 * (n1 + 4 * n1.div_ceil(256)) + 2 * 4 * small
+    );
 
     // A clone of the model kept by the caller shares the tensors: the step copies (as burn's
     // own in-place operations do) and the clone keeps its values.
@@ -148,7 +152,10 @@ fn a_non_finite_gradient_skips_the_whole_step_or_only_its_elements() {
         bad[3] = f32::NAN;
         g.register(
             model.b2.id,
-            Tensor::<1>::from_data(TensorData::new(bad, [common::D_OUT]), &device.clone().inner()),
+            Tensor::<1>::from_data(
+                TensorData::new(bad, [common::D_OUT]),
+                &device.clone().inner(),
+            ),
         );
         model = optim.step(1e-3, model, g).unwrap();
         let after = model.bits();
@@ -188,8 +195,13 @@ fn resumes_exactly(lpmm_checkpoint: bool) {
         std::fs::create_dir_all(&dir).unwrap();
         let module_record = model.clone().into_record();
         let mut resumed = if lpmm_checkpoint {
-            optim.save_lpmm(dir.join("optim.safetensors"), &model).unwrap();
-            config.init().load_lpmm(dir.join("optim.safetensors")).unwrap()
+            optim
+                .save_lpmm(dir.join("optim.safetensors"), &model)
+                .unwrap();
+            config
+                .init()
+                .load_lpmm(dir.join("optim.safetensors"))
+                .unwrap()
         } else {
             optim.save(dir.join("optim.bpk")).unwrap();
             config.init().load(dir.join("optim.bpk")).unwrap()
@@ -229,7 +241,10 @@ fn a_record_from_another_model_is_a_typed_error() {
     let g = grads(&model, 0, &device);
     model = optim.step(0.01, model, g).unwrap();
     let record = optim.to_record().unwrap();
-    let mut loaded = Lpmm8bitAdamWConfig::new().init().load_record(record).unwrap();
+    let mut loaded = Lpmm8bitAdamWConfig::new()
+        .init()
+        .load_record(record)
+        .unwrap();
     // A new model: other ParamIds.
     let other = Mlp::new(&device, 4);
     let g = grads(&other, 1, &device);
@@ -244,14 +259,11 @@ fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
     let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
     let mut optim = config.init();
     let mut model = Mlp::new_in(&device, 8, DType::BF16);
+    assert_eq!(model.w1.val().dtype(), DType::BF16);
     let (mut r, ids) = reference(&config, &values(&model));
     for step in 0..4 {
         let g = grads(&model, step, &device);
-        for (&id, h) in ids.iter().zip(host_grads(&model, &g)) {
-            r.accumulate(id, &h).unwrap();
-        }
-        r.set_lr(1e-2).unwrap();
-        r.step().unwrap();
+        reference_step(&mut r, &ids, host_grads(&model, &g), 1e-2);
         model = optim.step(1e-2, model, g).unwrap();
         assert_eq!(model.bits(), read(&r, &ids), "step {step}");
     }

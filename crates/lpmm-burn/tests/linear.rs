@@ -111,8 +111,16 @@ fn an_f32_layer_weight_steps_exactly_as_a_burn_parameter_would() {
         a = o1.step(1e-2, a, ga).unwrap();
         let gb = GradientsParams::from_grads(loss_plain(&b, step, &d).backward(), &b);
         b = o2.step(1e-2, b, gb).unwrap();
-        assert_eq!(bits(a.l1.weight().decode().unwrap()), bits(b.w1.val()), "step {step}");
-        assert_eq!(bits(a.l2.weight().decode().unwrap()), bits(b.w2.val()), "step {step}");
+        assert_eq!(
+            bits(a.l1.weight().decode().unwrap()),
+            bits(b.w1.val()),
+            "step {step}"
+        );
+        assert_eq!(
+            bits(a.l2.weight().decode().unwrap()),
+            bits(b.w2.val()),
+            "step {step}"
+        );
     }
     assert_eq!(o1.last_report().unwrap().updated, 4);
 }

@@ -76,7 +76,8 @@ fn child_main(mode: &str, dir: &Path) {
             }
             ("resume", _) => {
                 // Another initial model: everything comes from the records.
-                let mut model = Mlp::new(&device, 99).load_file(dir.join(format!("{name}-model.bpk")));
+                let mut model =
+                    Mlp::new(&device, 99).load_file(dir.join(format!("{name}-model.bpk")));
                 let mut optim = config
                     .init()
                     .load(dir.join(format!("{name}-optim.bpk")))
@@ -117,7 +118,8 @@ fn run_child(mode: &str, dir: &Path) {
 
 #[test]
 fn two_processes_step_identical_bits_and_a_saved_run_resumes_exactly_in_a_fresh_process() {
-    let dir: PathBuf = std::env::temp_dir().join(format!("lpmm-burn-processes-{}", std::process::id()));
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("lpmm-burn-processes-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     run_child("straight:a", &dir);
     run_child("straight:b", &dir);
@@ -128,7 +130,10 @@ fn two_processes_step_identical_bits_and_a_saved_run_resumes_exactly_in_a_fresh_
         let (a, b, resumed) = (read("straight-a"), read("straight-b"), read("resumed"));
         assert!(!a.is_empty());
         assert!(a == b, "{name}: two fresh processes differ");
-        assert!(a == resumed, "{name}: the resumed run differs from the uninterrupted one");
+        assert!(
+            a == resumed,
+            "{name}: the resumed run differs from the uninterrupted one"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -127,6 +127,7 @@ pub struct WgpuRuntime {
     lost: Arc<AtomicBool>,
     buffers: AtomicU64,
     reads: AtomicU64,
+    read_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for WgpuRuntime {
@@ -253,6 +254,7 @@ impl Wgpu {
             lost,
             buffers: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
         };
         rt.behaviour = probe(&rt).map_err(|e| WgpuError::Device(e.to_string()))?;
         if !rt.behaviour.fma_soft_exact {
@@ -325,6 +327,11 @@ impl Wgpu {
     pub fn host_reads(&self) -> u64 {
         self.runtime().reads.load(Ordering::Relaxed)
     }
+
+    /// Bytes those read-backs brought to the host so far.
+    pub fn host_read_bytes(&self) -> u64 {
+        self.runtime().read_bytes.load(Ordering::Relaxed)
+    }
 }
 
 impl WgpuRuntime {
@@ -361,6 +368,7 @@ impl WgpuRuntime {
             return Ok(Vec::new());
         }
         self.reads.fetch_add(1, Ordering::Relaxed);
+        self.read_bytes.fetch_add(bytes, Ordering::Relaxed);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("lpmm readback"),
             size: bytes.div_ceil(4) * 4,

@@ -27,7 +27,9 @@ pub const BATCH: usize = 32;
 
 /// `n` values uniform in `[-scale, scale)`.
 pub fn uniform(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.uniform() * 2.0 - 1.0) * scale).collect()
+    (0..n)
+        .map(|_| (rng.uniform() * 2.0 - 1.0) * scale)
+        .collect()
 }
 
 fn param<const D: usize>(
@@ -36,8 +38,9 @@ fn param<const D: usize>(
     device: &Device,
     dtype: DType,
 ) -> Param<Tensor<D>> {
+    // burn converts data to the device's default float dtype unless told otherwise.
     let data = TensorData::new(values, shape).convert_dtype(dtype);
-    Param::from_tensor(Tensor::from_data(data, device))
+    Param::from_tensor(Tensor::from_data(data, (device, dtype)))
 }
 
 impl Mlp {
@@ -49,9 +52,19 @@ impl Mlp {
     pub fn new_in(device: &Device, seed: u64, dtype: DType) -> Self {
         let mut rng = Rng(seed);
         Mlp {
-            w1: param(uniform(&mut rng, D_IN * HIDDEN, 0.15), [D_IN, HIDDEN], device, dtype),
+            w1: param(
+                uniform(&mut rng, D_IN * HIDDEN, 0.15),
+                [D_IN, HIDDEN],
+                device,
+                dtype,
+            ),
             b1: param(uniform(&mut rng, HIDDEN, 0.05), [HIDDEN], device, dtype),
-            w2: param(uniform(&mut rng, HIDDEN * D_OUT, 0.1), [HIDDEN, D_OUT], device, dtype),
+            w2: param(
+                uniform(&mut rng, HIDDEN * D_OUT, 0.1),
+                [HIDDEN, D_OUT],
+                device,
+                dtype,
+            ),
             b2: param(uniform(&mut rng, D_OUT, 0.05), [D_OUT], device, dtype),
         }
     }
@@ -122,7 +135,12 @@ pub fn host_grads(model: &Mlp, grads: &GradientsParams) -> Vec<Vec<f32>> {
 
 /// The model's shapes in visiting order.
 pub fn shapes() -> [Vec<usize>; 4] {
-    [vec![D_IN, HIDDEN], vec![HIDDEN], vec![HIDDEN, D_OUT], vec![D_OUT]]
+    [
+        vec![D_IN, HIDDEN],
+        vec![HIDDEN],
+        vec![HIDDEN, D_OUT],
+        vec![D_OUT],
+    ]
 }
 
 /// The model's values in visiting order.
@@ -131,5 +149,67 @@ pub fn values(model: &Mlp) -> Vec<Vec<f32>> {
         .bits()
         .into_iter()
         .map(|b| b.into_iter().map(f32::from_bits).collect())
+        .collect()
+}
+
+/// lpmm's own optimizer over the same parameters, registered in the module's visiting order.
+pub fn reference(
+    config: &lpmm_burn::LpmmOptimizerConfig,
+    init: &[Vec<f32>],
+) -> (lpmm_optim::Optimizer, Vec<lpmm_optim::ParamId>) {
+    let mut r = lpmm_optim::Optimizer::new(config.options).unwrap();
+    r.add_group(config.param).unwrap();
+    let ids = shapes()
+        .iter()
+        .zip(init)
+        .enumerate()
+        .map(|(i, (s, v))| r.add_param(&format!("p{i}"), s, v, 0).unwrap())
+        .collect();
+    (r, ids)
+}
+
+/// One step of the reference at `lr` on `grads` (host vectors in visiting order), taken with
+/// `Optimizer::step_gradients` as lpmm-burn takes it from burn's tensors. (With an f32
+/// accumulator or none this equals accumulating and stepping, lpmm-optim's `tests/gradients.rs`;
+/// with a lossy gradient storage the norm is of the gradients as given, before their rounding
+/// into the accumulator.)
+pub fn reference_step(
+    r: &mut lpmm_optim::Optimizer,
+    ids: &[lpmm_optim::ParamId],
+    grads: Vec<Vec<f32>>,
+    lr: f64,
+) -> lpmm_optim::StepReport {
+    r.set_lr(lr).unwrap();
+    let mut given = vec![Vec::new(); r.len()];
+    for (&id, g) in ids.iter().zip(grads) {
+        given[id.index()] = g;
+    }
+    r.step_gradients(&mut given, None).unwrap()
+}
+
+/// The same step as accumulating the gradients and stepping (`Optimizer::accumulate`,
+/// `Optimizer::step`).
+pub fn reference_accumulated_step(
+    r: &mut lpmm_optim::Optimizer,
+    ids: &[lpmm_optim::ParamId],
+    grads: Vec<Vec<f32>>,
+    lr: f64,
+) -> lpmm_optim::StepReport {
+    r.set_lr(lr).unwrap();
+    for (&id, g) in ids.iter().zip(grads) {
+        r.accumulate(id, &g).unwrap();
+    }
+    r.step().unwrap()
+}
+
+/// The reference's parameters as f32 bits.
+pub fn read(r: &lpmm_optim::Optimizer, ids: &[lpmm_optim::ParamId]) -> Vec<Vec<u32>> {
+    ids.iter()
+        .zip(shapes())
+        .map(|(&id, s)| {
+            let mut out = vec![0f32; s.iter().product()];
+            r.read_param(id, &mut out).unwrap();
+            out.into_iter().map(f32::to_bits).collect()
+        })
         .collect()
 }
