@@ -23,7 +23,7 @@ use crate::lane::{Lane, lpmm_dtype};
 
 type Cube = burn_cubecl::Cube;
 type FusionPrim = <Cube as BackendTypes>::FloatTensorPrimitive;
-type CudaServer = <CudaRuntime as burn_cubecl::cubecl::Runtime>::Server;
+type CudaServer = <CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
 /// lpmm's backend on each burn CUDA device it met.
 static OPENED: Mutex<Vec<(CubeDevice, Cuda)>> = Mutex::new(Vec::new());
