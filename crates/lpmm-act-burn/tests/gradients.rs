@@ -73,7 +73,11 @@ fn weighted_sum<const D: usize>(y: Tensor<D>, w: &Tensor<D>) -> Tensor<1> {
     (y * w.clone()).sum()
 }
 
-on_devices!(gelu_from_output_matches_burn_gelu, gelu_from_output_matches_burn_gelu_on_wgpu, gelu_from_output_matches_burn_gelu_on);
+on_devices!(
+    gelu_from_output_matches_burn_gelu,
+    gelu_from_output_matches_burn_gelu_on_wgpu,
+    gelu_from_output_matches_burn_gelu_on
+);
 
 fn gelu_from_output_matches_burn_gelu_on(dev: Device) {
     let mut rng = Rng::new(11);
@@ -113,7 +117,11 @@ fn gelu_from_output_matches_burn_gelu_on(dev: Device) {
     );
 }
 
-on_devices!(few_bit_gelu_is_the_table_derivative_within_its_error, few_bit_gelu_is_the_table_derivative_within_its_error_on_wgpu, few_bit_gelu_is_the_table_derivative_within_its_error_on);
+on_devices!(
+    few_bit_gelu_is_the_table_derivative_within_its_error,
+    few_bit_gelu_is_the_table_derivative_within_its_error_on_wgpu,
+    few_bit_gelu_is_the_table_derivative_within_its_error_on
+);
 
 fn few_bit_gelu_is_the_table_derivative_within_its_error_on(dev: Device) {
     let mut rng = Rng::new(12);
@@ -175,7 +183,11 @@ fn few_bit_gelu_is_the_table_derivative_within_its_error_on(dev: Device) {
     }
 }
 
-on_devices!(layer_norm_from_output_matches_burn_layer_norm, layer_norm_from_output_matches_burn_layer_norm_on_wgpu, layer_norm_from_output_matches_burn_layer_norm_on);
+on_devices!(
+    layer_norm_from_output_matches_burn_layer_norm,
+    layer_norm_from_output_matches_burn_layer_norm_on_wgpu,
+    layer_norm_from_output_matches_burn_layer_norm_on
+);
 
 fn layer_norm_from_output_matches_burn_layer_norm_on(dev: Device) {
     let mut rng = Rng::new(13);
@@ -231,7 +243,11 @@ fn burn_softmax_dropout(x: Tensor<4>, mask: &Tensor<4>, p: f32) -> Tensor<4> {
     (activation::softmax(x, 3) * mask.clone()).mul_scalar(1.0 / (1.0 - p))
 }
 
-on_devices!(softmax_dropout_matches_burn_softmax_and_dropout, softmax_dropout_matches_burn_softmax_and_dropout_on_wgpu, softmax_dropout_matches_burn_softmax_and_dropout_on);
+on_devices!(
+    softmax_dropout_matches_burn_softmax_and_dropout,
+    softmax_dropout_matches_burn_softmax_and_dropout_on_wgpu,
+    softmax_dropout_matches_burn_softmax_and_dropout_on
+);
 
 fn softmax_dropout_matches_burn_softmax_and_dropout_on(dev: Device) {
     let mut rng = Rng::new(14);
@@ -256,7 +272,11 @@ fn softmax_dropout_matches_burn_softmax_and_dropout_on(dev: Device) {
     }
 }
 
-on_devices!(softmax_dropout_matmul_matches_burn, softmax_dropout_matmul_matches_burn_on_wgpu, softmax_dropout_matmul_matches_burn_on);
+on_devices!(
+    softmax_dropout_matmul_matches_burn,
+    softmax_dropout_matmul_matches_burn_on_wgpu,
+    softmax_dropout_matmul_matches_burn_on
+);
 
 fn softmax_dropout_matmul_matches_burn_on(dev: Device) {
     let mut rng = Rng::new(15);
