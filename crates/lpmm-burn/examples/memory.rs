@@ -7,6 +7,7 @@
 //!
 //! ```sh
 //! cargo run --release -p lpmm-burn --example memory                # H = 2048 (4.3M parameters), 30 steps
+//! cargo run --release -p lpmm-burn --example memory -- --backends ndarray --repeat 3
 //! cargo run --release -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
 //! ```
 
@@ -151,8 +152,8 @@ impl WideLayers {
 
 /// Either network.
 enum Model {
-    Plain(Wide),
-    Layers(WideLayers),
+    Plain(Box<Wide>),
+    Layers(Box<WideLayers>),
 }
 
 impl Model {
@@ -292,9 +293,9 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
     };
     let mut model = match &optim {
         Optim::Lpmm(o) if opt == "lpmm-sgdm-layers" => {
-            Model::Layers(WideLayers::new(&device, h, o)?)
+            Model::Layers(Box::new(WideLayers::new(&device, h, o)?))
         }
-        _ => Model::Plain(Wide::new(&device, h)),
+        _ => Model::Plain(Box::new(Wide::new(&device, h))),
     };
     let n = data.train_y.len();
     let (mut first_loss, mut last_loss) = (f32::NAN, f32::NAN);
@@ -325,16 +326,16 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
                 m
             }
             (Optim::Burn(o), Model::Plain(m)) => {
-                let grads = GradientsParams::from_grads(grads, &m);
-                Model::Plain(o.step(lr, m, grads))
+                let grads = GradientsParams::from_grads(grads, m.as_ref());
+                Model::Plain(Box::new(o.step(lr, *m, grads)))
             }
             (Optim::Lpmm(o), Model::Plain(m)) => {
-                let grads = GradientsParams::from_grads(grads, &m);
-                Model::Plain(o.step(lr, m, grads).map_err(|e| e.to_string())?)
+                let grads = GradientsParams::from_grads(grads, m.as_ref());
+                Model::Plain(Box::new(o.step(lr, *m, grads).map_err(|e| e.to_string())?))
             }
             (Optim::Lpmm(o), Model::Layers(m)) => {
-                let grads = GradientsParams::from_grads(grads, &m);
-                Model::Layers(o.step(lr, m, grads).map_err(|e| e.to_string())?)
+                let grads = GradientsParams::from_grads(grads, m.as_ref());
+                Model::Layers(Box::new(o.step(lr, *m, grads).map_err(|e| e.to_string())?))
             }
             (Optim::Burn(_), Model::Layers(_)) => {
                 return Err("burn's optimizer on lpmm layers".into());
@@ -390,32 +391,38 @@ fn main() {
         return;
     }
     let backends = arg(&args, "--backends").unwrap_or_else(|| "ndarray,wgpu".into());
+    let repeat: usize = arg(&args, "--repeat").map_or(1, |s| s.parse().expect("--repeat N"));
     let exe = std::env::current_exe().expect("the example's path");
-    let mut runs = Vec::new();
+    // Every configuration `repeat` times, round robin (one fresh process each).
+    let mut runs: Vec<Vec<Run>> = Vec::new();
     for backend in backends.split(',') {
-        for opt in OPTIMIZERS {
-            let out = std::process::Command::new(&exe)
-                .args(["--child", &format!("{backend}/{opt}")])
-                .args(["--steps", &steps.to_string(), "--hidden", &h.to_string()])
-                .output()
-                .expect("the child process runs");
-            if !out.status.success() {
-                eprintln!(
-                    "{backend}/{opt} failed: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                continue;
+        let mut rows: Vec<Vec<Run>> = vec![Vec::new(); OPTIMIZERS.len()];
+        for _ in 0..repeat {
+            for (row, opt) in rows.iter_mut().zip(OPTIMIZERS) {
+                let out = std::process::Command::new(&exe)
+                    .args(["--child", &format!("{backend}/{opt}")])
+                    .args(["--steps", &steps.to_string(), "--hidden", &h.to_string()])
+                    .output()
+                    .expect("the child process runs");
+                if !out.status.success() {
+                    eprintln!(
+                        "{backend}/{opt} failed: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    continue;
+                }
+                let line = String::from_utf8_lossy(&out.stdout);
+                let run: Run = serde_json::from_str(line.lines().last().unwrap_or_default())
+                    .expect("the child's report");
+                eprintln!("{backend}/{opt}: done");
+                row.push(run);
             }
-            let line = String::from_utf8_lossy(&out.stdout);
-            let run: Run = serde_json::from_str(line.lines().last().unwrap_or_default())
-                .expect("the child's report");
-            eprintln!("{backend}/{opt}: done");
-            runs.push(run);
         }
+        runs.extend(rows.into_iter().filter(|r| !r.is_empty()));
     }
-    let params = runs.first().map_or(0, |r| r.params);
+    let params = runs.first().and_then(|r| r.first()).map_or(0, |r| r.params);
     println!(
-        "burn digits MLP 64-{h}-{h}-10 ({params} parameters, {:.1} MiB in f32), batch {BATCH}, {steps} steps, lr 1e-3; one process per row",
+        "burn digits MLP 64-{h}-{h}-10 ({params} parameters, {:.1} MiB in f32), batch {BATCH}, {steps} steps, lr 1e-3; one process per run, {repeat} run(s) per row: median (min-max)",
         params as f64 * 4.0 / (1 << 20) as f64
     );
     println!();
@@ -423,13 +430,24 @@ fn main() {
         "| backend | optimizer | peak RSS (MiB) | steady RSS (MiB) | lpmm state (MiB) | loss first -> last | val acc |"
     );
     println!("|---|---|---:|---:|---:|---|---:|");
-    for r in &runs {
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let stat = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        let (lo, hi, mid) = (v[0], v[v.len() - 1], v[v.len() / 2]);
+        if lo == hi {
+            format!("{:.1}", mib(mid))
+        } else {
+            format!("{:.1} ({:.1}-{:.1})", mib(mid), mib(lo), mib(hi))
+        }
+    };
+    for row in &runs {
+        let r = &row[0];
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.3} -> {:.3} | {:.1}% |",
+            "| {} | {} | {} | {} | {:.1} | {:.3} -> {:.3} | {:.1}% |",
             r.backend,
             describe(&r.optimizer),
-            r.peak_kib as f64 / 1024.0,
-            r.steady_kib as f64 / 1024.0,
+            stat(row.iter().map(|r| r.peak_kib).collect()),
+            stat(row.iter().map(|r| r.steady_kib).collect()),
             r.lpmm_bytes as f64 / (1 << 20) as f64,
             r.first_loss,
             r.last_loss,
