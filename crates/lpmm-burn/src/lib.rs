@@ -28,7 +28,7 @@
 //!   lpmm's own safetensors checkpoint works too ([`LpmmOptimizer::save_lpmm`]).
 //!
 //! Backends (features): `ndarray` and `flex` (burn's CPU backends, with lpmm's CPU backend;
-//! default), `wgpu` (burn's wgpu device with lpmm-wgpu; see [`wgpu`]), `cuda` (burn's CUDA
+//! default), `wgpu` (burn's wgpu device with lpmm-wgpu; see the `wgpu` module), `cuda` (burn's CUDA
 //! device with lpmm-cuda). `docs/BURN.md` has the design and the measured memory.
 
 #[macro_use]
