@@ -8,11 +8,13 @@
 //! ```sh
 //! cargo run --release -p lpmm-burn --example memory                # H = 2048 (4.3M parameters), 30 steps
 //! cargo run --release -p lpmm-burn --example memory -- --backends ndarray --repeat 3
+//! cargo run --release -p lpmm-burn --example memory -- --backends wgpu --repeat 2 --lpmm-segment-mib 16
 //! cargo run --release -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
 //! ```
 
 use std::io::Read;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn_core as burn;
 
@@ -193,6 +195,10 @@ enum Optim {
     Lpmm(LpmmOptimizer),
 }
 
+/// lpmm-wgpu's segment size in MiB (its staging buffer: half of it, at most 64 MiB).
+/// `--lpmm-segment-mib 128` gives lpmm-wgpu's defaults (128 MiB segments, 64 MiB of staging).
+pub static SEGMENT_MIB: AtomicU64 = AtomicU64::new(16);
+
 /// The device of `backend` (burn's wgpu device is shared with lpmm, once per process).
 pub fn device(backend: &str) -> Result<Device, String> {
     static WGPU: OnceLock<Result<Device, String>> = OnceLock::new();
@@ -202,7 +208,14 @@ pub fn device(backend: &str) -> Result<Device, String> {
         "flex" => Ok(Device::flex().autodiff()),
         "wgpu" => WGPU
             .get_or_init(|| {
-                lpmm_burn::wgpu::init(Device::wgpu_options()).map_err(|e| e.to_string())
+                // lpmm-wgpu's segments sized for this model's state (`--lpmm-segment-mib`).
+                let mib = SEGMENT_MIB.load(Ordering::Relaxed);
+                let lpmm = lpmm_burn::wgpu::LpmmWgpuOptions {
+                    segment_bytes: mib << 20,
+                    io_bytes: (mib << 20).min(128 << 20) / 2,
+                    ..Default::default()
+                };
+                lpmm_burn::wgpu::init_with(Device::wgpu_options(), lpmm).map_err(|e| e.to_string())
             })
             .clone()
             .map(Device::autodiff),
@@ -378,6 +391,13 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let steps: usize = arg(&args, "--steps").map_or(30, |s| s.parse().expect("--steps N"));
+    if let Some(mib) = arg(&args, "--lpmm-segment-mib") {
+        SEGMENT_MIB.store(
+            mib.parse().expect("--lpmm-segment-mib N"),
+            Ordering::Relaxed,
+        );
+    }
+    let segment_mib = SEGMENT_MIB.load(Ordering::Relaxed).to_string();
     let h: usize = arg(&args, "--hidden").map_or(2048, |s| s.parse().expect("--hidden H"));
     if let Some(spec) = arg(&args, "--child") {
         let (backend, opt) = spec.split_once('/').expect("--child backend/optimizer");
@@ -402,6 +422,7 @@ fn main() {
                 let out = std::process::Command::new(&exe)
                     .args(["--child", &format!("{backend}/{opt}")])
                     .args(["--steps", &steps.to_string(), "--hidden", &h.to_string()])
+                    .args(["--lpmm-segment-mib", &segment_mib])
                     .output()
                     .expect("the child process runs");
                 if !out.status.success() {
@@ -422,7 +443,7 @@ fn main() {
     }
     let params = runs.first().and_then(|r| r.first()).map_or(0, |r| r.params);
     println!(
-        "burn digits MLP 64-{h}-{h}-10 ({params} parameters, {:.1} MiB in f32), batch {BATCH}, {steps} steps, lr 1e-3; one process per run, {repeat} run(s) per row: median (min-max)",
+        "burn digits MLP 64-{h}-{h}-10 ({params} parameters, {:.1} MiB in f32), batch {BATCH}, {steps} steps, lr 1e-3; one process per run, {repeat} run(s) per row: median (min-max); lpmm-wgpu segments of {segment_mib} MiB",
         params as f64 * 4.0 / (1 << 20) as f64
     );
     println!();

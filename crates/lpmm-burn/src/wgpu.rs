@@ -32,12 +32,13 @@ use burn_core::tensor::{Device, Tensor};
 use burn_cubecl::cubecl::wgpu::{AutoCompiler, WgpuServer};
 use burn_cubecl::{CubeBackend, CubeDevice};
 use lpmm_optim::backend::Dtype;
-use lpmm_wgpu::{DeviceInput, DeviceOutput, Wgpu, WgpuOptions, WgpuView};
+use lpmm_wgpu::{DeviceInput, DeviceOutput, Wgpu, WgpuView};
 
 use crate::BurnError;
 use crate::lane::{Lane, lpmm_dtype};
 
 pub use burn_core::tensor::wgpu::{WgpuOptions as BurnWgpuOptions, WgpuSetup};
+pub use lpmm_wgpu::WgpuOptions as LpmmWgpuOptions;
 
 /// burn's cubecl backend as dispatch holds it (fused, as burn's default build is).
 type Cube = burn_cubecl::Cube;
@@ -57,14 +58,14 @@ fn cube_device(device: &Device) -> Option<CubeDevice> {
 /// which returns `setup`) with lpmm: lpmm-wgpu is created on `setup`'s device and queue, and the
 /// optimizer uses it for every tensor on `device`.
 pub fn share(device: &Device, setup: &WgpuSetup) -> Result<Wgpu, BurnError> {
-    share_with(device, setup, WgpuOptions::default())
+    share_with(device, setup, LpmmWgpuOptions::default())
 }
 
-/// [`share`] with lpmm-wgpu's layout options.
+/// [`share`] with lpmm-wgpu's layout options (see [`init_with`]).
 pub fn share_with(
     device: &Device,
     setup: &WgpuSetup,
-    options: WgpuOptions,
+    options: LpmmWgpuOptions,
 ) -> Result<Wgpu, BurnError> {
     let Some(cube) = cube_device(device) else {
         return Err(BurnError::device(device, "not a burn wgpu device"));
@@ -85,10 +86,18 @@ pub fn share_with(
 /// Initialises burn's wgpu runtime with `options` and shares its device with lpmm: the device to
 /// create the model on.
 pub fn init(options: BurnWgpuOptions) -> Result<Device, BurnError> {
+    init_with(options, LpmmWgpuOptions::default())
+}
+
+/// [`init`] with lpmm-wgpu's layout options. lpmm-wgpu keeps optimizer state in segment buffers
+/// of `segment_bytes` (128 MiB by default) and moves host values through a staging buffer of
+/// `io_bytes` (64 MiB); wgpu zeroes buffers when it creates them, so a segment is resident in
+/// full from the first step. For a small model, segments near its state's size save memory.
+pub fn init_with(options: BurnWgpuOptions, lpmm: LpmmWgpuOptions) -> Result<Device, BurnError> {
     let (device, setup) = options
         .init_with_setup()
         .map_err(|e| BurnError::device("wgpu", e.to_string()))?;
-    share(&device, &setup)?;
+    share_with(&device, &setup, lpmm)?;
     Ok(device)
 }
 
