@@ -17,7 +17,7 @@ use crate::backend::{
     ParamLayout, ParamStep, SlotKind, StepFlags, StepWork,
 };
 use crate::exact::{ExactSum, add_squares};
-use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut};
+use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
 use crate::rule::{Chunk, apply_chunk};
 
 /// Elements per piece.
@@ -268,7 +268,14 @@ fn fold_piece(
                 decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
                 // Exactly the fused pass's element-wise work, restore included, so both phases
                 // agree (the parameter and increments it computes are dropped).
-                apply_chunk(plan.rule, flags, plan.clip, &mut Chunk { g, p, m, v, d });
+                let limits = layout.limits(flags);
+                apply_chunk(
+                    plan.rule,
+                    flags,
+                    plan.clip,
+                    limits,
+                    &mut Chunk { g, p, m, v, d },
+                );
                 state2.fold(&target, pass, start, v);
             }
             FoldInput::MomentGradient => {
@@ -295,6 +302,7 @@ fn fused_step(
     mut lent: Option<&mut [u8]>,
 ) -> bool {
     let flags = flags_for(layout, plan);
+    let limits = layout.limits(flags);
     let t = plan.t;
     let (mut g, mut p, mut m, mut v, mut d) = (
         [0f32; CHUNK],
@@ -328,7 +336,7 @@ fn fused_step(
         decode_slot(layout, piece, &wide[2], SlotKind::State1, None, start, m);
         decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
         let mut chunk = Chunk { g, p, m, v, d };
-        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, &mut chunk);
+        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut chunk);
         let Chunk { p, m, v, d, .. } = chunk;
         let [rp, rg, r1, r2] = &mut piece.regions;
         let [bp, bg, b1, b2] = &piece.bytes;
@@ -374,6 +382,8 @@ fn step_param(
 ) -> bool {
     let CpuParam { pieces, wide } = param;
     let stride = lent_stride(layout);
+    // A tensor-wide statistic that would not fit keeps its old value and flags the parameter.
+    let mut kept = false;
     if let Some(state2) = layout.format(SlotKind::State2)
         && !state2.folds().is_empty()
     {
@@ -419,7 +429,7 @@ fn step_param(
                 }),
             }
         }
-        state2.combine(&wide[3], &layout.shape, &plan.rule);
+        kept = state2.combine(&wide[3], &layout.shape, &plan.rule);
     }
     let wide_ref = &*wide;
     match lent {
@@ -437,7 +447,7 @@ fn step_param(
     {
         wide[3].swap(a, b);
     }
-    pieces.iter().any(|p| p.saw_non_finite)
+    kept | pieces.iter().any(|p| p.saw_non_finite)
 }
 
 impl Backend for Cpu {
@@ -587,13 +597,44 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn finite(&self, values: HostValues<'_>) -> Result<bool, BackendError> {
+    fn fits(&self, values: HostValues<'_>, limit: f32) -> Result<bool, BackendError> {
         // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one).
+        let limit = limit.abs().min(f32::MAX).to_bits();
         Ok(match values {
             HostValues::F32(v) => v
                 .par_chunks(1 << 16)
-                .all(|c| lpmm_formats::simd::abs_max_bits(c) < 0x7F80_0000),
-            HostValues::Bf16(v) => v.par_iter().all(|x| x.is_finite()),
+                .all(|c| lpmm_formats::simd::abs_max_bits(c) <= limit),
+            HostValues::Bf16(v) => v.par_iter().all(|x| fits(x.to_f32(), limit)),
+        })
+    }
+
+    fn accumulate_fits(
+        &self,
+        param: &CpuParam,
+        layout: &ParamLayout,
+        grad: HostValues<'_>,
+    ) -> Result<bool, BackendError> {
+        let Some(format) = layout.format(SlotKind::Grad) else {
+            return Err(unsupported(
+                "accumulating into a parameter without an accumulator",
+            ));
+        };
+        let limit = format.limit_bits();
+        let (shape, wide) = (&layout.shape[..], &param.wide[1]);
+        let piece_fits = |piece: &Piece| {
+            let (mut acc, mut g) = ([0f32; CHUNK], [0f32; CHUNK]);
+            (0..piece.len).step_by(CHUNK).all(|start| {
+                let n = CHUNK.min(piece.len - start);
+                let (acc, g) = (&mut acc[..n], &mut g[..n]);
+                format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                grad.read_f32(piece.offset + start, g);
+                // The sum exactly as `accumulate` forms it.
+                acc.iter().zip(g.iter()).all(|(&a, &x)| fits(a + x, limit))
+            })
+        };
+        Ok(match &param.pieces[..] {
+            [one] => piece_fits(one),
+            many => many.par_iter().all(piece_fits),
         })
     }
 
