@@ -6,10 +6,11 @@ use std::io::Read;
 use std::time::Instant;
 
 use candle_core::{D, DType, Device, Module, Result, Tensor};
-use candle_nn::{Embedding, LayerNorm, Linear, Optimizer as _, VarBuilder, VarMap};
+use candle_nn::{Embedding, Linear, Optimizer as _, VarBuilder, VarMap};
 use lpmm_optim::{Hyper, ParamConfig, presets};
 use serde::Serialize;
 
+use crate::ops::LayerNorm;
 use crate::{LpmmConfig, LpmmOptimizer};
 
 const DIGITS_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
@@ -68,34 +69,125 @@ pub fn digits() -> Result<Digits> {
     Ok(d)
 }
 
-/// The Shakespeare text as byte-level tokens.
+/// A text as byte-level tokens, split for training and validation.
 #[derive(Debug, Clone)]
 pub struct Text {
+    /// Its name in reports (`shakespeare`, or the file's name).
+    pub name: String,
     /// The distinct bytes, sorted: token `t` is `vocab[t]`.
     pub vocab: Vec<u8>,
-    /// Training tokens (the first 90%).
+    /// Training tokens (the first 90% of the bytes).
     pub train: Vec<u32>,
     /// Validation tokens (the last 10%).
     pub val: Vec<u32>,
 }
 
-/// Loads the six plays; the last 10% of the bytes validate.
-pub fn shakespeare() -> Result<Text> {
-    let bytes = gunzip(SHAKESPEARE_GZ)?;
-    let mut vocab: Vec<u8> = bytes.clone();
-    vocab.sort_unstable();
-    vocab.dedup();
-    let mut index = [0u32; 256];
-    for (t, &b) in vocab.iter().enumerate() {
-        index[usize::from(b)] = t as u32;
+impl Text {
+    /// Tokenizes `bytes` (one token per distinct byte) with the fixed split: the first 90% of the
+    /// bytes train, the last 10% validate. Errors if either part is too short for `context`-token
+    /// windows.
+    pub fn from_bytes(name: &str, bytes: &[u8], context: usize) -> Result<Text> {
+        let mut vocab: Vec<u8> = bytes.to_vec();
+        vocab.sort_unstable();
+        vocab.dedup();
+        let mut index = [0u32; 256];
+        for (t, &b) in vocab.iter().enumerate() {
+            index[usize::from(b)] = t as u32;
+        }
+        let tokens: Vec<u32> = bytes.iter().map(|&b| index[usize::from(b)]).collect();
+        let cut = tokens.len() * 9 / 10;
+        let text = Text {
+            name: name.to_string(),
+            vocab,
+            train: tokens[..cut].to_vec(),
+            val: tokens[cut..].to_vec(),
+        };
+        if text.val.len() < context + 2 {
+            return Err(candle_core::Error::Msg(format!(
+                "a text of {} bytes is too short: its last 10% ({} bytes) must hold a window of \
+                 {} bytes and one more",
+                bytes.len(),
+                text.val.len(),
+                context + 1
+            )));
+        }
+        Ok(text)
     }
-    let tokens: Vec<u32> = bytes.iter().map(|&b| index[usize::from(b)]).collect();
-    let cut = tokens.len() * 9 / 10;
-    Ok(Text {
-        vocab,
-        train: tokens[..cut].to_vec(),
-        val: tokens[cut..].to_vec(),
-    })
+
+    /// Decodes tokens back to text (bytes that are not UTF-8 are replaced).
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        let bytes: Vec<u8> = tokens.iter().map(|&t| self.vocab[t as usize]).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// Loads the six plays (the embedded `data/shakespeare.txt.gz`) with the fixed split.
+pub fn shakespeare() -> Result<Text> {
+    Text::from_bytes("shakespeare", &gunzip(SHAKESPEARE_GZ)?, 64)
+}
+
+/// Loads a text file (gunzipped if its name ends in `.gz`) as bytes with the same split as
+/// [`shakespeare`]: the first 90% train, the last 10% validate. `context` is the model's context,
+/// for the length check.
+pub fn text_file(path: &std::path::Path, context: usize) -> Result<Text> {
+    let raw = std::fs::read(path)
+        .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", path.display())))?;
+    let bytes = if path.extension().is_some_and(|e| e == "gz") {
+        gunzip(&raw)?
+    } else {
+        raw
+    };
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Text::from_bytes(&name, &bytes, context)
+}
+
+/// Cross-entropy (nats per character) on the validation split of count models fitted to the
+/// training split: the floor a character model must clearly beat.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Baselines {
+    /// Unigram: each byte's training frequency, add-one smoothed.
+    pub unigram: f64,
+    /// Bigram: the next byte's training frequency after the current one, add-one smoothed
+    /// (a model of character pairs).
+    pub bigram: f64,
+}
+
+/// The unigram and bigram baselines of `text` (add-one smoothing over the vocabulary); the bigram
+/// scores every validation byte after the first.
+pub fn baselines(text: &Text) -> Baselines {
+    let v = text.vocab.len();
+    let mut uni = vec![0f64; v];
+    let mut bi = vec![0f64; v * v];
+    for &t in &text.train {
+        uni[t as usize] += 1.0;
+    }
+    for w in text.train.windows(2) {
+        bi[w[0] as usize * v + w[1] as usize] += 1.0;
+    }
+    let total = text.train.len() as f64;
+    let unigram = text
+        .val
+        .iter()
+        .map(|&t| -((uni[t as usize] + 1.0) / (total + v as f64)).ln())
+        .sum::<f64>()
+        / text.val.len() as f64;
+    let mut from = vec![0f64; v];
+    for a in 0..v {
+        from[a] = bi[a * v..(a + 1) * v].iter().sum();
+    }
+    let bigram = text
+        .val
+        .windows(2)
+        .map(|w| {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            -((bi[a * v + b] + 1.0) / (from[a] + v as f64)).ln()
+        })
+        .sum::<f64>()
+        / (text.val.len() - 1) as f64;
+    Baselines { unigram, bigram }
 }
 
 /// A small deterministic generator (SplitMix64) for initialisation and data order, so every
@@ -127,39 +219,121 @@ impl Rng {
     pub fn below(&mut self, n: usize) -> usize {
         (self.uniform() * n as f64) as usize
     }
+
+    /// Standard normal (Box-Muller, one value per call).
+    pub fn normal(&mut self) -> f64 {
+        let u = 1.0 - self.uniform(); // in (0, 1]
+        let v = self.uniform();
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
 }
 
-/// Re-initialises every variable deterministically from `seed`: a variable whose values are all
-/// equal (layer-norm gains and biases) keeps them; any other gets uniform values with the same
-/// standard deviation candle's initialiser gave it.
-pub fn reinit(varmap: &VarMap, seed: u64) -> Result<()> {
+/// A `VarBuilder` whose new variables (kept in `varmap`) take the distribution candle-nn's
+/// initialiser would give them (constant, uniform, normal, Kaiming) but draw their values from
+/// this module's generator, seeded by `seed` and the variable's name: the same bits on every run
+/// and whatever the order the model asks for them. (candle's own CPU initialiser cannot be
+/// seeded.)
+pub fn seeded_var_builder(varmap: &VarMap, seed: u64, device: &Device) -> VarBuilder<'static> {
+    VarBuilder::from_backend(
+        Box::new(SeededInit {
+            varmap: varmap.clone(),
+            seed,
+        }),
+        DType::F32,
+        device.clone(),
+    )
+}
+
+/// The backend of [`seeded_var_builder`].
+struct SeededInit {
+    varmap: VarMap,
+    seed: u64,
+}
+
+/// FNV-1a of a name, to key a variable's random stream.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl candle_nn::var_builder::SimpleBackend for SeededInit {
+    fn get(
+        &self,
+        shape: candle_core::Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        use candle_nn::init::NormalOrUniform;
+        let mut data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if let Some(var) = data.get(name) {
+            if var.shape() != &shape {
+                candle_core::bail!("{name}: shape {:?}, asked for {shape:?}", var.shape());
+            }
+            return Ok(var.as_tensor().clone());
+        }
+        let mut rng = Rng::new(self.seed ^ name_key(name));
+        let n = shape.elem_count();
+        let uniform = |rng: &mut Rng, lo: f64, up: f64| lo + (up - lo) * rng.uniform();
+        let values: Vec<f64> = match init {
+            candle_nn::Init::Const(c) => vec![c; n],
+            candle_nn::Init::Uniform { lo, up } => {
+                (0..n).map(|_| uniform(&mut rng, lo, up)).collect()
+            }
+            candle_nn::Init::Randn { mean, stdev } => {
+                (0..n).map(|_| mean + stdev * rng.normal()).collect()
+            }
+            candle_nn::Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(&shape) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Normal => (0..n).map(|_| std * rng.normal()).collect(),
+                    NormalOrUniform::Uniform => {
+                        let bound = 3f64.sqrt() * std;
+                        (0..n).map(|_| uniform(&mut rng, -bound, bound)).collect()
+                    }
+                }
+            }
+        };
+        let var =
+            candle_core::Var::from_tensor(&Tensor::from_vec(values, shape, dev)?.to_dtype(dtype)?)?;
+        let tensor = var.as_tensor().clone();
+        data.insert(name.to_string(), var);
+        Ok(tensor)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        candle_core::bail!("{name}: a seeded VarBuilder creates variables; ask with a shape")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.varmap
+            .data()
+            .lock()
+            .is_ok_and(|data| data.contains_key(name))
+    }
+}
+
+/// The variables of `varmap` in the order of their names (a `VarMap` is a hash map: its own
+/// order changes from run to run, and the optimizer's per-parameter random streams follow the
+/// order it is given).
+pub fn sorted_vars(varmap: &VarMap) -> Result<Vec<candle_core::Var>> {
     let data = varmap
         .data()
         .lock()
         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    let mut rng = Rng::new(seed);
-    for name in names {
-        let var = &data[name];
-        let v = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-        if v.iter().all(|&x| x == v[0]) {
-            continue;
-        }
-        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
-        let std = (v
-            .iter()
-            .map(|&x| (f64::from(x) - mean).powi(2))
-            .sum::<f64>()
-            / v.len() as f64)
-            .sqrt();
-        let a = std * 3f64.sqrt();
-        let fresh: Vec<f32> = (0..v.len())
-            .map(|_| ((rng.uniform() * 2.0 - 1.0) * a) as f32)
-            .collect();
-        var.set(&Tensor::from_vec(fresh, var.shape(), var.device())?)?;
-    }
-    Ok(())
+    let mut named: Vec<(&String, &candle_core::Var)> = data.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    Ok(named.into_iter().map(|(_, v)| v.clone()).collect())
 }
 
 /// The digits classifier: 64 -> 128 (ReLU) -> 10.
@@ -210,7 +384,11 @@ struct Block {
     down: Linear,
 }
 
-/// A small causal character-level transformer (pre-norm blocks, learned positions).
+/// A small causal character-level transformer (nanoGPT-like: pre-norm blocks, learned positions,
+/// an MLP of 4x the width, no biases; ReLU instead of GELU, which costs a third of the step time
+/// in candle's CPU backward pass). Its layer norms and attention softmax are [`crate::ops`]'s
+/// differentiable ones: with candle-nn's fused `LayerNorm` and `softmax_last_dim` no gradient
+/// would cross them (see the crate's documentation).
 #[derive(Debug)]
 pub struct CharLm {
     shape: LmShape,
@@ -219,45 +397,79 @@ pub struct CharLm {
     blocks: Vec<Block>,
     ln: LayerNorm,
     head: Linear,
-    mask: Tensor,
+    device: Device,
 }
 
 impl CharLm {
-    /// Builds the model in `vb`.
+    /// Builds the model in `vb` (candle's initialisation; see [`CharLm::init`]).
     pub fn new(shape: LmShape, vb: VarBuilder, device: &Device) -> Result<Self> {
         let w = shape.width;
+        if shape.heads == 0 || !w.is_multiple_of(shape.heads) {
+            return Err(candle_core::Error::Msg(format!(
+                "width {w} is not a multiple of {} heads",
+                shape.heads
+            )));
+        }
         let blocks = (0..shape.layers)
             .map(|i| {
                 let vb = vb.pp(format!("block{i}"));
                 Ok(Block {
-                    ln1: candle_nn::layer_norm(w, 1e-5, vb.pp("ln1"))?,
-                    qkv: candle_nn::linear(w, 3 * w, vb.pp("qkv"))?,
-                    proj: candle_nn::linear(w, w, vb.pp("proj"))?,
-                    ln2: candle_nn::layer_norm(w, 1e-5, vb.pp("ln2"))?,
-                    up: candle_nn::linear(w, 4 * w, vb.pp("up"))?,
-                    down: candle_nn::linear(4 * w, w, vb.pp("down"))?,
+                    ln1: LayerNorm::load_no_bias(w, 1e-5, vb.pp("ln1"))?,
+                    qkv: candle_nn::linear_no_bias(w, 3 * w, vb.pp("qkv"))?,
+                    proj: candle_nn::linear_no_bias(w, w, vb.pp("proj"))?,
+                    ln2: LayerNorm::load_no_bias(w, 1e-5, vb.pp("ln2"))?,
+                    up: candle_nn::linear_no_bias(w, 4 * w, vb.pp("up"))?,
+                    down: candle_nn::linear_no_bias(4 * w, w, vb.pp("down"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let t = shape.context;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|k| {
-                if k % t > k / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
         Ok(CharLm {
             shape,
             tokens: candle_nn::embedding(shape.vocab, w, vb.pp("tokens"))?,
-            positions: candle_nn::embedding(t, w, vb.pp("positions"))?,
+            positions: candle_nn::embedding(shape.context, w, vb.pp("positions"))?,
             blocks,
-            ln: candle_nn::layer_norm(w, 1e-5, vb.pp("ln"))?,
-            head: candle_nn::linear(w, shape.vocab, vb.pp("head"))?,
-            mask: Tensor::from_vec(mask, (t, t), device)?,
+            ln: LayerNorm::load_no_bias(w, 1e-5, vb.pp("ln"))?,
+            head: candle_nn::linear_no_bias(w, shape.vocab, vb.pp("head"))?,
+            device: device.clone(),
         })
+    }
+
+    /// The model's sizes.
+    pub fn shape(&self) -> LmShape {
+        self.shape
+    }
+
+    /// GPT-2's initialisation, deterministic from `seed`: embeddings and weight matrices
+    /// N(0, `std`²), the residual projections (`proj`, `down`) N(0, `std`² / (2 layers)),
+    /// layer-norm gains 1. (candle's own starts the embeddings at N(0, 1) and the linear weights
+    /// at N(0, 2 / fan-in); docs/RESULTS.md has what that costs this model.)
+    pub fn init(&self, varmap: &VarMap, seed: u64, std: f64) -> Result<()> {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        let mut rng = Rng::new(seed);
+        let residual = std / (2.0 * self.shape.layers.max(1) as f64).sqrt();
+        for name in names {
+            let var = &data[name];
+            let n = var.elem_count();
+            let values: Vec<f32> = if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else if name.starts_with("ln.") || name.contains(".ln") {
+                vec![1.0; n]
+            } else {
+                let sd = if name.contains(".proj.") || name.contains(".down.") {
+                    residual
+                } else {
+                    std
+                };
+                (0..n).map(|_| (rng.normal() * sd) as f32).collect()
+            };
+            var.set(&Tensor::from_vec(values, var.shape(), var.device())?)?;
+        }
+        Ok(())
     }
 
     /// Logits `(batch, context, vocab)` for token ids `(batch, context)`.
@@ -281,9 +493,9 @@ impl CharLm {
                     .contiguous()
             };
             let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-            let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? / ((w / h) as f64).sqrt())?;
-            let att = candle_nn::ops::softmax_last_dim(
-                &scores.broadcast_add(&self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?,
+            let att = crate::ops::causal_softmax(
+                &q.matmul(&k.transpose(2, 3)?.contiguous()?)?,
+                1.0 / ((w / h) as f64).sqrt(),
             )?;
             let y = att
                 .matmul(&v)?
@@ -293,10 +505,47 @@ impl CharLm {
             x = (x + blk.proj.forward(&y)?)?;
             let m = blk
                 .down
-                .forward(&blk.up.forward(&blk.ln2.forward(&x)?)?.gelu()?)?;
+                .forward(&blk.up.forward(&blk.ln2.forward(&x)?)?.relu()?)?;
             x = (x + m)?;
         }
         self.head.forward(&self.ln.forward(&x)?)
+    }
+
+    /// Continues `prompt` by `count` tokens, each drawn from the model's distribution at
+    /// `temperature` given the last `context` tokens, with random numbers from `rng`.
+    pub fn sample(
+        &self,
+        prompt: &[u32],
+        count: usize,
+        temperature: f64,
+        rng: &mut Rng,
+    ) -> Result<Vec<u32>> {
+        let mut tokens = prompt.to_vec();
+        let dev = &self.device;
+        for _ in 0..count {
+            let from = tokens.len().saturating_sub(self.shape.context);
+            let window = &tokens[from..];
+            let ids = Tensor::from_vec(window.to_vec(), (1, window.len()), dev)?;
+            let logits = self
+                .forward(&ids)?
+                .squeeze(0)?
+                .get(window.len() - 1)?
+                .to_dtype(DType::F64)?;
+            let p =
+                candle_nn::ops::softmax(&(logits / temperature)?, D::Minus1)?.to_vec1::<f64>()?;
+            let u = rng.uniform();
+            let mut acc = 0.0;
+            let mut next = p.len() - 1;
+            for (k, &pk) in p.iter().enumerate() {
+                acc += pk;
+                if u < acc {
+                    next = k;
+                    break;
+                }
+            }
+            tokens.push(next as u32);
+        }
+        Ok(tokens[prompt.len()..].to_vec())
     }
 }
 
@@ -374,7 +623,7 @@ pub fn presets() -> Vec<Preset> {
 /// One run's measurements.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
-    /// "digits" or "shakespeare".
+    /// "digits", or the language model's text (`shakespeare`, or the file's name).
     pub task: String,
     /// The preset's name.
     pub preset: String,
@@ -398,6 +647,9 @@ pub struct RunResult {
     pub curve: Vec<f64>,
     /// Steps between curve points.
     pub curve_every: usize,
+    /// Language model: the prompt, `|`, and a continuation sampled after training (empty for
+    /// digits).
+    pub sample: String,
 }
 
 /// How long a task trains.
@@ -462,10 +714,9 @@ pub fn run_digits(
 ) -> Result<RunResult> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-    reinit(&varmap, seed)?;
+    let model = Mlp::new(seeded_var_builder(&varmap, seed, &dev))?;
     let lr = if preset.sgd { 0.05 } else { 2e-3 };
-    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
+    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
     let n = d.train_y.len();
     let mut order: Vec<usize> = (0..n).collect();
     let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
@@ -524,77 +775,113 @@ pub fn run_digits(
     )
 }
 
-/// The language model's size in the comparison.
-pub fn lm_shape(vocab: usize) -> LmShape {
-    LmShape {
-        vocab,
-        width: 64,
-        heads: 4,
-        layers: 2,
-        context: 64,
+/// How the character-level language model is built and trained.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LmRecipe {
+    /// Model width.
+    pub width: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Context length (tokens per training window).
+    pub context: usize,
+    /// Steps and sequences per step.
+    pub budget: Budget,
+    /// Peak learning rate of the AdamW presets.
+    pub adamw_lr: f64,
+    /// Peak learning rate of the SGD presets.
+    pub sgd_lr: f64,
+    /// Steps of linear warmup to the peak.
+    pub warmup: usize,
+    /// The last step's learning rate as a fraction of the peak (cosine decay after the warmup).
+    pub final_lr_fraction: f64,
+    /// Initialisation scale (see [`CharLm::init`]); 0 keeps candle's initialisation (its
+    /// embeddings N(0, 1), its linear weights Kaiming-normal N(0, 2 / fan-in)), drawn from the
+    /// seed by [`seeded_var_builder`].
+    pub init_std: f64,
+    /// Validation windows of `context` tokens: `None` tiles the whole validation split (every
+    /// token predicted once, the last window ending at the split's end); `Some(n)`: `n` windows
+    /// spread evenly over it (for short runs).
+    pub val_windows: Option<usize>,
+}
+
+impl LmRecipe {
+    /// The comparison's default (the README's main command).
+    pub fn default_run() -> LmRecipe {
+        LmRecipe {
+            width: 64,
+            heads: 4,
+            layers: 2,
+            context: 64,
+            budget: Budget {
+                steps: 1000,
+                batch: 32,
+            },
+            adamw_lr: 6e-3,
+            sgd_lr: 0.3,
+            warmup: 50,
+            final_lr_fraction: 0.01,
+            init_std: 0.02,
+            val_windows: None,
+        }
+    }
+
+    /// The model's shape for a vocabulary of `vocab` tokens.
+    pub fn shape(&self, vocab: usize) -> LmShape {
+        LmShape {
+            vocab,
+            width: self.width,
+            heads: self.heads,
+            layers: self.layers,
+            context: self.context,
+        }
+    }
+
+    /// The learning rate at `step` for the peak `peak`: linear warmup over `warmup` steps, then
+    /// cosine decay to `final_lr_fraction * peak` at the last step.
+    pub fn lr(&self, peak: f64, step: usize) -> f64 {
+        let steps = self.budget.steps;
+        if step < self.warmup {
+            return peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = steps.saturating_sub(self.warmup + 1).max(1);
+        let progress = ((step - self.warmup) as f64 / span as f64).min(1.0);
+        let f = self.final_lr_fraction;
+        peak * (f + (1.0 - f) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
     }
 }
 
-/// Trains the character-level transformer with `preset`; `progress(step)` after every step.
-pub fn run_shakespeare(
-    text: &Text,
-    preset: &Preset,
-    seed: u64,
-    budget: Budget,
-    mut progress: impl FnMut(usize),
-) -> Result<RunResult> {
-    let dev = Device::Cpu;
-    let shape = lm_shape(text.vocab.len());
-    let varmap = VarMap::new();
-    let model = CharLm::new(
-        shape,
-        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
-        &dev,
-    )?;
-    reinit(&varmap, seed)?;
-    let lr = if preset.sgd { 0.3 } else { 3e-3 };
-    let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from((preset.config)(lr)))?;
-    let t = shape.context;
-    let window = |tokens: &[u32], starts: &[usize]| -> Result<(Tensor, Tensor)> {
-        let x: Vec<u32> = starts
-            .iter()
-            .flat_map(|&s| tokens[s..s + t].iter().copied())
-            .collect();
-        let y: Vec<u32> = starts
-            .iter()
-            .flat_map(|&s| tokens[s + 1..s + t + 1].iter().copied())
-            .collect();
-        Ok((
-            Tensor::from_vec(x, (starts.len(), t), &dev)?,
-            Tensor::from_vec(y, starts.len() * t, &dev)?,
-        ))
-    };
-    let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
-    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
-    let start = Instant::now();
-    for step in 0..budget.steps {
-        opt.set_learning_rate(schedule(lr, step, budget.steps));
-        let starts: Vec<usize> = (0..budget.batch)
-            .map(|_| data_rng.below(text.train.len() - t - 1))
-            .collect();
-        let step_loss = train_step(&mut opt, preset, &starts, |micro| {
-            let (x, y) = window(&text.train, micro)?;
-            let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
-            candle_nn::loss::cross_entropy(&logits, &y)
-        })?;
-        losses.push(step_loss);
-        record(&mut curve, &losses, every);
-        progress(step + 1);
+/// The validation loss and next-character accuracy of `model` on `tokens`, over windows of the
+/// model's context (every prediction of every window counts): with `windows` `None`, windows
+/// that tile `tokens` (the last one ending at its end); with `Some(n)`, `n` windows spread
+/// evenly.
+pub fn evaluate(model: &CharLm, tokens: &[u32], windows: Option<usize>) -> Result<(f64, f64)> {
+    let t = model.shape.context;
+    let dev = model.device.clone();
+    if tokens.len() < t + 1 {
+        return Err(candle_core::Error::Msg(format!(
+            "{} tokens cannot hold a window of {t} and its next token",
+            tokens.len()
+        )));
     }
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
-    // Validation: 128 fixed windows spread evenly over the held-out text.
-    let count = 128;
-    let span = text.val.len() - t - 1;
-    let starts: Vec<usize> = (0..count).map(|k| k * span / count).collect();
+    let span = tokens.len() - t - 1; // the last start
+    let count = windows.unwrap_or(span.div_ceil(t) + 1).clamp(1, span + 1);
+    let starts: Vec<usize> = (0..count)
+        .map(|k| {
+            if count == 1 {
+                0
+            } else {
+                k * span / (count - 1)
+            }
+        })
+        .collect();
     let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
-    for chunk in starts.chunks(32) {
-        let (x, y) = window(&text.val, chunk)?;
-        let logits = model.forward(&x)?.reshape((chunk.len() * t, shape.vocab))?;
+    for chunk in starts.chunks(64) {
+        let (x, y) = windows_of(tokens, chunk, t, &dev)?;
+        let logits = model
+            .forward(&x)?
+            .reshape((chunk.len() * t, model.shape.vocab))?;
         loss_sum += f64::from(candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?)
             * chunk.len() as f64;
         correct += f64::from(
@@ -606,10 +893,91 @@ pub fn run_shakespeare(
                 .to_scalar::<f32>()?,
         );
     }
-    let val_loss = loss_sum / count as f64;
-    let accuracy = correct / (count * t) as f64;
-    finish(
-        "shakespeare",
+    Ok((loss_sum / count as f64, correct / (count * t) as f64))
+}
+
+/// Inputs `(starts, t)` and next-token targets `(starts * t)` for windows at `starts`.
+fn windows_of(
+    tokens: &[u32],
+    starts: &[usize],
+    t: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let x: Vec<u32> = starts
+        .iter()
+        .flat_map(|&s| tokens[s..s + t].iter().copied())
+        .collect();
+    let y: Vec<u32> = starts
+        .iter()
+        .flat_map(|&s| tokens[s + 1..s + t + 1].iter().copied())
+        .collect();
+    Ok((
+        Tensor::from_vec(x, (starts.len(), t), dev)?,
+        Tensor::from_vec(y, starts.len() * t, dev)?,
+    ))
+}
+
+/// Tokens sampled after training (at temperature 0.8, after `context / 2` tokens of the
+/// validation split from its first line start).
+const SAMPLE_TOKENS: usize = 320;
+
+/// Trains the character-level transformer on `text` with `preset` and `recipe`;
+/// `progress(step)` after every step. The data order is the same for every preset and seed.
+pub fn run_char_lm(
+    text: &Text,
+    preset: &Preset,
+    seed: u64,
+    recipe: &LmRecipe,
+    mut progress: impl FnMut(usize),
+) -> Result<RunResult> {
+    let dev = Device::Cpu;
+    let shape = recipe.shape(text.vocab.len());
+    let t = shape.context;
+    if text.train.len() < t + 2 || text.val.len() < t + 2 {
+        return Err(candle_core::Error::Msg(format!(
+            "the text is too short for windows of {t} tokens"
+        )));
+    }
+    let varmap = VarMap::new();
+    let model = CharLm::new(shape, seeded_var_builder(&varmap, seed, &dev), &dev)?;
+    if recipe.init_std > 0.0 {
+        model.init(&varmap, seed, recipe.init_std)?;
+    }
+    let lr = if preset.sgd {
+        recipe.sgd_lr
+    } else {
+        recipe.adamw_lr
+    };
+    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
+    let budget = recipe.budget;
+    let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
+    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
+    let start = Instant::now();
+    for step in 0..budget.steps {
+        opt.set_learning_rate(recipe.lr(lr, step));
+        let starts: Vec<usize> = (0..budget.batch)
+            .map(|_| data_rng.below(text.train.len() - t - 1))
+            .collect();
+        let step_loss = train_step(&mut opt, preset, &starts, |micro| {
+            let (x, y) = windows_of(&text.train, micro, t, &dev)?;
+            let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
+            candle_nn::loss::cross_entropy(&logits, &y)
+        })?;
+        losses.push(step_loss);
+        record(&mut curve, &losses, every);
+        progress(step + 1);
+    }
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
+    let (val_loss, accuracy) = evaluate(&model, &text.val, recipe.val_windows)?;
+    // The prompt: half a context from the validation split, from its first line start.
+    let from = (1..text.val.len() - t / 2)
+        .find(|&i| text.vocab[text.val[i - 1] as usize] == b'\n')
+        .unwrap_or(0);
+    let prompt = &text.val[from..from + t / 2];
+    let mut sample_rng = Rng::new(777);
+    let sample = model.sample(prompt, SAMPLE_TOKENS, 0.8, &mut sample_rng)?;
+    let mut r = finish(
+        &text.name,
         preset,
         seed,
         &opt,
@@ -619,7 +987,9 @@ pub fn run_shakespeare(
         val_loss,
         accuracy,
         ms_per_step,
-    )
+    )?;
+    r.sample = format!("{}|{}", text.decode(prompt), text.decode(&sample));
+    Ok(r)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -649,5 +1019,6 @@ fn finish(
         ms_per_step,
         curve,
         curve_every: every,
+        sample: String::new(),
     })
 }

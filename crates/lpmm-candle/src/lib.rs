@@ -11,8 +11,38 @@
 //! [`LpmmOptimizer::candle_bytes`]). After every step the `Var`s are set to the parameters as lpmm
 //! stores them (bf16-rounded, 8-bit-quantized, ...), so the model trains on exactly what lpmm
 //! keeps.
+//!
+//! # A warning for candle users
+//!
+//! In candle-nn 0.11 (checked in 0.11.1), three fused operators have no backward pass: their
+//! output is a constant to autograd, so no gradient reaches anything before them, and training
+//! silently updates only what comes after. No error or warning is raised.
+//!
+//! - `candle_nn::ops::layer_norm` is applied with `Tensor::apply_op3_no_bwd`, and
+//!   `candle_nn::LayerNorm::forward` takes that path for every contiguous input when the layer
+//!   has a bias (as `candle_nn::layer_norm(size, eps, vb)` builds it).
+//! - `candle_nn::ops::rms_norm` is applied with `apply_op2_no_bwd`, and
+//!   `candle_nn::RmsNorm::forward` takes it for every contiguous input.
+//! - `candle_nn::ops::softmax_last_dim` is applied with `apply_op1_no_bwd`.
+//!
+//! In a pre-norm transformer built with `candle_nn::LayerNorm`, the final layer norm stops every
+//! gradient: only the output head trains; with `softmax_last_dim` in the attention, the queries
+//! and keys never train. lpmm's own comparison model did exactly this until it was fixed
+//! (docs/RESULTS.md has the before and after).
+//!
+//! Differentiable replacements: `candle_nn::ops::softmax(x, D::Minus1)` and
+//! `candle_nn::ops::layer_norm_slow` / `rms_norm_slow` in candle-nn itself, or this crate's
+//! [`ops`]: [`ops::layer_norm`], [`ops::rms_norm`], [`ops::softmax_last_dim`],
+//! [`ops::causal_softmax`] and the module types [`ops::LayerNorm`] / [`ops::RmsNorm`]
+//! (`let ln: lpmm_candle::ops::LayerNorm = candle_nn::layer_norm(size, 1e-5, vb)?.into();`), with
+//! fused f32 CPU kernels that have their own backward pass, each tested against candle-nn's
+//! forward values, the closed-form gradients and finite differences. To check a model, compute a
+//! loss, call `backward()`, and look for a non-zero gradient of every `Var`, as the test
+//! `every_parameter_receives_a_gradient` in `tests/short_runs.rs` does for the comparison's
+//! language model.
 
 pub mod experiments;
+pub mod ops;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Error, Result, Tensor, Var};

@@ -1,7 +1,9 @@
 //! A short version of the comparison: every preset's training loss falls on both tasks, and the
 //! report's JSON has the documented fields. No timing assertions.
 
-use lpmm_candle::experiments::{self, Budget, RunResult};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use lpmm_candle::experiments::{self, Budget, CharLm, LmRecipe, RunResult};
 
 fn falls(r: &RunResult) {
     let first = r.curve[0];
@@ -36,19 +38,24 @@ fn every_preset_learns_on_both_tasks_and_the_json_schema_holds() -> candle_core:
             |_| {},
         )?;
         falls(&d);
-        let s = experiments::run_shakespeare(
-            &text,
-            &preset,
-            0,
-            Budget {
+        // A smaller model than the comparison's, to keep the test short.
+        let recipe = LmRecipe {
+            width: 32,
+            heads: 2,
+            layers: 1,
+            context: 32,
+            budget: Budget {
                 steps: 30,
                 batch: 16,
             },
-            |_| {},
-        )?;
+            warmup: 5,
+            val_windows: Some(16),
+            ..LmRecipe::default_run()
+        };
+        let s = experiments::run_char_lm(&text, &preset, 0, &recipe, |_| {})?;
         falls(&s);
         println!(
-            "{}: digits {:.2} ms/step, shakespeare {:.1} ms/step",
+            "{}: digits {:.2} ms/step, language model {:.1} ms/step",
             preset.name, d.ms_per_step, s.ms_per_step
         );
         let json = serde_json::to_value(&s).unwrap();
@@ -65,9 +72,115 @@ fn every_preset_learns_on_both_tasks_and_the_json_schema_holds() -> candle_core:
             "ms_per_step",
             "curve",
             "curve_every",
+            "sample",
         ] {
             assert!(json.get(field).is_some(), "missing {field}");
         }
     }
+    Ok(())
+}
+
+/// Every parameter of the comparison's language model receives a non-zero gradient from the
+/// training loss. With candle-nn's fused `LayerNorm` or `ops::softmax_last_dim` in the model,
+/// this fails: nothing before the final layer norm gets a gradient (with the fused softmax, no
+/// query or key weight does).
+#[test]
+fn every_parameter_receives_a_gradient() -> candle_core::Result<()> {
+    let text = experiments::shakespeare()?;
+    let recipe = LmRecipe::default_run();
+    let shape = recipe.shape(text.vocab.len());
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = CharLm::new(
+        shape,
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+        &dev,
+    )?;
+    model.init(&varmap, 0, recipe.init_std)?;
+    let (b, t) = (4, shape.context);
+    let starts = [0, 1000, 20_000, 300_000];
+    let x: Vec<u32> = starts
+        .iter()
+        .flat_map(|&s| text.train[s..s + t].iter().copied())
+        .collect();
+    let y: Vec<u32> = starts
+        .iter()
+        .flat_map(|&s| text.train[s + 1..s + t + 1].iter().copied())
+        .collect();
+    let logits = model
+        .forward(&Tensor::from_vec(x, (b, t), &dev)?)?
+        .reshape((b * t, shape.vocab))?;
+    let loss = candle_nn::loss::cross_entropy(&logits, &Tensor::from_vec(y, b * t, &dev)?)?;
+    let grads = loss.backward()?;
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    // 2 embeddings, 6 matrices or gains per block, the final layer norm's gain and the head.
+    assert_eq!(names.len(), 2 + 6 * shape.layers + 2, "{names:?}");
+    let nonzero = |g: &Tensor| -> candle_core::Result<bool> {
+        Ok(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0)
+    };
+    let mut missing = Vec::new();
+    for name in names {
+        let Some(g) = grads.get(data[name].as_tensor()) else {
+            missing.push(name.clone());
+            continue;
+        };
+        if !nonzero(g)? {
+            missing.push(name.clone());
+        }
+        // The query, key and value projections share one matrix: rows [0, w) make the queries,
+        // [w, 2w) the keys, [2w, 3w) the values. Each part must get a gradient of its own (with a
+        // softmax that has no backward pass, only the values would). (Not so for the bias: the
+        // keys' bias shifts a query's scores all alike, which the softmax ignores, so its
+        // gradient is zero in exact arithmetic.)
+        if name.ends_with("qkv.weight") {
+            for (k, part) in ["query", "key", "value"].iter().enumerate() {
+                if !nonzero(&g.narrow(0, k * shape.width, shape.width)?)? {
+                    missing.push(format!("{name} ({part} part)"));
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "no gradient reaches {missing:?}");
+    Ok(())
+}
+
+/// The same seed gives the same bits: two runs of each task with a stochastic-rounding preset
+/// (whose random streams follow the order of the parameters) agree exactly, and another seed
+/// differs. (Each run builds its own `VarMap`, whose hash order differs from the other's.)
+#[test]
+fn same_seed_same_bits() -> candle_core::Result<()> {
+    let digits = experiments::digits()?;
+    let text = experiments::shakespeare()?;
+    let presets = experiments::presets();
+    let lpmm_sgdm = presets.iter().find(|p| p.name == "LPMM-SGDM").unwrap();
+    let recipe = LmRecipe {
+        budget: Budget { steps: 6, batch: 8 },
+        warmup: 2,
+        val_windows: Some(8),
+        init_std: 0.0, // candle's distributions, drawn by the seeded builder
+        ..LmRecipe::default_run()
+    };
+    let budget = Budget {
+        steps: 20,
+        batch: 32,
+    };
+    let lm = |seed| experiments::run_char_lm(&text, lpmm_sgdm, seed, &recipe, |_| {});
+    let mlp = |seed| experiments::run_digits(&digits, lpmm_sgdm, seed, budget, |_| {});
+    let bits = |r: &RunResult| -> Vec<u64> {
+        r.curve
+            .iter()
+            .chain([&r.val_loss, &r.val_accuracy])
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let (a, b, c) = (lm(0)?, lm(0)?, lm(1)?);
+    assert_eq!(bits(&a), bits(&b), "language model, seed 0 twice");
+    assert_eq!(a.sample, b.sample);
+    assert_ne!(bits(&a), bits(&c), "language model, seeds 0 and 1");
+    let (a, b, c) = (mlp(0)?, mlp(0)?, mlp(1)?);
+    assert_eq!(bits(&a), bits(&b), "digits, seed 0 twice");
+    assert_ne!(bits(&a), bits(&c), "digits, seeds 0 and 1");
     Ok(())
 }

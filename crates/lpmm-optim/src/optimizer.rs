@@ -1039,14 +1039,15 @@ impl<B: Backend> Optimizer<B> {
         Ok(result?)
     }
 
-    /// A step whose gradients come from the caller's buffers instead of the accumulators (a
-    /// framework's gradient tensors after a backward pass: no accumulator is needed, and no copy
-    /// is made). Every parameter with a gradient takes part; the policies keep their meaning
-    /// over all of them — the exact global norm for clipping, all or nothing under SkipStep —
-    /// and each gradient is released (`Gradients::consumed`) as soon as its parameter has
-    /// stepped, so the caller can drop it parameter by parameter. Lent parameters get their
-    /// buffers from `lender`. A parameter with a pending accumulated gradient cannot also take
-    /// a gradient here (an error naming it; nothing moves).
+    /// A step whose gradients come from the caller's buffers (a framework's gradient tensors
+    /// after a backward pass: no accumulator is needed and no copy is made), together with
+    /// every parameter whose accumulator holds gradients (e.g. accumulated during the backward
+    /// pass by a layer over an lpmm parameter). The policies keep their meaning over all of them
+    /// — the exact global norm for clipping, all or nothing under SkipStep — and each given
+    /// gradient is released (`Gradients::consumed`) as soon as its parameter has stepped, so the
+    /// caller can drop it parameter by parameter. Lent parameters get their buffers from
+    /// `lender`. A parameter cannot take both a given gradient and an accumulated one (an error
+    /// naming it; nothing moves).
     pub fn step_gradients(
         &mut self,
         grads: &mut dyn Gradients<B>,
@@ -1057,8 +1058,8 @@ impl<B: Backend> Optimizer<B> {
             || self.options.non_finite == NonFinitePolicy::SkipStep;
         let mut report = StepReport::default();
         let mut sum = ExactSum::new();
-        let mut has = vec![false; n];
-        for (i, has) in has.iter_mut().enumerate() {
+        let mut given = vec![false; n];
+        for (i, given) in given.iter_mut().enumerate() {
             let id = ParamId(i);
             let (numel, pending, name) = (
                 self.layouts[i].numel,
@@ -1080,10 +1081,10 @@ impl<B: Backend> Optimizer<B> {
                 if pending {
                     return Err(OptimError::Lent {
                         param: name.clone(),
-                        reason: "it holds an accumulated gradient: step() it, or pass all of its gradient here".into(),
+                        reason: "it holds an accumulated gradient and was given another: pass all of its gradient one way".into(),
                     });
                 }
-                *has = true;
+                *given = true;
                 if need_stats {
                     let (s, finite) = backend.input_stats(g)?;
                     sum.merge(&s);
@@ -1094,7 +1095,29 @@ impl<B: Backend> Optimizer<B> {
                 Ok(())
             })?;
         }
-        self.check_step_counters(|i| has[i])?;
+        // Every parameter taking part (given or accumulated) must have a step left.
+        self.check_step_counters(|i| given[i] || self.states[i].pending)?;
+        // The accumulated ones.
+        for (s, m) in self.select.iter_mut().zip(&self.states) {
+            *s = m.pending;
+        }
+        if need_stats && self.select.iter().any(|&s| s) {
+            self.backend.gradient_stats(
+                &mut self.params,
+                &self.layouts,
+                &self.select,
+                &mut self.stats,
+            )?;
+            for (i, (&s, (part, finite))) in self.select.iter().zip(&self.stats).enumerate() {
+                if s {
+                    sum.merge(part);
+                    if !finite {
+                        report.non_finite.push(ParamId(i));
+                    }
+                }
+            }
+            report.non_finite.sort();
+        }
         let mut clip = 1.0f32;
         if need_stats {
             let norm = sum.to_f64().sqrt();
@@ -1108,25 +1131,53 @@ impl<B: Backend> Optimizer<B> {
             if !report.non_finite.is_empty() && self.options.non_finite == NonFinitePolicy::SkipStep
             {
                 report.skipped = true;
-                for (i, &h) in has.iter().enumerate() {
-                    if h {
+                for (i, &g) in given.iter().enumerate() {
+                    if g {
                         grads.consumed(ParamId(i));
                     }
                 }
+                for (m, s) in self.states.iter_mut().zip(self.select.iter_mut()) {
+                    m.pending = false;
+                    *s = false;
+                }
+                self.backend
+                    .clear_gradients(&mut self.params, &self.layouts, None)?;
                 return Ok(report);
             }
         }
-        for i in (0..n).filter(|&i| has[i]) {
+        let plan = |state: &ParamState| ParamStep {
+            t: state.steps + 1,
+            flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
+            rule: state.config.hyper.consts(state.steps + 1),
+            clip,
+        };
+        self.flags.iter_mut().for_each(|f| *f = false);
+        // Accumulated gradients: every held parameter in one call, lent ones one at a time.
+        self.plans.iter_mut().for_each(|p| *p = None);
+        for i in 0..n {
+            if self.select[i] && !self.layouts[i].lent {
+                self.plans[i] = Some(plan(&self.states[i]));
+            }
+        }
+        if self.plans.iter().any(Option::is_some) {
+            self.run_plans(None, &mut [])?;
+        }
+        for i in 0..n {
+            if !(self.select[i] && self.layouts[i].lent) {
+                continue;
+            }
             let id = ParamId(i);
-            let state = &self.states[i];
+            self.plans[i] = Some(plan(&self.states[i]));
+            let Some(lender) = lender.as_deref_mut() else {
+                return Err(self.unlent(i));
+            };
+            lender.lend_mut(id, &mut |buf| self.run_plans(None, &mut [(id, buf)]))?;
+        }
+        // Given gradients, released as they are consumed.
+        for i in (0..n).filter(|&i| given[i]) {
+            let id = ParamId(i);
             self.plans.iter_mut().for_each(|p| *p = None);
-            self.plans[i] = Some(ParamStep {
-                t: state.steps + 1,
-                flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
-                rule: state.config.hyper.consts(state.steps + 1),
-                clip,
-            });
-            self.flags[i] = false;
+            self.plans[i] = Some(plan(&self.states[i]));
             let lent = self.layouts[i].lent;
             grads.gradient(id, &mut |g| {
                 let Some(g) = g else { return Ok(()) };
@@ -1134,25 +1185,36 @@ impl<B: Backend> Optimizer<B> {
                     return self.run_plans(Some((i, g)), &mut []);
                 }
                 let Some(lender) = lender.as_deref_mut() else {
-                    return Err(OptimError::Lent {
-                        param: self.states[i].name.clone(),
-                        reason: "it takes part in this step but no lender was given".into(),
-                    });
+                    return Err(self.unlent(i));
                 };
                 lender.lend_mut(id, &mut |buf| {
                     self.run_plans(Some((i, g)), &mut [(id, buf)])
                 })
             })?;
             grads.consumed(id);
-            if self.flags[i] && !report.non_finite.contains(&id) {
-                report.non_finite.push(id);
+        }
+        for (i, &was_given) in given.iter().enumerate().take(n) {
+            if was_given || self.select[i] {
+                let id = ParamId(i);
+                if self.flags[i] && !report.non_finite.contains(&id) {
+                    report.non_finite.push(id);
+                }
+                let m = &mut self.states[i];
+                m.steps += 1;
+                m.pending = false;
+                self.select[i] = false;
+                report.updated += 1;
             }
-            let m = &mut self.states[i];
-            m.steps += 1;
-            report.updated += 1;
         }
         self.global_steps += 1;
         Ok(report)
+    }
+
+    fn unlent(&self, i: usize) -> OptimError {
+        OptimError::Lent {
+            param: self.states[i].name.clone(),
+            reason: "it takes part in this step but no lender was given".into(),
+        }
     }
 
     /// The first half of a step split across ranks (lpmm-dist): marks every parameter with

@@ -185,3 +185,33 @@ fn a_pending_accumulated_gradient_is_refused() {
     assert!(matches!(err, lpmm_optim::OptimError::Lent { .. }), "{err}");
     assert_eq!(opt.steps(), 0);
 }
+
+#[test]
+fn given_and_accumulated_gradients_step_together_under_one_norm() {
+    let clipped = OptimizerOptions {
+        seed: 8,
+        max_grad_norm: Some(0.5),
+        non_finite: NonFinitePolicy::SkipStep,
+    };
+    let config = presets::adamw_f32(1e-3);
+    let mut rng = Rng(6);
+    let mut acc = optimizer(config, clipped, &mut rng);
+    let mut rng = Rng(6);
+    let mut mixed = optimizer(config, clipped, &mut rng);
+    for step in 0..2 {
+        let grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 2.0)).collect();
+        for (k, g) in grads.iter().enumerate() {
+            acc.accumulate(id(&acc, k), g).unwrap();
+        }
+        let r1 = acc.step().unwrap();
+        // Parameters 0 and 2 accumulated, 1 and 3 given.
+        let mut given = grads.clone();
+        for k in [0, 2] {
+            mixed.accumulate(id(&mixed, k), &grads[k]).unwrap();
+            given[k] = Vec::new();
+        }
+        let r2 = mixed.step_gradients(&mut given, None).unwrap();
+        assert_eq!(r1, r2, "step {step}");
+        same(&acc, &mixed, &format!("step {step}"));
+    }
+}
