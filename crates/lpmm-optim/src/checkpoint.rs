@@ -397,7 +397,7 @@ impl Canonical {
                 Some(t) if t <= 2 * bytes.len() => t,
                 _ => {
                     return Err(format!(
-                        "parameter {} has shape {:?}: more elements than the file can hold",
+                        "parameter {} has shape {:?}: empty, or more elements than the file can hold",
                         p.name, p.shape
                     ));
                 }
@@ -462,7 +462,13 @@ impl Canonical {
             let mut hosts: [HostSlot; 4] = Default::default();
             for ((slot, format), host) in SlotKind::ALL.into_iter().zip(slots).zip(&mut hosts) {
                 let Some(format) = format else { continue };
-                for spec in format.regions(&p.shape).into_iter().filter(|r| r.saved) {
+                let specs: Vec<_> = format
+                    .regions(&p.shape)
+                    .into_iter()
+                    .filter(|r| r.saved)
+                    .collect();
+                host.regions.reserve_exact(specs.len());
+                for spec in specs {
                     let key = format!("{}/{}{}", p.name, slot.name(), spec.suffix);
                     let (_, _, data) =
                         tensor(&key).ok_or_else(|| format!("tensor {key} missing"))?;

@@ -34,17 +34,24 @@ pub fn reseal(bytes: &[u8]) -> Option<Vec<u8>> {
     crate::checkpoint::reseal(bytes)
 }
 
-/// The checkpoint loader on arbitrary bytes. The first byte picks the mode: odd, the rest is
-/// resealed ([`reseal`]) before loading; even, loaded as it is. Panics if a rule is broken.
-pub fn checkpoint(data: &[u8]) -> Outcome {
-    match data.split_first() {
-        Some((&mode, rest)) if mode & 1 == 1 => match reseal(rest) {
-            Some(sealed) => load_round_trip(&sealed),
-            None => load_round_trip(rest),
-        },
-        Some((_, rest)) => load_round_trip(rest),
-        None => load_round_trip(data),
-    }
+/// What [`checkpoint`] saw: the bytes as they are, and resealed ([`reseal`]: the checksum
+/// recomputed, so that a mutation reaches the checks behind it) where that changes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcomes {
+    /// The bytes as they are.
+    pub raw: Outcome,
+    /// The resealed bytes, if resealing parses and changes them.
+    pub resealed: Option<Outcome>,
+}
+
+/// The checkpoint loader on arbitrary bytes (the `checkpoint` fuzz target): the bytes as they
+/// are, then resealed. Panics if a rule is broken.
+pub fn checkpoint(data: &[u8]) -> Outcomes {
+    let raw = load_round_trip(data);
+    let resealed = reseal(data)
+        .filter(|sealed| sealed.as_slice() != data)
+        .map(|sealed| load_round_trip(&sealed));
+    Outcomes { raw, resealed }
 }
 
 /// Loads `bytes` as `Optimizer::load` does (parse and validate, then build on the CPU), and
@@ -328,7 +335,7 @@ impl Mutator {
         (self.rng.next_u64() % n.max(1) as u64) as usize
     }
 
-    /// One input for [`checkpoint`]: a seed mutated one to four times, with the mode byte first.
+    /// One input for [`checkpoint`]: a seed mutated one to four times.
     pub fn next(&mut self, seeds: &[Vec<u8>]) -> Vec<u8> {
         let mut bytes = seeds[self.below(seeds.len())].clone();
         let rounds = 1 + self.below(4);
@@ -339,11 +346,7 @@ impl Mutator {
                 self.structured(&bytes).unwrap_or(bytes)
             };
         }
-        let mode = (self.rng.next_u64() as u8) | u8::from(self.below(4) != 0);
-        let mut out = Vec::with_capacity(bytes.len() + 1);
-        out.push(mode);
-        out.extend(bytes);
-        out
+        bytes
     }
 
     fn raw(&mut self, mut b: Vec<u8>, seeds: &[Vec<u8>]) -> Vec<u8> {

@@ -76,9 +76,10 @@ fn a_load_allocates_linearly_in_the_file_even_for_forged_files() {
         save(presets::adamw_4bit_bf16_sr_released(1e-3), &big),
         true,
     ));
-    let tiny: Vec<(String, usize)> = (0..20_000).map(|k| (format!("t{k}"), 1 + k % 7)).collect();
+    // The most bookkeeping per byte a file can carry: one-element parameters with short names.
+    let tiny: Vec<(String, usize)> = (0..30_000).map(|k| (format!("t{k}"), 1)).collect();
     cases.push((
-        "20,000 tiny parameters (SGD)",
+        "30,000 one-element parameters (SGD with momentum)",
         save(ParamConfig::f32(Hyper::sgd(0.1, 0.9)), &tiny),
         true,
     ));
@@ -132,10 +133,12 @@ fn a_load_allocates_linearly_in_the_file_even_for_forged_files() {
             bytes.len(),
             if ok { "loaded" } else { "refused" }
         );
-        // The file itself, its parsed copy and the optimizer built from it, plus the parsed
-        // header: a few times the file, never tens.
+        // Big tensors: the file and its parsed copy (2x). One-element parameters: per parameter
+        // about 530 bytes of file (its metadata JSON and three tensor headers) against its parsed
+        // header, configuration, slots and the optimizer's bookkeeping (measured 6-7x). A small
+        // constant either way; never tens (the 40x of the issue).
         assert!(
-            ratio < 4.0,
+            ratio < 10.0,
             "{what}: a load allocated {ratio:.1}x the file ({peak} bytes)"
         );
     }
