@@ -32,7 +32,11 @@ fn variant(e: &OptimError) -> String {
         .chars()
         .take_while(|c| c.is_alphanumeric() || *c == '_')
         .collect();
-    let text = e.to_string();
+    // The temporary directory's name changes from run to run.
+    let text = e
+        .to_string()
+        .replace(&format!("{}/", dir().display()), "")
+        .replace(&dir().display().to_string(), "<dir>");
     let short: String = text.chars().take(110).collect();
     let more = if text.chars().count() > 110 {
         "…"

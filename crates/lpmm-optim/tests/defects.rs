@@ -1,4 +1,8 @@
-//! Scratch: the issue's defects reproduced with the API as it was (removed after).
+//! Issue 22's defects, one test each, written against the API as it was before the fix (so they
+//! compile there too): every one fails at commit 6ebcecf and passes now. To see them fail:
+//! `git worktree add /tmp/before 6ebcecf && cp crates/lpmm-optim/tests/defects.rs
+//! /tmp/before/crates/lpmm-optim/tests/ && cd /tmp/before && cargo test --release -p lpmm-optim
+//! --test defects`. tests/hostile.rs has the full table of bad inputs.
 
 use lpmm_optim::{
     Adam, Hyper, LrRule, OptimError, Optimizer, OptimizerOptions, ParamConfig, Storage,
@@ -10,7 +14,7 @@ fn bf(r: StoreRounding) -> Storage {
 }
 
 fn dir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lpmm-before-{}", std::process::id()));
+    let d = std::env::temp_dir().join(format!("lpmm-defects-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -182,6 +186,61 @@ fn item6_errors_of_bad_files_are_checkpoint_errors() {
 }
 
 #[test]
-fn overflow_conformance_on_the_cpu() {
-    lpmm_optim::testing::overflow_is_bit_exact(&lpmm_optim::Cpu);
+fn item1_adamw_bf16_second_moment_overflow_is_reported() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            grad: Storage::None,
+            state1: bf(StoreRounding::Nearest),
+            state2: bf(StoreRounding::Stochastic),
+            ..presets::adamw_f32(1e-3)
+        })
+        .unwrap();
+    let id = opt.add_param("w", &[2], &[0.1, 0.1], g).unwrap();
+    let r = opt.step_param(id, &[0.01, 5.832e20]).unwrap();
+    let mut v = [0f32; 2];
+    opt.read_state(id, 2, &mut v).unwrap();
+    assert!(
+        v.iter().all(|x| x.is_finite()) && !r.non_finite.is_empty(),
+        "v {v:?}, report {r:?}"
+    );
+}
+
+#[test]
+fn item3_a_save_after_overflow_loads() {
+    let path = dir().join("after-overflow.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            state1: bf(StoreRounding::Nearest),
+            grad: Storage::None,
+            ..ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
+        })
+        .unwrap();
+    let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
+    let _ = opt.step_param(id, &[1.0, 3.4e38]);
+    opt.save(&path).unwrap();
+    Optimizer::load(&path).unwrap();
+}
+
+#[test]
+fn item4_set_steps_u64_max_is_refused() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    // Before: `set_steps` returned nothing and took any value.
+    let _ = opt.set_steps(u64::MAX);
+    assert!(opt.steps() <= 1 << 53, "counter set to {}", opt.steps());
+}
+
+#[test]
+fn item5_stale_temp_is_cleaned_by_the_next_load() {
+    let d = dir();
+    let path = d.join("stale-load.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    opt.save(&path).unwrap();
+    let stale = d.join(".stale-load.safetensors.tmp-999998-3");
+    std::fs::write(&stale, vec![0u8; 1000]).unwrap();
+    Optimizer::load(&path).unwrap();
+    assert!(!stale.exists(), "stale temporary file left behind");
 }
