@@ -4,7 +4,7 @@
 //! `fuzz/README.md` says how to run them long.
 //!
 //! The checkpoint oracle's rules (docs/OPTIMIZERS.md, "Checkpoints"): never panic; a file either
-//! loads or is refused with [`OptimError::Checkpoint`]; a file that loads gives an optimizer
+//! loads or is refused with [`crate::OptimError::Checkpoint`]; a file that loads gives an optimizer
 //! whose save writes the same tensors and hyperparameters bit for bit, and that file loads too.
 
 use std::collections::HashMap;
