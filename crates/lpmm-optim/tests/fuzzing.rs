@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use lpmm_optim::fuzzing::{self, Mutator, Outcome};
 use lpmm_optim::testing::Rng;
+use lpmm_optim::{OptimError, Optimizer};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -121,12 +122,34 @@ fn mutated_checkpoints_load_and_round_trip_or_are_refused() {
     let secs = env("LPMM_FUZZ_SECS", 25);
     let iters = env("LPMM_FUZZ_ITERS", u64::MAX);
     let mut mutator = Mutator::new(env("LPMM_FUZZ_SEED", 0x22));
+    let dir = std::env::temp_dir().join(format!("lpmm-fuzzing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("input.safetensors");
+    let mut through_files = 0u64;
     let start = Instant::now();
     let (mut loaded, mut refused, mut n) = (0u64, 0u64, 0u64);
     let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
     while n < iters && start.elapsed() < Duration::from_secs(secs) {
         let input = mutator.next(&seeds);
         let seen = guarded("checkpoint", &input, || fuzzing::checkpoint(&input));
+        // Every 32nd input also through the file API: the same verdict, and a refusal is an
+        // `OptimError::Checkpoint` (the docs promise it for every bad file).
+        if n % 32 == 0 {
+            std::fs::write(&file, &input).unwrap();
+            match (Optimizer::load(&file), &seen.raw) {
+                (Ok(_), Outcome::Loaded) => {}
+                (Err(OptimError::Checkpoint { .. }), Outcome::Refused(_)) => {}
+                (other, want) => {
+                    let path = std::env::temp_dir().join("lpmm-fuzz-checkpoint-file-crash.bin");
+                    let _ = std::fs::write(&path, &input);
+                    panic!(
+                        "Optimizer::load gave {other:?} where the oracle saw {want:?} (the input is in {})",
+                        path.display()
+                    );
+                }
+            }
+            through_files += 1;
+        }
         for outcome in std::iter::once(seen.raw).chain(seen.resealed) {
             match outcome {
                 Outcome::Loaded => loaded += 1,
@@ -147,6 +170,10 @@ fn mutated_checkpoints_load_and_round_trip_or_are_refused() {
     for (reason, count) in &reasons {
         println!("  {count:8}  {reason}");
     }
+    println!(
+        "  {through_files} inputs also loaded from a file: the same verdicts, every refusal an OptimError::Checkpoint"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(n >= 200, "too few inputs ran ({n})");
     assert!(
         loaded > 0 && refused > 0,
