@@ -50,6 +50,11 @@ struct Piece {
     regions: [Vec<Vec<u32>>; 4],
     /// The byte length of each element region for this piece.
     bytes: [[usize; MAX_REGIONS]; 4],
+    /// Whether the gradient accumulator's element regions are allocated. They are allocated on
+    /// the first accumulation (or import): a parameter stepped only from given gradients
+    /// (`step_gradients`, released steps) never holds an accumulator. Unallocated, it reads as
+    /// zeros, which is what a fresh accumulator holds.
+    grad_held: bool,
     /// Results of the last pass, kept here so a step allocates nothing.
     grad_sum: ExactSum,
     grad_finite: bool,
@@ -82,6 +87,28 @@ fn for_pieces_lent(
 }
 
 impl Piece {
+    /// Allocates the gradient accumulator's element regions (fresh: zero) if they are not yet.
+    fn hold_grad(&mut self, layout: &ParamLayout) {
+        let Some(format) = layout.format(SlotKind::Grad) else {
+            return;
+        };
+        if self.grad_held {
+            return;
+        }
+        let specs = format.regions(&layout.shape);
+        for (k, r) in specs.iter().filter(|r| r.per_element()).enumerate() {
+            let mut words = vec![0u32; r.words(self.len)];
+            format.fresh(k, &mut words, self.len);
+            self.regions[SlotKind::Grad as usize][k] = words;
+        }
+        self.grad_held = true;
+    }
+
+    /// Whether `slot`'s element regions are allocated (only the accumulator's may not be).
+    fn holds(&self, slot: SlotKind) -> bool {
+        slot != SlotKind::Grad || self.grad_held
+    }
+
     /// Read-only views of `slot`'s regions (`lent`: the piece's part of a lent primary region).
     fn view<'a>(
         &'a self,
@@ -186,7 +213,7 @@ fn load_gradient(
     released: Option<HostValues<'_>>,
     g: &mut [f32],
 ) {
-    match layout.format(SlotKind::Grad) {
+    match layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
         Some(f) => f.decode(
             &piece.view(SlotKind::Grad, wide, &layout.shape, None),
             start,
@@ -212,7 +239,7 @@ fn decode_slot(
     start: usize,
     out: &mut [f32],
 ) {
-    match layout.format(slot) {
+    match layout.format(slot).filter(|_| piece.holds(slot)) {
         Some(f) => f.decode(&piece.view(slot, wide, &layout.shape, lent), start, out),
         None => out.fill(0.0),
     }
@@ -363,7 +390,7 @@ fn fused_step(
                 );
             }
         }
-        if let Some(f) = layout.format(SlotKind::Grad) {
+        if let Some(f) = layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
             let mut r = view_mut(rg, bg, &wide[1], piece.offset, shape, None);
             f.clear(&mut r, start, n);
         }
@@ -504,9 +531,11 @@ impl Backend for Cpu {
                 };
                 for (k, r) in spec.iter().filter(|r| r.per_element()).enumerate() {
                     bytes[s][k] = r.bytes(len);
+                    // A lent primary region and the accumulator (until used) hold no words.
                     let lent_here = s == SlotKind::Param as usize && k == 0 && layout.lent;
-                    let mut words = vec![0u32; if lent_here { 0 } else { r.words(len) }];
-                    if !lent_here {
+                    let absent = lent_here || s == SlotKind::Grad as usize;
+                    let mut words = vec![0u32; if absent { 0 } else { r.words(len) }];
+                    if !absent {
                         format.fresh(k, &mut words, len);
                     }
                     regions[s].push(words);
@@ -520,6 +549,7 @@ impl Backend for Cpu {
                 grad_sum: ExactSum::new(),
                 grad_finite: true,
                 saw_non_finite: false,
+                grad_held: false,
             });
         }
         let mut param = CpuParam { pieces, wide };
@@ -569,12 +599,18 @@ impl Backend for Cpu {
         };
         let (shape, wide) = (&layout.shape[..], &param.wide[1]);
         for_pieces(&mut param.pieces, |piece| {
+            piece.hold_grad(layout);
             let (mut acc, mut g) = ([0f32; CHUNK], [0f32; CHUNK]);
             let (offset, len) = (piece.offset, piece.len);
             for start in (0..len).step_by(CHUNK) {
                 let n = CHUNK.min(len - start);
                 let (acc, g) = (&mut acc[..n], &mut g[..n]);
-                format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                if piece.grad_held {
+                    format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                } else {
+                    // An accumulator not yet allocated holds zeros.
+                    acc.fill(0.0);
+                }
                 grad.read_f32(offset + start, g);
                 acc.iter_mut().zip(g.iter()).for_each(|(a, &x)| *a += x);
                 let mut r = view_mut(
@@ -626,7 +662,12 @@ impl Backend for Cpu {
             (0..piece.len).step_by(CHUNK).all(|start| {
                 let n = CHUNK.min(piece.len - start);
                 let (acc, g) = (&mut acc[..n], &mut g[..n]);
-                format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                if piece.grad_held {
+                    format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                } else {
+                    // An accumulator not yet allocated holds zeros.
+                    acc.fill(0.0);
+                }
                 grad.read_f32(piece.offset + start, g);
                 // The sum exactly as `accumulate` forms it.
                 acc.iter().zip(g.iter()).all(|(&a, &x)| fits(a + x, limit))
@@ -781,7 +822,7 @@ impl Backend for Cpu {
                 continue;
             };
             let (shape, wide) = (&layout.shape[..], &p.wide[1]);
-            for piece in &mut p.pieces {
+            for piece in p.pieces.iter_mut().filter(|p| p.grad_held) {
                 let (offset, len) = (piece.offset, piece.len);
                 let mut r = view_mut(
                     &mut piece.regions[1],
@@ -854,17 +895,24 @@ impl Backend for Cpu {
                 e += 1;
                 match (lent_here && e == 1, lent) {
                     (true, Some(l)) => l.bytes().to_vec(),
-                    _ => param
-                        .pieces
-                        .iter()
-                        .flat_map(|p| {
-                            bytes_of(
-                                &p.regions[slot as usize][e - 1],
-                                p.bytes[slot as usize][e - 1],
-                            )
-                        })
-                        .copied()
-                        .collect(),
+                    _ => {
+                        let mut out = Vec::with_capacity(spec.bytes(layout.numel));
+                        for p in &param.pieces {
+                            let n = p.bytes[slot as usize][e - 1];
+                            if p.holds(slot) {
+                                out.extend_from_slice(bytes_of(
+                                    &p.regions[slot as usize][e - 1],
+                                    n,
+                                ));
+                            } else {
+                                // An accumulator never used: what a fresh one holds.
+                                let mut words = vec![0u32; spec.words(p.len)];
+                                format.fresh(e - 1, &mut words, p.len);
+                                out.extend_from_slice(bytes_of(&words, n));
+                            }
+                        }
+                        out
+                    }
                 }
             } else {
                 w += 1;
@@ -901,6 +949,9 @@ impl Backend for Cpu {
             }
         }
         let s = slot as usize;
+        if slot == SlotKind::Grad {
+            param.pieces.iter_mut().for_each(|p| p.hold_grad(layout));
+        }
         let (mut e, mut w) = (0, 0);
         let mut saved = host.regions.iter();
         for spec in format.regions(&layout.shape) {
@@ -945,7 +996,7 @@ impl Backend for Cpu {
     fn bytes(&self, param: &CpuParam, layout: &ParamLayout) -> [usize; 4] {
         let mut bytes = [0usize; 4];
         for (s, b) in bytes.iter_mut().enumerate() {
-            for piece in &param.pieces {
+            for piece in param.pieces.iter().filter(|p| p.holds(SlotKind::ALL[s])) {
                 let lent = s == 0 && layout.lent;
                 *b += piece.bytes[s]
                     .iter()

@@ -158,6 +158,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("sgdm_f32", presets::sgdm_f32(0.05, 0.9)),
         ("lpmm_sgdm", presets::lpmm_sgdm(0.05, 0.9)),
         ("adamw_f32", presets::adamw_f32(1e-3)),
+        ("adamw_8bit", small(presets::adamw_8bit(1e-3))),
         ("adamw_8bit_bf16", small(presets::adamw_8bit_bf16(1e-3))),
         (
             "adamw_8bit_bf16_sr",

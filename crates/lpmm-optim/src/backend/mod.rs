@@ -343,7 +343,10 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     fn output_info(&self, output: &Self::Output<'_>) -> (Dtype, usize);
 
     /// Allocates a parameter (slots zero-filled, quantized codes as [`Format::fresh`] says) and
-    /// stores its initial value.
+    /// stores its initial value. A backend may defer the gradient accumulator's element regions
+    /// to the first `accumulate` or `import` of that slot (the CPU backend does, so a parameter
+    /// stepped only from given gradients never holds one); until then the accumulator reads,
+    /// steps and exports as a fresh one, and [`Backend::bytes`] does not count it.
     fn allocate(
         &self,
         layout: &ParamLayout,
@@ -442,6 +445,6 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     ) -> Result<(), BackendError>;
 
     /// Bytes each slot of the parameter occupies on the backend (scratch it keeps for the
-    /// parameter included, a lent region excluded).
+    /// parameter included, a lent region and a deferred accumulator excluded).
     fn bytes(&self, param: &Self::Param, layout: &ParamLayout) -> [usize; 4];
 }

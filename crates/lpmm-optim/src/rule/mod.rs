@@ -318,7 +318,7 @@ macro_rules! rules {
                 match self { $(RuleConsts::$variant(c) => <$config as Rule>::second_moment_betas(c),)* }
             }
 
-            /// One element's update (the rule's `Rule::apply`).
+            /// One element's update (see `Rule::apply`).
             #[inline]
             pub fn apply(&self, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32) -> Updated {
                 match self { $(RuleConsts::$variant(c) => <$config as Rule>::apply(c, f, p, g, m, v),)* }
