@@ -1,20 +1,15 @@
-//! Many tensors: registration and name lookups are O(1) amortised (they were linear: 42 µs per
-//! `add_param` at 20,000 tensors), and a checkpoint of many one-element parameters loads in time
-//! linear in the file (the loader's name lookups were quadratic: 28–124 s at 80,000).
-//! Bounds are for release builds (the test command), with a wide margin for a loaded machine;
-//! debug builds get ten times as much.
+//! Many tensors: 100,000 register and resolve by name, and a checkpoint of 80,000 one-element
+//! parameters saves and loads. Registration and lookups are O(1) amortised (they were linear:
+//! 42 µs per `add_param` at 20,000 tensors) and the loader is linear in the file (its name
+//! lookups were quadratic: 28–124 s at 80,000). The times are printed, never asserted (speed is
+//! measured, not tested: `cargo test --release -p lpmm-optim --test scale -- --nocapture`).
 
 use std::time::{Duration, Instant};
 
 use lpmm_optim::{Hyper, Optimizer, OptimizerOptions, ParamConfig};
 
-/// The tests time themselves: one at a time.
+/// The tests print their times: one at a time.
 static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn bound(release: f64) -> Duration {
-    let scale = if cfg!(debug_assertions) { 10.0 } else { 1.0 };
-    Duration::from_secs_f64(release * scale)
-}
 
 fn model(n: usize) -> (Optimizer, Duration) {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -30,7 +25,7 @@ fn model(n: usize) -> (Optimizer, Duration) {
 }
 
 #[test]
-fn a_hundred_thousand_tensors_register_and_resolve_in_well_under_a_second() {
+fn a_hundred_thousand_tensors_register_and_resolve() {
     let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let n = 100_000;
     let (opt, register) = model(n);
@@ -44,8 +39,6 @@ fn a_hundred_thousand_tensors_register_and_resolve_in_well_under_a_second() {
     }
     let lookup = start.elapsed();
     println!("{n} tensors: registered in {register:?}, every name resolved in {lookup:?}");
-    assert!(register < bound(1.0), "registration took {register:?}");
-    assert!(lookup < bound(1.0), "lookups took {lookup:?}");
 }
 
 #[test]
@@ -53,7 +46,6 @@ fn loads_of_many_parameters_take_linear_time() {
     let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("lpmm-scale-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut times = Vec::new();
     for n in [20_000, 80_000] {
         let (opt, _) = model(n);
         let path = dir.join(format!("{n}.safetensors"));
@@ -64,13 +56,11 @@ fn loads_of_many_parameters_take_linear_time() {
         assert_eq!(back.len(), n);
         let size = std::fs::metadata(&path).unwrap().len();
         println!("{n} one-element parameters: file {size} bytes, loaded in {took:?}");
-        times.push(took);
+        // Every parameter came back under its own name.
+        for k in [0, n / 2, n - 1] {
+            let name = format!("layer{k}.weight");
+            assert_eq!(back.name(back.param_id(&name).unwrap()).unwrap(), name);
+        }
     }
-    // 80,000 parameters: measured about 1.3 s; quadratic lookups took 28-124 s.
-    assert!(
-        times[1] < bound(8.0),
-        "80,000 parameters took {:?}",
-        times[1]
-    );
     let _ = std::fs::remove_dir_all(&dir);
 }
