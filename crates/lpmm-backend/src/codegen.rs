@@ -10,7 +10,7 @@
 //! dispatch calls what a file defines and falls back to doing nothing (load: 0) otherwise, so a
 //! new format or rule is one file per language and no switch is edited by hand.
 
-use lpmm_optim::backend::{FORMAT_KERNELS, FieldType, RuleConsts};
+use lpmm_optim::backend::{F32_MAX_BITS, FORMAT_KERNELS, FORMAT_LIMITS, FieldType, RuleConsts};
 
 use crate::abi::{
     CONST_WORDS, DESC_FIELDS, Desc, Entry, F_FIRST, F_GIVEN_V, F_INPUT, F_INPUT_BF16,
@@ -92,6 +92,7 @@ pub fn abi(lang: Lang) -> String {
         ("MAP_STRIDE".into(), MAP_STRIDE.into()),
         ("MAP_LENS".into(), MAP_LENS.into()),
         ("FMT_NONE".into(), 0),
+        ("LIMIT_F32".into(), F32_MAX_BITS.into()),
     ];
     for (k, f) in FORMAT_KERNELS.iter().enumerate() {
         consts.push((format!("FMT_{}", upper(f)), k as u64 + 1));
@@ -286,6 +287,7 @@ pub fn dispatch(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 };
                 o += &format!("        default: {{ {default} }}\n    }}\n}}\n\n");
             }
+            o += &limit_dispatch(lang);
             o += "fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {\n    switch dw(t, D_RULE) {\n";
             for (r, name, _) in &rules {
                 o += &format!(
@@ -362,6 +364,7 @@ pub fn dispatch(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 };
                 o += &format!("    default:{default}\n    }}\n}}\n\n");
             }
+            o += &limit_dispatch(lang);
             o += "__device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, float m0, float v0) {\n    switch (d->rule) {\n";
             for (r, name, _) in &rules {
                 o += &format!(
@@ -380,6 +383,36 @@ pub fn dispatch(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 }
             }
             o += "    default: return g;\n    }\n}\n";
+        }
+    }
+    o
+}
+
+/// `fmt_limit(format)`: each format's largest storable magnitude as f32 bits
+/// (`Format::limit`), from the registry; `LIMIT_F32` for formats that hold every finite f32 and
+/// for no slot.
+fn limit_dispatch(lang: Lang) -> String {
+    let cases: Vec<(String, u32)> = FORMAT_KERNELS
+        .iter()
+        .zip(FORMAT_LIMITS)
+        .filter(|&(_, &l)| l != F32_MAX_BITS)
+        .map(|(f, &l)| (format!("FMT_{}", upper(f)), l))
+        .collect();
+    let mut o = String::new();
+    match lang {
+        Lang::Wgsl => {
+            o += "fn fmt_limit(fmt: u32) -> u32 {\n    switch fmt {\n";
+            for (id, l) in &cases {
+                o += &format!("        case {id}: {{ return {l:#010x}u; }}\n");
+            }
+            o += "        default: { return LIMIT_F32; }\n    }\n}\n\n";
+        }
+        Lang::Cuda => {
+            o += "__device__ uint32_t fmt_limit(uint32_t fmt) {\n    switch (fmt) {\n";
+            for (id, l) in &cases {
+                o += &format!("    case {id}: return {l:#010x}u;\n");
+            }
+            o += "    default: return LIMIT_F32;\n    }\n}\n\n";
         }
     }
     o

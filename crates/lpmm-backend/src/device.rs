@@ -948,12 +948,13 @@ impl<R: Runtime> Backend for Device<R> {
         Ok(())
     }
 
-    fn finite(&self, values: DeviceInput<'_, R>) -> Result<bool, BackendError> {
+    fn fits(&self, values: DeviceInput<'_, R>, limit: f32) -> Result<bool, BackendError> {
         self.check()?;
         let view = match values {
-            DeviceInput::Host(v) => return lpmm_optim::Cpu.finite(v),
+            DeviceInput::Host(v) => return lpmm_optim::Cpu.fits(v, limit),
             DeviceInput::Device(v) => v,
         };
+        let limit = limit.abs().min(f32::MAX).to_bits();
         let (dtype, n) = self.inner.rt.view_info(&view);
         self.check_view(&view, &[Dtype::F32, Dtype::Bf16], n)?;
         let mut state = self.inner.lock();
@@ -962,6 +963,7 @@ impl<R: Runtime> Backend for Device<R> {
         for start in (0..n).step_by(self.inner.options.piece_elements) {
             let mut desc: Desc = bytemuck::Zeroable::zeroed();
             desc.len = self.inner.options.piece_elements.min(n - start) as u64;
+            desc.mode = limit;
             desc.flags = F_INPUT
                 | if dtype == Dtype::Bf16 {
                     F_INPUT_BF16
@@ -982,6 +984,41 @@ impl<R: Runtime> Backend for Device<R> {
             // A launch on a runtime that binds needs an arena; make one.
             let span = self.reserve(&mut state.pieces, 1)?;
             self.release(&mut state.pieces, span);
+        }
+        self.run(&mut state, Entry::Check, &mut items)?;
+        let flags = state.flags.as_ref().expect("allocated");
+        let word = self.guard(self.inner.rt.read(flags, 0, 1))?;
+        Ok(word[0] == 0)
+    }
+
+    fn accumulate_fits(
+        &self,
+        param: &DeviceParam<R>,
+        layout: &ParamLayout,
+        grad: DeviceInput<'_, R>,
+    ) -> Result<bool, BackendError> {
+        self.check()?;
+        self.check_input(&grad, layout.numel)?;
+        let Some(format) = layout.format(SlotKind::Grad) else {
+            return Err(self.unsupported("accumulating into a parameter without an accumulator"));
+        };
+        let mut state = self.inner.lock();
+        self.ensure_flags(&mut state, 1)?;
+        let mut items = Vec::new();
+        self.items(
+            &state,
+            param,
+            layout,
+            0,
+            Some(grad),
+            None,
+            false,
+            &mut items,
+        );
+        for it in &mut items {
+            // Entries' `lpmm_check`: the accumulator plus the input against the format's limit.
+            it.desc.mode = format.limit_bits();
+            it.desc.flag_index = 0;
         }
         self.run(&mut state, Entry::Check, &mut items)?;
         let flags = state.flags.as_ref().expect("allocated");
@@ -1108,6 +1145,8 @@ impl<R: Runtime> Backend for Device<R> {
             l.format(SlotKind::State2)
                 .is_some_and(|f| !f.folds().is_empty())
         };
+        // Parameters whose tensor-wide statistics kept an old value (reported as non-finite).
+        let mut kept = vec![false; params.len()];
         if stepping.iter().any(|&(i, _)| two_phase(&layouts[i])) {
             let mut passes = 0;
             for &(i, _) in &stepping {
@@ -1156,7 +1195,7 @@ impl<R: Runtime> Backend for Device<R> {
                 }
                 let f = layouts[i].format(SlotKind::State2).expect("two-phase");
                 let wide = self.wide_words(&state, &params[i], 3)?;
-                f.combine(&wide, &layouts[i].shape, &plan.rule);
+                kept[i] = f.combine(&wide, &layouts[i].shape, &plan.rule);
                 self.write_wide(&state, &params[i], 3, &mut |r| {
                     Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect())
                 })?;
@@ -1176,8 +1215,8 @@ impl<R: Runtime> Backend for Device<R> {
         self.run(&mut state, Entry::Step, &mut items)?;
         let flags = state.flags.as_ref().expect("allocated");
         let words = self.guard(self.inner.rt.read(flags, 0, params.len().max(1)))?;
-        for (f, w) in non_finite.iter_mut().zip(words) {
-            *f = w != 0;
+        for ((f, w), k) in non_finite.iter_mut().zip(words).zip(kept) {
+            *f = w != 0 || k;
         }
         drop(state);
         for &(i, _) in &stepping {

@@ -88,6 +88,7 @@ macro_rules! device_backend {
                 let init = match init {
                     $crate::reexport::Init::Values(v) => $crate::reexport::Init::Values(v),
                     $crate::reexport::Init::Lent => $crate::reexport::Init::Lent,
+                    $crate::reexport::Init::Fresh => $crate::reexport::Init::Fresh,
                 };
                 self.0.allocate(layout, init, seed)
             }
@@ -101,8 +102,20 @@ macro_rules! device_backend {
             ) -> Result<(), $crate::reexport::BackendError> {
                 self.0.accumulate(param, layout, counter, grad, seed)
             }
-            fn finite(&self, values: Self::Input<'_>) -> Result<bool, $crate::reexport::BackendError> {
-                self.0.finite(values)
+            fn fits(
+                &self,
+                values: Self::Input<'_>,
+                limit: f32,
+            ) -> Result<bool, $crate::reexport::BackendError> {
+                self.0.fits(values, limit)
+            }
+            fn accumulate_fits(
+                &self,
+                param: &Self::Param,
+                layout: &$crate::reexport::ParamLayout,
+                grad: Self::Input<'_>,
+            ) -> Result<bool, $crate::reexport::BackendError> {
+                self.0.accumulate_fits(param, layout, grad)
             }
             fn input_stats(
                 &self,

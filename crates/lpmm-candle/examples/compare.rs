@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use lpmm_candle::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
+use lpmm_candle::footprint::{self, Probe, ProbeShape};
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -73,8 +74,38 @@ struct Report {
     reference_spread: Vec<Spread>,
     rows: Vec<Row>,
     underflow_rows: Vec<Row>,
+    /// The process-memory probe's model and run.
+    memory_shape: ProbeShape,
+    /// Measured process memory, one training process per arm.
+    memory_rows: Vec<MemoryRow>,
     runs: Vec<RunResult>,
     wall_seconds: f64,
+}
+
+/// One arm of the process-memory measurement.
+#[derive(Debug, Serialize)]
+struct MemoryRow {
+    arm: String,
+    reference: String,
+    params: usize,
+    /// Bytes of the candle Vars (lent to lpmm or not).
+    candle_var_bytes: usize,
+    /// Model memory the optimizer accounts for beyond the Vars (lpmm's report; candle AdamW's two
+    /// moments).
+    optimizer_bytes: usize,
+    peak_rss_mib: f64,
+    steady_rss_mib: f64,
+    /// Resident memory once glibc has returned its freed memory (`malloc_trim`).
+    live_rss_mib: f64,
+    peak_vs_reference_percent: f64,
+    steady_vs_reference_percent: f64,
+    /// The peak less the process floor's (the "process floor" arm), against the reference's.
+    peak_above_floor_vs_reference_percent: f64,
+    first_loss: f64,
+    last_loss: f64,
+    seconds_per_step: f64,
+    goal: String,
+    goal_met: Option<bool>,
 }
 
 /// Keeps freed memory in the process (glibc): candle allocates and frees a buffer for every
@@ -120,23 +151,33 @@ fn candle_threads() {
 struct Args {
     quick: bool,
     text: Option<PathBuf>,
+    /// Child mode: measure one memory arm in this process and print its JSON.
+    memory_probe: Option<String>,
+    /// Only the process-memory section.
+    memory_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         quick: false,
         text: None,
+        memory_probe: None,
+        memory_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => args.quick = true,
+            "--memory-only" => args.memory_only = true,
+            "--memory-probe" => {
+                args.memory_probe = Some(it.next().ok_or("--memory-probe needs an arm's name")?)
+            }
             "--text" => {
                 args.text = Some(it.next().ok_or("--text needs a file: --text PATH")?.into())
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other:?}; options: --quick, --text PATH"
+                    "unknown argument {other:?}; options: --quick, --text PATH, --memory-only"
                 ));
             }
         }
@@ -146,9 +187,41 @@ fn parse_args() -> Result<Args, String> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_threads();
+    let args = parse_args()?;
+    let probe_shape = if args.quick {
+        ProbeShape::quick()
+    } else {
+        ProbeShape::default_run()
+    };
+    if let Some(name) = &args.memory_probe {
+        // A child: glibc's default allocator settings, as a user's process has them.
+        let arm = footprint::arms()
+            .into_iter()
+            .find(|a| a.name == name)
+            .ok_or_else(|| format!("no memory arm named {name:?}"))?;
+        let probe = footprint::probe(&arm, &probe_shape)?;
+        println!("PROBE {}", serde_json::to_string(&probe)?);
+        return Ok(());
+    }
     keep_freed_memory();
     let start = Instant::now();
-    let args = parse_args()?;
+    println!(
+        "Process memory: {} layers of {}, batch {}, {} steps; each arm in a process of its own",
+        probe_shape.depth, probe_shape.width, probe_shape.batch, probe_shape.steps
+    );
+    let memory_rows = measure_memory(args.quick)?;
+    let memory_table = render_memory(&memory_rows, &probe_shape);
+    println!("\n{memory_table}");
+    if args.memory_only {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join("memory.json"),
+            serde_json::to_string_pretty(&memory_rows)?,
+        )?;
+        println!("(written to target/lpmm-report/memory.json)");
+        return Ok(());
+    }
     let (mode, digits_budget, recipe) = if args.quick {
         (
             "quick",
@@ -275,6 +348,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mode,
         wall_seconds,
     );
+    let table = format!("{table}\n{memory_table}");
     println!("\n{table}");
     println!("Samples (temperature 0.8; the prompt, from the validation split, before the `|`):\n");
     for (preset, seed) in [("f32 AdamW", 0), ("f32 SGDM", 0), ("LPMM-SGDM", 0)] {
@@ -318,6 +392,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         reference_spread: spread,
         rows,
         underflow_rows,
+        memory_shape: probe_shape,
+        memory_rows,
         runs,
         wall_seconds,
     };
@@ -330,10 +406,147 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &report.runs,
         &[tasks[0].clone(), tasks[1].clone(), low_task],
         &presets,
+        &report.memory_rows,
         &dir.join("train_loss.png"),
     )?;
     println!("(written to target/lpmm-report/train.json, train.md and train_loss.png)");
     Ok(())
+}
+
+/// Runs every memory arm in a child process (this example with `--memory-probe ARM`) and
+/// compares each peak with its reference's.
+fn measure_memory(quick: bool) -> Result<Vec<MemoryRow>, Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let mut probes: Vec<(footprint::Arm, Probe)> = Vec::new();
+    for arm in footprint::arms() {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["--memory-probe", arm.name]);
+        if quick {
+            cmd.arg("--quick");
+        }
+        let out = cmd.output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(format!(
+                "the memory probe of {:?} failed: {}{}",
+                arm.name,
+                stdout,
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
+        }
+        let json = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("PROBE "))
+            .ok_or_else(|| format!("the memory probe of {:?} printed no result", arm.name))?;
+        let probe: Probe = serde_json::from_str(json)?;
+        println!(
+            "  {:<40} peak {:>7.1} MiB, steady {:>7.1} MiB",
+            arm.name,
+            mib(probe.peak_rss),
+            mib(probe.steady_rss)
+        );
+        probes.push((arm, probe));
+    }
+    let floor = probes
+        .iter()
+        .find(|(a, _)| matches!(a.kind, footprint::ArmKind::Floor))
+        .map_or(0, |(_, p)| p.peak_rss);
+    let mut rows = Vec::new();
+    for (arm, p) in &probes {
+        let reference = &probes
+            .iter()
+            .find(|(a, _)| a.name == arm.reference)
+            .ok_or("an arm's reference is missing")?
+            .1;
+        let peak = p.peak_rss as f64 / reference.peak_rss.max(1) as f64;
+        let steady = p.steady_rss as f64 / reference.steady_rss.max(1) as f64;
+        let above = p.peak_rss.saturating_sub(floor) as f64
+            / reference.peak_rss.saturating_sub(floor).max(1) as f64;
+        let (goal, goal_met) = match arm.goal {
+            Some(g) => (
+                format!("peak at most {:.0}% of {}'s", 100.0 * g, arm.reference),
+                Some(peak <= g),
+            ),
+            None if arm.name == arm.reference => ("reference".to_string(), None),
+            None => ("-".to_string(), None),
+        };
+        rows.push(MemoryRow {
+            arm: arm.name.to_string(),
+            reference: arm.reference.to_string(),
+            params: p.params,
+            candle_var_bytes: p.candle_var_bytes,
+            optimizer_bytes: p.optimizer_bytes,
+            peak_rss_mib: mib(p.peak_rss),
+            steady_rss_mib: mib(p.steady_rss),
+            live_rss_mib: mib(p.live_rss),
+            peak_vs_reference_percent: 100.0 * peak,
+            steady_vs_reference_percent: 100.0 * steady,
+            peak_above_floor_vs_reference_percent: 100.0 * above,
+            first_loss: p.first_loss,
+            last_loss: p.last_loss,
+            seconds_per_step: p.seconds_per_step,
+            goal,
+            goal_met,
+        });
+    }
+    Ok(rows)
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+fn render_memory(rows: &[MemoryRow], shape: &ProbeShape) -> String {
+    let mut t = format!(
+        concat!(
+            "Process memory, one training process per arm: an MLP of {} layers of {} ({:.1}M ",
+            "parameters), batch {}, {} steps, glibc's default allocator. Vars: the candle Vars ",
+            "(lent to lpmm where their dtype is the storage's); optimizer: what the optimizer ",
+            "holds beside them (lpmm's memory report; candle-nn AdamW's two f32 moments); peak: ",
+            "VmHWM; steady: VmRSS after the last step; live: VmRSS once glibc has returned the ",
+            "memory it keeps freed (malloc_trim).\n\n"
+        ),
+        shape.depth,
+        shape.width,
+        shape.params() as f64 / 1e6,
+        shape.batch,
+        shape.steps
+    );
+    t += "| arm | Vars MiB | optimizer MiB | peak MiB | steady MiB | live MiB | peak vs reference | steady vs reference | peak above the floor vs reference | loss first -> last | s/step | goal | met |\n";
+    t += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for r in rows {
+        let met = match r.goal_met {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "-",
+        };
+        let vs = |pct: f64| {
+            if r.arm == r.reference {
+                "reference".to_string()
+            } else {
+                format!("{pct:.1}% of {}", r.reference)
+            }
+        };
+        t += &format!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {:.4} -> {:.4} | {:.2} | {} | {} |\n",
+            r.arm,
+            mib(r.candle_var_bytes as u64),
+            mib(r.optimizer_bytes as u64),
+            r.peak_rss_mib,
+            r.steady_rss_mib,
+            r.live_rss_mib,
+            vs(r.peak_vs_reference_percent),
+            vs(r.steady_vs_reference_percent),
+            vs(r.peak_above_floor_vs_reference_percent),
+            r.first_loss,
+            r.last_loss,
+            r.seconds_per_step,
+            r.goal,
+            met
+        );
+    }
+    t
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -587,6 +800,7 @@ fn plot(
     runs: &[RunResult],
     tasks: &[String],
     presets: &[Preset],
+    memory: &[MemoryRow],
     path: &Path,
 ) -> Result<(), Box<dyn std::error::Error>> {
     plotters::style::register_font(
@@ -595,9 +809,11 @@ fn plot(
         include_bytes!("../assets/DejaVuSans.ttf"),
     )
     .map_err(|_| "cannot load the embedded font")?;
-    let root = BitMapBackend::new(path, (640 * tasks.len() as u32, 600)).into_drawing_area();
+    let root = BitMapBackend::new(path, (640 * tasks.len() as u32, 600 + 520)).into_drawing_area();
     root.fill(&WHITE)?;
-    let panels = root.split_evenly((1, tasks.len()));
+    let (curves, bars) = root.split_vertically(600);
+    plot_memory(&bars, memory)?;
+    let panels = curves.split_evenly((1, tasks.len()));
     for (area, task) in panels.iter().zip(tasks) {
         let series: Vec<&RunResult> = runs
             .iter()
@@ -642,6 +858,62 @@ fn plot(
         }
     }
     root.present()?;
+    Ok(())
+}
+
+/// The process-memory arms as bars: peak (dark) and steady (light) resident memory.
+fn plot_memory(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    rows: &[MemoryRow],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let max = rows
+        .iter()
+        .map(|r| r.peak_rss_mib.max(r.steady_rss_mib))
+        .fold(1.0, f64::max);
+    let n = rows.len() as f64;
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "process memory of one training process per arm (MiB): peak, steady",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(10)
+        .build_cartesian_2d(0.0..max * 1.02, 0.0..n)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc("MiB")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (i, r) in rows.iter().enumerate() {
+        let y = n - i as f64 - 1.0;
+        let dark = Palette99::pick(i).to_rgba();
+        let light = dark.mix(0.4);
+        chart.draw_series([
+            Rectangle::new([(0.0, y + 0.52), (r.peak_rss_mib, y + 0.9)], dark.filled()),
+            Rectangle::new(
+                [(0.0, y + 0.12), (r.steady_rss_mib, y + 0.5)],
+                light.filled(),
+            ),
+        ])?;
+        chart.draw_series(std::iter::once(Text::new(
+            format!(
+                "{}: {:.0} / {:.0} MiB{}",
+                r.arm,
+                r.peak_rss_mib,
+                r.steady_rss_mib,
+                if r.arm == r.reference {
+                    String::new()
+                } else {
+                    format!(" ({:.0}% of {})", r.peak_vs_reference_percent, r.reference)
+                }
+            ),
+            (max * 0.01, y + 0.7),
+            ("sans-serif", 14).into_font().color(&BLACK),
+        )))?;
+    }
     Ok(())
 }
 

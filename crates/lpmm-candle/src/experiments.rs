@@ -323,19 +323,6 @@ impl candle_nn::var_builder::SimpleBackend for SeededInit {
     }
 }
 
-/// The variables of `varmap` in the order of their names (a `VarMap` is a hash map: its own
-/// order changes from run to run, and the optimizer's per-parameter random streams follow the
-/// order it is given).
-pub fn sorted_vars(varmap: &VarMap) -> Result<Vec<candle_core::Var>> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let mut named: Vec<(&String, &candle_core::Var)> = data.iter().collect();
-    named.sort_by(|a, b| a.0.cmp(b.0));
-    Ok(named.into_iter().map(|(_, v)| v.clone()).collect())
-}
-
 /// The digits classifier: 64 -> 128 (ReLU) -> 10.
 #[derive(Debug)]
 pub struct Mlp {
@@ -686,7 +673,7 @@ fn train_step(
     for micro in batch.chunks(size) {
         let loss = loss_of(micro)?;
         mean += f64::from(loss.to_scalar::<f32>()?) / count;
-        opt.accumulate(&(loss / count)?.backward()?)?;
+        opt.accumulate((loss / count)?.backward()?)?;
     }
     opt.apply()?;
     Ok(mean)
@@ -716,7 +703,7 @@ pub fn run_digits(
     let varmap = VarMap::new();
     let model = Mlp::new(seeded_var_builder(&varmap, seed, &dev))?;
     let lr = if preset.sgd { 0.05 } else { 2e-3 };
-    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
+    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from((preset.config)(lr)))?;
     let n = d.train_y.len();
     let mut order: Vec<usize> = (0..n).collect();
     let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
@@ -948,7 +935,7 @@ pub fn run_char_lm(
     } else {
         recipe.adamw_lr
     };
-    let mut opt = LpmmOptimizer::new(sorted_vars(&varmap)?, LpmmConfig::from((preset.config)(lr)))?;
+    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from((preset.config)(lr)))?;
     let budget = recipe.budget;
     let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
     let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));

@@ -1,16 +1,49 @@
 //! candle integration: [`LpmmOptimizer`] implements [`candle_nn::Optimizer`] for any lpmm
-//! configuration.
+//! configuration, with one copy of each parameter.
 //!
-//! What memory is saved, honestly: lpmm holds each parameter in its configured storage, the
-//! gradient accumulator and the optimizer states (what [`LpmmOptimizer::memory_report`] counts).
-//! candle still holds every `Var` in its own dtype (the forward and backward passes read it),
-//! and the `GradStore` of a backward pass (one gradient per `Var`, in the `Var`'s dtype) until it
-//! is dropped. So against candle's own f32 AdamW (f32 `Var`s + f32 `GradStore` + two f32 states,
-//! 16 bytes per parameter), an lpmm configuration saves the states' and accumulator's difference;
-//! the `Var` copy remains (4 bytes per parameter for f32 `Var`s, reported by
-//! [`LpmmOptimizer::candle_bytes`]). After every step the `Var`s are set to the parameters as lpmm
-//! stores them (bf16-rounded, 8-bit-quantized, ...), so the model trains on exactly what lpmm
-//! keeps.
+//! ```no_run
+//! use candle_core::{DType, Device};
+//! use candle_nn::{Optimizer as _, VarBuilder, VarMap};
+//! use lpmm_candle::{LpmmConfig, LpmmOptimizer};
+//! use lpmm_optim::presets;
+//!
+//! let config = LpmmConfig::from(presets::adamw_8bit_bf16_sr(1e-3));
+//! let varmap = VarMap::new();
+//! // Create the Vars in the dtype lpmm stores the parameters in (bf16 here): the Vars then *are*
+//! // lpmm's parameters, stepped in place.
+//! let vb = VarBuilder::from_varmap(&varmap, config.var_dtype(), &Device::Cpu);
+//! let layer = candle_nn::linear(784, 10, vb.pp("fc"))?;
+//! let mut opt = LpmmOptimizer::from_varmap(&varmap, config)?;
+//! # let loss = candle_core::Tensor::zeros((), DType::F32, &Device::Cpu)?;
+//! opt.backward_step(&loss)?; // or opt.accumulate(loss.backward()?) per micro-batch, then opt.apply()
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+//!
+//! What a training process holds, honestly:
+//!
+//! - **Parameters.** Where the storage is f32 or bf16 (and Kahan or split f32, whose bf16 half is
+//!   the Var) and the `Var` has that dtype ([`LpmmConfig::var_dtype`]), the `Var` *is* lpmm's
+//!   parameter: lpmm steps its storage in place and keeps no copy (a lent parameter). A `Var` of
+//!   another dtype still trains, with lpmm holding the parameter in its storage and the `Var` set
+//!   to it after every step (a second copy; a `tracing` warning says so). Parameters below 16 bits
+//!   (LPMM-SGDM's 8-bit ones) are best held by lpmm alone through the layers of [`nn`]
+//!   ([`LpmmOptimizer::linear`], [`LpmmOptimizer::embedding`]), which dequantize the weight while
+//!   their layer computes, in forward and again in backward, and free it after.
+//! - **Gradients.** `backward_step` (`candle_nn::Optimizer`) and [`LpmmOptimizer::step_grads`]
+//!   step from candle's `GradStore` where the gradients are and drop each once its parameter has
+//!   stepped, and lpmm allocates no accumulator for a parameter stepped this way;
+//!   [`LpmmOptimizer::accumulate`] adds a micro-batch's gradients into lpmm's accumulators (in
+//!   their storage format), dropping each once added. candle's `backward()` returns only when
+//!   every gradient exists, so the whole `GradStore` (in the `Var`s' dtype) is still the peak of
+//!   a step over `Var`s, even with a released-gradient preset; only the layers of [`nn`] hand a
+//!   gradient to lpmm inside the backward pass (a released preset then steps it there).
+//! - **States** in their configured storage.
+//!
+//! Identity: parameters are named by their `VarMap` path ([`LpmmOptimizer::from_varmap`]) or by
+//! the names the caller passes, and registered in name order, so stochastic-rounding streams and
+//! checkpoints are tied to the same tensor in every process. Every step's [`StepReport`] is
+//! kept ([`LpmmOptimizer::last_report`]) and skipped steps and non-finite gradients are logged
+//! with `tracing`.
 //!
 //! # A warning for candle users
 //!
@@ -42,20 +75,32 @@
 //! language model.
 
 pub mod experiments;
+pub mod footprint;
+pub mod nn;
 pub mod ops;
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Error, Result, Tensor, Var};
-use lpmm_optim::{MemoryReport, Optimizer, OptimizerOptions, ParamConfig, ParamId, StepReport};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every `Var` (a parameter
-/// group), and the optimizer-wide options.
-#[derive(Debug, Clone, Copy)]
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, DType, Error, InplaceOp1, Layout, Result, Storage, Tensor, Var};
+use candle_nn::VarMap;
+use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
+use lpmm_optim::{
+    Cpu, Gradients, Lender, MemoryReport, OptimError, Optimizer, OptimizerOptions, ParamConfig,
+    ParamId, StepReport, WithGradient,
+};
+
+/// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
+/// optimizer-wide options, and parameter groups by name pattern.
+#[derive(Debug, Clone)]
 pub struct LpmmConfig {
-    /// Storage formats and hyperparameters (e.g. `lpmm_optim::presets::adamw_8bit_bf16(1e-3)`).
+    /// Storage formats and hyperparameters (e.g. `lpmm_optim::presets::adamw_8bit(1e-3)`).
     pub param: ParamConfig,
     /// Seed, clipping, non-finite policy.
     pub options: OptimizerOptions,
+    /// Parameter groups: a parameter whose name matches a pattern (`*` matches any run of
+    /// characters) takes that group's configuration; the first match wins.
+    pub groups: Vec<(String, ParamConfig)>,
 }
 
 impl From<ParamConfig> for LpmmConfig {
@@ -63,130 +108,647 @@ impl From<ParamConfig> for LpmmConfig {
         LpmmConfig {
             param,
             options: OptimizerOptions::default(),
+            groups: Vec::new(),
         }
     }
 }
 
-/// An lpmm optimizer over candle `Var`s.
+impl LpmmConfig {
+    /// With these optimizer-wide options.
+    pub fn with_options(self, options: OptimizerOptions) -> Self {
+        LpmmConfig { options, ..self }
+    }
+
+    /// With a parameter group: parameters whose name matches `pattern` take `config` (e.g. no
+    /// weight decay for `*bias` and `*ln*`).
+    pub fn with_group(mut self, pattern: &str, config: ParamConfig) -> Self {
+        self.groups.push((pattern.to_string(), config));
+        self
+    }
+
+    /// The dtype to create `Var`s in so that each `Var` is lpmm's parameter (no copy): bf16 for
+    /// bf16, Kahan and split-f32 storage, f32 otherwise (below 16 bits, use the layers of
+    /// [`nn`]).
+    pub fn var_dtype(&self) -> DType {
+        match self.param.param.format().and_then(|f| f.lendable()) {
+            Some(Dtype::Bf16) => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// The group (0: the default) and configuration of parameter `name`.
+    pub(crate) fn config_for(&self, name: &str) -> (usize, ParamConfig) {
+        self.groups
+            .iter()
+            .enumerate()
+            .find(|(_, (p, _))| matches(p, name))
+            .map_or((0, self.param), |(k, (_, c))| (k + 1, *c))
+    }
+}
+
+/// Whether `name` matches `pattern`, where `*` matches any run of characters.
+fn matches(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    if !name.starts_with(first) || !name[first.len()..].ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+fn wrap(e: OptimError) -> Error {
+    Error::wrap(e)
+}
+
+/// A `Var` registered with lpmm.
 #[derive(Debug)]
-pub struct LpmmOptimizer {
-    opt: Optimizer,
-    vars: Vec<(Var, ParamId)>,
+struct Entry {
+    name: String,
+    var: Var,
+    id: ParamId,
+    /// The `Var` is the parameter (lent); otherwise lpmm holds it and the `Var` is set to it
+    /// after every step.
+    lent: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) opt: Optimizer,
+    vars: Vec<Entry>,
+    /// Entry of each registered parameter (none for the layers' own parameters).
+    by_id: Vec<Option<usize>>,
+    pub(crate) config: LpmmConfig,
+    /// The default group's learning rate.
+    lr: f64,
+    last: Option<StepReport>,
     /// A learning rate `set_learning_rate` could not apply (the trait cannot return an error):
     /// the next step reports it instead of silently training with the old rate.
     rejected_lr: Option<f64>,
 }
 
-fn wrap(e: lpmm_optim::OptimError) -> Error {
-    Error::wrap(e)
+/// The optimizer state shared with the layers of [`nn`] (their backward passes accumulate into
+/// it).
+#[derive(Debug, Clone)]
+pub(crate) struct Shared(Arc<Mutex<Inner>>);
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-impl LpmmOptimizer {
-    /// The lpmm optimizer inside.
-    pub fn optimizer(&self) -> &Optimizer {
-        &self.opt
+/// An lpmm optimizer over candle `Var`s (and lpmm-held layers, [`nn`]).
+#[derive(Debug)]
+pub struct LpmmOptimizer {
+    shared: Shared,
+}
+
+/// Calls `f` with a contiguous CPU tensor's values (f32 or bf16 in place; other float dtypes
+/// converted to f32).
+fn with_values<T>(t: &Tensor, f: impl FnOnce(HostValues<'_>) -> Result<T>) -> Result<T> {
+    let n = t.elem_count();
+    let (storage, layout) = t.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+        match cpu {
+            CpuStorage::F32(v) => return f(HostValues::F32(&v[start..end])),
+            CpuStorage::BF16(v) => return f(HostValues::Bf16(&v[start..end])),
+            _ => {}
+        }
+    }
+    drop(storage);
+    if !t.device().is_cpu() {
+        return Err(Error::Msg(
+            "lpmm-candle steps CPU tensors (CUDA: feature `cuda`)".into(),
+        ));
+    }
+    let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    debug_assert_eq!(values.len(), n);
+    f(HostValues::F32(&values))
+}
+
+/// Calls `f` with a CPU tensor's values as f32 (in place where the tensor is contiguous f32).
+pub(crate) fn with_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+    with_values(t, |v| match v {
+        HostValues::F32(v) => f(v),
+        HostValues::Bf16(v) => f(&v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>()),
+    })
+}
+
+/// What lpmm does with a lent buffer.
+type LentFn<'f> = &'f mut dyn FnMut(HostValuesMut<'_>) -> std::result::Result<(), OptimError>;
+
+/// Steps a `Var`'s storage in place (candle hands it out only inside an in-place operation).
+struct InPlace<'f> {
+    f: Mutex<LentFn<'f>>,
+    /// lpmm's error, kept typed (candle's error type would only keep its message).
+    error: Mutex<Option<OptimError>>,
+}
+
+impl InPlace<'_> {
+    fn run(&self, values: HostValuesMut<'_>) -> Result<()> {
+        let mut f = self.f.lock().unwrap_or_else(|e| e.into_inner());
+        (*f)(values).map_err(|e| {
+            let message = e.to_string();
+            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+            Error::Msg(message)
+        })
+    }
+}
+
+impl InplaceOp1 for InPlace<'_> {
+    fn name(&self) -> &'static str {
+        "lpmm-step"
     }
 
-    /// The model memory lpmm holds (parameters in their storage, gradient accumulators, states).
-    pub fn memory_report(&self) -> MemoryReport {
-        self.opt.memory_report()
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::Msg("a lent Var must be contiguous".into()));
+        };
+        match storage {
+            CpuStorage::F32(v) => self.run(HostValuesMut::F32(&mut v[start..end])),
+            CpuStorage::BF16(v) => self.run(HostValuesMut::Bf16(&mut v[start..end])),
+            _ => Err(Error::Msg("a lent Var is f32 or bf16".into())),
+        }
+    }
+}
+
+/// The `Var`s as lpmm's lent parameters.
+struct VarLender<'a> {
+    vars: &'a [Entry],
+    by_id: &'a [Option<usize>],
+}
+
+impl VarLender<'_> {
+    fn var(&self, id: ParamId) -> std::result::Result<&Var, OptimError> {
+        self.by_id
+            .get(id.index())
+            .copied()
+            .flatten()
+            .map(|k| &self.vars[k].var)
+            .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.index())))
+    }
+}
+
+fn candle_error(e: Error) -> OptimError {
+    OptimError::Lent {
+        param: "a candle Var".into(),
+        reason: e.to_string(),
+    }
+}
+
+impl Lender<Cpu> for VarLender<'_> {
+    fn lend(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(HostValues<'_>) -> std::result::Result<(), OptimError>,
+    ) -> std::result::Result<(), OptimError> {
+        let var = self.var(id)?;
+        let mut out = Ok(());
+        with_values(var.as_tensor(), |v| {
+            out = f(v);
+            Ok(())
+        })
+        .map_err(candle_error)?;
+        out
     }
 
-    /// Bytes candle holds for the `Var`s themselves (in their dtype), beside lpmm's storage.
-    pub fn candle_bytes(&self) -> usize {
-        self.vars
-            .iter()
-            .map(|(v, _)| v.elem_count() * v.dtype().size_in_bytes())
-            .sum()
+    fn lend_mut(
+        &mut self,
+        id: ParamId,
+        f: &mut dyn FnMut(HostValuesMut<'_>) -> std::result::Result<(), OptimError>,
+    ) -> std::result::Result<(), OptimError> {
+        let var = self.var(id)?;
+        let op = InPlace {
+            f: Mutex::new(f),
+            error: Mutex::new(None),
+        };
+        var.as_tensor().inplace_op1(&op).map_err(|e| {
+            op.error
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| candle_error(e))
+        })
+    }
+}
+
+/// candle's gradients as lpmm's: each read where it is and dropped once its parameter has
+/// stepped.
+struct GradSource<'a> {
+    grads: Option<&'a mut GradStore>,
+    shared: Option<&'a GradStore>,
+    vars: &'a [Entry],
+    by_id: &'a [Option<usize>],
+}
+
+impl GradSource<'_> {
+    fn store(&self) -> Option<&GradStore> {
+        self.grads.as_deref().or(self.shared)
     }
 
-    /// Adds the gradients of one micro-batch into lpmm's gradient accumulators (in their
-    /// storage format). `Var`s without a gradient are skipped.
-    pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
-        for (var, id) in &self.vars {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                self.opt.accumulate(*id, &g).map_err(wrap)?;
-            }
+    fn var(&self, id: ParamId) -> Option<&Var> {
+        self.by_id
+            .get(id.index())
+            .copied()
+            .flatten()
+            .map(|k| &self.vars[k].var)
+    }
+}
+
+impl Gradients<Cpu> for GradSource<'_> {
+    fn gradient(
+        &mut self,
+        id: ParamId,
+        f: &mut WithGradient<'_, Cpu>,
+    ) -> std::result::Result<(), OptimError> {
+        let grad = self
+            .var(id)
+            .and_then(|v| self.store().and_then(|s| s.get(v.as_tensor())));
+        let Some(grad) = grad else { return f(None) };
+        let mut out = Ok(());
+        with_values(grad, |v| {
+            out = f(Some(v));
+            Ok(())
+        })
+        .map_err(candle_error)?;
+        out
+    }
+
+    fn consumed(&mut self, id: ParamId) {
+        if let Some(var) = self.var(id).cloned()
+            && let Some(grads) = self.grads.as_deref_mut()
+        {
+            grads.remove(var.as_tensor());
+        }
+    }
+}
+
+impl Inner {
+    fn lender(&self) -> VarLender<'_> {
+        VarLender {
+            vars: &self.vars,
+            by_id: &self.by_id,
+        }
+    }
+
+    /// Registers `var` as `name`.
+    fn register(&mut self, name: &str, var: Var) -> Result<()> {
+        let dims = var.dims().to_vec();
+        // A scalar Var has no dimensions; lpmm stores it as one element.
+        let shape = if dims.is_empty() { vec![1] } else { dims };
+        let (group, config) = self.config.config_for(name);
+        let numel: usize = shape.iter().product();
+        let lendable = config
+            .resolve(numel, &shape)
+            .param
+            .format()
+            .and_then(|f| f.lendable());
+        let lent = matches!(
+            (lendable, var.dtype()),
+            (Some(Dtype::F32), DType::F32) | (Some(Dtype::Bf16), DType::BF16)
+        ) && var.device().is_cpu();
+        let id = if lent {
+            with_values(var.as_tensor(), |v| {
+                self.opt
+                    .add_lent_param(name, &shape, v, group, config)
+                    .map_err(wrap)
+            })?
+        } else {
+            tracing::warn!(
+                param = name,
+                var_dtype = ?var.dtype(),
+                storage = %config.param.describe(),
+                "lpmm keeps a second copy of this parameter: create its Var in the storage's dtype \
+                 (LpmmConfig::var_dtype) to avoid it, or hold it in an lpmm layer (lpmm_candle::nn)"
+            );
+            with_f32(var.as_tensor(), |init| {
+                self.opt
+                    .add_param_with(name, &shape, init, group, config)
+                    .map_err(wrap)
+            })?
+        };
+        if self.by_id.len() <= id.index() {
+            self.by_id.resize(id.index() + 1, None);
+        }
+        self.by_id[id.index()] = Some(self.vars.len());
+        self.vars.push(Entry {
+            name: name.to_string(),
+            var,
+            id,
+            lent,
+        });
+        Ok(())
+    }
+
+    /// Sets every `Var` that is not lent to its parameter as lpmm stores it.
+    fn sync(&self) -> Result<()> {
+        for e in self.vars.iter().filter(|e| !e.lent) {
+            let mut values = vec![0f32; e.var.elem_count()];
+            self.opt.read_param(e.id, &mut values).map_err(wrap)?;
+            let t =
+                Tensor::from_vec(values, e.var.shape(), e.var.device())?.to_dtype(e.var.dtype())?;
+            e.var.set(&t)?;
         }
         Ok(())
     }
 
-    /// Steps every parameter with accumulated gradients and sets the `Var`s to the new values.
-    pub fn apply(&mut self) -> Result<StepReport> {
+    fn check_lr(&mut self) -> Result<()> {
         if let Some(lr) = self.rejected_lr.take() {
             return Err(Error::Msg(format!(
                 "learning rate {lr} was rejected: it must be finite, >= 0 and finite in f32"
             )));
         }
-        let report = self.opt.step().map_err(wrap)?;
+        Ok(())
+    }
+
+    /// Steps from `source` and every pending accumulator, then logs and keeps the report.
+    fn step(
+        &mut self,
+        grads: Option<&mut GradStore>,
+        shared: Option<&GradStore>,
+    ) -> Result<StepReport> {
+        self.check_lr()?;
+        let Inner {
+            opt, vars, by_id, ..
+        } = self;
+        let mut source = GradSource {
+            grads,
+            shared,
+            vars,
+            by_id,
+        };
+        let mut lender = VarLender { vars, by_id };
+        let report = opt
+            .step_gradients(&mut source, Some(&mut lender))
+            .map_err(wrap)?;
         self.sync()?;
+        self.log(&report);
+        self.last = Some(report.clone());
         Ok(report)
     }
 
-    /// Sets every `Var` to its parameter as lpmm stores it.
-    fn sync(&self) -> Result<()> {
-        for (var, id) in &self.vars {
-            let mut values = vec![0f32; var.elem_count()];
-            self.opt.read_param(*id, &mut values).map_err(wrap)?;
-            let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
-            var.set(&t)?;
+    fn log(&self, report: &StepReport) {
+        let names: Vec<&str> = report
+            .non_finite
+            .iter()
+            .filter_map(|id| self.opt.name(*id).ok())
+            .collect();
+        if report.skipped {
+            tracing::warn!(
+                step = self.opt.steps(),
+                non_finite = ?names,
+                "lpmm skipped the step: non-finite gradients (no parameter or state changed)"
+            );
+        } else if !names.is_empty() {
+            tracing::warn!(
+                step = self.opt.steps(),
+                non_finite = ?names,
+                "lpmm left the elements with non-finite gradients unchanged"
+            );
+        }
+        tracing::debug!(
+            step = self.opt.steps(),
+            updated = report.updated,
+            grad_norm = report.grad_norm,
+            "lpmm step"
+        );
+    }
+}
+
+impl LpmmOptimizer {
+    /// An optimizer with no parameters yet: add `Var`s ([`LpmmOptimizer::add_vars`]) and lpmm
+    /// layers ([`LpmmOptimizer::linear`], [`LpmmOptimizer::embedding`]).
+    pub fn empty(config: LpmmConfig) -> Result<Self> {
+        let mut opt = Optimizer::new(config.options).map_err(wrap)?;
+        opt.add_group(config.param).map_err(wrap)?;
+        for (_, c) in &config.groups {
+            opt.add_group(*c).map_err(wrap)?;
+        }
+        Ok(LpmmOptimizer {
+            shared: Shared(Arc::new(Mutex::new(Inner {
+                opt,
+                vars: Vec::new(),
+                by_id: Vec::new(),
+                lr: config.param.hyper.lr(),
+                config,
+                last: None,
+                rejected_lr: None,
+            }))),
+        })
+    }
+
+    /// Every floating-point `Var` of `varmap`, named by its path, registered in name order.
+    pub fn from_varmap(varmap: &VarMap, config: LpmmConfig) -> Result<Self> {
+        let mut this = Self::empty(config)?;
+        let named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|e| Error::Msg(e.to_string()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        this.add_vars(named)?;
+        Ok(this)
+    }
+
+    /// Registers named `Var`s (floating-point ones; others are not trainable), in name order.
+    pub fn add_vars(&mut self, mut named: Vec<(String, Var)>) -> Result<()> {
+        named.retain(|(_, v)| v.dtype().is_float());
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut inner = self.shared.lock();
+        for (name, var) in named {
+            inner.register(&name, var)?;
+        }
+        inner.sync()
+    }
+
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// Runs `f` on the lpmm optimizer inside (read-only: parameters, states, memory, config).
+    pub fn with_optimizer<T>(&self, f: impl FnOnce(&Optimizer) -> T) -> T {
+        f(&self.shared.lock().opt)
+    }
+
+    /// The model memory lpmm holds (parameters in their storage — a lent parameter, which is
+    /// the `Var`, is not counted here —, gradient accumulators, states).
+    pub fn memory_report(&self) -> MemoryReport {
+        self.shared.lock().opt.memory_report()
+    }
+
+    /// Bytes candle holds for the `Var`s themselves (in their dtype), lent or not.
+    pub fn candle_bytes(&self) -> usize {
+        self.shared
+            .lock()
+            .vars
+            .iter()
+            .map(|e| e.var.elem_count() * e.var.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// The names of the registered `Var`s whose parameter lpmm holds as a second copy.
+    pub fn copied_vars(&self) -> Vec<String> {
+        self.shared
+            .lock()
+            .vars
+            .iter()
+            .filter(|e| !e.lent)
+            .map(|e| e.name.clone())
+            .collect()
+    }
+
+    /// The last step's report (skipped, non-finite parameters, global gradient norm).
+    pub fn last_report(&self) -> Option<StepReport> {
+        self.shared.lock().last.clone()
+    }
+
+    /// Adds the gradients of one micro-batch into lpmm's gradient accumulators (in their storage
+    /// format), dropping each from `grads` once added, so the f32 gradients never outlive their
+    /// accumulation. `Var`s without a gradient are skipped. Finish with
+    /// [`LpmmOptimizer::apply`].
+    pub fn accumulate(&mut self, mut grads: GradStore) -> Result<()> {
+        let mut inner = self.shared.lock();
+        let Inner { opt, vars, .. } = &mut *inner;
+        for e in vars.iter() {
+            if let Some(g) = grads.remove(e.var.as_tensor()) {
+                with_values(&g, |v| opt.accumulate_input(e.id, v).map_err(wrap))?;
+            }
         }
         Ok(())
     }
+
+    /// Steps every parameter with accumulated gradients (micro-batches of
+    /// [`LpmmOptimizer::accumulate`], an lpmm layer's backward passes).
+    pub fn apply(&mut self) -> Result<StepReport> {
+        self.shared.lock().step(None, None)
+    }
+
+    /// Steps from the gradients of a backward pass (and any accumulated ones), dropping each from
+    /// `grads` once its parameter has stepped.
+    pub fn step_grads(&mut self, grads: &mut GradStore) -> Result<StepReport> {
+        self.shared.lock().step(Some(grads), None)
+    }
+
+    /// Writes the optimizer's complete state, the `Var`s' values included, to `path` (an lpmm
+    /// safetensors checkpoint, atomic).
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let inner = self.shared.lock();
+        inner.opt.save_lent(path, &mut inner.lender()).map_err(wrap)
+    }
+
+    /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
+    /// and storages): the `Var`s take the saved values, the states, counters and random streams
+    /// continue exactly.
+    pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let mut inner = self.shared.lock();
+        let Inner {
+            opt, vars, by_id, ..
+        } = &mut *inner;
+        let mut lender = VarLender { vars, by_id };
+        opt.load_state_lent(path, &mut lender).map_err(wrap)?;
+        inner.sync()
+    }
+}
+
+/// Order-independent identities for `Var`s passed without names: shape, dtype and values.
+fn fingerprint(var: &Var) -> Result<(Vec<usize>, String, Vec<u32>)> {
+    let values = var
+        .as_tensor()
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    Ok((
+        var.dims().to_vec(),
+        format!("{:?}", var.dtype()),
+        values.into_iter().map(f32::to_bits).collect(),
+    ))
 }
 
 impl candle_nn::Optimizer for LpmmOptimizer {
     type Config = LpmmConfig;
 
-    /// Registers every floating-point `Var` (others are not trainable) with the configuration,
-    /// and sets each `Var` to its value as lpmm stores it.
+    /// Registers every floating-point `Var` (others are not trainable). Without names, the
+    /// `Var`s are ordered by shape, dtype and initial values (`VarMap::all_vars` comes in hash
+    /// order, different in every process) and named `var0`, `var1`, ...; `Var`s that tie (equal
+    /// shape and values) cannot be told apart, which a `tracing` warning reports. Prefer
+    /// [`LpmmOptimizer::from_varmap`], which names them by path.
     fn new(vars: Vec<Var>, config: LpmmConfig) -> Result<Self> {
-        let mut opt = Optimizer::new(config.options).map_err(wrap)?;
-        let group = opt.add_group(config.param).map_err(wrap)?;
-        let mut registered = Vec::new();
-        for (i, var) in vars
+        let mut keyed = vars
             .into_iter()
             .filter(|v| v.dtype().is_float())
-            .enumerate()
-        {
-            let init = var
-                .as_tensor()
-                .flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?;
-            let dims = var.dims().to_vec();
-            // A scalar Var has no dimensions; lpmm stores it as one element.
-            let shape = if dims.is_empty() { vec![1] } else { dims };
-            let id = opt
-                .add_param(&format!("var{i}"), &shape, &init, group)
-                .map_err(wrap)?;
-            registered.push((var, id));
+            .map(|v| Ok((fingerprint(&v)?, v)))
+            .collect::<Result<Vec<_>>>()?;
+        keyed.sort_by(|a, b| a.0.cmp(&b.0));
+        if keyed.windows(2).any(|w| w[0].0 == w[1].0) {
+            tracing::warn!(
+                "Vars with equal shapes and initial values cannot be ordered the same way in every \
+                 process; name them (LpmmOptimizer::from_varmap) for reproducible bits"
+            );
         }
-        let this = LpmmOptimizer {
-            opt,
-            vars: registered,
-            rejected_lr: None,
-        };
-        this.sync()?;
+        let mut this = Self::empty(config)?;
+        let named = keyed
+            .into_iter()
+            .enumerate()
+            .map(|(i, (_, v))| (format!("var{i:06}"), v))
+            .collect();
+        this.add_vars(named)?;
         Ok(this)
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.accumulate(grads)?;
-        self.apply().map(|_| ())
+        self.shared.lock().step(None, Some(grads)).map(|_| ())
     }
 
+    /// The backward pass and the step, each gradient dropped as soon as its parameter has
+    /// stepped.
+    fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        // Not under the lock: lpmm layers accumulate into the optimizer during backward.
+        let mut grads = loss.backward()?;
+        self.step_grads(&mut grads).map(|_| ())
+    }
+
+    /// The learning rate of the default group (groups with their own rate keep their ratio to
+    /// it).
     fn learning_rate(&self) -> f64 {
-        self.vars
-            .first()
-            .and_then(|(_, id)| self.opt.config(*id).ok())
-            .map_or(0.0, |c| c.hyper.lr())
+        self.shared.lock().lr
     }
 
+    /// Sets the default group's learning rate; every other group keeps its configured ratio to
+    /// it (a group configured with the default's rate follows it exactly).
     fn set_learning_rate(&mut self, lr: f64) {
-        if self.opt.set_lr(lr).is_err() {
-            self.rejected_lr = Some(lr);
+        let mut inner = self.shared.lock();
+        let base = inner.config.param.hyper.lr();
+        let ratios: Vec<f64> = std::iter::once(1.0)
+            .chain(
+                inner.config.groups.iter().map(
+                    |(_, c)| {
+                        if base > 0.0 { c.hyper.lr() / base } else { 1.0 }
+                    },
+                ),
+            )
+            .collect();
+        // Check every group's rate before changing any.
+        let valid = |v: f64| v.is_finite() && v >= 0.0 && (v as f32).is_finite();
+        if ratios.iter().any(|r| !valid(lr * r)) {
+            inner.rejected_lr = Some(lr);
+            return;
         }
+        for (g, r) in ratios.iter().enumerate() {
+            if inner.opt.set_group_lr(g, lr * r).is_err() {
+                inner.rejected_lr = Some(lr);
+                return;
+            }
+        }
+        inner.lr = lr;
     }
 }

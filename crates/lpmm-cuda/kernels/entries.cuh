@@ -78,7 +78,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_clear(LPMM_ARGS) {
     fmt_clear(t, maps, lt, S_GRAD, thread_count(t, lt));
 }
 
-// Backend::finite of a caller's buffer: the item's flag is set if an input value is not finite.
+// Backend::fits of a caller's buffer (no gradient slot in the descriptor), or
+// Backend::accumulate_fits (cpu.rs: the accumulator plus the input, as lpmm_accumulate sums
+// them): the item's flag is set if a value is not finite or beyond `mode` (f32 bits).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_check(LPMM_ARGS) {
     Tile t = tile_of(descs, ndesc);
     if (!t.valid) {
@@ -87,13 +89,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_check(LPMM_ARGS) {
     uint32_t lt = threadIdx.x;
     uint32_t count = thread_count(t, lt);
     uint32_t first = t.start + PER * lt;
+    uint32_t limit = t.d->mode;
+    bool sum = slot_format(t, S_GRAD) != FMT_NONE;
     bool bad = false;
     for (uint32_t j = 0u; j < count; j++) {
-        bad = bad || !is_finite(io_load(t, first + j));
+        float x = io_load(t, first + j);
+        if (sum) {
+            x = fmt_load(t, maps, S_GRAD, first + j) + x;
+        }
+        bad = bad || !fits(x, limit);
     }
     if (bad) {
         atomicOr(&flags[t.d->flag_index], 1u);
     }
+}
+
+// rule/mod.rs `apply_rule`'s test: the gradient and increment finite, the parameter and states
+// within their formats' limits (fmt_limit; the parameter's only where it moves, f32's otherwise).
+__device__ __forceinline__ bool step_ok(const Tile& t, uint32_t fl, float gi, const Update& u) {
+    uint32_t lp = (fl & F_UPDATE_PARAM) != 0u ? fmt_limit(slot_format(t, S_PARAM)) : LIMIT_F32;
+    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) &&
+           fits(u.m, fmt_limit(slot_format(t, S_STATE1))) &&
+           fits(u.v, fmt_limit(slot_format(t, S_STATE2)));
 }
 
 // The gradient of item element `i`: the accumulator plus the released gradient, if any.
@@ -126,9 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
             float m0 = fmt_load(t, maps, S_STATE1, first + j);
             float v0 = fmt_load(t, maps, S_STATE2, first + j);
             Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
-            bool ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) &&
-                      is_finite(u.v);
-            x = ok ? u.v : v0;
+            x = step_ok(t, fl, gi, u) ? u.v : v0;
         } else {
             x = moment_gradient(t.d, fl, p0, gi);
         }
@@ -137,8 +152,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
 }
 
 // cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
-// the rule (an element whose gradient or results are not finite is left unchanged and flags the
-// parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+// the rule (an element whose gradient or results are not finite, or whose parameter or states do
+// not fit their formats, is left unchanged and flags the parameter); store the states, the parameter (or add the increment) and clear the accumulator.
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     __shared__ uint32_t red[THREADS];
     Tile t = tile_of(descs, ndesc);
@@ -161,8 +176,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
         float m0 = fmt_load(t, maps, S_STATE1, first + j);
         float v0 = fmt_load(t, maps, S_STATE2, first + j);
         Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
-        bool ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) &&
-                  is_finite(u.v);
+        bool ok = step_ok(t, fl, gi, u);
         m[j] = ok ? u.m : m0;
         v[j] = ok ? u.v : v0;
         p[j] = ok ? u.p : p0;

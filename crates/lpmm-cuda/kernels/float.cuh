@@ -10,6 +10,11 @@ __device__ __forceinline__ bool is_finite(float x) {
     return (f2u(x) & 0x7F800000u) != 0x7F800000u;
 }
 
+// format/mod.rs `fits`: finite and at most `limit` (f32 bits) in magnitude.
+__device__ __forceinline__ bool fits(float x, uint32_t limit) {
+    return (f2u(x) & 0x7FFFFFFFu) <= limit;
+}
+
 // half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
 __device__ __forceinline__ uint32_t bf16_nearest(float x) {
     uint32_t b = f2u(x);

@@ -14,8 +14,8 @@
 //! memory it holds.
 
 use candle_core::{D, DType, Device, Tensor};
-use candle_nn::{Module, VarBuilder, VarMap};
-use lpmm_candle::experiments::{Mlp, Rng, digits, reinit, schedule};
+use candle_nn::{Module, VarMap};
+use lpmm_candle::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
 use lpmm_dist::{Collective, Mpi, ParamDef, Reduction, ShardOptions, ShardedOptimizer, Zero};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, presets};
 
@@ -41,8 +41,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = digits()?;
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-    reinit(&varmap, 7)?; // the same initial model on every rank
+    // The same initial model on every rank (a seeded initialiser).
+    let model = Mlp::new(seeded_var_builder(&varmap, 7, &dev))?;
     let mut named: Vec<(String, candle_core::Var)> = varmap
         .data()
         .lock()

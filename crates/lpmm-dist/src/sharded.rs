@@ -635,7 +635,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             .collect();
         let mut s = Self::skeleton(backend, comm, c.options, shard, c.groups.clone(), defs)?;
         s.register(|_, range| vec![0f32; range.len()])?;
-        s.opt.set_steps(c.global_steps);
+        s.opt.set_steps(c.global_steps)?;
         for (p, cp) in c.params.iter().enumerate() {
             for (id, range) in s.local[p].clone() {
                 s.opt

@@ -138,7 +138,10 @@ pub enum Storage {
 }
 
 impl Storage {
-    /// bitsandbytes' 8-bit first moment: dynamic signed map, blocks of 256, nearest.
+    /// bitsandbytes' 8-bit first moment as its CPU path stores it: dynamic signed map, blocks of
+    /// 256, nearest, without the sign fix (bitsandbytes' CUDA kernels move a momentum that rounds
+    /// to the code of 0 to the smallest code of its sign; lpmm keeps the nearest code, on every
+    /// backend: docs/FORMATS.md §6).
     pub const DYNAMIC8_SIGNED: Storage = Storage::Quantized {
         map: MapKind::DynamicSigned8,
         block: BlockSize::B256,

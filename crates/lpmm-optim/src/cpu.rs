@@ -17,7 +17,7 @@ use crate::backend::{
     ParamLayout, ParamStep, SlotKind, StepFlags, StepWork,
 };
 use crate::exact::{ExactSum, add_squares};
-use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut};
+use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
 use crate::rule::{Chunk, apply_chunk};
 
 /// Elements per piece.
@@ -50,6 +50,11 @@ struct Piece {
     regions: [Vec<Vec<u32>>; 4],
     /// The byte length of each element region for this piece.
     bytes: [[usize; MAX_REGIONS]; 4],
+    /// Whether the gradient accumulator's element regions are allocated. They are allocated on
+    /// the first accumulation (or import): a parameter stepped only from given gradients
+    /// (`step_gradients`, released steps) never holds an accumulator. Unallocated, it reads as
+    /// zeros, which is what a fresh accumulator holds.
+    grad_held: bool,
     /// Results of the last pass, kept here so a step allocates nothing.
     grad_sum: ExactSum,
     grad_finite: bool,
@@ -82,6 +87,28 @@ fn for_pieces_lent(
 }
 
 impl Piece {
+    /// Allocates the gradient accumulator's element regions (fresh: zero) if they are not yet.
+    fn hold_grad(&mut self, layout: &ParamLayout) {
+        let Some(format) = layout.format(SlotKind::Grad) else {
+            return;
+        };
+        if self.grad_held {
+            return;
+        }
+        let specs = format.regions(&layout.shape);
+        for (k, r) in specs.iter().filter(|r| r.per_element()).enumerate() {
+            let mut words = vec![0u32; r.words(self.len)];
+            format.fresh(k, &mut words, self.len);
+            self.regions[SlotKind::Grad as usize][k] = words;
+        }
+        self.grad_held = true;
+    }
+
+    /// Whether `slot`'s element regions are allocated (only the accumulator's may not be).
+    fn holds(&self, slot: SlotKind) -> bool {
+        slot != SlotKind::Grad || self.grad_held
+    }
+
     /// Read-only views of `slot`'s regions (`lent`: the piece's part of a lent primary region).
     fn view<'a>(
         &'a self,
@@ -186,7 +213,7 @@ fn load_gradient(
     released: Option<HostValues<'_>>,
     g: &mut [f32],
 ) {
-    match layout.format(SlotKind::Grad) {
+    match layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
         Some(f) => f.decode(
             &piece.view(SlotKind::Grad, wide, &layout.shape, None),
             start,
@@ -212,7 +239,7 @@ fn decode_slot(
     start: usize,
     out: &mut [f32],
 ) {
-    match layout.format(slot) {
+    match layout.format(slot).filter(|_| piece.holds(slot)) {
         Some(f) => f.decode(&piece.view(slot, wide, &layout.shape, lent), start, out),
         None => out.fill(0.0),
     }
@@ -268,7 +295,14 @@ fn fold_piece(
                 decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
                 // Exactly the fused pass's element-wise work, restore included, so both phases
                 // agree (the parameter and increments it computes are dropped).
-                apply_chunk(plan.rule, flags, plan.clip, &mut Chunk { g, p, m, v, d });
+                let limits = layout.limits(flags);
+                apply_chunk(
+                    plan.rule,
+                    flags,
+                    plan.clip,
+                    limits,
+                    &mut Chunk { g, p, m, v, d },
+                );
                 state2.fold(&target, pass, start, v);
             }
             FoldInput::MomentGradient => {
@@ -295,6 +329,7 @@ fn fused_step(
     mut lent: Option<&mut [u8]>,
 ) -> bool {
     let flags = flags_for(layout, plan);
+    let limits = layout.limits(flags);
     let t = plan.t;
     let (mut g, mut p, mut m, mut v, mut d) = (
         [0f32; CHUNK],
@@ -328,7 +363,7 @@ fn fused_step(
         decode_slot(layout, piece, &wide[2], SlotKind::State1, None, start, m);
         decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
         let mut chunk = Chunk { g, p, m, v, d };
-        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, &mut chunk);
+        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut chunk);
         let Chunk { p, m, v, d, .. } = chunk;
         let [rp, rg, r1, r2] = &mut piece.regions;
         let [bp, bg, b1, b2] = &piece.bytes;
@@ -355,7 +390,7 @@ fn fused_step(
                 );
             }
         }
-        if let Some(f) = layout.format(SlotKind::Grad) {
+        if let Some(f) = layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
             let mut r = view_mut(rg, bg, &wide[1], piece.offset, shape, None);
             f.clear(&mut r, start, n);
         }
@@ -374,6 +409,8 @@ fn step_param(
 ) -> bool {
     let CpuParam { pieces, wide } = param;
     let stride = lent_stride(layout);
+    // A tensor-wide statistic that would not fit keeps its old value and flags the parameter.
+    let mut kept = false;
     if let Some(state2) = layout.format(SlotKind::State2)
         && !state2.folds().is_empty()
     {
@@ -419,7 +456,7 @@ fn step_param(
                 }),
             }
         }
-        state2.combine(&wide[3], &layout.shape, &plan.rule);
+        kept = state2.combine(&wide[3], &layout.shape, &plan.rule);
     }
     let wide_ref = &*wide;
     match lent {
@@ -437,7 +474,7 @@ fn step_param(
     {
         wide[3].swap(a, b);
     }
-    pieces.iter().any(|p| p.saw_non_finite)
+    kept | pieces.iter().any(|p| p.saw_non_finite)
 }
 
 impl Backend for Cpu {
@@ -494,9 +531,11 @@ impl Backend for Cpu {
                 };
                 for (k, r) in spec.iter().filter(|r| r.per_element()).enumerate() {
                     bytes[s][k] = r.bytes(len);
+                    // A lent primary region and the accumulator (until used) hold no words.
                     let lent_here = s == SlotKind::Param as usize && k == 0 && layout.lent;
-                    let mut words = vec![0u32; if lent_here { 0 } else { r.words(len) }];
-                    if !lent_here {
+                    let absent = lent_here || s == SlotKind::Grad as usize;
+                    let mut words = vec![0u32; if absent { 0 } else { r.words(len) }];
+                    if !absent {
                         format.fresh(k, &mut words, len);
                     }
                     regions[s].push(words);
@@ -510,6 +549,7 @@ impl Backend for Cpu {
                 grad_sum: ExactSum::new(),
                 grad_finite: true,
                 saw_non_finite: false,
+                grad_held: false,
             });
         }
         let mut param = CpuParam { pieces, wide };
@@ -559,12 +599,18 @@ impl Backend for Cpu {
         };
         let (shape, wide) = (&layout.shape[..], &param.wide[1]);
         for_pieces(&mut param.pieces, |piece| {
+            piece.hold_grad(layout);
             let (mut acc, mut g) = ([0f32; CHUNK], [0f32; CHUNK]);
             let (offset, len) = (piece.offset, piece.len);
             for start in (0..len).step_by(CHUNK) {
                 let n = CHUNK.min(len - start);
                 let (acc, g) = (&mut acc[..n], &mut g[..n]);
-                format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                if piece.grad_held {
+                    format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                } else {
+                    // An accumulator not yet allocated holds zeros.
+                    acc.fill(0.0);
+                }
                 grad.read_f32(offset + start, g);
                 acc.iter_mut().zip(g.iter()).for_each(|(a, &x)| *a += x);
                 let mut r = view_mut(
@@ -587,13 +633,49 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn finite(&self, values: HostValues<'_>) -> Result<bool, BackendError> {
+    fn fits(&self, values: HostValues<'_>, limit: f32) -> Result<bool, BackendError> {
         // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one).
+        let limit = limit.abs().min(f32::MAX).to_bits();
         Ok(match values {
             HostValues::F32(v) => v
                 .par_chunks(1 << 16)
-                .all(|c| lpmm_formats::simd::abs_max_bits(c) < 0x7F80_0000),
-            HostValues::Bf16(v) => v.par_iter().all(|x| x.is_finite()),
+                .all(|c| lpmm_formats::simd::abs_max_bits(c) <= limit),
+            HostValues::Bf16(v) => v.par_iter().all(|x| fits(x.to_f32(), limit)),
+        })
+    }
+
+    fn accumulate_fits(
+        &self,
+        param: &CpuParam,
+        layout: &ParamLayout,
+        grad: HostValues<'_>,
+    ) -> Result<bool, BackendError> {
+        let Some(format) = layout.format(SlotKind::Grad) else {
+            return Err(unsupported(
+                "accumulating into a parameter without an accumulator",
+            ));
+        };
+        let limit = format.limit_bits();
+        let (shape, wide) = (&layout.shape[..], &param.wide[1]);
+        let piece_fits = |piece: &Piece| {
+            let (mut acc, mut g) = ([0f32; CHUNK], [0f32; CHUNK]);
+            (0..piece.len).step_by(CHUNK).all(|start| {
+                let n = CHUNK.min(piece.len - start);
+                let (acc, g) = (&mut acc[..n], &mut g[..n]);
+                if piece.grad_held {
+                    format.decode(&piece.view(SlotKind::Grad, wide, shape, None), start, acc);
+                } else {
+                    // An accumulator not yet allocated holds zeros.
+                    acc.fill(0.0);
+                }
+                grad.read_f32(piece.offset + start, g);
+                // The sum exactly as `accumulate` forms it.
+                acc.iter().zip(g.iter()).all(|(&a, &x)| fits(a + x, limit))
+            })
+        };
+        Ok(match &param.pieces[..] {
+            [one] => piece_fits(one),
+            many => many.par_iter().all(piece_fits),
         })
     }
 
@@ -740,7 +822,7 @@ impl Backend for Cpu {
                 continue;
             };
             let (shape, wide) = (&layout.shape[..], &p.wide[1]);
-            for piece in &mut p.pieces {
+            for piece in p.pieces.iter_mut().filter(|p| p.grad_held) {
                 let (offset, len) = (piece.offset, piece.len);
                 let mut r = view_mut(
                     &mut piece.regions[1],
@@ -813,17 +895,24 @@ impl Backend for Cpu {
                 e += 1;
                 match (lent_here && e == 1, lent) {
                     (true, Some(l)) => l.bytes().to_vec(),
-                    _ => param
-                        .pieces
-                        .iter()
-                        .flat_map(|p| {
-                            bytes_of(
-                                &p.regions[slot as usize][e - 1],
-                                p.bytes[slot as usize][e - 1],
-                            )
-                        })
-                        .copied()
-                        .collect(),
+                    _ => {
+                        let mut out = Vec::with_capacity(spec.bytes(layout.numel));
+                        for p in &param.pieces {
+                            let n = p.bytes[slot as usize][e - 1];
+                            if p.holds(slot) {
+                                out.extend_from_slice(bytes_of(
+                                    &p.regions[slot as usize][e - 1],
+                                    n,
+                                ));
+                            } else {
+                                // An accumulator never used: what a fresh one holds.
+                                let mut words = vec![0u32; spec.words(p.len)];
+                                format.fresh(e - 1, &mut words, p.len);
+                                out.extend_from_slice(bytes_of(&words, n));
+                            }
+                        }
+                        out
+                    }
                 }
             } else {
                 w += 1;
@@ -860,6 +949,9 @@ impl Backend for Cpu {
             }
         }
         let s = slot as usize;
+        if slot == SlotKind::Grad {
+            param.pieces.iter_mut().for_each(|p| p.hold_grad(layout));
+        }
         let (mut e, mut w) = (0, 0);
         let mut saved = host.regions.iter();
         for spec in format.regions(&layout.shape) {
@@ -904,7 +996,7 @@ impl Backend for Cpu {
     fn bytes(&self, param: &CpuParam, layout: &ParamLayout) -> [usize; 4] {
         let mut bytes = [0usize; 4];
         for (s, b) in bytes.iter_mut().enumerate() {
-            for piece in &param.pieces {
+            for piece in param.pieces.iter().filter(|p| p.holds(SlotKind::ALL[s])) {
                 let lent = s == 0 && layout.lent;
                 *b += piece.bytes[s]
                     .iter()

@@ -39,6 +39,48 @@ pub enum OptimError {
         index: usize,
         value: f32,
     },
+    /// An initial parameter value is finite but beyond the largest magnitude its storage holds
+    /// (it would be stored as ±Inf, or its visible bf16 half would be).
+    #[error(
+        "parameter {param}: initial value {index} = {value:e} does not fit its storage {storage} (largest magnitude {limit:e})"
+    )]
+    ParamOverflow {
+        /// The parameter.
+        param: String,
+        /// The element.
+        index: usize,
+        /// Its value.
+        value: f32,
+        /// The storage.
+        storage: String,
+        /// The largest magnitude the storage holds.
+        limit: f32,
+    },
+    /// Adding the micro-batch would give an accumulated gradient beyond what the accumulator's
+    /// format holds (a sum that overflows f32 in a quantized accumulator): nothing was added.
+    #[error(
+        "parameter {param}: the accumulated gradient would not fit its {storage} accumulator (a sum beyond {limit:e}); nothing was added"
+    )]
+    AccumulatorOverflow {
+        /// The parameter.
+        param: String,
+        /// The accumulator's storage.
+        storage: String,
+        /// The largest magnitude it holds.
+        limit: f32,
+    },
+    /// `read_state` takes state 1 or 2.
+    #[error("optimizer state {0} does not exist: the states are 1 and 2")]
+    UnknownState(usize),
+    /// A step or accumulation counter beyond [`crate::MAX_COUNTER`] (2^53: the largest count
+    /// the f64 bias corrections and the checkpoint format hold exactly).
+    #[error("{what} would be {value}, beyond the largest counter 2^53")]
+    Counter {
+        /// Which counter.
+        what: String,
+        /// The value it would take.
+        value: u64,
+    },
     /// The parameter has no gradient accumulator (`Storage::None`): use `step_param` or
     /// `accumulate_states`.
     #[error(

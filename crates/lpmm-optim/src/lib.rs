@@ -13,6 +13,8 @@ mod cpu;
 mod error;
 mod exact;
 mod format;
+#[cfg(feature = "testing")]
+pub mod fuzzing;
 mod memory;
 mod optimizer;
 pub mod presets;
@@ -22,7 +24,8 @@ pub mod testing;
 
 pub use backend::{Backend, BackendError, HostSlot, ParamId, SlotKind};
 pub use checkpoint::{
-    Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, VERSION as CHECKPOINT_VERSION,
+    Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, LoadPolicy,
+    VERSION as CHECKPOINT_VERSION,
 };
 pub use config::{MapKind, ParamConfig, Storage, StoreRounding};
 pub use cpu::Cpu;
@@ -30,7 +33,7 @@ pub use error::OptimError;
 pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
-    GradientSummary, Gradients, Lender, LrRule, NonFinitePolicy, Optimizer, OptimizerOptions,
-    StepInProgress, StepReport, WithGradient,
+    GradientSummary, Gradients, Lender, LrRule, MAX_COUNTER, NonFinitePolicy, Optimizer,
+    OptimizerOptions, StepInProgress, StepReport, WithGradient,
 };
 pub use rule::{Adam, Hyper, Lion, Sgd};

@@ -65,7 +65,8 @@ impl<B: Backend> Optimizer<B> {
     /// The bytes each slot of each parameter occupies on the backend, scratch it keeps for the
     /// parameter included (the code maps, shared by all slots of a kind, and the optimizer's
     /// bookkeeping are not model memory and are not counted; nor is a lent parameter's buffer,
-    /// which is the caller's).
+    /// which is the caller's, nor a gradient accumulator the backend has not yet allocated: the
+    /// CPU backend allocates one on a parameter's first accumulation).
     pub fn memory_report(&self) -> MemoryReport {
         let params = self
             .states

@@ -8,13 +8,54 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    Backend, BackendError, HostSlot, HostValues, HostValuesMut, Init, ParamId, ParamLayout,
-    ParamStep, SlotKind, StepFlags, StepWork,
+    Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
+    ParamLayout, ParamStep, SlotKind, StepFlags, StepWork, fits,
 };
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
+
+/// The largest value of a step or accumulation counter: 2^53, the largest count the f64 bias
+/// corrections hold exactly (and what checkpoints accept). A step or `accumulate` that would pass
+/// it is refused ([`OptimError::Counter`]); no counter ever wraps.
+pub const MAX_COUNTER: u64 = 1 << 53;
+
+fn check_counter(what: impl FnOnce() -> String, value: u64) -> Result<(), OptimError> {
+    if value > MAX_COUNTER {
+        return Err(OptimError::Counter {
+            what: what(),
+            value,
+        });
+    }
+    Ok(())
+}
+
+/// Initial values must fit the parameter's storage: finite, and within its largest magnitude
+/// (a finite f32 above bf16's range would be stored as ±Inf).
+fn check_init(name: &str, init: &[f32], storage: Storage) -> Result<(), OptimError> {
+    let format = storage.format();
+    let limit = format.map_or(F32_MAX_BITS, |f| f.limit_bits());
+    let Some(index) = init.iter().position(|&v| !fits(v, limit)) else {
+        return Ok(());
+    };
+    let value = init[index];
+    Err(if value.is_finite() {
+        OptimError::ParamOverflow {
+            param: name.to_string(),
+            index,
+            value,
+            storage: storage.describe(),
+            limit: f32::from_bits(limit),
+        }
+    } else {
+        OptimError::NonFiniteParam {
+            param: name.to_string(),
+            index,
+            value,
+        }
+    })
+}
 
 /// What to do with a gradient that holds NaN or ±Inf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -306,19 +347,37 @@ impl<B: Backend> Optimizer<B> {
         self.group_config(group)?;
         config.validate()?;
         let numel = numel_of(name, shape)?;
-        if let Some(index) = init.iter().position(|v| !v.is_finite()) {
-            return Err(OptimError::NonFiniteParam {
-                param: name.to_string(),
-                index,
-                value: init[index],
-            });
-        }
         let resolved = config.resolve(numel, shape);
-        let init = Some(self.backend.host_input(HostValues::F32(init)));
+        check_init(name, init, resolved.param)?;
+        let init = Init::Values(self.backend.host_input(HostValues::F32(init)));
         self.register(
             name,
             shape.to_vec(),
             init,
+            group,
+            config,
+            resolved,
+            (self.len(), 0),
+        )
+    }
+
+    /// Registers a parameter whose slots are imported next (a checkpoint being loaded): fresh
+    /// slots, no initial values held.
+    pub(crate) fn add_param_fresh(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        group: usize,
+        config: ParamConfig,
+    ) -> Result<ParamId, OptimError> {
+        self.group_config(group)?;
+        config.validate()?;
+        let numel = numel_of(name, shape)?;
+        let resolved = config.resolve(numel, shape);
+        self.register(
+            name,
+            shape.to_vec(),
+            Init::Fresh,
             group,
             config,
             resolved,
@@ -363,16 +422,20 @@ impl<B: Backend> Optimizer<B> {
                 },
             });
         }
-        if !self.backend.finite(values)? {
+        let limit = resolved.param.format().map_or(f32::MAX, |f| f.limit());
+        if !self.backend.fits(values, limit)? {
             return Err(OptimError::Lent {
                 param: name.to_string(),
-                reason: "its values are not all finite".into(),
+                reason: format!(
+                    "its values are not all finite and within {limit:e}, the largest magnitude its storage {} holds",
+                    resolved.param.describe()
+                ),
             });
         }
         self.register(
             name,
             shape.to_vec(),
-            None,
+            Init::Lent,
             group,
             config,
             resolved,
@@ -419,20 +482,14 @@ impl<B: Backend> Optimizer<B> {
                 ),
             });
         }
-        if let Some(index) = init.iter().position(|v| !v.is_finite()) {
-            return Err(OptimError::NonFiniteParam {
-                param: name.to_string(),
-                index,
-                value: init[index],
-            });
-        }
+        check_init(name, init, resolved.param)?;
         // A whole tensor keeps its shape (rank-1 and factorized states need it).
         let shape = if whole {
             global_shape.to_vec()
         } else {
             vec![range.len()]
         };
-        let init = Some(self.backend.host_input(HostValues::F32(init)));
+        let init = Init::Values(self.backend.host_input(HostValues::F32(init)));
         self.register(
             name,
             shape,
@@ -449,7 +506,7 @@ impl<B: Backend> Optimizer<B> {
         &mut self,
         name: &str,
         shape: Vec<usize>,
-        init: Option<B::Input<'_>>,
+        init: Init<'_, B>,
         group: usize,
         config: ParamConfig,
         resolved: ParamConfig,
@@ -459,7 +516,7 @@ impl<B: Backend> Optimizer<B> {
             return Err(OptimError::DuplicateName(name.to_string()));
         }
         let numel: usize = shape.iter().product();
-        if let Some(init) = &init {
+        if let Init::Values(init) = &init {
             let (_, len) = self.backend.input_info(init);
             if len != numel {
                 return Err(OptimError::Length {
@@ -498,11 +555,7 @@ impl<B: Backend> Optimizer<B> {
             ],
             stream: stream as u64,
             offset: offset as u64,
-            lent: init.is_none(),
-        };
-        let init = match init {
-            Some(values) => Init::Values(values),
-            None => Init::Lent,
+            lent: matches!(init, Init::Lent),
         };
         let param = self.backend.allocate(&layout, init, self.options.seed)?;
         let index = self.states.len();
@@ -639,11 +692,17 @@ impl<B: Backend> Optimizer<B> {
 
     /// Adds a micro-batch gradient into the parameter's gradient accumulator (in its storage
     /// format, stochastically rounded if configured so). The next step consumes and resets it.
-    /// Non-finite values are kept for the step's policy, except in quantized accumulators, which
-    /// cannot hold them: there the call fails and nothing changes.
+    /// A float accumulator (f32, bf16) keeps what it cannot represent as ±Inf or NaN — a
+    /// non-finite micro-batch, or a sum beyond its range — for the step's non-finite policy,
+    /// which reports the parameter. A quantized accumulator cannot hold such values: a
+    /// non-finite micro-batch ([`OptimError::Quant`] naming the element), or one whose sum with
+    /// what the accumulator holds would overflow ([`OptimError::AccumulatorOverflow`]), is
+    /// refused and nothing changes.
     pub fn accumulate(&mut self, id: ParamId, grad: &[f32]) -> Result<(), OptimError> {
         self.check_len(id, "gradient", grad.len())?;
-        if self.states[id.0].config.grad.is_quantized()
+        if self.layouts[id.0]
+            .format(SlotKind::Grad)
+            .is_some_and(|f| !f.holds_non_finite())
             && let Some(index) = grad.iter().position(|v| !v.is_finite())
         {
             return Err(lpmm_quant::QuantError::NonFinite {
@@ -662,13 +721,29 @@ impl<B: Backend> Optimizer<B> {
         let (_, len) = self.backend.input_info(&grad);
         self.check_len(id, "gradient", len)?;
         let state = &self.states[id.0];
-        if state.config.grad == Storage::None {
+        let Some(format) = self.layouts[id.0].format(SlotKind::Grad) else {
             return Err(OptimError::NoAccumulator(state.name.clone()));
-        }
-        if state.config.grad.is_quantized() && !self.backend.finite(grad)? {
-            return Err(OptimError::NonFiniteGradient {
-                param: state.name.clone(),
-            });
+        };
+        check_counter(
+            || format!("parameter {}'s accumulation counter", state.name),
+            state.accumulations + 1,
+        )?;
+        if !format.holds_non_finite() {
+            if !self.backend.finite(grad)? {
+                return Err(OptimError::NonFiniteGradient {
+                    param: state.name.clone(),
+                });
+            }
+            if !self
+                .backend
+                .accumulate_fits(&self.params[id.0], &self.layouts[id.0], grad)?
+            {
+                return Err(OptimError::AccumulatorOverflow {
+                    param: state.name.clone(),
+                    storage: state.config.grad.describe(),
+                    limit: format.limit(),
+                });
+            }
         }
         self.backend.accumulate(
             &mut self.params[id.0],
@@ -731,12 +806,12 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Reads a state (1 or 2) of the parameter as f32 into `out` (zeros if the optimizer has no
-    /// such state).
+    /// such state); any other index is [`OptimError::UnknownState`].
     pub fn read_state(&self, id: ParamId, state: usize, out: &mut [f32]) -> Result<(), OptimError> {
-        let slot = if state == 1 {
-            SlotKind::State1
-        } else {
-            SlotKind::State2
+        let slot = match state {
+            1 => SlotKind::State1,
+            2 => SlotKind::State2,
+            other => return Err(OptimError::UnknownState(other)),
         };
         self.read_slot(id, slot, out)
     }
@@ -781,7 +856,8 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Sets a parameter's counters (which position its random streams) and learning-rate rule,
-    /// as a checkpoint recorded them.
+    /// as a checkpoint recorded them. Counters beyond [`MAX_COUNTER`], a scaled rule whose factor
+    /// is not finite and positive, and a pending gradient without an accumulator are refused.
     pub fn restore(
         &mut self,
         id: ParamId,
@@ -790,7 +866,23 @@ impl<B: Backend> Optimizer<B> {
         pending: bool,
         lr_rule: LrRule,
     ) -> Result<(), OptimError> {
-        self.state(id)?;
+        let name = &self.state(id)?.name;
+        check_counter(|| format!("parameter {name}'s step counter"), steps)?;
+        check_counter(
+            || format!("parameter {name}'s accumulation counter"),
+            accumulations,
+        )?;
+        if let LrRule::Scaled(k) = lr_rule
+            && !(k.is_finite() && k > 0.0)
+        {
+            return Err(OptimError::Hyperparameter {
+                name: "learning-rate scale",
+                value: k,
+            });
+        }
+        if pending && self.layouts[id.0].format(SlotKind::Grad).is_none() {
+            return Err(OptimError::NoAccumulator(name.clone()));
+        }
         let m = &mut self.states[id.0];
         m.steps = steps;
         m.accumulations = accumulations;
@@ -799,9 +891,26 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Sets the count of `step()` calls (a checkpoint's).
-    pub fn set_steps(&mut self, steps: u64) {
+    /// Sets the count of `step()` calls (a checkpoint's); beyond [`MAX_COUNTER`] it is refused.
+    pub fn set_steps(&mut self, steps: u64) -> Result<(), OptimError> {
+        check_counter(|| "the step counter".into(), steps)?;
         self.global_steps = steps;
+        Ok(())
+    }
+
+    /// Refuses a step that would take the global counter, or the step counter of a parameter
+    /// with `takes_part`, past [`MAX_COUNTER`] (before anything changes).
+    fn check_step_counters(&self, takes_part: impl Fn(usize) -> bool) -> Result<(), OptimError> {
+        check_counter(|| "the step counter".into(), self.global_steps + 1)?;
+        for (i, m) in self.states.iter().enumerate() {
+            if takes_part(i) {
+                check_counter(
+                    || format!("parameter {}'s step counter", m.name),
+                    m.steps + 1,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Steps every parameter whose accumulator holds gradients, consuming them. Lent parameters
@@ -986,6 +1095,8 @@ impl<B: Backend> Optimizer<B> {
                 Ok(())
             })?;
         }
+        // Every parameter taking part (given or accumulated) must have a step left.
+        self.check_step_counters(|i| given[i] || self.states[i].pending)?;
         // The accumulated ones.
         for (s, m) in self.select.iter_mut().zip(&self.states) {
             *s = m.pending;
@@ -1154,6 +1265,7 @@ impl<B: Backend> Optimizer<B> {
         global: Option<(ExactSum, bool)>,
         local_non_finite: Vec<ParamId>,
     ) -> Result<StepInProgress, OptimError> {
+        self.check_step_counters(|i| self.select[i])?;
         let mut report = StepReport {
             non_finite: local_non_finite,
             ..StepReport::default()
@@ -1261,6 +1373,11 @@ impl<B: Backend> Optimizer<B> {
                 },
             });
         }
+        let name = &self.states[id.0].name;
+        check_counter(
+            || format!("parameter {name}'s step counter"),
+            self.states[id.0].steps + 1,
+        )?;
         let mut report = StepReport::default();
         for (i, s) in self.select.iter_mut().enumerate() {
             *s = i == id.0;

@@ -27,6 +27,17 @@ pub fn adamw_f32(lr: f64) -> ParamConfig {
     ParamConfig::f32(Hyper::adamw(lr))
 }
 
+/// bitsandbytes' `AdamW8bit` on an f32 model: f32 parameters and gradients, 8-bit dynamic states
+/// in blocks of 256 (a one-line swap for f32 AdamW; with gradients stepped where the framework
+/// holds them, no accumulator is ever allocated).
+pub fn adamw_8bit(lr: f64) -> ParamConfig {
+    ParamConfig {
+        state1: Storage::DYNAMIC8_SIGNED,
+        state2: Storage::DYNAMIC8_UNSIGNED,
+        ..ParamConfig::f32(Hyper::adamw(lr))
+    }
+}
+
 /// bitsandbytes-like: bf16 parameters and gradients (round to nearest), 8-bit dynamic states in
 /// blocks of 256.
 pub fn adamw_8bit_bf16(lr: f64) -> ParamConfig {

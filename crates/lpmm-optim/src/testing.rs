@@ -497,6 +497,181 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
     }
 }
 
+/// One overflow scenario: a configuration, initial values, and per step the micro-batches to
+/// accumulate (empty: released gradients through `step_param`).
+struct Overflow {
+    name: &'static str,
+    config: ParamConfig,
+    shape: Vec<usize>,
+    init: Vec<f32>,
+    steps: Vec<Vec<Vec<f32>>>,
+}
+
+/// `n` values of `base`, with `at` (index, value) put in.
+fn with(n: usize, base: &mut Rng, scale: f32, at: &[(usize, f32)]) -> Vec<f32> {
+    let mut v = base.spread(n, scale);
+    for &(i, x) in at {
+        v[i] = x;
+    }
+    v
+}
+
+/// Finite inputs whose results overflow on the way into a low-precision slot — bf16 momenta and
+/// second moments beyond bf16's range, bf16 and Kahan parameters moved past their limits,
+/// factorized statistics that overflow, accumulated sums beyond a bf16 accumulator and an 8-bit
+/// one — under both non-finite policies: the same elements left unchanged, the same reports, the
+/// same refusals of micro-batches, bit for bit.
+pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
+    let mut rng = Rng(21);
+    let n = 5000;
+    let sgdm = |lr| Hyper::Sgd(Sgd::new(lr).momentum(0.9));
+    let scenarios = vec![
+        Overflow {
+            name: "sgd momentum in bf16, released",
+            config: ParamConfig {
+                param: BF_SR,
+                grad: Storage::None,
+                state1: BF,
+                ..ParamConfig::f32(sgdm(1e-30))
+            },
+            shape: vec![n],
+            init: rng.spread(n, 1.0),
+            steps: vec![Vec::new(); 3],
+        },
+        Overflow {
+            name: "adamw with bf16 states and a Kahan parameter",
+            config: ParamConfig {
+                param: Storage::Bf16Kahan,
+                grad: Storage::F32,
+                state1: BF,
+                state2: BF_SR,
+                ..ParamConfig::f32(Hyper::adamw(1e-3))
+            },
+            shape: vec![n],
+            init: with(n, &mut rng, 1.0, &[(7, 1.6e38), (4999, -1.69e38)]),
+            steps: (0..3)
+                .map(|_| {
+                    vec![with(
+                        n,
+                        &mut rng,
+                        1.0,
+                        &[(3, 5.9e20), (4000, -6e20), (17, 1e19)],
+                    )]
+                })
+                .collect(),
+        },
+        Overflow {
+            name: "sgd pushing bf16 and split-f32 parameters past bf16's range",
+            config: ParamConfig {
+                param: BF,
+                grad: BF,
+                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+            },
+            shape: vec![n],
+            init: with(n, &mut rng, 1.0, &[(0, 3.3e38), (1, 3.3e38), (2, -3.3e38)]),
+            steps: (0..2)
+                .map(|_| {
+                    vec![
+                        with(n, &mut rng, 1.0, &[(0, -6e36), (1, -1e37), (2, 2e37)]),
+                        // A bf16 accumulator: this sum overflows it and is stored as Inf.
+                        with(n, &mut rng, 1.0, &[(9, 3.3e38), (10, 1e38)]),
+                        with(n, &mut rng, 1.0, &[(9, 3.3e38), (10, 1e38)]),
+                    ]
+                })
+                .collect(),
+        },
+        Overflow {
+            name: "split f32",
+            config: ParamConfig {
+                param: Storage::SplitF32,
+                grad: Storage::F32,
+                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+            },
+            shape: vec![n],
+            init: with(n, &mut rng, 1.0, &[(0, 3.39e38), (5, -3e38)]),
+            steps: vec![vec![with(n, &mut rng, 1.0, &[(0, -1e36), (5, 1e37)])]],
+        },
+        Overflow {
+            name: "factorized statistics",
+            config: ParamConfig {
+                param: Storage::F32,
+                grad: Storage::F32,
+                state1: Storage::F32,
+                state2: Storage::Factorized,
+                min_quantized_size: 0,
+                ..ParamConfig::f32(Hyper::adamw(1e-3))
+            },
+            shape: vec![50, 100],
+            init: rng.spread(n, 1.0),
+            steps: (0..2)
+                .map(|_| vec![with(n, &mut rng, 1.0, &[(120, 3e21), (121, 3e21)])])
+                .collect(),
+        },
+        Overflow {
+            name: "lpmm sgdm: 8-bit accumulator sums",
+            config: presets::lpmm_sgdm(1e-3, 0.9),
+            shape: vec![n],
+            init: rng.spread(n, 1.0),
+            steps: (0..2)
+                .map(|_| {
+                    vec![
+                        with(n, &mut rng, 1.0, &[(64, 3e38)]),
+                        with(n, &mut rng, 1.0, &[(64, 3e38), (65, 0.25)]),
+                        with(n, &mut rng, 1.0, &[(64, -1e38)]),
+                    ]
+                })
+                .collect(),
+        },
+    ];
+    for policy in [NonFinitePolicy::SkipElements, NonFinitePolicy::SkipStep] {
+        for sc in &scenarios {
+            let options = OptimizerOptions {
+                seed: 17,
+                max_grad_norm: None,
+                non_finite: policy,
+            };
+            let what = format!("{} ({policy:?})", sc.name);
+            let mut cpu = Optimizer::new(options).unwrap();
+            let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
+            cpu.add_group(sc.config).unwrap();
+            dev.add_group(sc.config).unwrap();
+            let a = cpu.add_param("w", &sc.shape, &sc.init, 0).unwrap();
+            dev.add_param("w", &sc.shape, &sc.init, 0).unwrap();
+            let mut flagged = false;
+            let mut refused = false;
+            let mut released = Rng(99);
+            for (k, micro) in sc.steps.iter().enumerate() {
+                let (r1, r2) = if micro.is_empty() {
+                    let g = with(
+                        n,
+                        &mut released,
+                        1.0,
+                        &[(1, 3.3e38), (2, -3.39e38), (3, 1e38)],
+                    );
+                    (
+                        cpu.step_param(a, &g).unwrap(),
+                        dev.step_param(a, &g).unwrap(),
+                    )
+                } else {
+                    for g in micro {
+                        let (x, y) = (cpu.accumulate(a, g), dev.accumulate(a, g));
+                        assert_eq!(x.is_ok(), y.is_ok(), "{what}: accumulate {x:?} vs {y:?}");
+                        refused |= x.is_err();
+                    }
+                    (cpu.step().unwrap(), dev.step().unwrap())
+                };
+                assert_eq!(r1, r2, "{what}: step {k} reports");
+                flagged |= !r1.non_finite.is_empty();
+                assert_same(&cpu, &dev, &[a], &format!("{what}, step {k}"));
+            }
+            assert!(
+                flagged || refused,
+                "{what}: the scenario must overflow somewhere"
+            );
+        }
+    }
+}
+
 /// Generates the conformance suite's tests for a backend: one `#[test]` per check, each run on
 /// every backend `$devices` yields (an expression giving an iterator of backends: none, with a
 /// message, where the hardware is missing). A check added here runs on every backend that uses
@@ -511,6 +686,7 @@ macro_rules! conformance_tests {
             reads_decode_as_the_cpu_does,
             checkpoints_move_between_backends_and_resume_exactly,
             tensor_wide_second_moments_are_bit_exact,
+            overflow_is_bit_exact,
         );
     };
     (@each $devices:expr; $($check:ident,)*) => {

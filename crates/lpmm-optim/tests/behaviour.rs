@@ -660,3 +660,49 @@ fn adam_with_beta1_zero_keeps_exactly_the_gradient() {
     opt.read_state(id, 1, &mut m).unwrap();
     assert_eq!(m, grads[1]);
 }
+
+/// The 8-bit first moment (`Storage::DYNAMIC8_SIGNED`) is bitsandbytes' CPU quantization, the
+/// anchor of tests/anchors.rs: nearest code, no sign fix (docs/FORMATS.md §6). A momentum too
+/// small for the map's smallest code therefore stores as 0, where bitsandbytes' CUDA kernels
+/// (which apply the sign fix) store the smallest code of its sign. Every backend stores the same
+/// codes (the conformance suite).
+#[test]
+fn the_8bit_first_moment_is_bitsandbytes_cpu_quantization_without_the_sign_fix() {
+    use lpmm_optim::{MapKind, SlotKind};
+    use lpmm_quant::{BlockSize, Blockwise, QuantRounding};
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            grad: Storage::None,
+            state1: Storage::DYNAMIC8_SIGNED,
+            min_quantized_size: 0,
+            ..ParamConfig::f32(Hyper::sgd(1e-3, 0.9))
+        })
+        .unwrap();
+    let n = 512;
+    let id = opt.add_param("w", &[n], &vec![0.0; n], g).unwrap();
+    // SGD's first step stores the gradient as the momentum.
+    let mut grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    grad[5] = -1e-9;
+    opt.step_param(id, &grad).unwrap();
+    let stored = opt.export_slot(id, SlotKind::State1).unwrap();
+    let q = |fix: bool| {
+        let b =
+            Blockwise::new(MapKind::DynamicSigned8.shared(), BlockSize::B256).with_sign_fix(fix);
+        let (mut codes, mut absmax) = (vec![0u8; n], vec![0f32; 2]);
+        b.quantize(&grad, &mut codes, &mut absmax, QuantRounding::Nearest)
+            .unwrap();
+        codes
+    };
+    assert_eq!(stored.regions[0].bytes, q(false), "the CPU path's codes");
+    let fixed = q(true);
+    let moved: Vec<usize> = (0..n).filter(|&i| fixed[i] != q(false)[i]).collect();
+    assert_eq!(
+        moved,
+        vec![5],
+        "the sign fix would move only the tiny negative momentum"
+    );
+    let mut m = vec![0f32; n];
+    opt.read_state(id, 1, &mut m).unwrap();
+    assert_eq!(m[5].to_bits(), 0, "stored as +0, not as a negative code");
+}

@@ -104,6 +104,11 @@ fn stepping_from_the_callers_gradients_equals_accumulating_them() {
             same(&acc, &direct, &format!("{name} step {step}"));
         }
         assert_eq!(acc.steps(), direct.steps());
+        // Stepped only from given gradients, no accumulator was ever allocated; the accumulating
+        // optimizer holds one (f32: 4 bytes an element) from its first accumulation.
+        let numel: usize = SIZES.iter().sum();
+        assert_eq!(direct.memory_report().slot_totals()[1], 0, "{name}");
+        assert_eq!(acc.memory_report().slot_totals()[1], 4 * numel, "{name}");
     }
 }
 

@@ -70,7 +70,9 @@ fn lpmm_clear(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     fmt_clear(t, lt, S_GRAD, thread_count(t, lt));
 }
 
-// Backend::finite of a caller's buffer: the item's flag is set if an input value is not finite.
+// Backend::fits of a caller's buffer (no gradient slot in the descriptor), or
+// Backend::accumulate_fits (cpu.rs: the accumulator plus the input, as lpmm_accumulate sums
+// them): the item's flag is set if a value is not finite or beyond `mode` (f32 bits).
 @compute @workgroup_size(256)
 fn lpmm_check(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -79,13 +81,29 @@ fn lpmm_check(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     let count = thread_count(t, lt);
     let first = t.start + PER * lt;
+    let limit = dw(t, D_MODE);
+    let sum = slot_format(t, S_GRAD) != FMT_NONE;
     var bad = false;
     for (var j = 0u; j < count; j = j + 1u) {
-        bad = bad || !is_finite(io_load(t, first + j));
+        var x = io_load(t, first + j);
+        if (sum) {
+            x = fmt_load(t, S_GRAD, first + j) + x;
+        }
+        bad = bad || !fits(x, limit);
     }
     if (bad) {
         atomicOr(&flags[dw(t, D_FLAG_INDEX)], 1u);
     }
+}
+
+// rule/mod.rs `apply_rule`'s test: the gradient and increment finite, the parameter and states
+// within their formats' limits (fmt_limit; the parameter's only where it moves, f32's otherwise).
+fn step_ok(t: Tile, fl: u32, gi: f32, u: Update) -> bool {
+    var lp = LIMIT_F32;
+    if ((fl & F_UPDATE_PARAM) != 0u) {
+        lp = fmt_limit(slot_format(t, S_PARAM));
+    }
+    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) && fits(u.m, fmt_limit(slot_format(t, S_STATE1))) && fits(u.v, fmt_limit(slot_format(t, S_STATE2)));
 }
 
 // The gradient of item element `i`: the accumulator plus the released gradient, if any.
@@ -118,8 +136,7 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
             let m0 = fmt_load(t, S_STATE1, first + j);
             let v0 = fmt_load(t, S_STATE2, first + j);
             let u = apply_rule(t, fl, p0, gi, m0, v0);
-            let ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) && is_finite(u.v);
-            x = select(v0, u.v, ok);
+            x = select(v0, u.v, step_ok(t, fl, gi, u));
         } else {
             x = moment_gradient(t, fl, p0, gi);
         }
@@ -128,8 +145,8 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 }
 
 // cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
-// the rule (an element whose gradient or results are not finite is left unchanged and flags the
-// parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+// the rule (an element whose gradient or results are not finite, or whose parameter or states do
+// not fit their formats, is left unchanged and flags the parameter); store the states, the parameter (or add the increment) and clear the accumulator.
 @compute @workgroup_size(256)
 fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -151,7 +168,7 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         let m0 = fmt_load(t, S_STATE1, first + j);
         let v0 = fmt_load(t, S_STATE2, first + j);
         let u = apply_rule(t, fl, p0, gi, m0, v0);
-        let ok = is_finite(gi) && is_finite(u.p) && is_finite(u.d) && is_finite(u.m) && is_finite(u.v);
+        let ok = step_ok(t, fl, gi, u);
         m[j] = select(m0, u.m, ok);
         v[j] = select(v0, u.v, ok);
         p[j] = select(p0, u.p, ok);

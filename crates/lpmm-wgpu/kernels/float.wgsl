@@ -8,6 +8,11 @@ fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7F800000u) != 0x7F800000u;
 }
 
+// format/mod.rs `fits`: finite and at most `limit` (f32 bits) in magnitude.
+fn fits(x: f32, limit: u32) -> bool {
+    return (bitcast<u32>(x) & 0x7FFFFFFFu) <= limit;
+}
+
 // half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
 fn bf16_nearest(x: f32) -> u32 {
     let b = bitcast<u32>(x);

@@ -18,10 +18,12 @@ use lpmm_formats::bf16;
 use lpmm_quant::RandomStream;
 
 pub use crate::format::{
-    Dtype, Extent, FoldInput, Format, HostRegion, HostSlot, KERNELS as FORMAT_KERNELS, RegionSpec,
+    Dtype, Extent, F32_MAX_BITS, FoldInput, Format, HostRegion, HostSlot,
+    KERNELS as FORMAT_KERNELS, LIMITS as FORMAT_LIMITS, RegionSpec, fits,
 };
 pub use crate::rule::{
-    AdamConsts, FieldType, KernelStruct, LionConsts, RuleConsts, SgdConsts, StepFlags, Updated,
+    AdamConsts, FieldType, KernelStruct, Limits, LionConsts, RuleConsts, SgdConsts, StepFlags,
+    Updated,
 };
 
 use crate::exact::ExactSum;
@@ -95,6 +97,21 @@ impl ParamLayout {
     /// The format of `slot`.
     pub fn format(&self, slot: SlotKind) -> Option<Format> {
         self.formats[slot as usize]
+    }
+
+    /// What the step may store into the parameter and states ([`Format::limit`]; f32's for an
+    /// unallocated slot, and for the parameter when `flags` does not move it).
+    pub fn limits(&self, flags: StepFlags) -> Limits {
+        let limit = |slot: SlotKind| self.format(slot).map_or(F32_MAX_BITS, |f| f.limit_bits());
+        Limits {
+            param: if flags.has(StepFlags::UPDATE_PARAM) {
+                limit(SlotKind::Param)
+            } else {
+                F32_MAX_BITS
+            },
+            state1: limit(SlotKind::State1),
+            state2: limit(SlotKind::State2),
+        }
     }
 
     /// The random stream of `slot` at `counter` (the step, or for the gradient accumulator its
@@ -253,6 +270,10 @@ pub enum Init<'a, B: Backend> {
     /// The caller's buffer is the parameter ([`ParamLayout::lent`]): its other regions start at
     /// zero (a Kahan compensation, a split remainder).
     Lent,
+    /// Every slot as freshly allocated (zeros; quantized codes as [`Format::fresh`] says), the
+    /// parameter included: its contents are imported next (a checkpoint being loaded), so no
+    /// initial values are stored or even held.
+    Fresh,
 }
 
 impl<B: Backend> std::fmt::Debug for Init<'_, B> {
@@ -260,6 +281,7 @@ impl<B: Backend> std::fmt::Debug for Init<'_, B> {
         f.write_str(match self {
             Init::Values(_) => "Init::Values",
             Init::Lent => "Init::Lent",
+            Init::Fresh => "Init::Fresh",
         })
     }
 }
@@ -321,7 +343,10 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     fn output_info(&self, output: &Self::Output<'_>) -> (Dtype, usize);
 
     /// Allocates a parameter (slots zero-filled, quantized codes as [`Format::fresh`] says) and
-    /// stores its initial value.
+    /// stores its initial value. A backend may defer the gradient accumulator's element regions
+    /// to the first `accumulate` or `import` of that slot (the CPU backend does, so a parameter
+    /// stepped only from given gradients never holds one); until then the accumulator reads,
+    /// steps and exports as a fresh one, and [`Backend::bytes`] does not count it.
     fn allocate(
         &self,
         layout: &ParamLayout,
@@ -330,7 +355,8 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     ) -> Result<Self::Param, BackendError>;
 
     /// Adds a micro-batch gradient into the accumulator; `counter` (the accumulate count) keys
-    /// its random stream. The gradient is finite if the accumulator is quantized.
+    /// its random stream. If the accumulator's format cannot hold non-finite values
+    /// ([`Format::holds_non_finite`]) the caller has checked [`Backend::accumulate_fits`].
     fn accumulate(
         &self,
         param: &mut Self::Param,
@@ -341,7 +367,23 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     ) -> Result<(), BackendError>;
 
     /// Whether every value of `values` is finite.
-    fn finite(&self, values: Self::Input<'_>) -> Result<bool, BackendError>;
+    fn finite(&self, values: Self::Input<'_>) -> Result<bool, BackendError> {
+        self.fits(values, f32::MAX)
+    }
+
+    /// Whether every value of `values` is finite and at most `limit` in magnitude
+    /// ([`fits`]; a format's [`Format::limit`]).
+    fn fits(&self, values: Self::Input<'_>, limit: f32) -> Result<bool, BackendError>;
+
+    /// Whether adding `grad` to the parameter's gradient accumulator gives, for every element,
+    /// a sum (`accumulator + grad` in f32, as [`Backend::accumulate`] computes it) that fits the
+    /// accumulator's format ([`fits`] with [`Format::limit`]). Nothing changes.
+    fn accumulate_fits(
+        &self,
+        param: &Self::Param,
+        layout: &ParamLayout,
+        grad: Self::Input<'_>,
+    ) -> Result<bool, BackendError>;
 
     /// The gradient statistics of a caller's gradient buffer, as [`Backend::gradient_stats`]
     /// defines them for an accumulator: the exact sum of squares of its finite values (one f64
@@ -403,6 +445,6 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     ) -> Result<(), BackendError>;
 
     /// Bytes each slot of the parameter occupies on the backend (scratch it keeps for the
-    /// parameter included, a lent region excluded).
+    /// parameter included, a lent region and a deferred accumulator excluded).
     fn bytes(&self, param: &Self::Param, layout: &ParamLayout) -> [usize; 4];
 }

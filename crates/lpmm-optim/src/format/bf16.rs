@@ -16,8 +16,13 @@ pub struct Bf16 {
 
 const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
 
+/// The largest f32 that does not round to ±Inf in bf16 (nearest: `0x7F7F8000` and above round
+/// up to Inf; stochastic rounding falls back to nearest there, docs/FORMATS.md §2).
+pub(crate) const BF16_LIMIT: u32 = 0x7F7F_7FFF;
+
 impl Codec for Bf16 {
     const NAME: &'static str = "bf16";
+    const LIMIT: u32 = BF16_LIMIT;
 
     fn from_storage(storage: Storage) -> Option<Self> {
         match storage {
@@ -44,6 +49,10 @@ impl Codec for Bf16 {
 
     fn lendable(&self) -> Option<Dtype> {
         Some(Dtype::Bf16)
+    }
+
+    fn holds_non_finite(&self) -> bool {
+        true
     }
 
     fn kernel_aux(&self) -> u32 {

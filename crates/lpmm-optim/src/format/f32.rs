@@ -33,6 +33,10 @@ impl Codec for F32 {
         Some(Dtype::F32)
     }
 
+    fn holds_non_finite(&self) -> bool {
+        true
+    }
+
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
         if values && !f32s(&host.regions[0].bytes).all(f32::is_finite) {
             return Err("holds a non-finite value".into());

@@ -90,17 +90,21 @@ fn sum_of(wide: &[Box<[AtomicU32]>], k: usize, count: usize) -> f64 {
 }
 
 /// After the folds: moves the row and column averages by this step's means (a value that would
-/// overflow keeps its old one) and recomputes `mean(r)`. The same host code for every backend.
-fn combine(wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) {
+/// overflow keeps its old one, and the step reports the parameter: true) and recomputes
+/// `mean(r)`. The same host code for every backend.
+fn combine(wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) -> bool {
     let Some((b2, w2)) = rule.second_moment_betas() else {
-        return;
+        return false;
     };
     let (rows, cols) = dims(shape);
+    let mut kept = false;
     for i in 0..rows {
         let mean = (sum_of(wide, i, cols) / cols as f64) as f32;
         let new = w2.mul_add(mean, wide_f32(&wide[ROW], i) * b2);
         if new.is_finite() {
             set_wide_f32(&wide[ROW], i, new);
+        } else {
+            kept = true;
         }
     }
     for j in 0..cols {
@@ -108,9 +112,12 @@ fn combine(wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) {
         let new = w2.mul_add(mean, wide_f32(&wide[COL], j) * b2);
         if new.is_finite() {
             set_wide_f32(&wide[COL], j, new);
+        } else {
+            kept = true;
         }
     }
     mean_rows(wide, rows);
+    kept
 }
 
 /// `mean(r)`, in f64 in row order, rounded to f32.
@@ -184,8 +191,8 @@ impl Codec for Factored {
         &[EXP, SUM]
     }
 
-    fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) {
-        combine(wide, shape, rule);
+    fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) -> bool {
+        combine(wide, shape, rule)
     }
 
     fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32]) {

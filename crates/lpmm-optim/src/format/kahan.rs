@@ -24,8 +24,20 @@ fn pair<'a>(r: &'a mut RegionsMut<'_>, at: usize, n: usize) -> (&'a mut [bf16], 
     )
 }
 
+/// The compensation's headroom: every value a step stores is at most [`Kahan::LIMIT`] = 2^127,
+/// and a compensation is the bf16 rounding error of its value, at most half a bf16 ulp (2^119)
+/// however large the value. So `value + (comp + delta)` for any update whose result is within the
+/// limit, and `value + comp` for an element left unchanged, stay far below bf16's overflow
+/// threshold (2^128 - 2^119): the increment path never rounds to ±Inf. A loaded slot must keep
+/// these bounds (a value at most 2^127 + 2^120, one bf16 ulp above the limit; a compensation at
+/// most 2^119).
+const VALUE_MAX: u16 = 0x7F01;
+const COMP_MAX: u16 = 0x7B00;
+
 impl Codec for Kahan {
     const NAME: &'static str = "kahan";
+    /// 2^127: half of bf16's range, the rest is the compensation's headroom (see `VALUE_MAX`).
+    const LIMIT: u32 = 0x7F00_0000;
 
     fn from_storage(storage: Storage) -> Option<Self> {
         (storage == Storage::Bf16Kahan).then_some(Kahan)
@@ -51,6 +63,13 @@ impl Codec for Kahan {
         let finite = host.regions.iter().all(|r| u16s(&r.bytes).all(bf16_finite));
         if values && !finite {
             return Err("holds a non-finite value".into());
+        }
+        let within = |r: usize, max: u16| u16s(&host.regions[r].bytes).all(|h| h & 0x7FFF <= max);
+        if values && !(within(0, VALUE_MAX) && within(1, COMP_MAX)) {
+            return Err(
+                "holds a value above 2^127 + 2^120 or a compensation above 2^119 (a step could overflow)"
+                    .into(),
+            );
         }
         Ok(())
     }

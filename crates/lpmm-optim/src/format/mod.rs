@@ -239,10 +239,26 @@ pub enum FoldInput {
     MomentGradient,
 }
 
+/// The bit pattern of `f32::MAX`: the limit of a format that stores every finite f32.
+pub const F32_MAX_BITS: u32 = 0x7F7F_FFFF;
+
+/// Whether `x` is finite and at most `limit` (an f32 bit pattern) in magnitude: one comparison
+/// of the bits with the sign cleared (NaN and ±Inf patterns exceed every finite one). The same
+/// test in the kernels (`fits`).
+#[inline(always)]
+pub fn fits(x: f32, limit: u32) -> bool {
+    x.to_bits() & 0x7FFF_FFFF <= limit
+}
+
 /// The definition of one storage format.
 pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'static {
     /// The stem of its kernel files and its name in the kernels' dispatch.
     const NAME: &'static str;
+    /// The largest magnitude (an f32 bit pattern) the format stores without overflow: a value
+    /// beyond it (or non-finite) is never stored — registration refuses it, the step leaves the
+    /// element unchanged and reports it, a quantized accumulator refuses the micro-batch. f32 and
+    /// block-scaled codes hold every finite f32; bf16 what does not round to ±Inf.
+    const LIMIT: u32 = F32_MAX_BITS;
     /// The format of `storage`, if it is this one.
     fn from_storage(storage: Storage) -> Option<Self>;
     /// A short name for reports and messages ("bf16-sr", "dynamic_signed_8/b256", ...).
@@ -270,6 +286,11 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
     /// The dtype of the primary region, if a caller's tensor of that dtype can be it.
     fn lendable(&self) -> Option<Dtype> {
         None
+    }
+    /// Whether it can hold ±Inf and NaN (float formats): a gradient accumulator that cannot
+    /// refuses a micro-batch whose sum would not fit.
+    fn holds_non_finite(&self) -> bool {
+        false
     }
     /// The format's parameters as its kernels read them.
     fn kernel_aux(&self) -> u32 {
@@ -310,8 +331,11 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
         &[]
     }
     /// After the folds, before the fused pass: turns the folded scratch into the statistics the
-    /// fused pass uses (host code, the same for every backend).
-    fn combine(&self, _wide: &[Box<[AtomicU32]>], _shape: &[usize], _rule: &RuleConsts) {}
+    /// fused pass uses (host code, the same for every backend). True if a statistic would not
+    /// fit and kept its old value (the step reports the parameter).
+    fn combine(&self, _wide: &[Box<[AtomicU32]>], _shape: &[usize], _rule: &RuleConsts) -> bool {
+        false
+    }
     /// Two tensor-wide regions that trade places after the fused pass (rank-1: the next maxima
     /// become the current ones).
     fn swap_after_step(&self) -> Option<(usize, usize)> {
@@ -388,6 +412,10 @@ macro_rules! formats {
         /// Every format, in kernel-id order: the stems of their kernel files.
         pub const KERNELS: &[&str] = &[$(<$ty as Codec>::NAME,)*];
 
+        /// Every format's [`Format::limit`] as f32 bits, in kernel-id order (the kernels'
+        /// `fmt_limit` is generated from it).
+        pub const LIMITS: &[u32] = &[$(<$ty as Codec>::LIMIT,)*];
+
         impl Format {
             /// The format of `storage` (`None` for [`Storage::None`]).
             pub fn of(storage: Storage) -> Option<Format> {
@@ -452,6 +480,23 @@ macro_rules! formats {
                 match &self.0 { $(Inner::$variant(c) => c.lendable(),)* }
             }
 
+            /// The largest magnitude it stores without overflow (every finite f32 for f32 and
+            /// block-scaled codes; docs/FORMATS.md gives each format's).
+            pub fn limit(&self) -> f32 {
+                f32::from_bits(self.limit_bits())
+            }
+
+            /// [`Format::limit`] as f32 bits.
+            pub fn limit_bits(&self) -> u32 {
+                match &self.0 { $(Inner::$variant(_) => <$ty as Codec>::LIMIT,)* }
+            }
+
+            /// Whether it holds ±Inf and NaN (f32, bf16): a gradient accumulator that does not
+            /// refuses a micro-batch whose sum would not fit it.
+            pub fn holds_non_finite(&self) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.holds_non_finite(),)* }
+            }
+
             /// The fold passes of a two-phase step.
             pub fn folds(&self) -> &'static [FoldInput] {
                 match &self.0 { $(Inner::$variant(c) => c.folds(),)* }
@@ -509,8 +554,10 @@ macro_rules! formats {
             }
             /// After the folds: turns the folded tensor-wide regions into the statistics the
             /// fused pass reads (host code shared by every backend; `wide` holds every
-            /// tensor-wide region of the slot, as words).
-            pub fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) {
+            /// tensor-wide region of the slot, as words). True if a statistic would not fit and
+            /// kept its old value: the backend reports the parameter as it reports elements left
+            /// unchanged.
+            pub fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) -> bool {
                 match &self.0 { $(Inner::$variant(c) => c.combine(wide, shape, rule),)* }
             }
             /// Two tensor-wide regions that trade places after the fused pass.

@@ -3,7 +3,7 @@
 
 use lpmm_formats::{SplitF32 as Split, bf16};
 
-use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, u16s};
+use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, fits, u16s};
 use crate::backend::SlotKind;
 use crate::config::Storage;
 
@@ -16,6 +16,9 @@ const REM: RegionSpec = RegionSpec::new(".rem", Dtype::U16, Extent::Elements { b
 
 impl Codec for SplitF32 {
     const NAME: &'static str = "split_f32";
+    /// Lossless for every f32, but the visible bf16 half of a value from `0x7F7F8000` up is ±Inf
+    /// (a bf16 forward pass would read it): such values are refused as bf16 refuses them.
+    const LIMIT: u32 = super::bf16::BF16_LIMIT;
 
     fn from_storage(storage: Storage) -> Option<Self> {
         (storage == Storage::SplitF32).then_some(SplitF32)
@@ -38,18 +41,18 @@ impl Codec for SplitF32 {
     }
 
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
-        let finite = u16s(&host.regions[0].bytes)
+        let within = u16s(&host.regions[0].bytes)
             .zip(u16s(&host.regions[1].bytes))
             .all(|(hi, rem)| {
-                Split {
+                let x = Split {
                     hi: bf16::from_bits(hi),
                     rem,
                 }
-                .to_f32()
-                .is_finite()
+                .to_f32();
+                fits(x, Self::LIMIT)
             });
-        if values && !finite {
-            return Err("holds a non-finite value".into());
+        if values && !within {
+            return Err("holds a non-finite value, or one whose visible bf16 half is ±Inf".into());
         }
         Ok(())
     }

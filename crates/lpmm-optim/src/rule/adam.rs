@@ -12,7 +12,7 @@ pub struct Adam {
     pub lr: f64,
     /// Decay rates of the first and second moments.
     pub betas: (f64, f64),
-    /// Added to the bias-corrected root of the second moment.
+    /// Added to the bias-corrected root of the second moment; must be positive.
     pub eps: f64,
     /// Weight decay.
     pub weight_decay: f64,
@@ -111,7 +111,9 @@ impl Rule for Adam {
         check::finite_non_negative("lr", self.lr)?;
         check::beta("beta1", self.betas.0)?;
         check::beta("beta2", self.betas.1)?;
-        check::finite_non_negative("eps", self.eps)?;
+        // eps = 0 would divide 0 by 0 wherever the moments are 0 (a zero gradient): the
+        // element would be left unchanged and reported at every step.
+        check::positive("eps", self.eps)?;
         check::finite_non_negative("weight_decay", self.weight_decay)
     }
 

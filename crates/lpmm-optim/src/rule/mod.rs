@@ -20,6 +20,7 @@ pub use sgd::{Sgd, SgdConsts};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
+use crate::format::{F32_MAX_BITS, fits};
 
 /// What the step knows besides the constants: bits the kernels read as `flags`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -144,6 +145,15 @@ pub(crate) mod check {
         }
     }
 
+    /// As [`finite_non_negative`], and not 0 (a divisor's guard: Adam's eps).
+    pub fn positive(name: &'static str, v: f64) -> Result<(), OptimError> {
+        finite_non_negative(name, v)?;
+        if v == 0.0 {
+            return Err(OptimError::Hyperparameter { name, value: v });
+        }
+        Ok(())
+    }
+
     /// In [0, 1).
     pub fn beta(name: &'static str, v: f64) -> Result<(), OptimError> {
         if (0.0..1.0).contains(&v) {
@@ -165,12 +175,33 @@ pub(crate) struct Chunk<'a> {
     pub d: &'a mut [f32],
 }
 
+/// The largest magnitudes (f32 bit patterns, [`crate::backend::Format::limit`]) the step may
+/// store into the parameter and the two states: a result beyond its slot's limit does not fit,
+/// and is treated as a non-finite one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The parameter's (f32's when the parameter does not move).
+    pub param: u32,
+    /// State 1's.
+    pub state1: u32,
+    /// State 2's.
+    pub state2: u32,
+}
+
 /// Applies rule `R` to every element of `c` with the gradient scaled by `clip`. An element whose
-/// gradient is not finite, or whose update would produce a non-finite parameter, increment or
-/// state, is left unchanged (`d = 0`); returns whether any was. Written without branches on the
-/// data so that it vectorizes; every element gets exactly [`Rule::apply`]'s arithmetic.
+/// gradient is not finite, or whose update would produce a non-finite increment or a parameter or
+/// state that does not fit its slot (`limits`: non-finite, or beyond the format's largest
+/// magnitude, e.g. above bf16's range), is left unchanged (`d = 0`); returns whether any was.
+/// Written without branches on the data so that it vectorizes; every element gets exactly
+/// [`Rule::apply`]'s arithmetic.
 #[inline(always)]
-fn apply_rule<R: Rule>(c: &R::Consts, f: StepFlags, clip: f32, chunk: &mut Chunk<'_>) -> bool {
+fn apply_rule<R: Rule>(
+    c: &R::Consts,
+    f: StepFlags,
+    clip: f32,
+    limits: Limits,
+    chunk: &mut Chunk<'_>,
+) -> bool {
     let n = chunk.g.len();
     let (g, p, m, v, d) = (
         &chunk.g[..n],
@@ -185,11 +216,11 @@ fn apply_rule<R: Rule>(c: &R::Consts, f: StepFlags, clip: f32, chunk: &mut Chunk
         let (p0, m0, v0) = (p[i], m[i], v[i]);
         let (mut mi, mut vi) = (m0, v0);
         let u = R::apply(c, f, p0, gi, &mut mi, &mut vi);
-        let ok = gi.is_finite()
-            & u.param.is_finite()
-            & u.delta.is_finite()
-            & mi.is_finite()
-            & vi.is_finite();
+        let ok = fits(gi, F32_MAX_BITS)
+            & fits(u.param, limits.param)
+            & fits(u.delta, F32_MAX_BITS)
+            & fits(mi, limits.state1)
+            & fits(vi, limits.state2);
         m[i] = if ok { mi } else { m0 };
         v[i] = if ok { vi } else { v0 };
         p[i] = if ok { u.param } else { p0 };
@@ -287,7 +318,7 @@ macro_rules! rules {
                 match self { $(RuleConsts::$variant(c) => <$config as Rule>::second_moment_betas(c),)* }
             }
 
-            /// One element's update (see [`Rule::apply`]).
+            /// One element's update (see `Rule::apply`).
             #[inline]
             pub fn apply(&self, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32) -> Updated {
                 match self { $(RuleConsts::$variant(c) => <$config as Rule>::apply(c, f, p, g, m, v),)* }
@@ -302,8 +333,8 @@ macro_rules! rules {
 
         lpmm_formats::multiversion! {
             /// The rule over a chunk (see `apply_rule`), compiled per SIMD level and per rule.
-            pub(crate) fn apply_chunk(rule: RuleConsts, f: StepFlags, clip: f32, c: &mut Chunk<'_>) -> bool {
-                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config>(&k, f, clip, c),)* }
+            pub(crate) fn apply_chunk(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
+                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config>(&k, f, clip, limits, c),)* }
             }
         }
     };

@@ -9,12 +9,23 @@ pub struct Counting;
 
 pub static LIVE: AtomicIsize = AtomicIsize::new(0);
 pub static CALLS: AtomicUsize = AtomicUsize::new(0);
+/// The largest `LIVE` seen since the last [`reset_peak`].
+#[allow(dead_code)]
+pub static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+/// Starts a new peak measurement at the current live size.
+#[allow(dead_code)]
+pub fn reset_peak() {
+    PEAK.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
+}
 
 // SAFETY: every method forwards to the system allocator with the caller's own arguments, which
 // upholds GlobalAlloc's contract; the counters are atomics and never affect the allocation.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        let live =
+            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
+        PEAK.fetch_max(live, Ordering::SeqCst);
         CALLS.fetch_add(1, Ordering::SeqCst);
         // SAFETY: forwarded unchanged; the caller guarantees a non-zero-size layout.
         unsafe { System.alloc(layout) }
@@ -28,7 +39,9 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::SeqCst);
+        let delta = new_size as isize - layout.size() as isize;
+        let live = LIVE.fetch_add(delta, Ordering::SeqCst) + delta;
+        PEAK.fetch_max(live, Ordering::SeqCst);
         CALLS.fetch_add(1, Ordering::SeqCst);
         // SAFETY: forwarded unchanged; `ptr` came from `System` with `layout`.
         unsafe { System.realloc(ptr, layout, new_size) }

@@ -1,0 +1,246 @@
+//! Issue 22's defects, one test each, written against the API as it was before the fix (so they
+//! compile there too): every one fails at commit 6ebcecf and passes now. To see them fail:
+//! `git worktree add /tmp/before 6ebcecf && cp crates/lpmm-optim/tests/defects.rs
+//! /tmp/before/crates/lpmm-optim/tests/ && cd /tmp/before && cargo test --release -p lpmm-optim
+//! --test defects`. tests/hostile.rs has the full table of bad inputs.
+
+use lpmm_optim::{
+    Adam, Hyper, LrRule, OptimError, Optimizer, OptimizerOptions, ParamConfig, Storage,
+    StoreRounding, presets,
+};
+
+fn bf(r: StoreRounding) -> Storage {
+    Storage::Bf16(r)
+}
+
+fn dir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lpmm-defects-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn item1_init_above_bf16_max_is_refused() {
+    for p in [
+        bf(StoreRounding::Nearest),
+        bf(StoreRounding::Stochastic),
+        Storage::Bf16Kahan,
+    ] {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        let g = opt
+            .add_group(ParamConfig {
+                param: p,
+                ..ParamConfig::f32(Hyper::sgd(0.1, 0.0))
+            })
+            .unwrap();
+        let r = opt.add_param("w", &[2], &[1.0, 3.4e38], g);
+        assert!(r.is_err(), "{p:?}: 3.4e38 accepted into bf16");
+    }
+}
+
+#[test]
+fn item1_bf16_momentum_overflow_is_reported() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            state1: bf(StoreRounding::Nearest),
+            grad: Storage::None,
+            ..ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
+        })
+        .unwrap();
+    let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
+    let r = opt.step_param(id, &[1.0, 3.4e38]).unwrap();
+    let mut m = [0f32; 2];
+    opt.read_state(id, 1, &mut m).unwrap();
+    assert!(
+        m.iter().all(|x| x.is_finite()) && !r.non_finite.is_empty(),
+        "momentum {m:?}, report {r:?}"
+    );
+}
+
+#[test]
+fn item2_accumulated_overflow_in_8bit_is_not_silent() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::lpmm_sgdm(1e-3, 0.9)).unwrap();
+    let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
+    opt.accumulate(id, &[0.5, 3e38]).unwrap();
+    let second = opt.accumulate(id, &[0.25, 3e38]);
+    let report = opt.step().unwrap();
+    assert!(
+        second.is_err() || !report.non_finite.is_empty(),
+        "accumulate {second:?}, step report {report:?}"
+    );
+}
+
+#[test]
+fn item3_parameter_named_maps_round_trips() {
+    let path = dir().join("maps.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
+    opt.add_param("maps", &[4], &[0.0; 4], g).unwrap();
+    opt.save(&path).unwrap();
+    Optimizer::load(&path).unwrap();
+}
+
+#[test]
+fn item4_restore_u64_max_is_refused() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    let id = opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    let r = opt.restore(id, u64::MAX, 0, false, LrRule::Group);
+    assert!(r.is_err(), "restore(u64::MAX) accepted");
+}
+
+#[test]
+fn item4_eps_zero_is_refused() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let r = opt.add_group(ParamConfig::f32(Hyper::Adam(Adam::adamw(1e-3).eps(0.0))));
+    assert!(r.is_err(), "eps = 0 accepted");
+}
+
+#[test]
+fn item4_read_state_3_is_refused() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    let id = opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    let mut out = [0f32; 4];
+    assert!(opt.read_state(id, 3, &mut out).is_err(), "state 3 read");
+}
+
+#[test]
+fn item4_load_state_with_other_configuration_is_refused() {
+    let path = dir().join("other-config.safetensors");
+    let mut a = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = a.add_group(presets::adamw_f32(1e-3)).unwrap();
+    a.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    a.save(&path).unwrap();
+    let mut b = Optimizer::new(OptimizerOptions {
+        seed: 9,
+        ..Default::default()
+    })
+    .unwrap();
+    let g = b.add_group(presets::lpmm_sgdm(0.1, 0.9)).unwrap();
+    b.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    assert!(
+        b.load_state(&path).is_err(),
+        "configuration silently replaced"
+    );
+}
+
+#[test]
+fn item5_long_file_name_saves() {
+    let name = format!("{}.safetensors", "n".repeat(250 - 12));
+    assert_eq!(name.len(), 250);
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    opt.save(dir().join(name)).unwrap();
+}
+
+#[test]
+fn item5_stale_temp_is_cleaned_by_the_next_save() {
+    let d = dir();
+    let path = d.join("stale.safetensors");
+    let stale = d.join(".stale.safetensors.tmp-999999-0");
+    std::fs::write(&stale, vec![0u8; 1000]).unwrap();
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    opt.save(&path).unwrap();
+    assert!(!stale.exists(), "stale temporary file left behind");
+}
+
+#[test]
+fn item6_lr_round_trips_bit_exactly() {
+    let path = dir().join("lr.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    let lr = 0.0011168202304366027;
+    opt.set_lr(lr).unwrap();
+    opt.save(&path).unwrap();
+    let back = Optimizer::load(&path).unwrap();
+    let id = back.param_id("w").unwrap();
+    assert_eq!(back.config(id).unwrap().hyper.lr().to_bits(), lr.to_bits());
+}
+
+#[test]
+fn item6_errors_of_bad_files_are_checkpoint_errors() {
+    // A group index past the groups: the error must be OptimError::Checkpoint.
+    let path = dir().join("group.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    opt.save(&path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let needle = b"\\\"group\\\":0";
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap();
+    let mut patched = bytes.clone();
+    patched[at + needle.len() - 1] = b'7';
+    std::fs::write(&path, &patched).unwrap();
+    let e = Optimizer::load(&path).unwrap_err();
+    assert!(matches!(e, OptimError::Checkpoint { .. }), "{e:?}");
+}
+
+#[test]
+fn item1_adamw_bf16_second_moment_overflow_is_reported() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            grad: Storage::None,
+            state1: bf(StoreRounding::Nearest),
+            state2: bf(StoreRounding::Stochastic),
+            ..presets::adamw_f32(1e-3)
+        })
+        .unwrap();
+    let id = opt.add_param("w", &[2], &[0.1, 0.1], g).unwrap();
+    let r = opt.step_param(id, &[0.01, 5.832e20]).unwrap();
+    let mut v = [0f32; 2];
+    opt.read_state(id, 2, &mut v).unwrap();
+    assert!(
+        v.iter().all(|x| x.is_finite()) && !r.non_finite.is_empty(),
+        "v {v:?}, report {r:?}"
+    );
+}
+
+#[test]
+fn item3_a_save_after_overflow_loads() {
+    let path = dir().join("after-overflow.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            state1: bf(StoreRounding::Nearest),
+            grad: Storage::None,
+            ..ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
+        })
+        .unwrap();
+    let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
+    let _ = opt.step_param(id, &[1.0, 3.4e38]);
+    opt.save(&path).unwrap();
+    Optimizer::load(&path).unwrap();
+}
+
+#[test]
+fn item4_set_steps_u64_max_is_refused() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    // Before: `set_steps` returned nothing and took any value.
+    let _ = opt.set_steps(u64::MAX);
+    assert!(opt.steps() <= 1 << 53, "counter set to {}", opt.steps());
+}
+
+#[test]
+fn item5_stale_temp_is_cleaned_by_the_next_load() {
+    let d = dir();
+    let path = d.join("stale-load.safetensors");
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+    opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
+    opt.save(&path).unwrap();
+    let stale = d.join(".stale-load.safetensors.tmp-999998-3");
+    std::fs::write(&stale, vec![0u8; 1000]).unwrap();
+    Optimizer::load(&path).unwrap();
+    assert!(!stale.exists(), "stale temporary file left behind");
+}

@@ -1,0 +1,1294 @@
+//! Bad inputs, tried as a hostile user would: every one must be refused with a typed error,
+//! reported by the step (the non-finite policy), or handled correctly (and checked to be) —
+//! never accepted silently. The test prints the table of cases and outcomes that
+//! docs/OPTIMIZERS.md ("Bad input") reproduces:
+//!
+//! `cargo test -p lpmm-optim --release --test hostile -- --nocapture`
+
+use std::path::{Path, PathBuf};
+
+use lpmm_optim::{
+    Adam, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy, OptimError, Optimizer,
+    OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
+};
+
+/// What a case saw.
+#[derive(Debug)]
+enum Seen {
+    /// Refused with a typed error (its variant and message).
+    Refused(String),
+    /// Accepted; the step reported the parameter (the non-finite policy) and stored nothing
+    /// that does not fit.
+    Reported(String),
+    /// Accepted and handled correctly, as the case checked.
+    Correct(String),
+    /// Accepted with a wrong or unreported result, or refused with the wrong kind of error.
+    Silent(String),
+}
+
+fn variant(e: &OptimError) -> String {
+    let debug = format!("{e:?}");
+    let name: String = debug
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect();
+    // The temporary directory's name changes from run to run.
+    let text = e
+        .to_string()
+        .replace(&format!("{}/", dir().display()), "")
+        .replace(&dir().display().to_string(), "<dir>");
+    let short: String = text.chars().take(110).collect();
+    let more = if text.chars().count() > 110 {
+        "…"
+    } else {
+        ""
+    };
+    format!("`{name}`: {short}{more}")
+}
+
+/// Refused with a typed error.
+fn refused<T: std::fmt::Debug>(r: Result<T, OptimError>) -> Seen {
+    match r {
+        Err(e) => Seen::Refused(variant(&e)),
+        Ok(v) => Seen::Silent(format!("accepted: {v:?}")),
+    }
+}
+
+/// A file refused with `OptimError::Checkpoint`, as the docs promise for every bad file.
+fn file_refused<T>(r: Result<T, OptimError>) -> Seen {
+    match r {
+        Err(e @ OptimError::Checkpoint { .. }) => Seen::Refused(variant(&e)),
+        Err(e) => Seen::Silent(format!("refused, but not as a Checkpoint error: {e:?}")),
+        Ok(_) => Seen::Silent("loaded".into()),
+    }
+}
+
+fn opts() -> OptimizerOptions {
+    OptimizerOptions {
+        seed: 5,
+        ..Default::default()
+    }
+}
+
+/// An optimizer with one group of `config` and one parameter "w" of `n` elements (values 0.1).
+fn one(config: ParamConfig, n: usize) -> (Optimizer, ParamId) {
+    let mut opt = Optimizer::new(opts()).unwrap();
+    let g = opt.add_group(config).unwrap();
+    let id = opt.add_param("w", &[n], &vec![0.1; n], g).unwrap();
+    (opt, id)
+}
+
+fn group(config: ParamConfig) -> Seen {
+    let mut opt = Optimizer::new(opts()).unwrap();
+    refused(opt.add_group(config))
+}
+
+fn with_init(storage: Storage, value: f32) -> Seen {
+    let mut opt = Optimizer::new(opts()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            param: storage,
+            ..ParamConfig::f32(Hyper::sgd(0.1, 0.0))
+        })
+        .unwrap();
+    refused(opt.add_param("w", &[3], &[0.5, value, -0.5], g))
+}
+
+fn finite(opt: &Optimizer, id: ParamId, n: usize) -> bool {
+    let mut out = vec![0f32; n];
+    let mut ok = true;
+    opt.read_param(id, &mut out).unwrap();
+    ok &= out.iter().all(|v| v.is_finite());
+    for s in [1, 2] {
+        opt.read_state(id, s, &mut out).unwrap();
+        ok &= out.iter().all(|v| v.is_finite());
+    }
+    ok
+}
+
+/// Steps `config` with gradients `g` (released, or accumulated micro-batches then `step`):
+/// reported, and every stored value finite, or silent.
+fn overflow(config: ParamConfig, init: &[f32], grads: &[&[f32]], released: bool) -> Seen {
+    let n = init.len();
+    let mut opt = Optimizer::new(opts()).unwrap();
+    let g = opt.add_group(config).unwrap();
+    let id = match opt.add_param("w", &[n], init, g) {
+        Ok(id) => id,
+        Err(e) => return Seen::Refused(variant(&e)),
+    };
+    let mut reported = false;
+    let mut refusals = Vec::new();
+    if released {
+        for g in grads {
+            reported |= !opt.step_param(id, g).unwrap().non_finite.is_empty();
+        }
+    } else {
+        for g in grads {
+            if let Err(e) = opt.accumulate(id, g) {
+                refusals.push(variant(&e));
+            }
+        }
+        reported |= !opt.step().unwrap().non_finite.is_empty();
+    }
+    let stored_finite = finite(&opt, id, n);
+    match (reported, refusals.first(), stored_finite) {
+        (_, Some(r), true) => Seen::Refused(r.clone()),
+        (true, None, true) => {
+            Seen::Reported("step report lists the parameter; states finite".into())
+        }
+        _ => Seen::Silent(format!(
+            "reported {reported}, refusals {refusals:?}, stored values finite {stored_finite}"
+        )),
+    }
+}
+
+fn dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lpmm-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A checkpoint of several storages: AdamW 8-bit with bf16-SR parameters, a rank-1 second
+/// moment, a Kahan parameter, an 8-bit accumulator.
+fn saved(path: &Path) -> Vec<u8> {
+    let mut opt = Optimizer::new(opts()).unwrap();
+    let g = opt
+        .add_group(ParamConfig {
+            min_quantized_size: 0,
+            ..presets::adamw_8bit_bf16_sr(1e-3)
+        })
+        .unwrap();
+    let a = opt.add_param("a", &[300], &[0.25; 300], g).unwrap();
+    let r = opt
+        .add_param_with(
+            "r",
+            &[8, 40],
+            &[0.5; 320],
+            g,
+            ParamConfig {
+                param: Storage::Bf16Kahan,
+                state2: Storage::Rank1 {
+                    map: MapKind::LinearWithoutZero4,
+                    fallback: lpmm_quant::BlockSize::B128,
+                },
+                min_quantized_size: 0,
+                ..presets::adamw_8bit_bf16_sr(1e-3)
+            },
+        )
+        .unwrap();
+    let s = opt
+        .add_param_with("s", &[200], &[0.1; 200], g, presets::lpmm_sgdm(0.01, 0.9))
+        .unwrap();
+    for k in 0..2 {
+        for (id, n) in [(a, 300), (r, 320), (s, 200)] {
+            let grad: Vec<f32> = (0..n)
+                .map(|i| ((i + k) % 13) as f32 * 0.01 - 0.06)
+                .collect();
+            opt.accumulate(id, &grad).unwrap();
+        }
+        opt.step().unwrap();
+    }
+    opt.save(path).unwrap();
+    std::fs::read(path).unwrap()
+}
+
+type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// The file with its metadata and tensors edited, resealed (the checksum recomputed, so the
+/// checks behind it decide) when `seal`.
+fn forge(
+    bytes: &[u8],
+    seal: bool,
+    edit_meta: impl Fn(&mut serde_json::Value),
+    edit_tensors: impl Fn(&mut Tensors),
+) -> Vec<u8> {
+    let (n, header) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&header.metadata().as_ref().unwrap()["lpmm"]).unwrap();
+    edit_meta(&mut meta);
+    let data = &bytes[8 + n..];
+    let mut tensors: Tensors = header
+        .offset_keys()
+        .into_iter()
+        .map(|k| {
+            let info = header.info(&k).unwrap();
+            let (a, b) = info.data_offsets;
+            (k, info.dtype, info.shape.clone(), data[a..b].to_vec())
+        })
+        .collect();
+    edit_tensors(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(k, d, s, b)| {
+            (
+                k.as_str(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let info = std::collections::HashMap::from([("lpmm".to_string(), meta.to_string())]);
+    let out = safetensors::tensor::serialize(views, Some(info)).unwrap();
+    if seal {
+        // Metadata that does not parse cannot be resealed: the parser refuses it first.
+        lpmm_optim::fuzzing::reseal(&out).unwrap_or(out)
+    } else {
+        out
+    }
+}
+
+fn load_bytes(bytes: &[u8], name: &str) -> Seen {
+    let path = dir().join(name);
+    std::fs::write(&path, bytes).unwrap();
+    file_refused(Optimizer::load(&path))
+}
+
+fn tensor<'a>(
+    t: &'a mut Tensors,
+    name: &str,
+) -> &'a mut (String, safetensors::Dtype, Vec<usize>, Vec<u8>) {
+    t.iter_mut().find(|x| x.0 == name).unwrap()
+}
+
+fn meta_edit(bytes: &[u8], name: &str, edit: impl Fn(&mut serde_json::Value)) -> Seen {
+    load_bytes(&forge(bytes, true, edit, |_| {}), name)
+}
+
+fn tensor_edit(bytes: &[u8], name: &str, edit: impl Fn(&mut Tensors)) -> Seen {
+    load_bytes(&forge(bytes, true, |_| {}, edit), name)
+}
+
+/// Saves and loads back: the same tensors and hyperparameters, bit for bit.
+fn round_trips(opt: &Optimizer, name: &str) -> Seen {
+    let path = dir().join(name);
+    if let Err(e) = opt.save(&path) {
+        return Seen::Refused(variant(&e));
+    }
+    let back = match Optimizer::load(&path) {
+        Ok(b) => b,
+        Err(e) => return Seen::Silent(format!("saved, then refused on load: {e}")),
+    };
+    let (a, b) = (opt.canonical().unwrap(), back.canonical().unwrap());
+    if a.to_bytes().unwrap() == b.to_bytes().unwrap() {
+        Seen::Correct("saved and loaded back bit for bit".into())
+    } else {
+        Seen::Silent("loaded back different".into())
+    }
+}
+
+fn bf(r: StoreRounding) -> Storage {
+    Storage::Bf16(r)
+}
+
+fn cases() -> Vec<(&'static str, String, Seen)> {
+    let mut out: Vec<(&'static str, String, Seen)> = Vec::new();
+    let mut add =
+        |cat: &'static str, what: &str, seen: Seen| out.push((cat, what.to_string(), seen));
+
+    // --- Configuration.
+    let adam = |a: Adam| ParamConfig::f32(Hyper::Adam(a));
+    let sgd = |s: Sgd| ParamConfig::f32(Hyper::Sgd(s));
+    let lion = |l: Lion| ParamConfig::f32(Hyper::Lion(l));
+    for (what, c) in [
+        ("AdamW lr = NaN", adam(Adam::adamw(f64::NAN))),
+        ("AdamW lr = -1e-3", adam(Adam::adamw(-1e-3))),
+        ("AdamW lr = +Inf", adam(Adam::adamw(f64::INFINITY))),
+        ("AdamW lr = 1e300 (beyond f32)", adam(Adam::adamw(1e300))),
+        ("AdamW beta1 = 1", adam(Adam::adamw(1e-3).betas(1.0, 0.999))),
+        (
+            "AdamW beta2 = -0.1",
+            adam(Adam::adamw(1e-3).betas(0.9, -0.1)),
+        ),
+        (
+            "AdamW beta2 = NaN",
+            adam(Adam::adamw(1e-3).betas(0.9, f64::NAN)),
+        ),
+        ("AdamW eps = 0", adam(Adam::adamw(1e-3).eps(0.0))),
+        ("AdamW eps = -1e-8", adam(Adam::adamw(1e-3).eps(-1e-8))),
+        ("AdamW eps = NaN", adam(Adam::adamw(1e-3).eps(f64::NAN))),
+        (
+            "AdamW weight decay = -0.01",
+            adam(Adam::adamw(1e-3).weight_decay(-0.01)),
+        ),
+        (
+            "AdamW weight decay = Inf",
+            adam(Adam::adamw(1e-3).weight_decay(f64::INFINITY)),
+        ),
+        ("SGD momentum = -0.5", sgd(Sgd::new(0.1).momentum(-0.5))),
+        ("SGD momentum = NaN", sgd(Sgd::new(0.1).momentum(f64::NAN))),
+        (
+            "SGD dampening = 2",
+            sgd(Sgd::new(0.1).momentum(0.9).dampening(2.0)),
+        ),
+        (
+            "SGD Nesterov without momentum",
+            sgd(Sgd::new(0.1).nesterov(true)),
+        ),
+        (
+            "SGD Nesterov with dampening",
+            sgd(Sgd::new(0.1).momentum(0.9).dampening(0.1).nesterov(true)),
+        ),
+        ("Lion beta1 = 1.5", lion(Lion::new(1e-4).betas(1.5, 0.99))),
+        ("Lion beta2 = -1", lion(Lion::new(1e-4).betas(0.9, -1.0))),
+        (
+            "unsigned 8-bit map for a first moment",
+            ParamConfig {
+                state1: Storage::DYNAMIC8_UNSIGNED,
+                ..presets::adamw_f32(1e-3)
+            },
+        ),
+        (
+            "unsigned 8-bit map for a parameter",
+            ParamConfig {
+                param: Storage::DYNAMIC8_UNSIGNED,
+                ..presets::adamw_f32(1e-3)
+            },
+        ),
+        (
+            "factorized first moment",
+            ParamConfig {
+                state1: Storage::Factorized,
+                ..presets::adamw_f32(1e-3)
+            },
+        ),
+        (
+            "rank-1 parameter",
+            ParamConfig {
+                param: Storage::Rank1 {
+                    map: MapKind::LinearWithoutZero4,
+                    fallback: lpmm_quant::BlockSize::B128,
+                },
+                ..presets::adamw_f32(1e-3)
+            },
+        ),
+        (
+            "no parameter storage",
+            ParamConfig {
+                param: Storage::None,
+                ..presets::adamw_f32(1e-3)
+            },
+        ),
+    ] {
+        add("configuration", what, group(c));
+    }
+    for (what, norm) in [
+        ("max_grad_norm = 0", 0.0),
+        ("max_grad_norm = -1", -1.0),
+        ("max_grad_norm = NaN", f64::NAN),
+        ("max_grad_norm = Inf", f64::INFINITY),
+    ] {
+        add(
+            "configuration",
+            what,
+            refused(Optimizer::new(OptimizerOptions {
+                max_grad_norm: Some(norm),
+                ..opts()
+            })),
+        );
+    }
+
+    // --- Registration.
+    for (what, storage, value) in [
+        ("f32 parameter, initial NaN", Storage::F32, f32::NAN),
+        (
+            "f32 parameter, initial -Inf",
+            Storage::F32,
+            f32::NEG_INFINITY,
+        ),
+        (
+            "bf16 parameter, initial 3.4e38 (finite, above bf16's max)",
+            bf(StoreRounding::Nearest),
+            3.4e38,
+        ),
+        (
+            "bf16-SR parameter, initial -3.397e38",
+            bf(StoreRounding::Stochastic),
+            -3.397e38,
+        ),
+        (
+            "Kahan parameter, initial 3.4e38",
+            Storage::Bf16Kahan,
+            3.4e38,
+        ),
+        (
+            "Kahan parameter, initial 1.8e38 (above its 2^127 limit)",
+            Storage::Bf16Kahan,
+            1.8e38,
+        ),
+        (
+            "split-f32 parameter, initial 3.4e38 (its bf16 half is Inf)",
+            Storage::SplitF32,
+            3.4e38,
+        ),
+        (
+            "8-bit parameter, initial NaN",
+            Storage::LINEAR8_GROUP64_SR,
+            f32::NAN,
+        ),
+    ] {
+        add("registration", what, with_init(storage, value));
+    }
+    add(
+        "registration",
+        "8-bit parameter, initial 3.4e38 (finite: block scale holds it)",
+        match with_init(Storage::LINEAR8_GROUP64_SR, 3.4e38) {
+            Seen::Silent(_) => Seen::Correct("stored exactly as the block's scale".into()),
+            other => Seen::Silent(format!("a storable value refused: {other:?}")),
+        },
+    );
+    {
+        let mut opt = Optimizer::new(opts()).unwrap();
+        let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+        opt.add_param("w", &[2], &[0.0; 2], g).unwrap();
+        add(
+            "registration",
+            "duplicate name",
+            refused(opt.add_param("w", &[2], &[0.0; 2], g)),
+        );
+        add(
+            "registration",
+            "shape with a zero dimension",
+            refused(opt.add_param("z", &[3, 0], &[], g)),
+        );
+        add(
+            "registration",
+            "shape whose element count overflows usize",
+            refused(opt.add_param("o", &[usize::MAX, 3], &[0.0], g)),
+        );
+        add(
+            "registration",
+            "initial values of the wrong length",
+            refused(opt.add_param("l", &[4], &[0.0; 3], g)),
+        );
+        add(
+            "registration",
+            "group that does not exist",
+            refused(opt.add_param("g", &[1], &[0.0], 7)),
+        );
+    }
+    for name in [
+        "maps",
+        "maps/dynamic_signed_8",
+        "w/param",
+        "a/b/state1.absmax",
+    ] {
+        let mut opt = Optimizer::new(opts()).unwrap();
+        let g = opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
+        opt.add_param(name, &[8], &[0.5; 8], g).unwrap();
+        opt.add_param("w", &[8], &[0.25; 8], g).unwrap();
+        add(
+            "registration",
+            &format!("parameter named `{name}` (checkpoint namespace)"),
+            round_trips(
+                &opt,
+                &format!("name-{}.safetensors", name.replace('/', "_")),
+            ),
+        );
+    }
+
+    // --- Gradients and steps.
+    let n = 300;
+    let spike = |i: usize, v: f32| {
+        let mut g = vec![0.01f32; n];
+        g[i] = v;
+        g
+    };
+    let sgdm_bf16 = ParamConfig {
+        grad: Storage::None,
+        state1: bf(StoreRounding::Nearest),
+        ..ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
+    };
+    add(
+        "steps",
+        "SGD momentum in bf16, released gradient 3.4e38",
+        overflow(sgdm_bf16, &[0.1; 300], &[&spike(3, 3.4e38)], true),
+    );
+    let adamw_bf16 = ParamConfig {
+        grad: Storage::None,
+        state1: bf(StoreRounding::Nearest),
+        state2: bf(StoreRounding::Stochastic),
+        ..presets::adamw_f32(1e-3)
+    };
+    add(
+        "steps",
+        "AdamW second moment in bf16, gradient 5.832e20 (v = 3.401e38: finite f32, above bf16's max)",
+        overflow(adamw_bf16, &[0.1; 300], &[&spike(7, 5.832e20)], true),
+    );
+    add(
+        "steps",
+        "AdamW first moment in bf16, gradient -3.39e38 over 8-bit states",
+        overflow(
+            ParamConfig {
+                grad: Storage::None,
+                state1: bf(StoreRounding::Nearest),
+                state2: Storage::DYNAMIC8_UNSIGNED,
+                min_quantized_size: 0,
+                ..presets::adamw_f32(1e-3)
+            },
+            &[0.1; 300],
+            &[&spike(9, -3.39e38)],
+            true,
+        ),
+    );
+    let mut near_max = vec![0.1f32; n];
+    near_max[0] = 3.3e38;
+    add(
+        "steps",
+        "bf16 parameter pushed past bf16's max by SGD",
+        overflow(
+            ParamConfig {
+                param: bf(StoreRounding::Nearest),
+                grad: Storage::None,
+                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+            },
+            &near_max,
+            &[&spike(0, -1e37)],
+            true,
+        ),
+    );
+    let mut kahan_top = vec![0.1f32; n];
+    kahan_top[0] = 1.6e38;
+    add(
+        "steps",
+        "Kahan parameter pushed past 2^127",
+        overflow(
+            ParamConfig {
+                param: Storage::Bf16Kahan,
+                grad: Storage::None,
+                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+            },
+            &kahan_top,
+            &[&spike(0, -1.5e37)],
+            true,
+        ),
+    );
+    add(
+        "steps",
+        "split-f32 parameter pushed past bf16's max",
+        overflow(
+            ParamConfig {
+                param: Storage::SplitF32,
+                grad: Storage::None,
+                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+            },
+            &near_max,
+            &[&spike(0, -1e37)],
+            true,
+        ),
+    );
+    add(
+        "steps",
+        "factorized second moment, gradients 3e21 (row statistic overflows)",
+        {
+            let mut opt = Optimizer::new(opts()).unwrap();
+            let g = opt
+                .add_group(ParamConfig {
+                    grad: Storage::None,
+                    state2: Storage::Factorized,
+                    min_quantized_size: 0,
+                    ..presets::adamw_f32(1e-3)
+                })
+                .unwrap();
+            let id = opt.add_param("w", &[10, 30], &[0.1; 300], g).unwrap();
+            let mut grad = vec![0.01f32; 300];
+            grad[..30].fill(3e21);
+            let r = opt.step_param(id, &grad).unwrap();
+            if !r.non_finite.is_empty() && finite(&opt, id, 300) {
+                Seen::Reported("step report lists the parameter; statistics kept".into())
+            } else {
+                Seen::Silent(format!("{r:?}"))
+            }
+        },
+    );
+    for (what, v) in [
+        ("gradient NaN (f32 accumulator)", f32::NAN),
+        ("gradient +Inf (f32 accumulator)", f32::INFINITY),
+    ] {
+        add(
+            "steps",
+            what,
+            overflow(
+                presets::adamw_f32(1e-3),
+                &[0.1; 300],
+                &[&spike(5, v)],
+                false,
+            ),
+        );
+    }
+    add(
+        "steps",
+        "f32 accumulator: 3e38 + 3e38",
+        overflow(
+            presets::adamw_f32(1e-3),
+            &[0.1; 300],
+            &[&spike(5, 3e38), &spike(5, 3e38)],
+            false,
+        ),
+    );
+    add(
+        "steps",
+        "bf16 accumulator: 3e38 + 1e38",
+        overflow(
+            presets::adamw_8bit_bf16(1e-3),
+            &[0.1; 300],
+            &[&spike(5, 3e38), &spike(5, 1e38)],
+            false,
+        ),
+    );
+    add(
+        "steps",
+        "8-bit accumulator (LPMM-SGDM): 3e38 + 3e38",
+        overflow(
+            presets::lpmm_sgdm(1e-3, 0.9),
+            &[0.1; 300],
+            &[&spike(64, 3e38), &spike(64, 3e38)],
+            false,
+        ),
+    );
+    add(
+        "steps",
+        "8-bit accumulator: micro-batches 0.5 then 3e38 (the 0.5 must not be dropped)",
+        {
+            let (mut opt, id) = one(presets::lpmm_sgdm(1.0, 0.0), 64);
+            let mut a = vec![0f32; 64];
+            a[0] = 0.5;
+            a[1] = 3e38;
+            let mut b = vec![0f32; 64];
+            b[0] = 0.25;
+            b[1] = 3e38;
+            opt.accumulate(id, &a).unwrap();
+            match opt.accumulate(id, &b) {
+                Err(e) => Seen::Refused(variant(&e)),
+                Ok(()) => Seen::Silent("the sum 6e38 was accepted".into()),
+            }
+        },
+    );
+    add(
+        "steps",
+        "8-bit accumulator, gradient NaN",
+        overflow(
+            presets::lpmm_sgdm(1e-3, 0.9),
+            &[0.1; 300],
+            &[&spike(3, f32::NAN)],
+            false,
+        ),
+    );
+    add(
+        "steps",
+        "SkipStep policy, one gradient overflows a bf16 momentum",
+        {
+            let mut opt = Optimizer::new(OptimizerOptions {
+                non_finite: NonFinitePolicy::SkipStep,
+                ..opts()
+            })
+            .unwrap();
+            let g = opt
+                .add_group(ParamConfig {
+                    state1: bf(StoreRounding::Nearest),
+                    ..ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
+                })
+                .unwrap();
+            let id = opt.add_param("w", &[300], &[0.1; 300], g).unwrap();
+            opt.accumulate(id, &spike(3, 3.4e38)).unwrap();
+            let r = opt.step().unwrap();
+            if !r.non_finite.is_empty() && finite(&opt, id, 300) {
+                Seen::Reported("reported; the element left unchanged".into())
+            } else {
+                Seen::Silent(format!("{r:?}"))
+            }
+        },
+    );
+    {
+        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        add(
+            "steps",
+            "gradient of the wrong length",
+            refused(opt.accumulate(id, &[0.0; 5])),
+        );
+        add(
+            "steps",
+            "released gradient of the wrong length",
+            refused(opt.step_param(id, &[0.0; 3])),
+        );
+        let (mut other, _) = one(presets::adamw_f32(1e-3), 4);
+        other.add_param("x", &[1], &[0.0], 0).unwrap();
+        let foreign = other.param_id("x").unwrap();
+        add(
+            "steps",
+            "a ParamId of another optimizer",
+            refused(opt.accumulate(foreign, &[0.0])),
+        );
+        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3), 4);
+        add(
+            "steps",
+            "accumulate into a parameter without accumulator",
+            refused(released.accumulate(rid, &[0.0; 4])),
+        );
+    }
+
+    // --- Counters and state access.
+    {
+        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        add(
+            "counters",
+            "restore(steps = u64::MAX)",
+            refused(opt.restore(id, u64::MAX, 0, false, LrRule::Group)),
+        );
+        add(
+            "counters",
+            "restore(steps = 2^53 + 1)",
+            refused(opt.restore(id, (1 << 53) + 1, 0, false, LrRule::Group)),
+        );
+        add(
+            "counters",
+            "restore(accumulations = u64::MAX)",
+            refused(opt.restore(id, 0, u64::MAX, false, LrRule::Group)),
+        );
+        add(
+            "counters",
+            "restore(lr rule Scaled(NaN))",
+            refused(opt.restore(id, 0, 0, false, LrRule::Scaled(f64::NAN))),
+        );
+        add(
+            "counters",
+            "restore(lr rule Scaled(-2))",
+            refused(opt.restore(id, 0, 0, false, LrRule::Scaled(-2.0))),
+        );
+        add(
+            "counters",
+            "set_steps(u64::MAX)",
+            refused(opt.set_steps(u64::MAX)),
+        );
+        opt.set_steps(1 << 53).unwrap();
+        opt.accumulate(id, &[0.1; 4]).unwrap();
+        add(
+            "counters",
+            "a step past 2^53 (global counter)",
+            refused(opt.step()),
+        );
+        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        opt.restore(id, 1 << 53, 0, false, LrRule::Group).unwrap();
+        add(
+            "counters",
+            "a step past 2^53 (parameter counter)",
+            refused(opt.step_param(id, &[0.1; 4])),
+        );
+        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        opt.restore(id, 0, 1 << 53, false, LrRule::Group).unwrap();
+        add(
+            "counters",
+            "an accumulate past 2^53",
+            refused(opt.accumulate(id, &[0.1; 4])),
+        );
+        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3), 4);
+        add(
+            "counters",
+            "restore(pending) without an accumulator",
+            refused(released.restore(rid, 0, 0, true, LrRule::Group)),
+        );
+        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let mut out = [0f32; 4];
+        add(
+            "state access",
+            "read_state(0)",
+            refused(opt.read_state(id, 0, &mut out)),
+        );
+        add(
+            "state access",
+            "read_state(3)",
+            refused(opt.read_state(id, 3, &mut out)),
+        );
+        add(
+            "state access",
+            "read_param into a short buffer",
+            refused(opt.read_param(id, &mut out[..3])),
+        );
+        add("state access", "set_lr(NaN)", refused(opt.set_lr(f64::NAN)));
+        add("state access", "set_lr(-1)", refused(opt.set_lr(-1.0)));
+        add(
+            "state access",
+            "set_lr(1e39) (beyond f32)",
+            refused(opt.set_lr(1e39)),
+        );
+        add(
+            "state access",
+            "set_group_lr on a missing group",
+            refused(opt.set_group_lr(3, 0.1)),
+        );
+        let host = opt.export_slot(id, SlotKind::Param).unwrap();
+        let mut bad = host.clone();
+        bad.regions[0].bytes[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        add(
+            "state access",
+            "import_slot of a NaN parameter",
+            refused(opt.import_slot(id, SlotKind::Param, bad)),
+        );
+        let mut short = host;
+        short.regions[0].bytes.truncate(8);
+        add(
+            "state access",
+            "import_slot of the wrong length",
+            refused(opt.import_slot(id, SlotKind::Param, short)),
+        );
+        let (mut b16, bid) = one(
+            ParamConfig {
+                state1: bf(StoreRounding::Nearest),
+                ..presets::adamw_f32(1e-3)
+            },
+            4,
+        );
+        let mut inf = b16.export_slot(bid, SlotKind::State1).unwrap();
+        inf.regions[0].bytes[..2].copy_from_slice(&0x7F80u16.to_le_bytes());
+        add(
+            "state access",
+            "import_slot of a bf16 +Inf momentum",
+            refused(b16.import_slot(bid, SlotKind::State1, inf)),
+        );
+    }
+    {
+        let mut opt = Optimizer::new(opts()).unwrap();
+        let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+        opt.add_param("w", &[4], &[0.1; 4], g).unwrap();
+        let lr = 0.0011168202304366027;
+        opt.set_lr(lr).unwrap();
+        add(
+            "state access",
+            "set_lr(0.0011168202304366027), saved and loaded",
+            round_trips(&opt, "lr.safetensors"),
+        );
+    }
+
+    // --- Checkpoint files.
+    let base = saved(&dir().join("base.safetensors"));
+    add(
+        "checkpoint",
+        "a missing file",
+        file_refused(Optimizer::load(dir().join("nothing-here"))),
+    );
+    add("checkpoint", "an empty file", load_bytes(&[], "empty"));
+    add("checkpoint", "8 bytes", load_bytes(&base[..8], "eight"));
+    add(
+        "checkpoint",
+        "truncated by one byte",
+        load_bytes(&base[..base.len() - 1], "truncated"),
+    );
+    add(
+        "checkpoint",
+        "half of the file",
+        load_bytes(&base[..base.len() / 2], "half"),
+    );
+    add(
+        "checkpoint",
+        "random bytes",
+        load_bytes(
+            &(0..5000u32)
+                .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+                .collect::<Vec<_>>(),
+            "random",
+        ),
+    );
+    add("checkpoint", "header length 2^63", {
+        let mut b = base.clone();
+        b[..8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+        load_bytes(&b, "hugeheader")
+    });
+    add("checkpoint", "one bit flipped in a tensor (checksum)", {
+        let mut b = base.clone();
+        let at = b.len() - 100;
+        b[at] ^= 4;
+        load_bytes(&b, "bitflip")
+    });
+    add(
+        "checkpoint",
+        "a learning rate edited, checksum kept",
+        load_bytes(
+            &forge(
+                &base,
+                false,
+                |m| m["groups"][0]["hyper"]["Adam"]["lr"] = 0.5.into(),
+                |_| {},
+            ),
+            "lr-edit",
+        ),
+    );
+    add("checkpoint", "a safetensors file without lpmm metadata", {
+        let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &[0u8; 4])
+            .unwrap();
+        load_bytes(
+            &safetensors::tensor::serialize([("x", v)], None).unwrap(),
+            "foreign",
+        )
+    });
+    add(
+        "checkpoint",
+        "another format name",
+        meta_edit(&base, "format", |m| m["format"] = "other".into()),
+    );
+    add(
+        "checkpoint",
+        "version 2",
+        meta_edit(&base, "version", |m| m["version"] = 2.into()),
+    );
+    add(
+        "checkpoint",
+        "metadata that is not JSON",
+        load_bytes(
+            &forge(
+                &base,
+                false,
+                |m| *m = serde_json::Value::String("{".into()),
+                |_| {},
+            ),
+            "notjson",
+        ),
+    );
+    add(
+        "checkpoint",
+        "global step counter 2^53 + 1",
+        meta_edit(&base, "steps", |m| {
+            m["global_steps"] = ((1u64 << 53) + 1).into()
+        }),
+    );
+    add(
+        "checkpoint",
+        "parameter step counter u64::MAX",
+        meta_edit(&base, "psteps", |m| {
+            m["params"][0]["steps"] = u64::MAX.into()
+        }),
+    );
+    add(
+        "checkpoint",
+        "learning rate NaN (null)",
+        meta_edit(&base, "lrnan", |m| {
+            m["groups"][0]["hyper"]["Adam"]["lr"] = serde_json::Value::Null
+        }),
+    );
+    add(
+        "checkpoint",
+        "eps = 0",
+        meta_edit(&base, "eps", |m| {
+            m["params"][0]["requested"]["hyper"]["Adam"]["eps"] = 0.0.into()
+        }),
+    );
+    add(
+        "checkpoint",
+        "max_grad_norm = -1",
+        meta_edit(&base, "norm", |m| {
+            m["options"]["max_grad_norm"] = (-1.0).into()
+        }),
+    );
+    add(
+        "checkpoint",
+        "group index 7 of 1",
+        meta_edit(&base, "group", |m| m["params"][0]["group"] = 7.into()),
+    );
+    add(
+        "checkpoint",
+        "two parameters with one name",
+        meta_edit(&base, "dup", |m| m["params"][1]["name"] = "a".into()),
+    );
+    add(
+        "checkpoint",
+        "a shape of 2^40 elements",
+        meta_edit(&base, "shape40", |m| {
+            m["params"][0]["shape"] = serde_json::json!([1u64 << 40])
+        }),
+    );
+    add(
+        "checkpoint",
+        "a shape doubled (tensors too short)",
+        meta_edit(&base, "shape2", |m| {
+            m["params"][0]["shape"] = serde_json::json!([600])
+        }),
+    );
+    add(
+        "checkpoint",
+        "a zero dimension",
+        meta_edit(&base, "shape0", |m| {
+            m["params"][0]["shape"] = serde_json::json!([300, 0])
+        }),
+    );
+    add(
+        "checkpoint",
+        "storages changed under the tensors",
+        meta_edit(&base, "storage", |m| {
+            m["params"][0]["requested"]["state1"] = "F32".into()
+        }),
+    );
+    add(
+        "checkpoint",
+        "pending gradient without an accumulator",
+        meta_edit(&base, "pending", |m| {
+            m["params"][0]["requested"]["grad"] = "None".into();
+            m["params"][0]["pending"] = true.into();
+        }),
+    );
+    add(
+        "checkpoint",
+        "learning-rate rule Scaled(-1)",
+        meta_edit(&base, "scaled", |m| {
+            m["params"][0]["lr_rule"] = serde_json::json!({"Scaled": -1.0})
+        }),
+    );
+    add(
+        "checkpoint",
+        "a tensor missing",
+        tensor_edit(&base, "missing", |t| t.retain(|x| x.0 != "a/state2")),
+    );
+    add(
+        "checkpoint",
+        "an extra tensor",
+        tensor_edit(&base, "extra", |t| {
+            let mut x = t[0].clone();
+            x.0 = "zzz".into();
+            t.push(x);
+        }),
+    );
+    add(
+        "checkpoint",
+        "rank-1 scales reshaped, same element count",
+        tensor_edit(&base, "reshape", |t| {
+            let x = tensor(t, "r/state2.scales");
+            let n: usize = x.2.iter().product();
+            x.2 = vec![2, n / 2];
+        }),
+    );
+    add(
+        "checkpoint",
+        "rank-1 scales reshaped (checksum kept)",
+        load_bytes(
+            &forge(
+                &base,
+                false,
+                |_| {},
+                |t| {
+                    let x = tensor(t, "r/state2.scales");
+                    let n: usize = x.2.iter().product();
+                    x.2 = vec![n / 2, 2];
+                },
+            ),
+            "reshape-unsealed",
+        ),
+    );
+    add(
+        "checkpoint",
+        "a tensor of another dtype",
+        tensor_edit(&base, "dtype", |t| {
+            let x = tensor(t, "a/param");
+            x.1 = safetensors::Dtype::F16;
+        }),
+    );
+    add(
+        "checkpoint",
+        "a tensor one element short",
+        tensor_edit(&base, "short", |t| {
+            let x = tensor(t, "a/state1");
+            x.3.pop();
+            x.2 = vec![x.3.len()];
+        }),
+    );
+    add(
+        "checkpoint",
+        "a code map changed",
+        tensor_edit(&base, "map", |t| {
+            let x = t.iter_mut().find(|x| x.0.starts_with("maps/")).unwrap();
+            x.3[4..8].copy_from_slice(&0.123f32.to_le_bytes());
+        }),
+    );
+    let set_bf16 = |name: &'static str, bits: u16| {
+        move |t: &mut Tensors| {
+            let x = tensor(t, name);
+            x.3[..2].copy_from_slice(&bits.to_le_bytes());
+        }
+    };
+    add(
+        "checkpoint",
+        "a bf16 parameter holding +Inf",
+        tensor_edit(&base, "inf", set_bf16("a/param", 0x7F80)),
+    );
+    add(
+        "checkpoint",
+        "a bf16 parameter holding NaN",
+        tensor_edit(&base, "nan", set_bf16("a/param", 0x7FC1)),
+    );
+    add(
+        "checkpoint",
+        "a Kahan value above 2^127 + 2^120",
+        tensor_edit(&base, "kahan", set_bf16("r/param", 0x7F7F)),
+    );
+    add(
+        "checkpoint",
+        "a Kahan compensation above 2^119",
+        tensor_edit(&base, "comp", set_bf16("r/param.comp", 0x7C00)),
+    );
+    add(
+        "checkpoint",
+        "a block scale NaN",
+        tensor_edit(&base, "absmax", |t| {
+            let x = tensor(t, "a/state1.absmax");
+            x.3[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }),
+    );
+    add(
+        "checkpoint",
+        "a block scale negative",
+        tensor_edit(&base, "absneg", |t| {
+            let x = tensor(t, "a/state2.absmax");
+            x.3[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
+        }),
+    );
+    add(
+        "checkpoint",
+        "a rank-1 scale +Inf",
+        tensor_edit(&base, "r1inf", |t| {
+            let x = tensor(t, "r/state2.scales");
+            x.3[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+        }),
+    );
+
+    // Loading into a live optimizer.
+    let live = || {
+        let mut opt = Optimizer::new(opts()).unwrap();
+        let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+        opt.add_param("w", &[16], &[0.1; 16], g).unwrap();
+        opt
+    };
+    let other_path = dir().join("other.safetensors");
+    {
+        let mut o = Optimizer::new(OptimizerOptions { seed: 99, ..opts() }).unwrap();
+        let g = o.add_group(presets::lpmm_sgdm(0.5, 0.9)).unwrap();
+        o.add_param("w", &[16], &[0.3; 16], g).unwrap();
+        o.save(&other_path).unwrap();
+    }
+    {
+        let mut opt = live();
+        let before = opt.canonical().unwrap().to_bytes().unwrap();
+        let r = opt.load_state(&other_path);
+        let unchanged = opt.canonical().unwrap().to_bytes().unwrap() == before;
+        add(
+            "checkpoint",
+            "load_state: same names and shapes, other storages, optimizer, lr and seed",
+            match (file_refused(r), unchanged) {
+                (Seen::Refused(s), true) => Seen::Refused(s),
+                (other, _) => Seen::Silent(format!("{other:?}, unchanged {unchanged}")),
+            },
+        );
+        let r = opt.load_state_with(&other_path, LoadPolicy::ReplaceConfiguration);
+        let back = Optimizer::load(&other_path).unwrap();
+        add(
+            "checkpoint",
+            "load_state_with(ReplaceConfiguration): the same file",
+            match r {
+                Ok(())
+                    if opt.canonical().unwrap().to_bytes()
+                        == back.canonical().unwrap().to_bytes() =>
+                {
+                    Seen::Correct("the checkpoint's configuration and state, as asked".into())
+                }
+                other => Seen::Silent(format!("{other:?}")),
+            },
+        );
+    }
+    {
+        let mut opt = live();
+        let mut other = Optimizer::new(opts()).unwrap();
+        let g = other.add_group(presets::adamw_f32(1e-3)).unwrap();
+        other.add_param("v", &[16], &[0.1; 16], g).unwrap();
+        let path = dir().join("names.safetensors");
+        other.save(&path).unwrap();
+        add(
+            "checkpoint",
+            "load_state: other parameter names",
+            file_refused(opt.load_state(&path)),
+        );
+    }
+
+    // --- Saving.
+    {
+        let opt = live();
+        let name = format!("{}.safetensors", "n".repeat(238));
+        add(
+            "saving",
+            "a valid 250-character file name",
+            round_trips(&opt, &name),
+        );
+        let d = dir().join("stale");
+        std::fs::create_dir_all(&d).unwrap();
+        let stale = d.join(".ckpt.safetensors.tmp-4194303-0");
+        std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+        opt.save(d.join("ckpt.safetensors")).unwrap();
+        add(
+            "saving",
+            "a temporary file left by a killed save",
+            if stale.exists() {
+                Seen::Silent("left in place".into())
+            } else {
+                Seen::Correct("removed by the next save".into())
+            },
+        );
+        add(
+            "saving",
+            "saving to a directory",
+            file_refused(opt.save(dir())),
+        );
+        add(
+            "saving",
+            "saving into a missing directory",
+            file_refused(opt.save(dir().join("no/such/dir/x"))),
+        );
+        let (mut b, id) = one(
+            ParamConfig {
+                grad: bf(StoreRounding::Nearest),
+                ..presets::adamw_f32(1e-3)
+            },
+            4,
+        );
+        b.accumulate(id, &[f32::INFINITY, 0.0, 0.0, 0.0]).unwrap();
+        add(
+            "saving",
+            "saving with +Inf held in a bf16 accumulator (for the step's policy)",
+            round_trips(&b, "inf-acc.safetensors"),
+        );
+    }
+    out
+}
+
+#[test]
+fn bad_inputs_are_refused_reported_or_handled_never_silent() {
+    let cases = cases();
+    println!("| # | area | input | outcome |");
+    println!("| --- | --- | --- | --- |");
+    let (mut refused, mut reported, mut correct, mut silent) = (0, 0, 0, Vec::new());
+    for (k, (cat, what, seen)) in cases.iter().enumerate() {
+        let outcome = match seen {
+            Seen::Refused(s) => {
+                refused += 1;
+                format!("refused, {s}")
+            }
+            Seen::Reported(s) => {
+                reported += 1;
+                format!("reported: {s}")
+            }
+            Seen::Correct(s) => {
+                correct += 1;
+                format!("handled: {s}")
+            }
+            Seen::Silent(s) => {
+                silent.push(format!("{what}: {s}"));
+                format!("**SILENT**: {s}")
+            }
+        };
+        println!(
+            "| {} | {cat} | {what} | {} |",
+            k + 1,
+            outcome.replace('|', "\\|").replace('\n', " ")
+        );
+    }
+    println!(
+        "\n{} cases: {refused} refused with a typed error, {reported} reported by the step, {correct} handled correctly, {} silent",
+        cases.len(),
+        silent.len()
+    );
+    let _ = std::fs::remove_dir_all(dir());
+    assert!(cases.len() >= 75, "only {} cases", cases.len());
+    assert!(silent.is_empty(), "silent: {silent:#?}");
+}
