@@ -66,7 +66,15 @@ fn with_an_f32_accumulator_the_step_equals_accumulating_and_stepping() {
         assert_eq!(optim.last_report(), Some(want), "step {step}");
         assert_eq!(model.bits(), read(&r, &ids), "step {step}");
     }
-    assert!(optim.memory_report().slot_totals()[1] > 0);
+    // The accumulator is lpmm's f32 one (the CPU backend allocates it at a parameter's first
+    // accumulation and releases it when the step has consumed it, so its bytes are not asserted).
+    assert!(
+        optim
+            .memory_report()
+            .params
+            .iter()
+            .all(|p| p.storage[1] == lpmm_optim::Storage::F32)
+    );
 }
 
 #[test]
