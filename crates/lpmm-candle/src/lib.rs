@@ -81,7 +81,7 @@
 //! - **Building** needs nvcc: candle-kernels compiles candle's kernels at build time
 //!   (cudaforge: `NVCC`, `CUDA_HOME`, `CUDA_COMPUTE_CAP` where no GPU is there to ask).
 //!   Without a CUDA toolkit, NVIDIA's pip wheels do (about 350 MB; candle-kernels' build then
-//!   takes tens of minutes on two cores, which is why CI does not run it):
+//!   took 16 minutes of wall time on two shared cores, 8 of CPU time: too long for CI):
 //!
 //!   ```text
 //!   python3 -m venv target/nvcc-venv
@@ -94,7 +94,7 @@
 //!
 //! - **Status:** compile-checked (library and tests) on a machine without a GPU; not yet run on a
 //!   GPU. `tests/cuda.rs` steps bf16 and f32 `Var`s on CUDA and on the CPU from the same
-//!   gradients and compares every bit of the `Var`s and states, the reports and memory, that the
+//!   gradients and compares every bit of the `Var`s and states and the reports, that the
 //!   `Var`s' device addresses never change, and a checkpoint saved on CUDA resumed on the CPU;
 //!   it skips with a message where no device is present (`LPMM_REQUIRE_CUDA=1`: fails).
 //!
