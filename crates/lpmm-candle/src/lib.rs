@@ -23,7 +23,8 @@
 //!
 //! - **Parameters.** Where the storage is f32 or bf16 (and Kahan or split f32, whose bf16 half is
 //!   the Var) and the `Var` has that dtype ([`LpmmConfig::var_dtype`]), the `Var` *is* lpmm's
-//!   parameter: lpmm steps its storage in place and keeps no copy (a lent parameter). A `Var` of
+//!   parameter: lpmm steps its storage in place and keeps no copy (a lent parameter), on the CPU
+//!   and, with feature `cuda`, in a candle CUDA device's memory (see "CUDA" below). A `Var` of
 //!   another dtype still trains, with lpmm holding the parameter in its storage and the `Var` set
 //!   to it after every step (a second copy; a `tracing` warning says so). Parameters below 16 bits
 //!   (LPMM-SGDM's 8-bit ones) are best held by lpmm alone through the layers of [`nn`]
@@ -44,6 +45,58 @@
 //! checkpoints are tied to the same tensor in every process. Every step's [`StepReport`] is
 //! kept ([`LpmmOptimizer::last_report`]) and skipped steps and non-finite gradients are logged
 //! with `tracing`.
+//!
+//! # CUDA (feature `cuda`)
+//!
+//! With feature `cuda` (facade: `lpmm`'s `candle-cuda`), `Var`s on a candle CUDA device
+//! (`Device::new_cuda(0)`) are stepped by lpmm-cuda where candle keeps them. An optimizer steps
+//! the `Var`s of one device: the first `Var` registered picks it (an optimizer is the CPU's until
+//! then), and a `Var` on any other device (another candle CUDA device too: candle's
+//! `same_device`, one stream) is refused with an error. What happens:
+//!
+//! - **One cudarc, candle's stream.** candle-core 0.11.1's `cuda` feature depends on cudarc
+//!   0.19.10, the version this workspace pins for lpmm-cuda, so the build has one cudarc and
+//!   the two share its types: lpmm-cuda runs on candle's own stream (`CudaDevice::cuda_stream`,
+//!   in candle's context, the device's primary context), and reads candle's `CudaSlice`s through
+//!   typed views (`lpmm_cuda::CudaView::new` / `read_only` of the tensor's contiguous range,
+//!   its layout's start offset included): no raw pointer, no `unsafe`, and no synchronisation
+//!   between two streams, since candle's work and lpmm's are enqueued on the same stream in
+//!   order. candle's default CUDA device uses the per-thread default stream: as for candle's own
+//!   operations, step on the thread that ran the backward pass (or synchronise the device).
+//! - **No copy per step.** A lent `Var` is stepped in place inside a candle in-place operation;
+//!   each gradient is read from the `GradStore` where candle computed it and dropped once its
+//!   parameter has stepped (a gradient that is not contiguous f32 or bf16 is first converted on
+//!   the device). A `Var` lpmm holds a copy of is set on the device too (its parameter decoded
+//!   into the `Var`'s storage), except an f16 or f64 `Var`, set through the host as on the CPU.
+//!   Registration reads a copied `Var`'s initial values through the host once. lpmm's layers
+//!   ([`nn`]) are CPU-only, and [`LpmmOptimizer::with_optimizer`] is the CPU optimizer's
+//!   (`LpmmOptimizer::with_cuda_optimizer` gives the lpmm-cuda one).
+//! - **Linking.** candle-core asks cudarc for `dynamic-linking`; lpmm-cuda alone loads the
+//!   driver at run time. The workspace asks cudarc for `fallback-dynamic-loading`, which gives
+//!   way to candle's linking when candle's `cuda` is in the build (cudarc refuses
+//!   `dynamic-loading` and `dynamic-linking` together). So a binary built with this feature
+//!   needs the CUDA libraries candle links (libcuda, libcudart, libcublas, libcublasLt,
+//!   libcurand, libnvrtc) to start at all, like every candle CUDA binary. The bindings stay
+//!   CUDA 12.8's (the workspace's `cuda-12080`, which also spares cudarc from asking nvcc).
+//! - **Building** needs nvcc: candle-kernels compiles candle's kernels at build time
+//!   (cudaforge: `NVCC`, `CUDA_HOME`, `CUDA_COMPUTE_CAP` where no GPU is there to ask).
+//!   Without a CUDA toolkit, NVIDIA's pip wheels do (about 350 MB; candle-kernels' build then
+//!   took 16 minutes of wall time on two shared cores, 8 of CPU time: too long for CI):
+//!
+//!   ```text
+//!   python3 -m venv target/nvcc-venv
+//!   target/nvcc-venv/bin/pip install nvidia-cuda-nvcc==13.2.86 nvidia-nvvm==13.2.86 \
+//!       nvidia-cuda-crt==13.2.86 nvidia-cuda-runtime==13.2.86 nvidia-cuda-cccl==13.2.86
+//!   C=$(target/nvcc-venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
+//!   NVCC=$C/bin/nvcc CUDA_HOME=$C CUDA_COMPUTE_CAP=80 \
+//!       cargo clippy -p lpmm-candle --features cuda --all-targets -- -D warnings
+//!   ```
+//!
+//! - **Status:** compile-checked (library and tests) on a machine without a GPU; not yet run on a
+//!   GPU. `tests/cuda.rs` steps bf16 and f32 `Var`s on CUDA and on the CPU from the same
+//!   gradients and compares every bit of the `Var`s and states and the reports, that the
+//!   `Var`s' device addresses never change, and a checkpoint saved on CUDA resumed on the CPU;
+//!   it skips with a message where no device is present (`LPMM_REQUIRE_CUDA=1`: fails).
 //!
 //! # A warning for candle users
 //!
@@ -74,6 +127,8 @@
 //! `every_parameter_receives_a_gradient` in `tests/short_runs.rs` does for the comparison's
 //! language model.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod experiments;
 pub mod footprint;
 pub mod nn;
@@ -86,8 +141,8 @@ use candle_core::{CpuStorage, DType, Error, InplaceOp1, Layout, Result, Storage,
 use candle_nn::VarMap;
 use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
 use lpmm_optim::{
-    Cpu, Gradients, Lender, MemoryReport, OptimError, Optimizer, OptimizerOptions, ParamConfig,
-    ParamId, StepReport, WithGradient,
+    Backend, Cpu, Gradients, Lender, MemoryReport, OptimError, Optimizer, OptimizerOptions,
+    ParamConfig, ParamId, StepReport, WithGradient,
 };
 
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
@@ -181,9 +236,121 @@ struct Entry {
     lent: bool,
 }
 
+/// The lpmm optimizer on the backend of the `Var`s' device: the CPU, or (feature `cuda`) lpmm-cuda
+/// on the candle CUDA device's own stream.
+#[derive(Debug)]
+pub(crate) enum Engine {
+    Cpu(Optimizer<Cpu>),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaEngine),
+}
+
+/// Runs `$body` with `$o` bound to the engine's optimizer (`&mut`), whatever its backend.
+macro_rules! on_engine {
+    ($engine:expr, $o:ident => $body:expr) => {
+        match $engine {
+            Engine::Cpu($o) => $body,
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => {
+                let $o = &mut e.opt;
+                $body
+            }
+        }
+    };
+}
+
+/// `on_engine!` for a shared borrow.
+macro_rules! on_engine_ref {
+    ($engine:expr, $o:ident => $body:expr) => {
+        match $engine {
+            Engine::Cpu($o) => $body,
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => {
+                let $o = &e.opt;
+                $body
+            }
+        }
+    };
+}
+
+impl Engine {
+    /// The CPU optimizer (lpmm's layers, [`nn`], live there).
+    pub(crate) fn cpu(&self) -> Result<&Optimizer<Cpu>> {
+        match self {
+            Engine::Cpu(o) => Ok(o),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(_) => Err(Self::not_cpu()),
+        }
+    }
+
+    /// The CPU optimizer, mutably.
+    pub(crate) fn cpu_mut(&mut self) -> Result<&mut Optimizer<Cpu>> {
+        match self {
+            Engine::Cpu(o) => Ok(o),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(_) => Err(Self::not_cpu()),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn not_cpu() -> Error {
+        Error::Msg(
+            "this optimizer steps CUDA Vars; lpmm's layers (lpmm_candle::nn) and the CPU optimizer \
+             exist only on an optimizer over CPU Vars"
+                .into(),
+        )
+    }
+
+    fn is_empty(&self) -> bool {
+        on_engine_ref!(self, o => o.is_empty())
+    }
+
+    /// A short name of the device ("cpu", "cuda:0").
+    fn device_name(&self) -> String {
+        match self {
+            Engine::Cpu(_) => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => e.name(),
+        }
+    }
+
+    /// Whether `device` is this engine's device.
+    fn owns(&self, device: &candle_core::Device) -> bool {
+        match self {
+            Engine::Cpu(_) => device.is_cpu(),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => e.owns(device),
+        }
+    }
+}
+
+/// How tensors of one candle device meet one lpmm backend: a tensor's memory as the backend's
+/// input, a `Var`'s as its output (in place). The CPU: host slices; CUDA (feature `cuda`):
+/// lpmm-cuda views of candle's device memory.
+pub(crate) trait Lane: Backend + Clone {
+    /// Calls `f` with a tensor's values as this backend's input: where they are for a
+    /// contiguous f32 or bf16 tensor, converted otherwise.
+    fn input<T>(&self, t: &Tensor, f: impl FnOnce(Self::Input<'_>) -> Result<T>) -> Result<T>;
+    /// Calls `f` with a `Var`'s storage as this backend's output, written in place (inside a
+    /// candle in-place operation).
+    fn output(&self, t: &Tensor, f: LentFn<'_, Self>) -> std::result::Result<(), OptimError>;
+}
+
+impl Lane for Cpu {
+    fn input<T>(&self, t: &Tensor, f: impl FnOnce(HostValues<'_>) -> Result<T>) -> Result<T> {
+        with_values(t, f)
+    }
+
+    fn output(&self, t: &Tensor, f: LentFn<'_, Cpu>) -> std::result::Result<(), OptimError> {
+        let op = InPlace::<Cpu>::new(f);
+        let result = t.inplace_op1(&op);
+        op.finish(result)
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Inner {
-    pub(crate) opt: Optimizer,
+    pub(crate) opt: Engine,
     vars: Vec<Entry>,
     /// Entry of each registered parameter (none for the layers' own parameters).
     by_id: Vec<Option<usize>>,
@@ -245,27 +412,48 @@ pub(crate) fn with_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Re
 }
 
 /// What lpmm does with a lent buffer.
-type LentFn<'f> = &'f mut dyn FnMut(HostValuesMut<'_>) -> std::result::Result<(), OptimError>;
+pub(crate) type LentFn<'f, B> =
+    &'f mut dyn FnMut(<B as Backend>::Output<'_>) -> std::result::Result<(), OptimError>;
 
 /// Steps a `Var`'s storage in place (candle hands it out only inside an in-place operation).
-struct InPlace<'f> {
-    f: Mutex<LentFn<'f>>,
+pub(crate) struct InPlace<'f, B: Backend> {
+    f: Mutex<LentFn<'f, B>>,
     /// lpmm's error, kept typed (candle's error type would only keep its message).
     error: Mutex<Option<OptimError>>,
 }
 
-impl InPlace<'_> {
-    fn run(&self, values: HostValuesMut<'_>) -> Result<()> {
-        let mut f = self.f.lock().unwrap_or_else(|e| e.into_inner());
-        (*f)(values).map_err(|e| {
-            let message = e.to_string();
-            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-            Error::Msg(message)
+impl<'f, B: Backend> InPlace<'f, B> {
+    pub(crate) fn new(f: LentFn<'f, B>) -> Self {
+        InPlace {
+            f: Mutex::new(f),
+            error: Mutex::new(None),
+        }
+    }
+
+    /// Keeps `e` as the operation's error and gives candle its message.
+    pub(crate) fn fail(&self, e: OptimError) -> Error {
+        let message = e.to_string();
+        *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        Error::Msg(message)
+    }
+
+    /// The operation's result, with lpmm's error typed where it failed in lpmm.
+    pub(crate) fn finish(self, result: Result<()>) -> std::result::Result<(), OptimError> {
+        result.map_err(|e| {
+            self.error
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| candle_error(e))
         })
+    }
+
+    pub(crate) fn run(&self, values: B::Output<'_>) -> Result<()> {
+        let mut f = self.f.lock().unwrap_or_else(|e| e.into_inner());
+        (*f)(values).map_err(|e| self.fail(e))
     }
 }
 
-impl InplaceOp1 for InPlace<'_> {
+impl InplaceOp1 for InPlace<'_, Cpu> {
     fn name(&self) -> &'static str {
         "lpmm-step"
     }
@@ -274,21 +462,37 @@ impl InplaceOp1 for InPlace<'_> {
         let Some((start, end)) = layout.contiguous_offsets() else {
             return Err(Error::Msg("a lent Var must be contiguous".into()));
         };
+        let outside = || Error::Msg("a lent Var's layout lies outside its storage".into());
         match storage {
-            CpuStorage::F32(v) => self.run(HostValuesMut::F32(&mut v[start..end])),
-            CpuStorage::BF16(v) => self.run(HostValuesMut::Bf16(&mut v[start..end])),
+            CpuStorage::F32(v) => self.run(HostValuesMut::F32(
+                v.get_mut(start..end).ok_or_else(outside)?,
+            )),
+            CpuStorage::BF16(v) => self.run(HostValuesMut::Bf16(
+                v.get_mut(start..end).ok_or_else(outside)?,
+            )),
             _ => Err(Error::Msg("a lent Var is f32 or bf16".into())),
         }
     }
 }
 
 /// The `Var`s as lpmm's lent parameters.
-struct VarLender<'a> {
+struct VarLender<'a, B> {
     vars: &'a [Entry],
     by_id: &'a [Option<usize>],
+    backend: B,
 }
 
-impl VarLender<'_> {
+impl<'a, B: Lane> VarLender<'a, B> {
+    fn new(opt: &Optimizer<B>, vars: &'a [Entry], by_id: &'a [Option<usize>]) -> Self {
+        VarLender {
+            vars,
+            by_id,
+            backend: opt.backend().clone(),
+        }
+    }
+}
+
+impl<B> VarLender<'_, B> {
     fn var(&self, id: ParamId) -> std::result::Result<&Var, OptimError> {
         self.by_id
             .get(id.index())
@@ -306,51 +510,44 @@ fn candle_error(e: Error) -> OptimError {
     }
 }
 
-impl Lender<Cpu> for VarLender<'_> {
+impl<B: Lane> Lender<B> for VarLender<'_, B> {
     fn lend(
         &mut self,
         id: ParamId,
-        f: &mut dyn FnMut(HostValues<'_>) -> std::result::Result<(), OptimError>,
+        f: &mut dyn FnMut(B::Input<'_>) -> std::result::Result<(), OptimError>,
     ) -> std::result::Result<(), OptimError> {
         let var = self.var(id)?;
         let mut out = Ok(());
-        with_values(var.as_tensor(), |v| {
-            out = f(v);
-            Ok(())
-        })
-        .map_err(candle_error)?;
+        self.backend
+            .input(var.as_tensor(), |v| {
+                out = f(v);
+                Ok(())
+            })
+            .map_err(candle_error)?;
         out
     }
 
     fn lend_mut(
         &mut self,
         id: ParamId,
-        f: &mut dyn FnMut(HostValuesMut<'_>) -> std::result::Result<(), OptimError>,
+        f: &mut dyn FnMut(B::Output<'_>) -> std::result::Result<(), OptimError>,
     ) -> std::result::Result<(), OptimError> {
         let var = self.var(id)?;
-        let op = InPlace {
-            f: Mutex::new(f),
-            error: Mutex::new(None),
-        };
-        var.as_tensor().inplace_op1(&op).map_err(|e| {
-            op.error
-                .into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .unwrap_or_else(|| candle_error(e))
-        })
+        self.backend.output(var.as_tensor(), f)
     }
 }
 
 /// candle's gradients as lpmm's: each read where it is and dropped once its parameter has
 /// stepped.
-struct GradSource<'a> {
+struct GradSource<'a, B> {
     grads: Option<&'a mut GradStore>,
     shared: Option<&'a GradStore>,
     vars: &'a [Entry],
     by_id: &'a [Option<usize>],
+    backend: B,
 }
 
-impl GradSource<'_> {
+impl<B> GradSource<'_, B> {
     fn store(&self) -> Option<&GradStore> {
         self.grads.as_deref().or(self.shared)
     }
@@ -364,22 +561,23 @@ impl GradSource<'_> {
     }
 }
 
-impl Gradients<Cpu> for GradSource<'_> {
+impl<B: Lane> Gradients<B> for GradSource<'_, B> {
     fn gradient(
         &mut self,
         id: ParamId,
-        f: &mut WithGradient<'_, Cpu>,
+        f: &mut WithGradient<'_, B>,
     ) -> std::result::Result<(), OptimError> {
         let grad = self
             .var(id)
             .and_then(|v| self.store().and_then(|s| s.get(v.as_tensor())));
         let Some(grad) = grad else { return f(None) };
         let mut out = Ok(());
-        with_values(grad, |v| {
-            out = f(Some(v));
-            Ok(())
-        })
-        .map_err(candle_error)?;
+        self.backend
+            .input(grad, |v| {
+                out = f(Some(v));
+                Ok(())
+            })
+            .map_err(candle_error)?;
         out
     }
 
@@ -392,16 +590,102 @@ impl Gradients<Cpu> for GradSource<'_> {
     }
 }
 
-impl Inner {
-    fn lender(&self) -> VarLender<'_> {
-        VarLender {
-            vars: &self.vars,
-            by_id: &self.by_id,
+/// Registers `var` as `name` with `opt`, lent where its dtype is its storage's.
+fn register_on<B: Lane>(
+    opt: &mut Optimizer<B>,
+    name: &str,
+    var: &Var,
+    shape: &[usize],
+    group: usize,
+    config: ParamConfig,
+    lent: bool,
+) -> Result<ParamId> {
+    if lent {
+        let backend = opt.backend().clone();
+        backend.input(var.as_tensor(), |v| {
+            opt.add_lent_param(name, shape, v, group, config)
+                .map_err(wrap)
+        })
+    } else {
+        tracing::warn!(
+            param = name,
+            var_dtype = ?var.dtype(),
+            storage = %config.param.describe(),
+            "lpmm keeps a second copy of this parameter: create its Var in the storage's dtype \
+             (LpmmConfig::var_dtype) to avoid it, or hold it in an lpmm layer (lpmm_candle::nn)"
+        );
+        let mut add = |init: &[f32]| {
+            opt.add_param_with(name, shape, init, group, config)
+                .map_err(wrap)
+        };
+        if var.device().is_cpu() {
+            with_f32(var.as_tensor(), add)
+        } else {
+            // A device Var's initial values through the host, once.
+            add(&var
+                .as_tensor()
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?)
         }
     }
+}
 
+/// Steps `opt` from `grads`/`shared` and every pending accumulator, the `Var`s lent.
+fn step_on<B: Lane>(
+    opt: &mut Optimizer<B>,
+    vars: &[Entry],
+    by_id: &[Option<usize>],
+    grads: Option<&mut GradStore>,
+    shared: Option<&GradStore>,
+) -> Result<StepReport> {
+    let backend = opt.backend().clone();
+    let mut source = GradSource {
+        grads,
+        shared,
+        vars,
+        by_id,
+        backend: backend.clone(),
+    };
+    let mut lender = VarLender {
+        vars,
+        by_id,
+        backend,
+    };
+    opt.step_gradients(&mut source, Some(&mut lender))
+        .map_err(wrap)
+}
+
+/// Adds a micro-batch's gradients into `opt`'s accumulators, dropping each from `grads` once
+/// added.
+fn accumulate_on<B: Lane>(
+    opt: &mut Optimizer<B>,
+    vars: &[Entry],
+    grads: &mut GradStore,
+) -> Result<()> {
+    let backend = opt.backend().clone();
+    for e in vars {
+        if let Some(g) = grads.remove(e.var.as_tensor()) {
+            backend.input(&g, |v| opt.accumulate_input(e.id, v).map_err(wrap))?;
+        }
+    }
+    Ok(())
+}
+
+impl Inner {
     /// Registers `var` as `name`.
     fn register(&mut self, name: &str, var: Var) -> Result<()> {
+        if self.opt.is_empty() && !self.opt.owns(var.device()) {
+            self.switch_device(var.device())?;
+        }
+        if !self.opt.owns(var.device()) {
+            return Err(Error::Msg(format!(
+                "Var {name} is on {:?}, but this optimizer steps Vars on {}: lpmm steps the Vars \
+                 of one device",
+                var.device().location(),
+                self.opt.device_name()
+            )));
+        }
         let dims = var.dims().to_vec();
         // A scalar Var has no dimensions; lpmm stores it as one element.
         let shape = if dims.is_empty() { vec![1] } else { dims };
@@ -415,27 +699,8 @@ impl Inner {
         let lent = matches!(
             (lendable, var.dtype()),
             (Some(Dtype::F32), DType::F32) | (Some(Dtype::Bf16), DType::BF16)
-        ) && var.device().is_cpu();
-        let id = if lent {
-            with_values(var.as_tensor(), |v| {
-                self.opt
-                    .add_lent_param(name, &shape, v, group, config)
-                    .map_err(wrap)
-            })?
-        } else {
-            tracing::warn!(
-                param = name,
-                var_dtype = ?var.dtype(),
-                storage = %config.param.describe(),
-                "lpmm keeps a second copy of this parameter: create its Var in the storage's dtype \
-                 (LpmmConfig::var_dtype) to avoid it, or hold it in an lpmm layer (lpmm_candle::nn)"
-            );
-            with_f32(var.as_tensor(), |init| {
-                self.opt
-                    .add_param_with(name, &shape, init, group, config)
-                    .map_err(wrap)
-            })?
-        };
+        );
+        let id = on_engine!(&mut self.opt, o => register_on(o, name, &var, &shape, group, config, lent))?;
         if self.by_id.len() <= id.index() {
             self.by_id.resize(id.index() + 1, None);
         }
@@ -449,11 +714,66 @@ impl Inner {
         Ok(())
     }
 
+    /// An empty engine on `device` in place of the current (empty) one: the same groups and
+    /// learning rates.
+    fn switch_device(&mut self, device: &candle_core::Device) -> Result<()> {
+        let groups =
+            std::iter::once(self.config.param).chain(self.config.groups.iter().map(|(_, c)| *c));
+        // A learning rate set before (`set_learning_rate`) is set again, as it set it.
+        let base = self.config.param.hyper.lr();
+        let set_lrs: Option<Vec<f64>> = (self.lr != base).then(|| {
+            std::iter::once(1.0)
+                .chain(
+                    self.config
+                        .groups
+                        .iter()
+                        .map(|(_, c)| if base > 0.0 { c.hyper.lr() / base } else { 1.0 }),
+                )
+                .map(|r| self.lr * r)
+                .collect()
+        });
+        let mut engine = match device {
+            candle_core::Device::Cpu => {
+                Engine::Cpu(Optimizer::new(self.config.options).map_err(wrap)?)
+            }
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(d) => {
+                Engine::Cuda(cuda::CudaEngine::new(d, self.config.options)?)
+            }
+            other => {
+                return Err(Error::Msg(format!(
+                    "lpmm steps Vars on the CPU{}, not on {:?}",
+                    if cfg!(feature = "cuda") {
+                        " and on CUDA"
+                    } else {
+                        " (CUDA: lpmm-candle's feature `cuda`)"
+                    },
+                    other.location()
+                )));
+            }
+        };
+        on_engine!(&mut engine, o => {
+            for config in groups {
+                o.add_group(config).map_err(wrap)?;
+            }
+            for (g, lr) in set_lrs.iter().flatten().enumerate() {
+                o.set_group_lr(g, *lr).map_err(wrap)?;
+            }
+        });
+        self.opt = engine;
+        Ok(())
+    }
+
     /// Sets every `Var` that is not lent to its parameter as lpmm stores it.
     fn sync(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &self.opt {
+            return e.sync(self.vars.iter().filter(|e| !e.lent).map(|e| (e.id, &e.var)));
+        }
+        let opt = self.opt.cpu()?;
         for e in self.vars.iter().filter(|e| !e.lent) {
             let mut values = vec![0f32; e.var.elem_count()];
-            self.opt.read_param(e.id, &mut values).map_err(wrap)?;
+            opt.read_param(e.id, &mut values).map_err(wrap)?;
             let t =
                 Tensor::from_vec(values, e.var.shape(), e.var.device())?.to_dtype(e.var.dtype())?;
             e.var.set(&t)?;
@@ -480,16 +800,7 @@ impl Inner {
         let Inner {
             opt, vars, by_id, ..
         } = self;
-        let mut source = GradSource {
-            grads,
-            shared,
-            vars,
-            by_id,
-        };
-        let mut lender = VarLender { vars, by_id };
-        let report = opt
-            .step_gradients(&mut source, Some(&mut lender))
-            .map_err(wrap)?;
+        let report = on_engine!(opt, o => step_on(o, vars, by_id, grads, shared))?;
         self.sync()?;
         self.log(&report);
         self.last = Some(report.clone());
@@ -497,26 +808,27 @@ impl Inner {
     }
 
     fn log(&self, report: &StepReport) {
-        let names: Vec<&str> = report
+        let steps = on_engine_ref!(&self.opt, o => o.steps());
+        let names: Vec<String> = report
             .non_finite
             .iter()
-            .filter_map(|id| self.opt.name(*id).ok())
+            .filter_map(|id| on_engine_ref!(&self.opt, o => o.name(*id).ok().map(str::to_string)))
             .collect();
         if report.skipped {
             tracing::warn!(
-                step = self.opt.steps(),
+                step = steps,
                 non_finite = ?names,
                 "lpmm skipped the step: non-finite gradients (no parameter or state changed)"
             );
         } else if !names.is_empty() {
             tracing::warn!(
-                step = self.opt.steps(),
+                step = steps,
                 non_finite = ?names,
                 "lpmm left the elements with non-finite gradients unchanged"
             );
         }
         tracing::debug!(
-            step = self.opt.steps(),
+            step = steps,
             updated = report.updated,
             grad_norm = report.grad_norm,
             "lpmm step"
@@ -535,7 +847,7 @@ impl LpmmOptimizer {
         }
         Ok(LpmmOptimizer {
             shared: Shared(Arc::new(Mutex::new(Inner {
-                opt,
+                opt: Engine::Cpu(opt),
                 vars: Vec::new(),
                 by_id: Vec::new(),
                 lr: config.param.hyper.lr(),
@@ -575,15 +887,38 @@ impl LpmmOptimizer {
         &self.shared
     }
 
-    /// Runs `f` on the lpmm optimizer inside (read-only: parameters, states, memory, config).
-    pub fn with_optimizer<T>(&self, f: impl FnOnce(&Optimizer) -> T) -> T {
-        f(&self.shared.lock().opt)
+    /// Runs `f` on the lpmm optimizer inside (read-only: parameters, states, memory, config)
+    /// where it is the CPU's; an error where the `Var`s are on a CUDA device (feature `cuda`:
+    /// `LpmmOptimizer::with_cuda_optimizer`).
+    pub fn with_optimizer<T>(&self, f: impl FnOnce(&Optimizer) -> T) -> Result<T> {
+        Ok(f(self.shared.lock().opt.cpu()?))
+    }
+
+    /// Runs `f` on the lpmm-cuda optimizer inside, where the `Var`s are on a CUDA device; an
+    /// error where they are the CPU's ([`LpmmOptimizer::with_optimizer`]).
+    #[cfg(feature = "cuda")]
+    pub fn with_cuda_optimizer<T>(
+        &self,
+        f: impl FnOnce(&Optimizer<lpmm_cuda::Cuda>) -> T,
+    ) -> Result<T> {
+        match &self.shared.lock().opt {
+            Engine::Cuda(e) => Ok(f(&e.opt)),
+            Engine::Cpu(_) => Err(Error::Msg(
+                "this optimizer steps CPU Vars: with_optimizer".into(),
+            )),
+        }
+    }
+
+    /// The device whose `Var`s this optimizer steps ("cpu", "cuda:0"): the CPU until a `Var` on
+    /// another device is the first registered.
+    pub fn device_name(&self) -> String {
+        self.shared.lock().opt.device_name()
     }
 
     /// The model memory lpmm holds (parameters in their storage — a lent parameter, which is
     /// the `Var`, is not counted here —, gradient accumulators, states).
     pub fn memory_report(&self) -> MemoryReport {
-        self.shared.lock().opt.memory_report()
+        on_engine_ref!(&self.shared.lock().opt, o => o.memory_report())
     }
 
     /// Bytes candle holds for the `Var`s themselves (in their dtype), lent or not.
@@ -619,12 +954,7 @@ impl LpmmOptimizer {
     pub fn accumulate(&mut self, mut grads: GradStore) -> Result<()> {
         let mut inner = self.shared.lock();
         let Inner { opt, vars, .. } = &mut *inner;
-        for e in vars.iter() {
-            if let Some(g) = grads.remove(e.var.as_tensor()) {
-                with_values(&g, |v| opt.accumulate_input(e.id, v).map_err(wrap))?;
-            }
-        }
-        Ok(())
+        on_engine!(opt, o => accumulate_on(o, vars, &mut grads))
     }
 
     /// Steps every parameter with accumulated gradients (micro-batches of
@@ -642,8 +972,14 @@ impl LpmmOptimizer {
     /// Writes the optimizer's complete state, the `Var`s' values included, to `path` (an lpmm
     /// safetensors checkpoint, atomic).
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let inner = self.shared.lock();
-        inner.opt.save_lent(path, &mut inner.lender()).map_err(wrap)
+        let mut inner = self.shared.lock();
+        let Inner {
+            opt, vars, by_id, ..
+        } = &mut *inner;
+        on_engine!(opt, o => {
+            let mut lender = VarLender::new(o, vars, by_id);
+            o.save_lent(path, &mut lender).map_err(wrap)
+        })
     }
 
     /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
@@ -654,8 +990,10 @@ impl LpmmOptimizer {
         let Inner {
             opt, vars, by_id, ..
         } = &mut *inner;
-        let mut lender = VarLender { vars, by_id };
-        opt.load_state_lent(path, &mut lender).map_err(wrap)?;
+        on_engine!(opt, o => {
+            let mut lender = VarLender::new(o, vars, by_id);
+            o.load_state_lent(path, &mut lender).map_err(wrap)
+        })?;
         inner.sync()
     }
 }
@@ -744,7 +1082,7 @@ impl candle_nn::Optimizer for LpmmOptimizer {
             return;
         }
         for (g, r) in ratios.iter().enumerate() {
-            if inner.opt.set_group_lr(g, lr * r).is_err() {
+            if on_engine!(&mut inner.opt, o => o.set_group_lr(g, lr * r)).is_err() {
                 inner.rejected_lr = Some(lr);
                 return;
             }

@@ -32,6 +32,7 @@ impl Held {
             let (group, config) = inner.config.config_for(name);
             inner
                 .opt
+                .cpu_mut()?
                 .add_param_with(name, &shape, values, group, config)
                 .map_err(wrap)
         })?;
@@ -44,6 +45,7 @@ impl Held {
         self.shared
             .lock()
             .opt
+            .cpu()?
             .read_param(self.id, &mut w)
             .map_err(wrap)?;
         Tensor::from_vec(w, self.shape.as_slice(), &Device::Cpu)
@@ -53,17 +55,16 @@ impl Held {
     /// configuration keeps none.
     fn give(&self, grad: &Tensor) -> Result<()> {
         let mut inner = self.shared.lock();
-        let released = inner.opt.config(self.id).map_err(wrap)?.grad == Storage::None;
+        let opt = inner.opt.cpu_mut()?;
+        let released = opt.config(self.id).map_err(wrap)?.grad == Storage::None;
         // Read where candle computed it (no copy of a contiguous f32 gradient).
         crate::with_values(grad, |g| {
             if released {
-                inner
-                    .opt
-                    .step_param_input(self.id, g, None)
+                opt.step_param_input(self.id, g, None)
                     .map(drop)
                     .map_err(wrap)
             } else {
-                inner.opt.accumulate_input(self.id, g).map_err(wrap)
+                opt.accumulate_input(self.id, g).map_err(wrap)
             }
         })
     }

@@ -384,7 +384,7 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
         opt.read_param(opt.param_id("fc.weight").unwrap(), &mut wv)
             .unwrap();
         wv
-    });
+    })?;
     let expect = (w0 - g_ref.get(w.as_tensor()).unwrap())?
         .flatten_all()?
         .to_vec1::<f32>()?;
@@ -414,7 +414,7 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
         o.read_param(o.param_id("emb.weight").unwrap(), &mut v)
             .unwrap();
         v
-    });
+    })?;
     let counts = [1.0, 2.0, 0.0, 1.0, 0.0];
     for (r, &c) in counts.iter().enumerate() {
         for k in 0..3 {

@@ -109,10 +109,25 @@ fn out_of_range(what: &str) -> BackendError {
     }
 }
 
+/// The names the CUDA driver library goes by (cudarc's dynamic loading tries these among others).
+const DRIVER_NAMES: &[&str] = if cfg!(windows) {
+    &["nvcuda.dll"]
+} else {
+    &["libcuda.so.1", "libcuda.so"]
+};
+
 /// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
+///
+/// Checked with libloading rather than cudarc's `is_culib_present`, which exists only where
+/// cudarc loads the driver at run time: in a build that also has candle-core's `cuda` feature
+/// (lpmm-candle's `cuda`), cudarc links the driver instead (its `dynamic-linking`, which wins over
+/// the workspace's `fallback-dynamic-loading`), and this check still compiles and answers.
 pub(crate) fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the driver library under its usual names; no driver call.
-    unsafe { sys::is_culib_present() }
+    DRIVER_NAMES.iter().any(|name| {
+        // SAFETY: opening the NVIDIA driver library runs only its own initialisers (as cudarc's
+        // loading does); no symbol of it is used, and the handle is closed again at once.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
 
 /// Device `ordinal`'s context and a new stream on it.

@@ -3,7 +3,8 @@
 //! This facade re-exports the layers a user needs: [`formats`] (bf16/f16/fp8, code maps,
 //! packing, split f32), [`quant`] (block-wise and rank-1 quantization, counter-based random
 //! bits) and [`optim`] (the optimizer core and its CPU reference). Feature `candle`: `candle`, a
-//! `candle_nn::Optimizer` for any lpmm configuration. Feature `wgpu`: `wgpu`, the backend that
+//! `candle_nn::Optimizer` for any lpmm configuration (feature `candle-cuda`: also on candle's CUDA
+//! device, stepping the `Var`s in place with lpmm-cuda; building it needs nvcc). Feature `wgpu`: `wgpu`, the backend that
 //! runs the optimizer step as compute shaders (`Optimizer::with_backend(lpmm::wgpu::Wgpu::new(..)?, ..)`).
 //! Feature `cuda`: `cuda`, the CUDA backend (`Optimizer::with_backend(lpmm::cuda::Cuda::new(0)?, ..)`).
 //! Feature `burn`: `burn`, lpmm's optimizers for burn modules
