@@ -1,6 +1,6 @@
 //! Rounding f32 onto narrower binary floating-point grids: bf16, f16 and the fp8 formats.
 //!
-//! One routine, [`round_to_grid`], defines round-to-nearest-even and stochastic rounding for every
+//! One routine, `round_to_grid`, defines round-to-nearest-even and stochastic rounding for every
 //! format narrower than f32, in integer arithmetic on the f32 bit pattern, so a WGSL or CUDA
 //! kernel can reproduce it bit for bit ([docs/FORMATS.md], "Rounding"). bf16 has a fast path that
 //! is tested equal to it; f16 round-to-nearest uses the `half` crate, also tested equal to it.
