@@ -29,7 +29,9 @@
 //!   (`Optimizer::with_backend(lpmm::cuda::Cuda::new(0)?, ..)`); builds without a CUDA toolkit.
 //! - `burn`: `lpmm::burn` (lpmm-burn), lpmm's optimizers for burn modules
 //!   (`lpmm::burn::Lpmm8bitAdamWConfig::new().init()` where burn has `AdamWConfig::new().init()`).
-//!   burn 0.22 needs Rust 1.95; the rest of lpmm builds with 1.89.
+//!
+//! The crate builds with Rust 1.89; feature `candle` needs 1.94 (candle-core 0.11) and feature
+//! `burn` 1.95 (burn 0.22).
 
 #[cfg(feature = "burn")]
 pub use lpmm_burn as burn;
