@@ -13,8 +13,8 @@
 //! // lpmm's parameters, stepped in place.
 //! let vb = VarBuilder::from_varmap(&varmap, config.var_dtype(), &Device::Cpu);
 //! let layer = candle_nn::linear(784, 10, vb.pp("fc"))?;
-//! let mut opt = LpmmOptimizer::from_varmap(&varmap, config)?;
 //! let x = Tensor::ones((8, 784), config.var_dtype(), &Device::Cpu)?;
+//! let mut opt = LpmmOptimizer::from_varmap(&varmap, config)?;
 //! let loss = layer.forward(&x)?.sqr()?.mean_all()?;
 //! opt.backward_step(&loss)?; // or opt.accumulate(loss.backward()?) per micro-batch, then opt.apply()
 //! assert!(!opt.last_report().expect("a step was taken").skipped);
