@@ -5,7 +5,7 @@
 //!   read against) that xtask joins with criterion's timings into `bench.json`;
 //! - [`RmwCeiling`]: the bandwidth ceiling of a step, an in-place read-modify-write over
 //!   buffers of the step's sizes;
-//! - peers: [`candle_peer`] (candle-nn's AdamW) and, with feature `burn`, [`burn_peer`].
+//! - peers: [`candle_peer`] (candle-nn's AdamW) and, with feature `burn`, `burn_peer`.
 
 use rayon::prelude::*;
 use std::hint::black_box;

@@ -7,8 +7,10 @@
 //!   bit per element for GELU's branch), softmax·dropout from the softmax output and a 1-bit mask.
 //! - [`compress`]: 2/4/8-bit block compression of any saved tensor with stochastic rounding.
 //!
-//! docs/ACTIVATIONS.md has the derivative-error table, the gradient checks and the memory
+//! [docs/ACTIVATIONS.md] has the derivative-error table, the gradient checks and the memory
 //! measurements.
+//!
+//! [docs/ACTIVATIONS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/ACTIVATIONS.md
 
 pub mod compress;
 pub mod fewbit;

@@ -5,10 +5,12 @@
 //! maps, one file per format, one per rule, the entry points) and those generated parts.
 //!
 //! A format's kernel file `formats/<name>` defines any of `fmt_<name>_load`, `_store`, `_clear`,
-//! `_add`, `_fold` and `_stochastic` (see docs/BACKENDS.md for their signatures); a rule's file
+//! `_add`, `_fold` and `_stochastic` (see [docs/BACKENDS.md] for their signatures); a rule's file
 //! `rules/<name>` defines `rule_<name>_apply` and optionally `rule_<name>_moment_gradient`. The
 //! dispatch calls what a file defines and falls back to doing nothing (load: 0) otherwise, so a
 //! new format or rule is one file per language and no switch is edited by hand.
+//!
+//! [docs/BACKENDS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BACKENDS.md
 
 use lpmm_optim::backend::{F32_MAX_BITS, FORMAT_KERNELS, FORMAT_LIMITS, FieldType, RuleConsts};
 

@@ -29,7 +29,9 @@
 //!
 //! Backends (features): `ndarray` and `flex` (burn's CPU backends, with lpmm's CPU backend;
 //! default), `wgpu` (burn's wgpu device with lpmm-wgpu; see the `wgpu` module), `cuda` (burn's CUDA
-//! device with lpmm-cuda). `docs/BURN.md` has the design and the measured memory.
+//! device with lpmm-cuda). [docs/BURN.md] has the design and the measured memory.
+//!
+//! [docs/BURN.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BURN.md
 
 #[macro_use]
 mod optimizer;

@@ -1,9 +1,9 @@
 //! candle integration: [`LpmmOptimizer`] implements [`candle_nn::Optimizer`] for any lpmm
 //! configuration, with one copy of each parameter.
 //!
-//! ```no_run
-//! use candle_core::{DType, Device};
-//! use candle_nn::{Optimizer as _, VarBuilder, VarMap};
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use candle_nn::{Module as _, Optimizer as _, VarBuilder, VarMap};
 //! use lpmm_candle::{LpmmConfig, LpmmOptimizer};
 //! use lpmm_optim::presets;
 //!
@@ -13,9 +13,11 @@
 //! // lpmm's parameters, stepped in place.
 //! let vb = VarBuilder::from_varmap(&varmap, config.var_dtype(), &Device::Cpu);
 //! let layer = candle_nn::linear(784, 10, vb.pp("fc"))?;
+//! let x = Tensor::ones((8, 784), config.var_dtype(), &Device::Cpu)?;
 //! let mut opt = LpmmOptimizer::from_varmap(&varmap, config)?;
-//! # let loss = candle_core::Tensor::zeros((), DType::F32, &Device::Cpu)?;
+//! let loss = layer.forward(&x)?.sqr()?.mean_all()?;
 //! opt.backward_step(&loss)?; // or opt.accumulate(loss.backward()?) per micro-batch, then opt.apply()
+//! assert!(!opt.last_report().expect("a step was taken").skipped);
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
@@ -114,7 +116,7 @@
 //! In a pre-norm transformer built with `candle_nn::LayerNorm`, the final layer norm stops every
 //! gradient: only the output head trains; with `softmax_last_dim` in the attention, the queries
 //! and keys never train. lpmm's own comparison model did exactly this until it was fixed
-//! (docs/RESULTS.md has the before and after).
+//! ([docs/RESULTS.md] has the before and after).
 //!
 //! Differentiable replacements: `candle_nn::ops::softmax(x, D::Minus1)` and
 //! `candle_nn::ops::layer_norm_slow` / `rms_norm_slow` in candle-nn itself, or this crate's
@@ -126,6 +128,8 @@
 //! loss, call `backward()`, and look for a non-zero gradient of every `Var`, as the test
 //! `every_parameter_receives_a_gradient` in `tests/short_runs.rs` does for the comparison's
 //! language model.
+//!
+//! [docs/RESULTS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/RESULTS.md
 
 #[cfg(feature = "cuda")]
 mod cuda;

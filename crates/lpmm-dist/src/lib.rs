@@ -1,6 +1,6 @@
 //! Sharded optimizer state across data-parallel ranks (ZeRO-1 and ZeRO-2), bit-identical to the
 //! unsharded optimizer, over MPI (feature `mpi`) or NCCL (feature `nccl`), with checkpoints in
-//! one canonical, unsharded layout (docs/DISTRIBUTED.md).
+//! one canonical, unsharded layout ([docs/DISTRIBUTED.md]).
 //!
 //! ```
 //! use lpmm_dist::{ParamDef, ShardOptions, ShardedOptimizer, Single};
@@ -18,6 +18,8 @@
 //! assert_eq!(opt.params()[0].len(), 64 * 128);
 //! # Ok::<(), lpmm_dist::DistError>(())
 //! ```
+//!
+//! [docs/DISTRIBUTED.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/DISTRIBUTED.md
 
 pub mod collective;
 pub mod layout;

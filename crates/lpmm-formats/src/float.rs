@@ -1,9 +1,11 @@
 //! Rounding f32 onto narrower binary floating-point grids: bf16, f16 and the fp8 formats.
 //!
-//! One routine, [`round_to_grid`], defines round-to-nearest-even and stochastic rounding for every
+//! One routine, `round_to_grid`, defines round-to-nearest-even and stochastic rounding for every
 //! format narrower than f32, in integer arithmetic on the f32 bit pattern, so a WGSL or CUDA
-//! kernel can reproduce it bit for bit (docs/FORMATS.md, "Rounding"). bf16 has a fast path that is
-//! tested equal to it; f16 round-to-nearest uses the `half` crate, also tested equal to it.
+//! kernel can reproduce it bit for bit ([docs/FORMATS.md], "Rounding"). bf16 has a fast path that
+//! is tested equal to it; f16 round-to-nearest uses the `half` crate, also tested equal to it.
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use half::{bf16, f16};
 
@@ -52,13 +54,15 @@ pub(crate) fn pow2(e: i32) -> f32 {
 /// which is exactly representable in f32 for every grid used here (their smallest step is
 /// `>= 2^-149`).
 ///
-/// Definition (docs/FORMATS.md): write `|x| = M * 2^(e - 23)` with the 24-bit integer significand
+/// Definition ([docs/FORMATS.md]): write `|x| = M * 2^(e - 23)` with the 24-bit integer significand
 /// `M` (f32 subnormals: `e = -126`, no hidden bit). The grid step at `x` is
 /// `2^s`, `s = max(e, min_normal_exp) - mantissa_bits`, so `d = s - (e - 23)` low bits of `M`
 /// are dropped: `q = M >> d`, `rem = M mod 2^d`. Nearest-even rounds `q` up iff `rem > 2^(d-1)`
 /// or (`rem == 2^(d-1)` and `q` is odd). Stochastic rounds `q` up iff
 /// `bits < F`, `F = floor(rem * 2^(32 - d))` (that is `rem << (32 - d)` for `d <= 32`,
 /// `rem >> (d - 32)` otherwise). The result is `q * 2^s`.
+///
+/// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 pub(crate) fn round_to_grid(abs_bits: u32, grid: Grid, rounding: Rounding) -> f32 {
     let e_field = (abs_bits >> 23) as i32;
     let hidden = if e_field != 0 { 1u32 << 23 } else { 0 };

@@ -1,11 +1,13 @@
 //! Packing of 1- to 8-bit codes into bytes.
 //!
-//! Order (docs/FORMATS.md): codes form a little-endian bit stream. Code `i` of width `b`
+//! Order ([docs/FORMATS.md]): codes form a little-endian bit stream. Code `i` of width `b`
 //! occupies bits `i*b .. i*b + b` of the stream, where bit `k` of the stream is bit `k % 8` of byte
 //! `k / 8` (least significant bit first). At 4 bits element `2k` is the low nibble of byte `k`
 //! (lpmm's order; torchao uses the high nibble). A run of 8 codes always fills exactly `b` bytes,
 //! so any block of a multiple of 8 elements starts on a byte boundary and blocks can be packed
 //! independently.
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use crate::error::FormatError;
 

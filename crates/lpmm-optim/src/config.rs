@@ -141,7 +141,9 @@ impl Storage {
     /// bitsandbytes' 8-bit first moment as its CPU path stores it: dynamic signed map, blocks of
     /// 256, nearest, without the sign fix (bitsandbytes' CUDA kernels move a momentum that rounds
     /// to the code of 0 to the smallest code of its sign; lpmm keeps the nearest code, on every
-    /// backend: docs/FORMATS.md §6).
+    /// backend: [docs/FORMATS.md] §6).
+    ///
+    /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
     pub const DYNAMIC8_SIGNED: Storage = Storage::Quantized {
         map: MapKind::DynamicSigned8,
         block: BlockSize::B256,

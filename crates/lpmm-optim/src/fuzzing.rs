@@ -3,9 +3,11 @@
 //! start from (a checkpoint of every preset), and the structured mutator of the mutation test.
 //! `fuzz/README.md` says how to run them long.
 //!
-//! The checkpoint oracle's rules (docs/OPTIMIZERS.md, "Checkpoints"): never panic; a file either
+//! The checkpoint oracle's rules ([docs/OPTIMIZERS.md], "Checkpoints"): never panic; a file either
 //! loads or is refused with [`crate::OptimError::Checkpoint`]; a file that loads gives an optimizer
 //! whose save writes the same tensors and hyperparameters bit for bit, and that file loads too.
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 use std::collections::HashMap;
 

@@ -2,9 +2,33 @@
 //! gradient accumulators and states can each be stored in low precision, stepped in one fused
 //! pass per chunk. The CPU implementation here is the reference every backend must reproduce.
 //!
-//! `docs/OPTIMIZERS.md` documents every storage, update rule, policy and the evidence behind them.
+//! [docs/OPTIMIZERS.md] documents every storage, update rule, policy and the evidence behind them.
 //! Users need [`Optimizer`], a configuration ([`presets`], [`ParamConfig`]) and a backend ([`Cpu`]
 //! here; lpmm-wgpu and lpmm-cuda for GPUs). Backend implementors work against [`backend`].
+//!
+//! ```
+//! use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+//!
+//! // AdamW with bf16 parameters and 8-bit block-wise states, on the CPU reference backend.
+//! let mut opt = Optimizer::new(OptimizerOptions::default())?;
+//! let group = opt.add_group(presets::adamw_8bit_bf16(1e-3))?;
+//! let n = 64 * 128;
+//! let w = opt.add_param("w", &[64, 128], &vec![0.5; n], group)?;
+//! for _ in 0..10 {
+//!     opt.accumulate(w, &vec![1e-2; n])?; // one micro-batch's gradient (more may follow)
+//!     opt.step()?;
+//! }
+//! let mut values = vec![0f32; n];
+//! opt.read_param(w, &mut values)?;
+//! assert!(values.iter().all(|&v| v < 0.5)); // a positive gradient moves the weights down
+//! // Parameters, gradient accumulator and states: bytes per element (f32 AdamW holds 16).
+//! let bytes = opt.memory_report().bytes_per_param();
+//! assert!(bytes < 16.0, "{bytes}");
+//! println!("{bytes} bytes per parameter");
+//! # Ok::<(), lpmm_optim::OptimError>(())
+//! ```
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 pub mod backend;
 mod checkpoint;

@@ -8,7 +8,28 @@
 //! - [`RandomStream`]: counter-based random bits, a pure function of (seed, tensor, step,
 //!   element), so stochastic rounding gives the same bits for any thread count or chunking.
 //!
-//! This crate knows nothing of optimizers. Every rule is specified in `docs/FORMATS.md`.
+//! This crate knows nothing of optimizers. Every rule is specified in [docs/FORMATS.md].
+//!
+//! ```
+//! use lpmm_formats::CodeMap;
+//! use lpmm_quant::{BlockSize, Blockwise, QuantRounding, RandomStream};
+//!
+//! let map = CodeMap::dynamic(true, 8)?; // bitsandbytes' signed 8-bit map
+//! let q = Blockwise::new(&map, BlockSize::B256);
+//! let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.01).sin()).collect();
+//! let mut codes = vec![0u8; q.codes_len(x.len())];
+//! let mut absmax = vec![0f32; q.scales_len(x.len())];
+//! // Stochastic rounding with random bits that depend only on (seed, tensor, step, element).
+//! let sr = QuantRounding::Stochastic { stream: RandomStream::new(42, 0, 0), offset: 0 };
+//! q.quantize(&x, &mut codes, &mut absmax, sr)?;
+//! let mut back = vec![0f32; x.len()];
+//! q.dequantize(&codes, &absmax, &mut back)?;
+//! assert_eq!((codes.len(), absmax.len()), (1000, 4)); // one byte per element, one scale per block
+//! assert!(x.iter().zip(&back).all(|(a, b)| (a - b).abs() < 0.05));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 mod blockwise;
 mod error;

@@ -4,7 +4,9 @@
 //! function of `(k, t, s, i)`: word `i` of the ChaCha8 keystream with key
 //! `k.to_le_bytes() ++ t.to_le_bytes() ++ [0; 16]` and stream (nonce) `s`. ChaCha is counter-based,
 //! so any thread, chunk or GPU kernel computes the same word for the same element without
-//! generating the words before it (docs/FORMATS.md, "Random bits").
+//! generating the words before it ([docs/FORMATS.md], "Random bits").
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};

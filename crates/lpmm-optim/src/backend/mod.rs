@@ -4,15 +4,19 @@
 //!
 //! The [`crate::Optimizer`] keeps the bookkeeping (names, groups, counters, policies, the
 //! checkpoint format); a [`Backend`] owns every parameter's slots and does the operations on them.
-//! The CPU backend ([`crate::Cpu`]) defines the semantics (docs/OPTIMIZERS.md, docs/FORMATS.md);
-//! a device backend implements the same operations on device memory and is tested against it
-//! bit for bit by the conformance suite (`lpmm_optim::conformance_tests!`, feature `testing`).
+//! The CPU backend ([`crate::Cpu`]) defines the semantics ([docs/OPTIMIZERS.md],
+//! [docs/FORMATS.md]); a device backend implements the same operations on device memory and is
+//! tested against it bit for bit by the conformance suite (`lpmm_optim::conformance_tests!`,
+//! feature `testing`).
 //!
 //! Every operation is fallible ([`BackendError`]). Values come in and go out through the
 //! backend's own buffer types ([`Backend::Input`], [`Backend::Output`]: host slices on the CPU,
 //! device buffers on a GPU), so a framework's tensors reach a device backend without host copies,
 //! and a parameter whose primary region has a framework dtype (f32, bf16) may *be* the caller's
 //! buffer ([`ParamLayout::lent`]): the backend steps it in place and allocates no copy.
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use lpmm_formats::bf16;
 use lpmm_quant::RandomStream;
@@ -115,7 +119,9 @@ impl ParamLayout {
     }
 
     /// The random stream of `slot` at `counter` (the step, or for the gradient accumulator its
-    /// accumulate count): docs/OPTIMIZERS.md.
+    /// accumulate count): [docs/OPTIMIZERS.md].
+    ///
+    /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
     pub fn stream(&self, seed: u64, slot: SlotKind, counter: u64) -> RandomStream {
         RandomStream::new(seed, self.stream << 2 | slot as u64, counter)
     }
@@ -227,7 +233,9 @@ pub enum BackendError {
         /// The size of the failed allocation.
         bytes: u64,
     },
-    /// The backend cannot hold or run this (docs/BACKENDS.md lists what each supports).
+    /// The backend cannot hold or run this ([docs/BACKENDS.md] lists what each supports).
+    ///
+    /// [docs/BACKENDS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BACKENDS.md
     #[error("the {backend} backend does not support {what}")]
     Unsupported {
         /// The backend.
@@ -318,8 +326,10 @@ impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, '_, B> {
 /// Where model memory lives and where the step runs.
 ///
 /// Contract: results equal the CPU backend's bit for bit where the backend's arithmetic allows
-/// (otherwise within a bound the backend documents); random words follow docs/FORMATS.md §9 with
+/// (otherwise within a bound the backend documents); random words follow [docs/FORMATS.md] §9 with
 /// the stream ids of [`ParamLayout::stream`]. Every method returns an error rather than panic.
+///
+/// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     /// Everything the backend holds for one parameter (its slots' regions). Not `Clone`: a copy of
     /// model memory is never made implicitly.
@@ -402,8 +412,10 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
         out: &mut [(ExactSum, bool)],
     ) -> Result<(), BackendError>;
 
-    /// The fused step of every parameter with a plan (docs/OPTIMIZERS.md, "The step"), with the
+    /// The fused step of every parameter with a plan ([docs/OPTIMIZERS.md], "The step"), with the
     /// two-phase fold for formats with tensor-wide statistics ([`Format::folds`]).
+    ///
+    /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
     fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError>;
 
     /// Clears the gradient accumulator of parameter `only`, or of every parameter.

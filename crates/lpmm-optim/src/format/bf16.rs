@@ -1,4 +1,6 @@
-//! bf16: 2 bytes per element, rounded to nearest even or stochastically (docs/FORMATS.md §2).
+//! bf16: 2 bytes per element, rounded to nearest even or stochastically ([docs/FORMATS.md] §2).
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use lpmm_formats::{bf16, float, simd};
 
@@ -17,7 +19,9 @@ pub struct Bf16 {
 const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
 
 /// The largest f32 that does not round to ±Inf in bf16 (nearest: `0x7F7F8000` and above round
-/// up to Inf; stochastic rounding falls back to nearest there, docs/FORMATS.md §2).
+/// up to Inf; stochastic rounding falls back to nearest there, [docs/FORMATS.md] §2).
+///
+/// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 pub(crate) const BF16_LIMIT: u32 = 0x7F7F_7FFF;
 
 impl Codec for Bf16 {

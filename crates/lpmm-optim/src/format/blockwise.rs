@@ -1,6 +1,8 @@
 //! Block-wise absmax quantization onto a code map (bitsandbytes' and torchao's 8-bit and 4-bit
 //! states, and with the signed linear map the LPMM parameter format): packed codes and one f32
-//! absmax per block (docs/FORMATS.md §4–§7).
+//! absmax per block ([docs/FORMATS.md] §4–§7).
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use lpmm_formats::packing::packed_len;
 use lpmm_quant::{BlockSize, Blockwise as Quantizer, QuantRounding};

@@ -1,13 +1,15 @@
 //! Adafactor's factorized second moment (Shazeer & Stern 2018), for the tensor viewed as
 //! `rows x cols` (leading dimensions x last): `r_i` and `c_j`, moving averages of the row and
 //! column means of the squared moment gradients, reconstruct `v_ij = r_i c_j / mean(r)`. Adam
-//! only, state 2 only; 1-D tensors keep a full f32 state (docs/OPTIMIZERS.md).
+//! only, state 2 only; 1-D tensors keep a full f32 state ([docs/OPTIMIZERS.md]).
 //!
 //! The row and column sums of squares are exact in any order, so every backend computes them
 //! bit for bit however it splits the work: a first fold takes, per row and column, the largest
 //! exponent `E` of the squares `q = g^2` (exact in f64); a second adds `floor(q * 2^(F - E))`
 //! into a 64-bit integer (`F = 62 - bitlen(count)`, so the sum cannot overflow); the sum is then
 //! `S * 2^(E - F)` rounded once to f64. Atomic max and add suffice on every device.
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -1,5 +1,7 @@
 //! bf16 plus a bf16 Kahan compensation: 4 bytes per element; updates are added as increments so
-//! decay and steps below half an ulp are not lost (docs/FORMATS.md §10). Parameters only.
+//! decay and steps below half an ulp are not lost ([docs/FORMATS.md] §10). Parameters only.
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use lpmm_formats::{bf16, float, kahan_add, simd};
 

@@ -481,7 +481,9 @@ macro_rules! formats {
             }
 
             /// The largest magnitude it stores without overflow (every finite f32 for f32 and
-            /// block-scaled codes; docs/FORMATS.md gives each format's).
+            /// block-scaled codes; [docs/FORMATS.md] gives each format's).
+            ///
+            /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
             pub fn limit(&self) -> f32 {
                 f32::from_bits(self.limit_bits())
             }

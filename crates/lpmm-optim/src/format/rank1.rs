@@ -1,9 +1,11 @@
 //! Rank-1 normalized quantization of a second moment (lpmm's best 4-bit setting): packed codes
 //! and, for the whole tensor, one max vector per dimension; element `(i_0, ..)` is scaled by
-//! `min_k max_k[i_k]` (docs/FORMATS.md §8). The maxima of the *updated* state span the tensor, so
-//! a step takes two passes: a fold of every element's updated second moment into the next maxima
+//! `min_k max_k[i_k]` ([docs/FORMATS.md] §8). The maxima of the *updated* state span the tensor,
+//! so a step takes two passes: a fold of every element's updated second moment into the next maxima
 //! (the rule applied, nothing stored; a max, so the order does not matter), then the fused pass,
 //! which decodes with the current maxima and encodes with the next ones.
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use std::sync::atomic::Ordering;
 

@@ -1,5 +1,7 @@
 //! Split f32: a bf16 visible half and a 16-bit remainder, exactly f32 in 4 bytes, whose bf16
-//! half a bf16 forward pass reads as the parameter (docs/FORMATS.md §10). Parameters only.
+//! half a bf16 forward pass reads as the parameter ([docs/FORMATS.md] §10). Parameters only.
+//!
+//! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use lpmm_formats::{SplitF32 as Split, bf16};
 

@@ -1,4 +1,6 @@
-//! Adam and AdamW, `torch.optim.Adam`/`AdamW` semantics (docs/OPTIMIZERS.md, "Adam / AdamW").
+//! Adam and AdamW, `torch.optim.Adam`/`AdamW` semantics ([docs/OPTIMIZERS.md], "Adam / AdamW").
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 use serde::{Deserialize, Serialize};
 

@@ -1,4 +1,6 @@
-//! Lion (Chen et al. 2023), lion-pytorch semantics (docs/OPTIMIZERS.md, "Lion").
+//! Lion (Chen et al. 2023), lion-pytorch semantics ([docs/OPTIMIZERS.md], "Lion").
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 use serde::{Deserialize, Serialize};
 

@@ -1,5 +1,5 @@
 //! The update rules, element by element, in f32, with PyTorch's order of operations (each rule is
-//! written out in docs/OPTIMIZERS.md). A rule is one file here: its configuration (the
+//! written out in [docs/OPTIMIZERS.md]). A rule is one file here: its configuration (the
 //! hyperparameters a user sets, f64 as PyTorch's Python floats), its per-step constants (f32,
 //! derived from the hyperparameters in f64 and rounded once, as PyTorch does; a `#[repr(C)]`
 //! struct the GPU kernels read word for word) and its element-wise `apply`. The registry at the
@@ -8,6 +8,8 @@
 //! `cargo xtask codegen`.
 //!
 //! `fma` marks where PyTorch's CPU kernels fuse a multiply-add (`add(..., alpha)`, `lerp`).
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 mod adam;
 mod lion;

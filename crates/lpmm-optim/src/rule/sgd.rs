@@ -1,4 +1,6 @@
-//! SGD with momentum, `torch.optim.SGD` semantics (docs/OPTIMIZERS.md, "SGD").
+//! SGD with momentum, `torch.optim.SGD` semantics ([docs/OPTIMIZERS.md], "SGD").
+//!
+//! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 use serde::{Deserialize, Serialize};
 
