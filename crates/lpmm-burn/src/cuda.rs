@@ -5,7 +5,8 @@
 //! streams: before lpmm touches a tensor burn's stream is synchronised (its pending work done),
 //! and lpmm's stream is synchronised before the tensor goes back to burn.
 //!
-//! Compile-checked in CI; not yet run on a GPU.
+//! Compile-checked (`DOCS_RS=1 cargo check -p lpmm-burn --features cuda`, not part of CI); not yet
+//! run on a GPU.
 
 use std::any::Any;
 use std::sync::Mutex;
