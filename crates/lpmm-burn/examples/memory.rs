@@ -23,7 +23,7 @@ use burn::tensor::activation::{log_softmax, relu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::{ParamConfig, Storage};
+use lpmm_optim::Storage;
 
 const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
 const BATCH: usize = 256;
@@ -272,32 +272,16 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
         "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init()),
         "lpmm-adamw4" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
-            let config = ParamConfig {
-                state1: Storage::FOUR_BIT_SIGNED,
-                state2: Storage::FOUR_BIT_UNSIGNED,
-                ..base.param
-            };
-            Optim::Lpmm(
-                LpmmOptimizerConfig {
-                    param: config,
-                    ..base
-                }
-                .init(),
-            )
+            let config = base
+                .param
+                .with_state1(Storage::FOUR_BIT_SIGNED)
+                .with_state2(Storage::FOUR_BIT_UNSIGNED);
+            Optim::Lpmm(base.with_param(config).init())
         }
         "lpmm-adamw8-accumulator" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
-            let config = ParamConfig {
-                grad: Storage::F32,
-                ..base.param
-            };
-            Optim::Lpmm(
-                LpmmOptimizerConfig {
-                    param: config,
-                    ..base
-                }
-                .init(),
-            )
+            let config = base.param.with_grad(Storage::F32);
+            Optim::Lpmm(base.with_param(config).init())
         }
         "lpmm-sgdm-layers" => {
             Optim::Lpmm(LpmmOptimizerConfig::from(lpmm_optim::presets::lpmm_sgdm(0.0, 0.9)).init())

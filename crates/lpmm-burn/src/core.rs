@@ -453,7 +453,7 @@ impl<L: Lane> Core<L> {
                 }
             }
         }
-        fresh.opt.set_steps(c.global_steps);
+        fresh.opt.set_steps(c.global_steps)?;
         drop(prims);
         if let Some(id) = external.keys().find(|id| !fresh.external.contains_key(id)) {
             return Err(BurnError::Record(format!(

@@ -74,7 +74,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => return Err(format!("unknown option {flag}").into()),
         }
     }
-    let presets = experiments::presets();
+    let mut presets = experiments::presets();
+    presets.extend(experiments::more_presets());
     let preset = presets
         .iter()
         .find(|p| p.name == preset_name)

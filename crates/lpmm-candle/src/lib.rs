@@ -93,6 +93,7 @@ use lpmm_optim::{
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
 /// optimizer-wide options, and parameter groups by name pattern.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LpmmConfig {
     /// Storage formats and hyperparameters (e.g. `lpmm_optim::presets::adamw_8bit(1e-3)`).
     pub param: ParamConfig,
@@ -113,6 +114,12 @@ impl From<ParamConfig> for LpmmConfig {
     }
 }
 
+impl<R: Into<lpmm_optim::Hyper>> From<lpmm_optim::presets::Preset<R>> for LpmmConfig {
+    fn from(preset: lpmm_optim::presets::Preset<R>) -> Self {
+        LpmmConfig::from(preset.build())
+    }
+}
+
 impl LpmmConfig {
     /// With these optimizer-wide options.
     pub fn with_options(self, options: OptimizerOptions) -> Self {
@@ -121,8 +128,8 @@ impl LpmmConfig {
 
     /// With a parameter group: parameters whose name matches `pattern` take `config` (e.g. no
     /// weight decay for `*bias` and `*ln*`).
-    pub fn with_group(mut self, pattern: &str, config: ParamConfig) -> Self {
-        self.groups.push((pattern.to_string(), config));
+    pub fn with_group(mut self, pattern: &str, config: impl Into<ParamConfig>) -> Self {
+        self.groups.push((pattern.to_string(), config.into()));
         self
     }
 

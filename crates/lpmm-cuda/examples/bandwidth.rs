@@ -60,11 +60,10 @@ fn parse() -> Result<Args, String> {
 }
 
 fn four_bit(lr: f64) -> ParamConfig {
-    ParamConfig {
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::FOUR_BIT_UNSIGNED,
-        ..presets::adamw_8bit_bf16(lr)
-    }
+    presets::adamw_8bit_bf16(lr)
+        .with_state1(Storage::FOUR_BIT_SIGNED)
+        .with_state2(Storage::FOUR_BIT_UNSIGNED)
+        .build()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -83,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     for &n in &args.params {
         for (name, config) in [
-            ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3)),
+            ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3).build()),
             ("adamw 4-bit", four_bit(1e-3)),
         ] {
             // The backend driven directly, as the optimizer drives it: one parameter, its

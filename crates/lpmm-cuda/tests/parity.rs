@@ -122,19 +122,23 @@ fn lent<'a>(d: &Cuda, f32_param: bool, b32: &'a mut [f32], b16: &'a mut [bf16]) 
 #[test]
 fn a_lent_parameter_is_stepped_in_place() {
     let d = Cuda::emulated(SMALL).unwrap();
-    let options = OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(1.0),
-        ..Default::default()
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(1.0));
     let n = 3 * 8192 + 1000;
     let shape = [n / 8, 8];
     let mut rng = Rng(11);
     let init = rng.spread(n, 0.5);
     for (name, config) in [
-        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9)),
-        ("8-bit adamw, bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("4-bit adamw, split f32", presets::adamw_4bit_split(1e-3)),
+        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9).build()),
+        (
+            "8-bit adamw, bf16 sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        (
+            "4-bit adamw, split f32",
+            presets::adamw_4bit_split(1e-3).build(),
+        ),
     ] {
         let f32_param = config.param == Storage::F32;
         let mut buf32 = init.clone();

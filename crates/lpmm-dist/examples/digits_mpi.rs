@@ -60,11 +60,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>())
         .collect::<Result<_, _>>()?;
     let lr = 2e-3;
-    let options = OptimizerOptions {
-        seed: 1,
-        max_grad_norm: Some(1.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(1)
+        .with_max_grad_norm(Some(1.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     let shard = ShardOptions {
         zero,
         reduction: Reduction::FixedOrder,

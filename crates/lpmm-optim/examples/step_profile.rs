@@ -11,11 +11,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.get(1).map_or(Ok(1 << 24), |s| s.parse())?;
     let steps: usize = args.get(2).map_or(Ok(10), |s| s.parse())?;
     let config = match name {
-        "adamw_f32" => presets::adamw_f32(1e-3),
-        "adamw8bit_bf16" => presets::adamw_8bit_bf16(1e-3),
-        "adamw8bit_bf16_sr" => presets::adamw_8bit_bf16_sr(1e-3),
-        "adamw4bit_split" => presets::adamw_4bit_split(1e-3),
-        "lpmm_sgdm" => presets::lpmm_sgdm(1e-2, 0.9),
+        "adamw_f32" => presets::adamw_f32(1e-3).build(),
+        "adamw8bit_bf16" => presets::adamw_8bit_bf16(1e-3).build(),
+        "adamw8bit_bf16_sr" => presets::adamw_8bit_bf16_sr(1e-3).build(),
+        "adamw4bit_split" => presets::adamw_4bit_split(1e-3).build(),
+        "lpmm_sgdm" => presets::lpmm_sgdm(1e-2, 0.9).build(),
         other => return Err(format!("unknown preset {other}").into()),
     };
     let mut opt = Optimizer::new(OptimizerOptions::default())?;

@@ -18,11 +18,7 @@ const FIRST: &str = "LPMM_CRASH_FIRST";
 
 /// One of two states, `which` = 0 or 1, about 2.5 MB each, so that a save takes a few ms.
 fn state(which: u64) -> Optimizer {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 3,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(3)).unwrap();
     let g = opt.add_group(presets::adamw_8bit_bf16_sr(1e-3)).unwrap();
     let mut rng = Rng(which);
     let ids: Vec<(ParamId, usize)> = [300_077usize, 100_000, 1000]

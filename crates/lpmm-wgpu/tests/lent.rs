@@ -35,11 +35,10 @@ fn a_lent_parameter_is_stepped_in_place_in_the_callers_buffer() {
         .into_iter()
         .map(lpmm_formats::bf16::from_f32)
         .collect();
-    let options = OptimizerOptions {
-        seed: 4,
-        max_grad_norm: None,
-        non_finite: NonFinitePolicy::SkipElements,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(4)
+        .with_max_grad_norm(None)
+        .with_non_finite(NonFinitePolicy::SkipElements);
     let config = presets::adamw_8bit_bf16_sr(1e-3);
     // The reference: the CPU holding the parameter itself.
     let mut cpu = Optimizer::new(options).unwrap();

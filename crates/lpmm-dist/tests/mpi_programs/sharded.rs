@@ -15,11 +15,10 @@ use lpmm_optim::{Canonical, NonFinitePolicy, OptimizerOptions, ParamConfig, pres
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 fn options() -> OptimizerOptions {
-    OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(50.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    }
+    OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(50.0))
+        .with_non_finite(NonFinitePolicy::SkipStep)
 }
 
 /// Steps `mpi`'s ranks and a local unsharded optimizer through 3 steps; `exact` picks exactly
