@@ -24,6 +24,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
 use lpmm_optim::Storage;
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
 const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
 const BATCH: usize = 256;
@@ -76,15 +78,11 @@ pub struct Wide {
     b3: Param<Tensor<1>>,
 }
 
-/// splitmix64, so every configuration starts from the same weights.
-fn uniform(state: &mut u64, n: usize, scale: f32) -> Vec<f32> {
+/// SplitMix64 (`rand_xoshiro`), so every configuration starts from the same weights.
+fn uniform(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| {
-            *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = *state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+            let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
             (2.0 * u - 1.0) * scale
         })
         .collect()
@@ -96,7 +94,7 @@ fn param<const D: usize>(v: Vec<f32>, shape: [usize; D], device: &Device) -> Par
 
 impl Wide {
     pub fn new(device: &Device, h: usize) -> Self {
-        let mut s = 42u64;
+        let mut s = SplitMix64::seed_from_u64(42);
         let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
         Wide {
             w1: param(uniform(&mut s, 64 * h, k(64)), [64, h], device),
@@ -127,7 +125,7 @@ pub struct WideLayers {
 impl WideLayers {
     /// The layers of `optim`, initialised as [`Wide::new`] initialises its weights.
     pub fn new(device: &Device, h: usize, optim: &LpmmOptimizer) -> Result<Self, String> {
-        let mut s = 42u64;
+        let mut s = SplitMix64::seed_from_u64(42);
         let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
         let mut layer = |d_in: usize, d_out: usize| {
             let w = Tensor::from_data(

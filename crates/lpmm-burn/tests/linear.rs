@@ -34,7 +34,7 @@ struct Plain {
 }
 
 fn init(seed: u64) -> [Vec<f32>; 4] {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     [
         uniform(&mut rng, D_IN * HIDDEN, 0.15),
         uniform(&mut rng, HIDDEN, 0.05),

@@ -57,7 +57,7 @@ fn many_small_tensors_share_one_launch() {
     for d in devices(CudaOptions::default()) {
         let mut opt = Optimizer::with_backend(d.clone(), OptimizerOptions::default()).unwrap();
         opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
-        let mut rng = Rng(8);
+        let mut rng = Rng::new(8);
         let ids: Vec<ParamId> = (0..1000)
             .map(|k| {
                 opt.add_param(&format!("b{k}"), &[64], &rng.spread(64, 0.1), 0)
@@ -87,7 +87,7 @@ fn a_large_tensor_moves_through_io_in_several_launches() {
         cpu.add_group(config).unwrap();
         dev.add_group(config).unwrap();
         let n = (1 << 20) + 3 * 4096 + 5;
-        let mut rng = Rng(6);
+        let mut rng = Rng::new(6);
         let init = rng.spread(n, 0.5);
         let a = cpu.add_param("big", &[n], &init, 0).unwrap();
         dev.add_param("big", &[n], &init, 0).unwrap();
@@ -127,7 +127,7 @@ fn a_lent_parameter_is_stepped_in_place() {
         .with_max_grad_norm(Some(1.0));
     let n = 3 * 8192 + 1000;
     let shape = [n / 8, 8];
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let init = rng.spread(n, 0.5);
     for (name, config) in [
         ("f32 sgdm", presets::sgdm_f32(0.1, 0.9).build()),

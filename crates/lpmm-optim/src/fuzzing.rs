@@ -208,7 +208,7 @@ fn seed(config: ParamConfig) -> Vec<u8> {
     )
     .expect("options");
     let g = opt.add_group(config).expect("config");
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let shapes: [(&str, &[usize]); 3] = [("w", &[16, 48]), ("maps", &[48]), ("b/2", &[5])];
     let ids: Vec<_> = shapes
         .iter()
@@ -332,7 +332,9 @@ pub struct Mutator {
 impl Mutator {
     /// A mutator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
-        Mutator { rng: Rng(seed) }
+        Mutator {
+            rng: Rng::new(seed),
+        }
     }
 
     fn below(&mut self, n: usize) -> usize {

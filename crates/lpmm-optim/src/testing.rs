@@ -3,22 +3,27 @@
 //! every optimizer and storage, clipping, non-finite gradients, reads, checkpoints moved between
 //! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
 
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
+
 use crate::{
     Adam, Backend, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig,
     ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
 };
 
-/// SplitMix64: the same numbers everywhere.
+/// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
 #[derive(Debug, Clone)]
-pub struct Rng(pub u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
+    }
+
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [-1, 1).
@@ -162,7 +167,7 @@ pub fn compare<B: Backend>(
     let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
-    let mut rng = Rng(0x5eed ^ name.len() as u64);
+    let mut rng = Rng::new(0x5eed ^ name.len() as u64);
     let mut ids: Vec<(ParamId, usize)> = Vec::new();
     for (k, shape) in shapes().iter().enumerate() {
         let n: usize = shape.iter().product();
@@ -295,7 +300,7 @@ pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
         let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
         cpu.add_group(config).unwrap();
         dev.add_group(config).unwrap();
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         let n = 3 * 8192 + 5;
         let init = rng.spread(n, 0.5);
         let a = cpu.add_param("w", &[n], &init, 0).unwrap();
@@ -323,7 +328,7 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let n = 20_000;
     let init = rng.spread(n, 1.0);
     let a = cpu.add_param("w", &[n], &init, 0).unwrap();
@@ -358,7 +363,7 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         ("lpmm", presets::lpmm_sgdm(0.05, 0.9).build()),
         ("4bit", presets::adamw_4bit_split(1e-3).build()),
     ] {
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let mut cpu = Optimizer::new(options).unwrap();
         cpu.add_group(config).unwrap();
         let sizes = [20_000usize, 5000, 300];
@@ -467,7 +472,7 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
     let n = 10_000;
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let init = rng.spread(n, 1e-37);
     let a = cpu.add_param("w", &[n], &init, 0).unwrap();
     dev.add_param("w", &[n], &init, 0).unwrap();
@@ -516,7 +521,7 @@ fn with(n: usize, base: &mut Rng, scale: f32, at: &[(usize, f32)]) -> Vec<f32> {
 /// one — under both non-finite policies: the same elements left unchanged, the same reports, the
 /// same refusals of micro-batches, bit for bit.
 pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let n = 5000;
     let sgdm = |lr| Hyper::Sgd(Sgd::new(lr).momentum(0.9));
     let scenarios = vec![
@@ -622,7 +627,7 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
             dev.add_param("w", &sc.shape, &sc.init, 0).unwrap();
             let mut flagged = false;
             let mut refused = false;
-            let mut released = Rng(99);
+            let mut released = Rng::new(99);
             for (k, micro) in sc.steps.iter().enumerate() {
                 let (r1, r2) = if micro.is_empty() {
                     let g = with(

@@ -389,7 +389,7 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
 fn learning_rates_survive_save_and_load_bit_for_bit() {
     let dir = tempdir();
     let path = dir.join("lr.safetensors");
-    let mut rng = lpmm_optim::testing::Rng(0x22);
+    let mut rng = lpmm_optim::testing::Rng::new(0x22);
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(lpmm_optim::presets::adamw_f32(1e-3)).unwrap();
     let id = opt.add_param("w", &[4], &[0.1; 4], g).unwrap();

@@ -29,7 +29,7 @@ fn buffer(gpu: &Wgpu, bytes: &[u8]) -> wgpu::Buffer {
 fn a_lent_parameter_is_stepped_in_place_in_the_callers_buffer() {
     let Some(gpu) = backend(small()) else { return };
     let n = 20_000;
-    let mut rng = Rng(12);
+    let mut rng = Rng::new(12);
     let init: Vec<lpmm_formats::bf16> = rng
         .spread(n, 0.5)
         .into_iter()

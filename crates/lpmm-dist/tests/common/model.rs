@@ -8,17 +8,19 @@ use lpmm_optim::{
     Canonical, Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage,
     StoreRounding, presets,
 };
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
-/// SplitMix64 (the same numbers everywhere).
-pub struct Rng(pub u64);
+/// SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
+pub struct Rng(SplitMix64);
 
 impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
+    }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Values over several orders of magnitude, with exact zeros.
@@ -54,14 +56,14 @@ pub fn numels() -> Vec<usize> {
 }
 
 pub fn init() -> Vec<Vec<f32>> {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     numels().iter().map(|&n| rng.spread(n, 0.5)).collect()
 }
 
 /// Rank `r`'s gradients at `step`. With `exact`, multiples of 2^-20 below 2^6 in magnitude: sums
 /// of up to 4 of them are exact in f32, so the total does not depend on the world size.
 pub fn grads(world: usize, r: usize, step: usize, exact: bool) -> Vec<Vec<f32>> {
-    let mut rng = Rng(1000 * step as u64 + 10 * world as u64 + r as u64);
+    let mut rng = Rng::new(1000 * step as u64 + 10 * world as u64 + r as u64);
     numels()
         .iter()
         .map(|&n| {
