@@ -363,25 +363,40 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
     })
 }
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
+#[allow(dead_code)]
+/// Peak and steady process memory of one training process per optimizer and backend.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// Training steps per process.
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// lpmm-wgpu's segment size, MiB.
+    #[arg(long)]
+    lpmm_segment_mib: Option<u64>,
+    /// Width of the model's hidden layers.
+    #[arg(long, default_value_t = 2048)]
+    hidden: usize,
+    /// Child mode: train `backend/optimizer` in this process and print its JSON.
+    #[arg(long, hide = true)]
+    child: Option<String>,
+    /// Backends, comma-separated.
+    #[arg(long, default_value = "ndarray,wgpu")]
+    backends: String,
+    /// Runs of every configuration (round robin, a fresh process each).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 #[allow(dead_code)]
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let steps: usize = arg(&args, "--steps").map_or(30, |s| s.parse().expect("--steps N"));
-    if let Some(mib) = arg(&args, "--lpmm-segment-mib") {
-        SEGMENT_MIB.store(
-            mib.parse().expect("--lpmm-segment-mib N"),
-            Ordering::Relaxed,
-        );
+    let args = <Args as clap::Parser>::parse();
+    let steps = args.steps;
+    if let Some(mib) = args.lpmm_segment_mib {
+        SEGMENT_MIB.store(mib, Ordering::Relaxed);
     }
     let segment_mib = SEGMENT_MIB.load(Ordering::Relaxed).to_string();
-    let h: usize = arg(&args, "--hidden").map_or(2048, |s| s.parse().expect("--hidden H"));
-    if let Some(spec) = arg(&args, "--child") {
+    let h = args.hidden;
+    if let Some(spec) = &args.child {
         let (backend, opt) = spec.split_once('/').expect("--child backend/optimizer");
         match train(backend, opt, steps, h) {
             Ok(run) => println!("{}", serde_json::to_string(&run).expect("json")),
@@ -392,8 +407,7 @@ fn main() {
         }
         return;
     }
-    let backends = arg(&args, "--backends").unwrap_or_else(|| "ndarray,wgpu".into());
-    let repeat: usize = arg(&args, "--repeat").map_or(1, |s| s.parse().expect("--repeat N"));
+    let (backends, repeat) = (args.backends, args.repeat);
     let exe = std::env::current_exe().expect("the example's path");
     // Every configuration `repeat` times, round robin (one fresh process each).
     let mut runs: Vec<Vec<Run>> = Vec::new();

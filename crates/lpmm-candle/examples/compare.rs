@@ -148,46 +148,29 @@ fn candle_threads() {
     }
 }
 
+/// Every preset on the digits MLP and the character-level transformer through candle: model
+/// and process memory, quality against the f32 references, the low-learning-rate condition,
+/// samples (docs/RESULTS.md).
+#[derive(Debug, clap::Parser)]
 struct Args {
+    /// A smoke run of a minute (short budgets, small memory probe).
+    #[arg(long)]
     quick: bool,
+    /// Train the language model on this text (first 90% train, last 10% validate; `.gz` is
+    /// decompressed) instead of the embedded Shakespeare plays.
+    #[arg(long, value_name = "PATH")]
     text: Option<PathBuf>,
     /// Child mode: measure one memory arm in this process and print its JSON.
+    #[arg(long, value_name = "ARM", hide = true)]
     memory_probe: Option<String>,
     /// Only the process-memory section.
+    #[arg(long)]
     memory_only: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        quick: false,
-        text: None,
-        memory_probe: None,
-        memory_only: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--quick" => args.quick = true,
-            "--memory-only" => args.memory_only = true,
-            "--memory-probe" => {
-                args.memory_probe = Some(it.next().ok_or("--memory-probe needs an arm's name")?)
-            }
-            "--text" => {
-                args.text = Some(it.next().ok_or("--text needs a file: --text PATH")?.into())
-            }
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; options: --quick, --text PATH, --memory-only"
-                ));
-            }
-        }
-    }
-    Ok(args)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_threads();
-    let args = parse_args()?;
+    let args = <Args as clap::Parser>::parse();
     let probe_shape = if args.quick {
         ProbeShape::quick()
     } else {

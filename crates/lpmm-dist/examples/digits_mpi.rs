@@ -19,25 +19,23 @@ use lpmm_candle::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
 use lpmm_dist::{Collective, Mpi, ParamDef, Reduction, ShardOptions, ShardedOptimizer, Zero};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, presets};
 
+/// The digits MLP trained data-parallel with sharded 8-bit AdamW state.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: usize,
+    /// ZeRO stage: 1 (all-reduce gradients) or 2 (reduce-scatter).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    zero: u8,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mpi, _universe) = Mpi::init()?;
     let (rank, world) = (mpi.rank(), mpi.world());
-    let mut steps = 300usize;
-    let mut zero = Zero::Two;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--steps" => steps = args.next().ok_or("--steps needs a value")?.parse()?,
-            "--zero" => {
-                zero = match args.next().as_deref() {
-                    Some("1") => Zero::One,
-                    Some("2") => Zero::Two,
-                    other => return Err(format!("--zero 1|2, not {other:?}").into()),
-                }
-            }
-            other => return Err(format!("unknown argument {other}").into()),
-        }
-    }
+    let args = <Args as clap::Parser>::parse();
+    let steps = args.steps;
+    let zero = if args.zero == 1 { Zero::One } else { Zero::Two };
     let data = digits()?;
     let dev = Device::Cpu;
     let varmap = VarMap::new();
