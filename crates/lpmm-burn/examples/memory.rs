@@ -27,7 +27,7 @@ use lpmm_optim::Storage;
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
-const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
+const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle-examples/data/digits.csv.gz");
 const BATCH: usize = 256;
 
 /// The digits (8x8 images in [0, 1], labels 0..9), split as lpmm-candle splits them: sample `i`

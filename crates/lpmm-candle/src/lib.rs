@@ -71,11 +71,9 @@
 //! fused f32 CPU kernels that have their own backward pass, each tested against candle-nn's
 //! forward values, the closed-form gradients and finite differences. To check a model, compute a
 //! loss, call `backward()`, and look for a non-zero gradient of every `Var`, as the test
-//! `every_parameter_receives_a_gradient` in `tests/short_runs.rs` does for the comparison's
-//! language model.
+//! `every_parameter_receives_a_gradient` in `lpmm-candle-examples/tests/short_runs.rs` does for
+//! the comparison's language model.
 
-pub mod experiments;
-pub mod footprint;
 pub mod nn;
 pub mod ops;
 

@@ -15,7 +15,7 @@
 
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Module, VarMap};
-use lpmm_candle::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
+use lpmm_candle_examples::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
 use lpmm_dist::{Collective, Mpi, ParamDef, Reduction, ShardOptions, ShardedOptimizer, Zero};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, presets};
 
@@ -70,7 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &mpi,
         options,
         shard,
-        vec![presets::adamw_8bit_bf16(lr)],
+        vec![presets::adamw_8bit_bf16(lr).build()],
         defs,
         &init,
     )?;

@@ -122,9 +122,16 @@ fn main() {
             }
             // Memory each rank holds, 8-bit AdamW.
             let config = presets::adamw_8bit_bf16(1e-3);
-            let (refopt, _) = reference(options(), config);
-            let opt = ShardedOptimizer::new(&mpi, options(), shard, vec![config], model(), &init())
-                .expect("sharded optimizer");
+            let (refopt, _) = reference(options(), config.build());
+            let opt = ShardedOptimizer::new(
+                &mpi,
+                options(),
+                shard,
+                vec![config.build()],
+                model(),
+                &init(),
+            )
+            .expect("sharded optimizer");
             println!(
                 "rank {rank}/{world}: memory {} bytes of {} unsharded",
                 opt.memory_report().total(),
@@ -136,7 +143,7 @@ fn main() {
                 &mpi,
                 options(),
                 shard,
-                vec![presets::adamw_4bit_split(1e-3)],
+                vec![presets::adamw_4bit_split(1e-3).build()],
                 model(),
                 &init(),
             )
@@ -157,7 +164,7 @@ fn main() {
                 opt.step(&refs).expect("step");
             }
             opt.save(&args[2]).expect("save");
-            let (mut refopt, ids) = reference(options(), presets::adamw_4bit_split(1e-3));
+            let (mut refopt, ids) = reference(options(), presets::adamw_4bit_split(1e-3).build());
             for step in 0..4 {
                 for (&id, g) in ids.iter().zip(grads(1, 0, step, true)) {
                     refopt.accumulate(id, &g).expect("accumulate");

@@ -3,7 +3,7 @@
 //! f32 reference; then a low-learning-rate condition where round-to-nearest bf16 loses small
 //! updates; then text sampled from the trained language models.
 //!
-//! `cargo run --release -p lpmm-candle --example compare` (about 15 minutes on 2 cores).
+//! `cargo run --release -p lpmm-candle-examples --example compare` (about 15 minutes on 2 cores).
 //! Options: `--quick` (a smoke run of a minute), `--text PATH` (train the language model on your
 //! own text: the first 90% of its bytes train, the last 10% validate; `.gz` files are
 //! decompressed).
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use lpmm_candle::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
-use lpmm_candle::footprint::{self, Probe, ProbeShape};
+use lpmm_candle_examples::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
+use lpmm_candle_examples::footprint::{self, Probe, ProbeShape};
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -347,7 +347,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
     std::fs::create_dir_all(&dir)?;
-    let mut command = "cargo run --release -p lpmm-candle --example compare".to_string();
+    let mut command = "cargo run --release -p lpmm-candle-examples --example compare".to_string();
     let mut flags = Vec::new();
     if mode != "default" {
         flags.push(format!("--{mode}"));

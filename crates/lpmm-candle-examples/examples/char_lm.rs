@@ -2,8 +2,8 @@
 //! recipe: for trying a recipe (the figures of docs/RESULTS.md's "Choosing the recipe" come from
 //! it) or checking lpmm on your own text.
 //!
-//! `cargo run --release -p lpmm-candle --example char_lm -- [options]`, options (defaults: the
-//! main command's recipe, `lpmm_candle::experiments::LmRecipe::default_run`):
+//! `cargo run --release -p lpmm-candle-examples --example char_lm -- [options]`, options (defaults: the
+//! main command's recipe, `lpmm_candle_examples::experiments::LmRecipe::default_run`):
 //! `--text PATH` (default: the embedded Shakespeare plays), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
 //! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use lpmm_candle::experiments::{self, LmRecipe};
+use lpmm_candle_examples::experiments::{self, LmRecipe};
 
 /// As in `compare.rs`: candle 0.11's element-wise pool spins on 2 cores; `RAYON_NUM_THREADS`
 /// spares it from reading /proc/cpuinfo before every matrix product.

@@ -14,9 +14,10 @@ use candle_nn::{Linear, Optimizer as _, VarMap};
 use lpmm_optim::presets;
 use serde::{Deserialize, Serialize};
 
+use lpmm_candle::nn::QLinear;
+use lpmm_candle::{LpmmConfig, LpmmOptimizer};
+
 use crate::experiments::Rng;
-use crate::nn::QLinear;
-use crate::{LpmmConfig, LpmmOptimizer};
 
 /// The probe's model and run.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

@@ -12,8 +12,8 @@ use candle_nn::{Embedding, Linear, Optimizer as _, VarBuilder, VarMap};
 use lpmm_optim::{Hyper, ParamConfig, presets};
 use serde::Serialize;
 
-use crate::ops::LayerNorm;
-use crate::{LpmmConfig, LpmmOptimizer};
+use lpmm_candle::ops::LayerNorm;
+use lpmm_candle::{LpmmConfig, LpmmOptimizer};
 
 const DIGITS_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
 const SHAKESPEARE_GZ: &[u8] = include_bytes!("../data/shakespeare.txt.gz");
@@ -41,19 +41,19 @@ pub struct Digits {
 
 /// Loads the digits with the fixed split: sample `i` validates iff `i % 5 == 0`.
 pub fn digits() -> Result<Digits> {
-    let text = String::from_utf8(gunzip(DIGITS_GZ)?).map_err(candle_core::Error::wrap)?;
+    let csv = gunzip(DIGITS_GZ)?;
     let mut d = Digits {
         train_x: Vec::new(),
         train_y: Vec::new(),
         val_x: Vec::new(),
         val_y: Vec::new(),
     };
-    for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
-        let v: Vec<u32> = line
-            .split(',')
-            .map(|f| f.trim().parse::<u32>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(candle_core::Error::wrap)?;
+    let mut rows = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .trim(csv::Trim::All)
+        .from_reader(csv.as_slice());
+    for (i, row) in rows.deserialize::<Vec<u32>>().enumerate() {
+        let v = row.map_err(candle_core::Error::wrap)?;
         if v.len() != 65 {
             return Err(candle_core::Error::Msg(format!(
                 "digits row {i} has {} fields",
@@ -371,7 +371,7 @@ struct Block {
 
 /// A small causal character-level transformer (nanoGPT-like: pre-norm blocks, learned positions,
 /// an MLP of 4x the width, no biases; ReLU instead of GELU, which costs a third of the step time
-/// in candle's CPU backward pass). Its layer norms and attention softmax are [`crate::ops`]'s
+/// in candle's CPU backward pass). Its layer norms and attention softmax are [`lpmm_candle::ops`]'s
 /// differentiable ones: with candle-nn's fused `LayerNorm` and `softmax_last_dim` no gradient
 /// would cross them (see the crate's documentation).
 #[derive(Debug)]
@@ -478,7 +478,7 @@ impl CharLm {
                     .contiguous()
             };
             let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-            let att = crate::ops::causal_softmax(
+            let att = lpmm_candle::ops::causal_softmax(
                 &q.matmul(&k.transpose(2, 3)?.contiguous()?)?,
                 1.0 / ((w / h) as f64).sqrt(),
             )?;
