@@ -208,11 +208,9 @@ pub fn device(backend: &str) -> Result<Device, String> {
             .get_or_init(|| {
                 // lpmm-wgpu's segments sized for this model's state (`--lpmm-segment-mib`).
                 let mib = SEGMENT_MIB.load(Ordering::Relaxed);
-                let lpmm = lpmm_burn::wgpu::LpmmWgpuOptions {
-                    segment_bytes: mib << 20,
-                    io_bytes: (mib << 20).min(128 << 20) / 2,
-                    ..Default::default()
-                };
+                let lpmm = lpmm_burn::wgpu::LpmmWgpuOptions::default()
+                    .with_segment_bytes(mib << 20)
+                    .with_io_bytes((mib << 20).min(128 << 20) / 2);
                 lpmm_burn::wgpu::init_with(Device::wgpu_options(), lpmm).map_err(|e| e.to_string())
             })
             .clone()

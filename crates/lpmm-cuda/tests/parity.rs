@@ -13,10 +13,7 @@ use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, SlotKind, Storage, preset
 
 /// Small pieces and io buffer, so that the larger test tensors span several pieces and their
 /// values move in several launches (results must not depend on it).
-const SMALL: CudaOptions = CudaOptions {
-    piece_elements: 8192,
-    io_floats: 8192,
-};
+const SMALL: CudaOptions = CudaOptions::new(8192, 8192);
 
 fn devices(options: CudaOptions) -> Vec<Cuda> {
     let mut out = vec![Cuda::emulated(options).expect("the emulated device")];
@@ -76,10 +73,7 @@ fn many_small_tensors_share_one_launch() {
 
 #[test]
 fn a_large_tensor_moves_through_io_in_several_launches() {
-    let options = CudaOptions {
-        piece_elements: 1 << 18,
-        io_floats: 1 << 18,
-    };
+    let options = CudaOptions::new(1 << 18, 1 << 18);
     for d in devices(options) {
         let config = presets::adamw_4bit_bf16_sr_released(1e-3);
         let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();

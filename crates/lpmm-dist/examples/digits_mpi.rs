@@ -62,10 +62,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_seed(1)
         .with_max_grad_norm(Some(1.0))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    let shard = ShardOptions {
-        zero,
-        reduction: Reduction::FixedOrder,
-    };
+    let shard = ShardOptions::default()
+        .with_zero(zero)
+        .with_reduction(Reduction::FixedOrder);
     let mut opt = ShardedOptimizer::new(
         &mpi,
         options,

@@ -28,10 +28,9 @@ fn ranks<T: Send>(world: usize, f: impl Fn(Threads) -> T + Sync) -> Vec<T> {
 /// canonical checkpoints at the end.
 fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: OptimizerOptions) {
     let steps = 3;
-    let shard = ShardOptions {
-        zero,
-        reduction: Reduction::FixedOrder,
-    };
+    let shard = ShardOptions::default()
+        .with_zero(zero)
+        .with_reduction(Reduction::FixedOrder);
     let dir = std::env::temp_dir().join(format!("lpmm-dist-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!(
@@ -198,7 +197,9 @@ fn results_do_not_depend_on_the_world_size() {
         ] {
             let path = dir.join(format!("w{world}-{zero:?}-{reduction:?}.safetensors"));
             ranks(world, |comm| {
-                let shard = ShardOptions { zero, reduction };
+                let shard = ShardOptions::default()
+                    .with_zero(zero)
+                    .with_reduction(reduction);
                 let mut opt = ShardedOptimizer::new(
                     comm,
                     options,

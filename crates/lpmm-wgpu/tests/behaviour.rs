@@ -46,10 +46,7 @@ fn subnormal_values_are_bit_exact_where_the_probe_says_so() {
 #[test]
 fn a_tensor_larger_than_a_segment_is_cut_into_pieces() {
     // 1.5 segments of parameter memory in one tensor, with the real piece size.
-    let options = WgpuOptions {
-        segment_bytes: 8 << 20,
-        ..WgpuOptions::default()
-    };
+    let options = WgpuOptions::default().with_segment_bytes(8 << 20);
     let Some(gpu) = backend(options) else { return };
     let config = presets::adamw_8bit_bf16(1e-3);
     let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();

@@ -97,10 +97,9 @@ fn main() {
                         &mpi,
                         name,
                         config,
-                        ShardOptions {
-                            zero,
-                            reduction: Reduction::FixedOrder,
-                        },
+                        ShardOptions::default()
+                            .with_zero(zero)
+                            .with_reduction(Reduction::FixedOrder),
                         false,
                         dir,
                     );
@@ -108,10 +107,9 @@ fn main() {
                         &mpi,
                         name,
                         config,
-                        ShardOptions {
-                            zero,
-                            reduction: Reduction::Native,
-                        },
+                        ShardOptions::default()
+                            .with_zero(zero)
+                            .with_reduction(Reduction::Native),
                         true,
                         dir,
                     );
