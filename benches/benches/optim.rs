@@ -20,16 +20,19 @@ use std::time::Duration;
 
 fn presets() -> Vec<(&'static str, ParamConfig)> {
     vec![
-        ("adamw_f32", presets::adamw_f32(1e-3)),
-        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3)),
-        ("adamw_8bit_bf16_sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("adamw_4bit_split", presets::adamw_4bit_split(1e-3)),
+        ("adamw_f32", presets::adamw_f32(1e-3).build()),
+        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3).build()),
+        (
+            "adamw_8bit_bf16_sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        ("adamw_4bit_split", presets::adamw_4bit_split(1e-3).build()),
         (
             "adamw_4bit_bf16_sr_released",
-            presets::adamw_4bit_bf16_sr_released(1e-3),
+            presets::adamw_4bit_bf16_sr_released(1e-3).build(),
         ),
-        ("sgdm_f32", presets::sgdm_f32(1e-2, 0.9)),
-        ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9)),
+        ("sgdm_f32", presets::sgdm_f32(1e-2, 0.9).build()),
+        ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9).build()),
     ]
 }
 

@@ -42,17 +42,15 @@ pub fn label(n: usize) -> String {
     }
 }
 
-/// Deterministic normal-ish data (sum of uniforms), scaled by `scale`.
+/// Deterministic normal-ish data (sum of uniforms from SplitMix64), scaled by `scale`.
 pub fn data(n: usize, scale: f32) -> Vec<f32> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    use rand_core::{Rng as _, SeedableRng};
+    let mut rng = rand_xoshiro::SplitMix64::seed_from_u64(0x9E37_79B9_7F4A_7C15);
     (0..n)
         .map(|_| {
             let mut s = 0.0f32;
             for _ in 0..4 {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                s += (state >> 40) as f32 / (1u64 << 24) as f32;
+                s += (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
             }
             (s - 2.0) * scale
         })

@@ -33,18 +33,48 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
+/// Project automation.
+#[derive(Debug, clap::Parser)]
+#[command(name = "cargo xtask")]
+enum Task {
+    /// Runs the criterion benches and writes target/lpmm-report/bench.json and bench.md.
+    Bench {
+        /// A smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Add torch's fused AdamW and bitsandbytes' AdamW8bit from a venv it creates.
+        #[arg(long)]
+        peers: bool,
+        /// Rebuild the report from the last run, measuring nothing.
+        #[arg(long)]
+        report_only: bool,
+        /// Only the cases whose id contains this.
+        filter: Option<String>,
+    },
+    /// Builds (checks) lpmm-cuda's PTX with the pinned NVRTC wheel.
+    Kernels {
+        /// Check instead of writing.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Writes (checks) the backends' kernel programs.
+    Codegen {
+        /// Check instead of writing.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("bench") => bench(&args[1..]),
-        Some("kernels") => kernels(&args[1..]),
-        Some("codegen") => codegen(&args[1..]),
-        _ => Err(
-            "usage: cargo xtask bench [--quick] [--peers] [--report-only] [FILTER]\n       \
-                  cargo xtask kernels [--check]\n       \
-                  cargo xtask codegen [--check]"
-                .to_string(),
-        ),
+    let result = match <Task as clap::Parser>::parse() {
+        Task::Bench {
+            quick,
+            peers,
+            report_only,
+            filter,
+        } => bench(quick, peers, report_only, filter),
+        Task::Kernels { check } => kernels(check),
+        Task::Codegen { check } => codegen(check),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -58,12 +88,7 @@ fn main() -> ExitCode {
 /// `codegen [--check]`: writes (checks) each backend's kernel program, assembled from its
 /// sources and the ABI and dispatch generated from lpmm-backend's abi.rs and lpmm-optim's
 /// registries (`lpmm_backend::codegen::TARGETS`).
-fn codegen(args: &[String]) -> Result<(), String> {
-    let check = match args {
-        [] => false,
-        [flag] if flag == "--check" => true,
-        _ => return Err("usage: cargo xtask codegen [--check]".into()),
-    };
+fn codegen(check: bool) -> Result<(), String> {
     let root = workspace_root();
     let read = |p: &Path| std::fs::read_to_string(p);
     for target in lpmm_backend::codegen::TARGETS {
@@ -99,18 +124,13 @@ fn clear(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn bench(args: &[String]) -> Result<(), String> {
+fn bench(
+    mut quick: bool,
+    peers: bool,
+    report_only: bool,
+    filter: Option<String>,
+) -> Result<(), String> {
     let root = workspace_root();
-    let (mut quick, mut peers, mut filter, mut report_only) = (false, false, None, false);
-    for a in args {
-        match a.as_str() {
-            "--quick" => quick = true,
-            "--peers" => peers = true,
-            "--report-only" => report_only = true,
-            other if !other.starts_with('-') => filter = Some(other.to_string()),
-            other => return Err(format!("unknown option {other}")),
-        }
-    }
     let report = root.join("target/lpmm-report");
     let cases_dir = report.join("cases");
     if report_only {
@@ -177,15 +197,8 @@ fn bench(args: &[String]) -> Result<(), String> {
 /// Set in the environment of the re-run with `LD_LIBRARY_PATH` (so it happens once).
 const REEXEC_GUARD: &str = "LPMM_XTASK_NVRTC_REEXEC";
 
-fn kernels(args: &[String]) -> Result<(), String> {
+fn kernels(check: bool) -> Result<(), String> {
     use lpmm_cuda::kernels;
-    let mut check = false;
-    for a in args {
-        match a.as_str() {
-            "--check" => check = true,
-            other => return Err(format!("unknown option {other}")),
-        }
-    }
     let wheels = kernels::wheel_paths().map_err(|e| e.to_string())?;
     // NVRTC is loaded by name, through LD_LIBRARY_PATH as it was when the process started.
     let ld_path = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();

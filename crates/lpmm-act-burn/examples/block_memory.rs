@@ -25,15 +25,16 @@ fn short(v: f32) -> f64 {
     v.to_string().parse().unwrap_or(f64::from(v))
 }
 
+/// A transformer block's training step, burn's operators against lpmm-act's.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// Training steps measured per variant.
+    #[arg(long, default_value_t = 7)]
+    steps: usize,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut steps = 7;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--steps" => steps = args.next().ok_or("--steps N")?.parse()?,
-            other => return Err(format!("unknown argument {other}").into()),
-        }
-    }
+    let steps = <Args as clap::Parser>::parse().steps;
     let device = Device::flex().autodiff();
     let cfg = BlockConfig::default();
     let block = Block::new(cfg, &device, 1);

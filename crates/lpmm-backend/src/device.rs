@@ -21,6 +21,7 @@ use crate::runtime::{Io, Launch, Runtime};
 
 /// How a [`Device`] lays out memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceOptions {
     /// Elements per piece: a multiple of 4096 (every quantization block stays whole). A piece's
     /// element regions lie together in one arena.
@@ -34,6 +35,32 @@ impl Default for DeviceOptions {
         Self {
             piece_elements: 1 << 20,
             io_floats: 16 << 20,
+        }
+    }
+}
+
+impl DeviceOptions {
+    /// `piece_elements` per piece and a staging buffer of `io_floats` floats.
+    pub const fn new(piece_elements: usize, io_floats: usize) -> Self {
+        Self {
+            piece_elements,
+            io_floats,
+        }
+    }
+
+    /// With `n` elements per piece.
+    pub fn with_piece_elements(self, n: usize) -> Self {
+        Self {
+            piece_elements: n,
+            ..self
+        }
+    }
+
+    /// With a staging buffer of `n` floats.
+    pub fn with_io_floats(self, n: usize) -> Self {
+        Self {
+            io_floats: n,
+            ..self
         }
     }
 }

@@ -107,10 +107,9 @@ impl Runtime for Faulty {
 }
 
 fn optimizer(runtime: Faulty) -> Optimizer<Device<Faulty>> {
-    let options = DeviceOptions {
-        piece_elements: 1 << 20,
-        io_floats: 1 << 20,
-    };
+    let options = DeviceOptions::default()
+        .with_piece_elements(1 << 20)
+        .with_io_floats(1 << 20);
     let device = Device::new(runtime, options).unwrap();
     let mut opt = Optimizer::with_backend(device, OptimizerOptions::default()).unwrap();
     opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();

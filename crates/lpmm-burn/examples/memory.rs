@@ -23,9 +23,11 @@ use burn::tensor::activation::{log_softmax, relu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::{ParamConfig, Storage};
+use lpmm_optim::Storage;
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
-const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle/data/digits.csv.gz");
+const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle-examples/data/digits.csv.gz");
 const BATCH: usize = 256;
 
 /// The digits (8x8 images in [0, 1], labels 0..9), split as lpmm-candle splits them: sample `i`
@@ -76,15 +78,11 @@ pub struct Wide {
     b3: Param<Tensor<1>>,
 }
 
-/// splitmix64, so every configuration starts from the same weights.
-fn uniform(state: &mut u64, n: usize, scale: f32) -> Vec<f32> {
+/// SplitMix64 (`rand_xoshiro`), so every configuration starts from the same weights.
+fn uniform(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| {
-            *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = *state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+            let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
             (2.0 * u - 1.0) * scale
         })
         .collect()
@@ -96,7 +94,7 @@ fn param<const D: usize>(v: Vec<f32>, shape: [usize; D], device: &Device) -> Par
 
 impl Wide {
     pub fn new(device: &Device, h: usize) -> Self {
-        let mut s = 42u64;
+        let mut s = SplitMix64::seed_from_u64(42);
         let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
         Wide {
             w1: param(uniform(&mut s, 64 * h, k(64)), [64, h], device),
@@ -127,7 +125,7 @@ pub struct WideLayers {
 impl WideLayers {
     /// The layers of `optim`, initialised as [`Wide::new`] initialises its weights.
     pub fn new(device: &Device, h: usize, optim: &LpmmOptimizer) -> Result<Self, String> {
-        let mut s = 42u64;
+        let mut s = SplitMix64::seed_from_u64(42);
         let k = |fan_in: usize| (1.0 / fan_in as f32).sqrt();
         let mut layer = |d_in: usize, d_out: usize| {
             let w = Tensor::from_data(
@@ -210,11 +208,9 @@ pub fn device(backend: &str) -> Result<Device, String> {
             .get_or_init(|| {
                 // lpmm-wgpu's segments sized for this model's state (`--lpmm-segment-mib`).
                 let mib = SEGMENT_MIB.load(Ordering::Relaxed);
-                let lpmm = lpmm_burn::wgpu::LpmmWgpuOptions {
-                    segment_bytes: mib << 20,
-                    io_bytes: (mib << 20).min(128 << 20) / 2,
-                    ..Default::default()
-                };
+                let lpmm = lpmm_burn::wgpu::LpmmWgpuOptions::default()
+                    .with_segment_bytes(mib << 20)
+                    .with_io_bytes((mib << 20).min(128 << 20) / 2);
                 lpmm_burn::wgpu::init_with(Device::wgpu_options(), lpmm).map_err(|e| e.to_string())
             })
             .clone()
@@ -272,32 +268,16 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
         "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init()),
         "lpmm-adamw4" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
-            let config = ParamConfig {
-                state1: Storage::FOUR_BIT_SIGNED,
-                state2: Storage::FOUR_BIT_UNSIGNED,
-                ..base.param
-            };
-            Optim::Lpmm(
-                LpmmOptimizerConfig {
-                    param: config,
-                    ..base
-                }
-                .init(),
-            )
+            let config = base
+                .param
+                .with_state1(Storage::FOUR_BIT_SIGNED)
+                .with_state2(Storage::FOUR_BIT_UNSIGNED);
+            Optim::Lpmm(base.with_param(config).init())
         }
         "lpmm-adamw8-accumulator" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
-            let config = ParamConfig {
-                grad: Storage::F32,
-                ..base.param
-            };
-            Optim::Lpmm(
-                LpmmOptimizerConfig {
-                    param: config,
-                    ..base
-                }
-                .init(),
-            )
+            let config = base.param.with_grad(Storage::F32);
+            Optim::Lpmm(base.with_param(config).init())
         }
         "lpmm-sgdm-layers" => {
             Optim::Lpmm(LpmmOptimizerConfig::from(lpmm_optim::presets::lpmm_sgdm(0.0, 0.9)).init())
@@ -381,25 +361,40 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
     })
 }
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
+#[allow(dead_code)]
+/// Peak and steady process memory of one training process per optimizer and backend.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// Training steps per process.
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// lpmm-wgpu's segment size, MiB.
+    #[arg(long)]
+    lpmm_segment_mib: Option<u64>,
+    /// Width of the model's hidden layers.
+    #[arg(long, default_value_t = 2048)]
+    hidden: usize,
+    /// Child mode: train `backend/optimizer` in this process and print its JSON.
+    #[arg(long, hide = true)]
+    child: Option<String>,
+    /// Backends, comma-separated.
+    #[arg(long, default_value = "ndarray,wgpu")]
+    backends: String,
+    /// Runs of every configuration (round robin, a fresh process each).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 #[allow(dead_code)]
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let steps: usize = arg(&args, "--steps").map_or(30, |s| s.parse().expect("--steps N"));
-    if let Some(mib) = arg(&args, "--lpmm-segment-mib") {
-        SEGMENT_MIB.store(
-            mib.parse().expect("--lpmm-segment-mib N"),
-            Ordering::Relaxed,
-        );
+    let args = <Args as clap::Parser>::parse();
+    let steps = args.steps;
+    if let Some(mib) = args.lpmm_segment_mib {
+        SEGMENT_MIB.store(mib, Ordering::Relaxed);
     }
     let segment_mib = SEGMENT_MIB.load(Ordering::Relaxed).to_string();
-    let h: usize = arg(&args, "--hidden").map_or(2048, |s| s.parse().expect("--hidden H"));
-    if let Some(spec) = arg(&args, "--child") {
+    let h = args.hidden;
+    if let Some(spec) = &args.child {
         let (backend, opt) = spec.split_once('/').expect("--child backend/optimizer");
         match train(backend, opt, steps, h) {
             Ok(run) => println!("{}", serde_json::to_string(&run).expect("json")),
@@ -410,8 +405,7 @@ fn main() {
         }
         return;
     }
-    let backends = arg(&args, "--backends").unwrap_or_else(|| "ndarray,wgpu".into());
-    let repeat: usize = arg(&args, "--repeat").map_or(1, |s| s.parse().expect("--repeat N"));
+    let (backends, repeat) = (args.backends, args.repeat);
     let exe = std::env::current_exe().expect("the example's path");
     // Every configuration `repeat` times, round robin (one fresh process each).
     let mut runs: Vec<Vec<Run>> = Vec::new();

@@ -3,6 +3,7 @@
 
 use burn_core as burn;
 use burn_core::config::Config;
+use lpmm_optim::presets::Preset;
 use lpmm_optim::{Hyper, NonFinitePolicy, OptimizerOptions, ParamConfig, Storage};
 
 use crate::LpmmOptimizer;
@@ -21,6 +22,7 @@ use crate::LpmmOptimizer;
 /// The learning rate is the one each [`LpmmOptimizer::step`] is given (burn's schedulers drive
 /// it); the configuration's own is replaced at every step.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct LpmmOptimizerConfig {
     /// Storages and hyperparameters of every parameter.
     pub param: ParamConfig,
@@ -37,7 +39,26 @@ impl From<ParamConfig> for LpmmOptimizerConfig {
     }
 }
 
+impl<R: Into<Hyper>> From<Preset<R>> for LpmmOptimizerConfig {
+    fn from(preset: Preset<R>) -> Self {
+        LpmmOptimizerConfig::from(preset.build())
+    }
+}
+
 impl LpmmOptimizerConfig {
+    /// With storages and hyperparameters `param` (a [`ParamConfig`] or a preset).
+    pub fn with_param(self, param: impl Into<ParamConfig>) -> Self {
+        LpmmOptimizerConfig {
+            param: param.into(),
+            ..self
+        }
+    }
+
+    /// With these optimizer-wide options.
+    pub fn with_options(self, options: OptimizerOptions) -> Self {
+        LpmmOptimizerConfig { options, ..self }
+    }
+
     /// The seed of every stochastic-rounding stream (default 0). Streams are keyed by the
     /// parameter's registration order (the module's visiting order), so two processes that
     /// build the same module and seed step the same bits.
@@ -102,13 +123,11 @@ impl Lpmm8bitAdamWConfig {
         hyper.betas = (self.beta_1, self.beta_2);
         hyper.eps = self.epsilon;
         hyper.weight_decay = self.weight_decay;
-        let param = ParamConfig {
-            param: Storage::F32,
-            grad: Storage::None,
-            state1: Storage::DYNAMIC8_SIGNED,
-            state2: Storage::DYNAMIC8_UNSIGNED,
-            ..ParamConfig::f32(Hyper::Adam(hyper))
-        };
+        let param = ParamConfig::f32(Hyper::Adam(hyper))
+            .with_param(Storage::F32)
+            .with_grad(Storage::None)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED);
         LpmmOptimizerConfig::from(param)
             .with_seed(self.seed)
             .with_max_grad_norm(self.max_grad_norm)

@@ -10,8 +10,8 @@ use burn::tensor::{Device, Tensor, TensorData, activation::relu};
 use burn_optim::GradientsParams;
 use common::{D_IN, D_OUT, HIDDEN, batch, uniform};
 use lpmm_burn::{LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
+use lpmm_optim::presets;
 use lpmm_optim::testing::Rng;
-use lpmm_optim::{ParamConfig, presets};
 
 #[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex; both are supported.
 fn ndarray() -> Device {
@@ -34,7 +34,7 @@ struct Plain {
 }
 
 fn init(seed: u64) -> [Vec<f32>; 4] {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     [
         uniform(&mut rng, D_IN * HIDDEN, 0.15),
         uniform(&mut rng, HIDDEN, 0.05),
@@ -129,10 +129,11 @@ fn an_f32_layer_weight_steps_exactly_as_a_burn_parameter_would() {
 fn eight_bit_layers_train_and_hold_only_their_lpmm_storage() {
     let d = ndarray();
     // LPMM-SGDM: 8-bit parameters, gradients and momentum.
-    let config = LpmmOptimizerConfig::from(ParamConfig {
-        min_quantized_size: 0,
-        ..presets::lpmm_sgdm(0.0, 0.9)
-    })
+    let config = LpmmOptimizerConfig::from(
+        presets::lpmm_sgdm(0.0, 0.9)
+            .with_min_quantized_size(0)
+            .build(),
+    )
     .with_seed(4);
     let mut optim = config.init();
     let mut m = layers(&optim, &d, 5);

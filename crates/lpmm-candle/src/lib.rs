@@ -126,15 +126,13 @@
 //! fused f32 CPU kernels that have their own backward pass, each tested against candle-nn's
 //! forward values, the closed-form gradients and finite differences. To check a model, compute a
 //! loss, call `backward()`, and look for a non-zero gradient of every `Var`, as the test
-//! `every_parameter_receives_a_gradient` in `tests/short_runs.rs` does for the comparison's
-//! language model.
+//! `every_parameter_receives_a_gradient` in `lpmm-candle-examples/tests/short_runs.rs` does for
+//! the comparison's language model.
 //!
 //! [docs/RESULTS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/RESULTS.md
 
 #[cfg(feature = "cuda")]
 mod cuda;
-pub mod experiments;
-pub mod footprint;
 pub mod nn;
 pub mod ops;
 
@@ -152,6 +150,7 @@ use lpmm_optim::{
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
 /// optimizer-wide options, and parameter groups by name pattern.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LpmmConfig {
     /// Storage formats and hyperparameters (e.g. `lpmm_optim::presets::adamw_8bit(1e-3)`).
     pub param: ParamConfig,
@@ -172,6 +171,12 @@ impl From<ParamConfig> for LpmmConfig {
     }
 }
 
+impl<R: Into<lpmm_optim::Hyper>> From<lpmm_optim::presets::Preset<R>> for LpmmConfig {
+    fn from(preset: lpmm_optim::presets::Preset<R>) -> Self {
+        LpmmConfig::from(preset.build())
+    }
+}
+
 impl LpmmConfig {
     /// With these optimizer-wide options.
     pub fn with_options(self, options: OptimizerOptions) -> Self {
@@ -180,8 +185,8 @@ impl LpmmConfig {
 
     /// With a parameter group: parameters whose name matches `pattern` take `config` (e.g. no
     /// weight decay for `*bias` and `*ln*`).
-    pub fn with_group(mut self, pattern: &str, config: ParamConfig) -> Self {
-        self.groups.push((pattern.to_string(), config));
+    pub fn with_group(mut self, pattern: &str, config: impl Into<ParamConfig>) -> Self {
+        self.groups.push((pattern.to_string(), config.into()));
         self
     }
 

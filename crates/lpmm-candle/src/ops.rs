@@ -485,8 +485,11 @@ mod tests {
 
     /// Deterministic, non-trivial values in [-2, 2).
     fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut rng = crate::experiments::Rng::new(seed);
-        (0..n).map(|_| rng.uniform() * 4.0 - 2.0).collect()
+        use rand_core::{Rng as _, SeedableRng};
+        let mut rng = rand_xoshiro::SplitMix64::seed_from_u64(seed ^ 0x9E37_79B9_7F4A_7C15);
+        (0..n)
+            .map(|_| (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0)
+            .collect()
     }
 
     fn tensor(n: usize, shape: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {

@@ -220,10 +220,8 @@ fn copied_f32_vars_of_bf16_storage_and_clipping_equal_the_cpu_path() {
     // f32 Vars, bf16 storage: lpmm holds the parameter and decodes it into the Var on the device.
     same_as_cpu(
         || {
-            LpmmConfig::from(presets::adamw_8bit_bf16_sr(1e-2)).with_options(OptimizerOptions {
-                max_grad_norm: Some(0.05),
-                ..OptimizerOptions::default()
-            })
+            LpmmConfig::from(presets::adamw_8bit_bf16_sr(1e-2))
+                .with_options(OptimizerOptions::default().with_max_grad_norm(Some(0.05)))
         },
         DType::F32,
         3,

@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Linear, Module, Optimizer as _, VarBuilder, VarMap};
 use lpmm_candle::{LpmmConfig, LpmmOptimizer};
-use lpmm_optim::{ParamConfig, Storage, presets};
+use lpmm_optim::{Storage, presets};
 
 /// A linear regression y = 3x - 2 (candle's own optimizer example, with lpmm).
 #[test]
@@ -17,16 +17,16 @@ fn linear_regression_converges_with_every_preset() -> candle_core::Result<()> {
         &dev,
     )?;
     for (name, config) in [
-        ("adamw f32", presets::adamw_f32(0.1)),
-        ("adamw 8-bit bf16 SR", presets::adamw_8bit_bf16_sr(0.1)),
-        ("adamw 4-bit split", presets::adamw_4bit_split(0.1)),
-        ("lpmm sgdm", presets::lpmm_sgdm(0.1, 0.9)),
+        ("adamw f32", presets::adamw_f32(0.1).build()),
+        (
+            "adamw 8-bit bf16 SR",
+            presets::adamw_8bit_bf16_sr(0.1).build(),
+        ),
+        ("adamw 4-bit split", presets::adamw_4bit_split(0.1).build()),
+        ("lpmm sgdm", presets::lpmm_sgdm(0.1, 0.9).build()),
     ] {
         // Quantize even these tiny tensors, so the quantized paths are what trains.
-        let config = ParamConfig {
-            min_quantized_size: 0,
-            ..config
-        };
+        let config = config.with_min_quantized_size(0);
         let w = Var::new(&[[0.0f32]], &dev)?;
         let b = Var::new(&[0.0f32], &dev)?;
         let mut opt = LpmmOptimizer::new(vec![w.clone(), b.clone()], LpmmConfig::from(config))?;
@@ -69,10 +69,9 @@ fn vars_hold_exactly_what_lpmm_stores() -> candle_core::Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
     let layer = candle_nn::linear(16, 8, vb.pp("l"))?;
-    let config = ParamConfig {
-        param: Storage::Bf16(lpmm_optim::StoreRounding::Stochastic),
-        ..presets::adamw_f32(1e-2)
-    };
+    let config = presets::adamw_f32(1e-2)
+        .with_param(Storage::Bf16(lpmm_optim::StoreRounding::Stochastic))
+        .build();
     let mut opt = LpmmOptimizer::new(varmap.all_vars(), LpmmConfig::from(config))?;
     // After registration and after a step, every Var value is a bf16 value.
     let check = |opt: &LpmmOptimizer| -> candle_core::Result<()> {
@@ -100,7 +99,7 @@ fn learning_rate_changes_apply_and_bad_ones_are_reported() -> candle_core::Resul
     let w = Var::new(&[1.0f32, 2.0], &dev)?;
     let mut opt = LpmmOptimizer::new(
         vec![w.clone()],
-        LpmmConfig::from(presets::sgdm_f32(0.1, 0.0)),
+        LpmmConfig::from(presets::sgdm_f32(0.1, 0.0).build()),
     )?;
     assert_eq!(opt.learning_rate(), 0.1);
     opt.set_learning_rate(0.5);

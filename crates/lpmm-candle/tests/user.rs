@@ -90,14 +90,12 @@ impl Mlp {
 }
 
 fn sr_config() -> LpmmConfig {
-    LpmmConfig::from(ParamConfig {
-        min_quantized_size: 0,
-        ..presets::adamw_8bit_bf16_sr(1e-2)
-    })
-    .with_options(OptimizerOptions {
-        seed: 7,
-        ..Default::default()
-    })
+    LpmmConfig::from(
+        presets::adamw_8bit_bf16_sr(1e-2)
+            .with_min_quantized_size(0)
+            .build(),
+    )
+    .with_options(OptimizerOptions::default().with_seed(7))
 }
 
 fn train(
@@ -174,10 +172,7 @@ fn the_same_seed_gives_the_same_bits_in_every_process() -> candle_core::Result<(
     }
     // And a different seed gives different bits (the comparison can fail).
     let model = mlp(DType::BF16)?;
-    let config = sr_config().with_options(OptimizerOptions {
-        seed: 8,
-        ..Default::default()
-    });
+    let config = sr_config().with_options(OptimizerOptions::default().with_seed(8));
     let mut opt = LpmmOptimizer::from_varmap(&model.varmap, config)?;
     train(&model, &mut opt, 0..6)?;
     assert!(!here.starts_with(&digest(&model.bits()?)));
@@ -273,10 +268,11 @@ fn vars_of_the_storage_dtype_are_stepped_in_place_with_the_bits_of_a_copy()
 #[test]
 fn released_gradients_train_with_no_accumulator() -> candle_core::Result<()> {
     let model = mlp(DType::BF16)?;
-    let config = LpmmConfig::from(ParamConfig {
-        min_quantized_size: 0,
-        ..presets::adamw_4bit_bf16_sr_released(1e-2)
-    });
+    let config = LpmmConfig::from(
+        presets::adamw_4bit_bf16_sr_released(1e-2)
+            .with_min_quantized_size(0)
+            .build(),
+    );
     let mut opt = LpmmOptimizer::from_varmap(&model.varmap, config)?;
     assert!(opt.copied_vars().is_empty());
     let first = model.loss(0)?.to_scalar::<f32>()?;

@@ -19,52 +19,39 @@ use lpmm_cuda::{Cuda, CudaOptions};
 use lpmm_optim::backend::{HostValues, Init, ParamLayout, ParamStep, StepFlags, StepWork};
 use lpmm_optim::{Backend, ParamConfig, Storage, presets};
 
+/// The fused 8-bit and 4-bit AdamW steps against a device copy.
+#[derive(Debug, clap::Parser)]
 struct Args {
+    /// Parameter counts, comma-separated (`1e8` notation accepted).
+    #[arg(long, value_delimiter = ',', value_parser = count, default_value = "1e8,1e9")]
     params: Vec<usize>,
+    /// Timed steps per case.
+    #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Run the kernels' host emulation instead of a GPU.
+    #[arg(long)]
     emulate: bool,
+    /// Also write the rows as JSON to this path.
+    #[arg(long, value_name = "PATH")]
     json: Option<String>,
 }
 
+/// A count written as an integer or in `1e8` notation.
+fn count(x: &str) -> Result<usize, String> {
+    x.parse::<f64>()
+        .map(|f| f as usize)
+        .map_err(|e| format!("{x}: {e}"))
+}
+
 fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        params: vec![100_000_000, 1_000_000_000],
-        iters: 20,
-        emulate: false,
-        json: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--params" => {
-                let v = it.next().ok_or("--params needs a value")?;
-                a.params = v
-                    .split(',')
-                    .map(|x| {
-                        x.parse::<f64>()
-                            .map(|f| f as usize)
-                            .map_err(|e| format!("{x}: {e}"))
-                    })
-                    .collect::<Result<_, _>>()?;
-            }
-            "--iters" => {
-                let v = it.next().ok_or("--iters needs a value")?;
-                a.iters = v.parse().map_err(|e| format!("--iters {v}: {e}"))?;
-            }
-            "--emulate" => a.emulate = true,
-            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 fn four_bit(lr: f64) -> ParamConfig {
-    ParamConfig {
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::FOUR_BIT_UNSIGNED,
-        ..presets::adamw_8bit_bf16(lr)
-    }
+    presets::adamw_8bit_bf16(lr)
+        .with_state1(Storage::FOUR_BIT_SIGNED)
+        .with_state2(Storage::FOUR_BIT_UNSIGNED)
+        .build()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -83,7 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     for &n in &args.params {
         for (name, config) in [
-            ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3)),
+            ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3).build()),
             ("adamw 4-bit", four_bit(1e-3)),
         ] {
             // The backend driven directly, as the optimizer drives it: one parameter, its

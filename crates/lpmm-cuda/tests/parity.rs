@@ -13,10 +13,7 @@ use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, SlotKind, Storage, preset
 
 /// Small pieces and io buffer, so that the larger test tensors span several pieces and their
 /// values move in several launches (results must not depend on it).
-const SMALL: CudaOptions = CudaOptions {
-    piece_elements: 8192,
-    io_floats: 8192,
-};
+const SMALL: CudaOptions = CudaOptions::new(8192, 8192);
 
 fn devices(options: CudaOptions) -> Vec<Cuda> {
     let mut out = vec![Cuda::emulated(options).expect("the emulated device")];
@@ -57,7 +54,7 @@ fn many_small_tensors_share_one_launch() {
     for d in devices(CudaOptions::default()) {
         let mut opt = Optimizer::with_backend(d.clone(), OptimizerOptions::default()).unwrap();
         opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
-        let mut rng = Rng(8);
+        let mut rng = Rng::new(8);
         let ids: Vec<ParamId> = (0..1000)
             .map(|k| {
                 opt.add_param(&format!("b{k}"), &[64], &rng.spread(64, 0.1), 0)
@@ -76,10 +73,7 @@ fn many_small_tensors_share_one_launch() {
 
 #[test]
 fn a_large_tensor_moves_through_io_in_several_launches() {
-    let options = CudaOptions {
-        piece_elements: 1 << 18,
-        io_floats: 1 << 18,
-    };
+    let options = CudaOptions::new(1 << 18, 1 << 18);
     for d in devices(options) {
         let config = presets::adamw_4bit_bf16_sr_released(1e-3);
         let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -87,7 +81,7 @@ fn a_large_tensor_moves_through_io_in_several_launches() {
         cpu.add_group(config).unwrap();
         dev.add_group(config).unwrap();
         let n = (1 << 20) + 3 * 4096 + 5;
-        let mut rng = Rng(6);
+        let mut rng = Rng::new(6);
         let init = rng.spread(n, 0.5);
         let a = cpu.add_param("big", &[n], &init, 0).unwrap();
         dev.add_param("big", &[n], &init, 0).unwrap();
@@ -122,19 +116,23 @@ fn lent<'a>(d: &Cuda, f32_param: bool, b32: &'a mut [f32], b16: &'a mut [bf16]) 
 #[test]
 fn a_lent_parameter_is_stepped_in_place() {
     let d = Cuda::emulated(SMALL).unwrap();
-    let options = OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(1.0),
-        ..Default::default()
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(1.0));
     let n = 3 * 8192 + 1000;
     let shape = [n / 8, 8];
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let init = rng.spread(n, 0.5);
     for (name, config) in [
-        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9)),
-        ("8-bit adamw, bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("4-bit adamw, split f32", presets::adamw_4bit_split(1e-3)),
+        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9).build()),
+        (
+            "8-bit adamw, bf16 sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        (
+            "4-bit adamw, split f32",
+            presets::adamw_4bit_split(1e-3).build(),
+        ),
     ] {
         let f32_param = config.param == Storage::F32;
         let mut buf32 = init.clone();

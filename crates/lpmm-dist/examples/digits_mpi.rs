@@ -15,29 +15,27 @@
 
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Module, VarMap};
-use lpmm_candle::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
+use lpmm_candle_examples::experiments::{Mlp, Rng, digits, schedule, seeded_var_builder};
 use lpmm_dist::{Collective, Mpi, ParamDef, Reduction, ShardOptions, ShardedOptimizer, Zero};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, presets};
+
+/// The digits MLP trained data-parallel with sharded 8-bit AdamW state.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: usize,
+    /// ZeRO stage: 1 (all-reduce gradients) or 2 (reduce-scatter).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    zero: u8,
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mpi, _universe) = Mpi::init()?;
     let (rank, world) = (mpi.rank(), mpi.world());
-    let mut steps = 300usize;
-    let mut zero = Zero::Two;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--steps" => steps = args.next().ok_or("--steps needs a value")?.parse()?,
-            "--zero" => {
-                zero = match args.next().as_deref() {
-                    Some("1") => Zero::One,
-                    Some("2") => Zero::Two,
-                    other => return Err(format!("--zero 1|2, not {other:?}").into()),
-                }
-            }
-            other => return Err(format!("unknown argument {other}").into()),
-        }
-    }
+    let args = <Args as clap::Parser>::parse();
+    let steps = args.steps;
+    let zero = if args.zero == 1 { Zero::One } else { Zero::Two };
     let data = digits()?;
     let dev = Device::Cpu;
     let varmap = VarMap::new();
@@ -60,20 +58,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>())
         .collect::<Result<_, _>>()?;
     let lr = 2e-3;
-    let options = OptimizerOptions {
-        seed: 1,
-        max_grad_norm: Some(1.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
-    let shard = ShardOptions {
-        zero,
-        reduction: Reduction::FixedOrder,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(1)
+        .with_max_grad_norm(Some(1.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
+    let shard = ShardOptions::default()
+        .with_zero(zero)
+        .with_reduction(Reduction::FixedOrder);
     let mut opt = ShardedOptimizer::new(
         &mpi,
         options,
         shard,
-        vec![presets::adamw_8bit_bf16(lr)],
+        vec![presets::adamw_8bit_bf16(lr).build()],
         defs,
         &init,
     )?;

@@ -38,6 +38,7 @@ pub enum Reduction {
 
 /// Sharding options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ShardOptions {
     /// ZeRO stage.
     pub zero: Zero,
@@ -51,6 +52,18 @@ impl Default for ShardOptions {
             zero: Zero::Two,
             reduction: Reduction::FixedOrder,
         }
+    }
+}
+
+impl ShardOptions {
+    /// With ZeRO stage `zero`.
+    pub fn with_zero(self, zero: Zero) -> Self {
+        Self { zero, ..self }
+    }
+
+    /// With gradient reduction `reduction`.
+    pub fn with_reduction(self, reduction: Reduction) -> Self {
+        Self { reduction, ..self }
     }
 }
 
@@ -81,6 +94,7 @@ impl ParamDef {
 
 /// What a sharded step did (the same on every rank, except `local_non_finite`).
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct ShardedReport {
     /// Whether the whole step was skipped (a non-finite gradient anywhere, under SkipStep).
     pub skipped: bool,

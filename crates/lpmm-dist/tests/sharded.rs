@@ -28,10 +28,9 @@ fn ranks<T: Send>(world: usize, f: impl Fn(Threads) -> T + Sync) -> Vec<T> {
 /// canonical checkpoints at the end.
 fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: OptimizerOptions) {
     let steps = 3;
-    let shard = ShardOptions {
-        zero,
-        reduction: Reduction::FixedOrder,
-    };
+    let shard = ShardOptions::default()
+        .with_zero(zero)
+        .with_reduction(Reduction::FixedOrder);
     let dir = std::env::temp_dir().join(format!("lpmm-dist-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!(
@@ -111,11 +110,10 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
 
 #[test]
 fn sharded_steps_equal_unsharded_for_every_optimizer_and_format() {
-    let options = OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(50.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(50.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     for (name, config) in configs() {
         for world in 1..=4 {
             for zero in [Zero::One, Zero::Two] {
@@ -128,14 +126,13 @@ fn sharded_steps_equal_unsharded_for_every_optimizer_and_format() {
 #[test]
 fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
     for policy in [NonFinitePolicy::SkipStep, NonFinitePolicy::SkipElements] {
-        let options = OptimizerOptions {
-            seed: 1,
-            max_grad_norm: None,
-            non_finite: policy,
-        };
+        let options = OptimizerOptions::default()
+            .with_seed(1)
+            .with_max_grad_norm(None)
+            .with_non_finite(policy);
         let config = presets::adamw_8bit_bf16_sr(1e-3);
         let world = 3;
-        let (mut refopt, ids) = reference(options, config);
+        let (mut refopt, ids) = reference(options, config.build());
         let bad = |r: usize, p: usize, g: &mut Vec<f32>| {
             if r == 2 && p == 0 {
                 g[5 * UNIT] = f32::NAN;
@@ -158,7 +155,7 @@ fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
         let got = ranks(world, |comm| {
             let shard = ShardOptions::default();
             let mut opt =
-                ShardedOptimizer::new(comm, options, shard, vec![config], model(), &init())
+                ShardedOptimizer::new(comm, options, shard, vec![config.build()], model(), &init())
                     .unwrap();
             let r = opt.rank();
             let refs: Vec<&[f32]> = per_rank[r].iter().map(|v| v.as_slice()).collect();
@@ -185,11 +182,10 @@ fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
 fn results_do_not_depend_on_the_world_size() {
     // Exact gradients: the same total on 1..4 ranks, so every world size must store the same bits.
     let config = presets::adamw_8bit_bf16_sr(1e-3);
-    let options = OptimizerOptions {
-        seed: 3,
-        max_grad_norm: Some(10.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(3)
+        .with_max_grad_norm(Some(10.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     let dir = std::env::temp_dir().join(format!("lpmm-dist-w-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut canon = Vec::new();
@@ -201,10 +197,18 @@ fn results_do_not_depend_on_the_world_size() {
         ] {
             let path = dir.join(format!("w{world}-{zero:?}-{reduction:?}.safetensors"));
             ranks(world, |comm| {
-                let shard = ShardOptions { zero, reduction };
-                let mut opt =
-                    ShardedOptimizer::new(comm, options, shard, vec![config], model(), &init())
-                        .unwrap();
+                let shard = ShardOptions::default()
+                    .with_zero(zero)
+                    .with_reduction(reduction);
+                let mut opt = ShardedOptimizer::new(
+                    comm,
+                    options,
+                    shard,
+                    vec![config.build()],
+                    model(),
+                    &init(),
+                )
+                .unwrap();
                 for step in 0..3 {
                     let g = split_grads(world, opt.rank(), step);
                     let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
@@ -223,16 +227,15 @@ fn results_do_not_depend_on_the_world_size() {
 #[test]
 fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
     let config = presets::adamw_4bit_split(1e-3);
-    let options = OptimizerOptions {
-        seed: 9,
-        max_grad_norm: Some(5.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(9)
+        .with_max_grad_norm(Some(5.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     let dir = std::env::temp_dir().join(format!("lpmm-dist-ck-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let shard = ShardOptions::default();
     // The unsharded run: 2 steps, save, 2 more.
-    let (mut refopt, ids) = reference(options, config);
+    let (mut refopt, ids) = reference(options, config.build());
     let total = |step: usize| grads(1, 0, step, true);
     for step in 0..4 {
         for (&id, g) in ids.iter().zip(total(step)) {
@@ -244,7 +247,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         let path = dir.join(format!("{w}-to-{w2}.safetensors"));
         ranks(w, |comm| {
             let mut opt =
-                ShardedOptimizer::new(comm, options, shard, vec![config], model(), &init())
+                ShardedOptimizer::new(comm, options, shard, vec![config.build()], model(), &init())
                     .unwrap();
             for step in 0..2 {
                 let g = split_grads(w, opt.rank(), step);
@@ -277,7 +280,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
 #[test]
 fn each_rank_holds_a_world_th_of_the_memory() {
     let config = presets::adamw_8bit_bf16(1e-3);
-    let (refopt, _) = reference(OptimizerOptions::default(), config);
+    let (refopt, _) = reference(OptimizerOptions::default(), config.build());
     let report = refopt.memory_report();
     let total = report.total() as f64;
     // One block of slack per parameter (the padding before it) and one per rank boundary, at the
@@ -291,14 +294,13 @@ fn each_rank_holds_a_world_th_of_the_memory() {
         .params
         .iter()
         .map(|p| {
-            ParamConfig {
-                param: p.storage[0],
-                grad: p.storage[1],
-                state1: p.storage[2],
-                state2: p.storage[3],
-                ..config
-            }
-            .shard_alignment()
+            config
+                .with_param(p.storage[0])
+                .with_grad(p.storage[1])
+                .with_state1(p.storage[2])
+                .with_state2(p.storage[3])
+                .build()
+                .shard_alignment()
         })
         .sum();
     let slack = (align + UNIT) as f64 * per_elem_max;
@@ -308,7 +310,7 @@ fn each_rank_holds_a_world_th_of_the_memory() {
                 comm,
                 OptimizerOptions::default(),
                 ShardOptions::default(),
-                vec![config],
+                vec![config.build()],
                 model(),
                 &init(),
             )
@@ -355,11 +357,10 @@ fn threads_collectives_match_their_definitions() {
 /// Shards on a device backend (`make` gives each rank's backend) against the unsharded CPU run:
 /// random words keyed by logical element through the backend's descriptors.
 fn check_backend<B: lpmm_optim::Backend>(make: impl Fn() -> B + Sync, label: &str) {
-    let options = OptimizerOptions {
-        seed: 11,
-        max_grad_norm: Some(50.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(11)
+        .with_max_grad_norm(Some(50.0))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     for (name, config) in configs().into_iter().take(5) {
         let world = 3;
         let (mut refopt, ids) = reference(options, config);

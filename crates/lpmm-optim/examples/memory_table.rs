@@ -44,43 +44,59 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 4], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 9] = [
-        ("f32 SGDM", presets::sgdm_f32(lr, 0.9), "f32 SGDM"),
+    let rows: [(&str, ParamConfig, &str); 13] = [
+        ("f32 SGDM", presets::sgdm_f32(lr, 0.9).build(), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
-            presets::lpmm_sgdm(lr, 0.9),
+            presets::lpmm_sgdm(lr, 0.9).build(),
             "f32 SGDM",
         ),
         (
             "bf16 SGDM, round to nearest",
-            presets::bf16_nearest(Hyper::sgd(lr, 0.9)),
+            presets::bf16_nearest(Hyper::sgd(lr, 0.9)).build(),
             "f32 SGDM",
         ),
-        ("f32 AdamW", presets::adamw_f32(lr), "f32 AdamW"),
+        ("f32 AdamW", presets::adamw_f32(lr).build(), "f32 AdamW"),
+        (
+            "8-bit AdamW, f32 param+grad (bitsandbytes AdamW8bit)",
+            presets::adamw_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        (
+            "4-bit AdamW, f32 param+grad",
+            presets::adamw_4bit(lr).build(),
+            "f32 AdamW",
+        ),
         (
             "8-bit AdamW, bf16 param+grad",
-            presets::adamw_8bit_bf16(lr),
+            presets::adamw_8bit_bf16(lr).build(),
             "f32 AdamW",
         ),
         (
             "8-bit AdamW, bf16 SR param+grad",
-            presets::adamw_8bit_bf16_sr(lr),
+            presets::adamw_8bit_bf16_sr(lr).build(),
             "f32 AdamW",
         ),
         (
             "4-bit AdamW, split-f32 param, bf16 grad",
-            presets::adamw_4bit_split(lr),
+            presets::adamw_4bit_split(lr).build(),
             "f32 AdamW",
         ),
         (
             "bf16 AdamW, round to nearest",
-            presets::bf16_nearest(Hyper::adamw(lr)),
+            presets::bf16_nearest(Hyper::adamw(lr)).build(),
             "f32 AdamW",
         ),
         (
             "4-bit AdamW, bf16 SR param, gradients released",
-            presets::adamw_4bit_bf16_sr_released(lr),
+            presets::adamw_4bit_bf16_sr_released(lr).build(),
             "f32 AdamW",
+        ),
+        ("f32 Lion", presets::lion_f32(lr).build(), "f32 Lion"),
+        (
+            "8-bit Lion, f32 param+grad (bitsandbytes Lion8bit)",
+            presets::lion_8bit(lr).build(),
+            "f32 Lion",
         ),
     ];
     let reference = |name: &str| {
@@ -91,7 +107,7 @@ fn main() {
             .expect("reference row");
         bytes(config).2
     };
-    let (numel, _, _) = bytes(presets::sgdm_f32(lr, 0.9));
+    let (numel, _, _) = bytes(presets::sgdm_f32(lr, 0.9).build());
     println!("model: {} tensors, {numel} parameters\n", model().len());
     println!("| preset | param B/p | grad B/p | states B/p | total B/p | vs its f32 reference |");
     println!("|---|---|---|---|---|---|");

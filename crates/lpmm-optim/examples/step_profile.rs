@@ -5,17 +5,29 @@
 use lpmm_optim::{Optimizer, OptimizerOptions, presets};
 use std::time::Instant;
 
+/// The fused step of one preset, over and over.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// adamw_f32, adamw8bit_bf16, adamw8bit_bf16_sr, adamw4bit_split or lpmm_sgdm.
+    #[arg(default_value = "adamw8bit_bf16")]
+    preset: String,
+    /// Parameters (one tensor).
+    #[arg(default_value_t = 1 << 24)]
+    params: usize,
+    /// Steps.
+    #[arg(default_value_t = 10)]
+    steps: usize,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let name = args.first().map_or("adamw8bit_bf16", String::as_str);
-    let n: usize = args.get(1).map_or(Ok(1 << 24), |s| s.parse())?;
-    let steps: usize = args.get(2).map_or(Ok(10), |s| s.parse())?;
-    let config = match name {
-        "adamw_f32" => presets::adamw_f32(1e-3),
-        "adamw8bit_bf16" => presets::adamw_8bit_bf16(1e-3),
-        "adamw8bit_bf16_sr" => presets::adamw_8bit_bf16_sr(1e-3),
-        "adamw4bit_split" => presets::adamw_4bit_split(1e-3),
-        "lpmm_sgdm" => presets::lpmm_sgdm(1e-2, 0.9),
+    let args = <Args as clap::Parser>::parse();
+    let (n, steps) = (args.params, args.steps);
+    let config = match args.preset.as_str() {
+        "adamw_f32" => presets::adamw_f32(1e-3).build(),
+        "adamw8bit_bf16" => presets::adamw_8bit_bf16(1e-3).build(),
+        "adamw8bit_bf16_sr" => presets::adamw_8bit_bf16_sr(1e-3).build(),
+        "adamw4bit_split" => presets::adamw_4bit_split(1e-3).build(),
+        "lpmm_sgdm" => presets::lpmm_sgdm(1e-2, 0.9).build(),
         other => return Err(format!("unknown preset {other}").into()),
     };
     let mut opt = Optimizer::new(OptimizerOptions::default())?;
@@ -28,6 +40,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         opt.step_param(id, &grad)?;
     }
     let ns = t.elapsed().as_secs_f64() * 1e9 / (steps * n) as f64;
-    println!("{name}: {n} params, {steps} steps, {ns:.2} ns/param/step");
+    println!(
+        "{}: {n} params, {steps} steps, {ns:.2} ns/param/step",
+        args.preset
+    );
     Ok(())
 }

@@ -191,8 +191,10 @@ impl Storage {
     }
 }
 
-/// Everything that decides how one parameter tensor is stored and stepped.
+/// Everything that decides how one parameter tensor is stored and stepped. Made from a preset
+/// ([`crate::presets`]) or [`ParamConfig::f32`], then changed with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ParamConfig {
     /// The optimizer and its hyperparameters.
     pub hyper: Hyper,
@@ -211,14 +213,50 @@ pub struct ParamConfig {
 
 impl ParamConfig {
     /// All f32: the reference every low-precision configuration is compared with.
-    pub fn f32(hyper: Hyper) -> Self {
+    pub fn f32(hyper: impl Into<Hyper>) -> Self {
         ParamConfig {
-            hyper,
+            hyper: hyper.into(),
             param: Storage::F32,
             grad: Storage::F32,
             state1: Storage::F32,
             state2: Storage::F32,
             min_quantized_size: 4096,
+        }
+    }
+
+    /// With update rule and hyperparameters `hyper`.
+    pub fn with_hyper(self, hyper: impl Into<Hyper>) -> Self {
+        ParamConfig {
+            hyper: hyper.into(),
+            ..self
+        }
+    }
+
+    /// With the parameter stored as `s`.
+    pub fn with_param(self, s: Storage) -> Self {
+        ParamConfig { param: s, ..self }
+    }
+
+    /// With the gradient accumulator stored as `s`.
+    pub fn with_grad(self, s: Storage) -> Self {
+        ParamConfig { grad: s, ..self }
+    }
+
+    /// With state 1 (momentum / first moment) stored as `s`.
+    pub fn with_state1(self, s: Storage) -> Self {
+        ParamConfig { state1: s, ..self }
+    }
+
+    /// With state 2 (Adam's second moment) stored as `s`.
+    pub fn with_state2(self, s: Storage) -> Self {
+        ParamConfig { state2: s, ..self }
+    }
+
+    /// With minimum quantized size `n` (see the field).
+    pub fn with_min_quantized_size(self, n: usize) -> Self {
+        ParamConfig {
+            min_quantized_size: n,
+            ..self
         }
     }
 

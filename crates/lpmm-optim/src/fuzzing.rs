@@ -152,45 +152,48 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         map: MapKind::LinearWithoutZero4,
         fallback: BlockSize::B128,
     };
-    let small = |c: ParamConfig| ParamConfig {
-        min_quantized_size: 256,
-        ..c
-    };
+    let small = |c: ParamConfig| c.with_min_quantized_size(256);
     let configs: Vec<(&'static str, ParamConfig)> = vec![
-        ("sgdm_f32", presets::sgdm_f32(0.05, 0.9)),
-        ("lpmm_sgdm", presets::lpmm_sgdm(0.05, 0.9)),
-        ("adamw_f32", presets::adamw_f32(1e-3)),
-        ("adamw_8bit", small(presets::adamw_8bit(1e-3))),
-        ("adamw_8bit_bf16", small(presets::adamw_8bit_bf16(1e-3))),
+        ("sgdm_f32", presets::sgdm_f32(0.05, 0.9).build()),
+        ("lpmm_sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
+        ("adamw_f32", presets::adamw_f32(1e-3).build()),
+        ("adamw_8bit", small(presets::adamw_8bit(1e-3).build())),
+        (
+            "adamw_8bit_bf16",
+            small(presets::adamw_8bit_bf16(1e-3).build()),
+        ),
         (
             "adamw_8bit_bf16_sr",
-            small(presets::adamw_8bit_bf16_sr(1e-3)),
+            small(presets::adamw_8bit_bf16_sr(1e-3).build()),
         ),
-        ("adamw_4bit_split", small(presets::adamw_4bit_split(1e-3))),
+        (
+            "adamw_4bit_split",
+            small(presets::adamw_4bit_split(1e-3).build()),
+        ),
         (
             "bf16_nearest_lion",
-            presets::bf16_nearest(Hyper::lion(1e-4)),
+            presets::bf16_nearest(Hyper::lion(1e-4)).build(),
         ),
         (
             "adamw_4bit_bf16_sr_released",
-            small(presets::adamw_4bit_bf16_sr_released(1e-3)),
+            small(presets::adamw_4bit_bf16_sr_released(1e-3).build()),
         ),
         (
             "kahan_rank1",
-            small(ParamConfig {
-                param: Storage::Bf16Kahan,
-                state1: Storage::FOUR_BIT_SIGNED,
-                state2: rank1,
-                ..ParamConfig::f32(Hyper::adamw(1e-3))
-            }),
+            small(
+                ParamConfig::f32(Hyper::adamw(1e-3))
+                    .with_param(Storage::Bf16Kahan)
+                    .with_state1(Storage::FOUR_BIT_SIGNED)
+                    .with_state2(rank1),
+            ),
         ),
         (
             "factorized_adam_l2",
-            small(ParamConfig {
-                grad: Storage::Bf16(StoreRounding::Stochastic),
-                state2: Storage::Factorized,
-                ..ParamConfig::f32(Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2)))
-            }),
+            small(
+                ParamConfig::f32(Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2)))
+                    .with_grad(Storage::Bf16(StoreRounding::Stochastic))
+                    .with_state2(Storage::Factorized),
+            ),
         ),
     ];
     configs
@@ -200,14 +203,14 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
 }
 
 fn seed(config: ParamConfig) -> Vec<u8> {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 7,
-        max_grad_norm: Some(1.0),
-        ..Default::default()
-    })
+    let mut opt = Optimizer::new(
+        OptimizerOptions::default()
+            .with_seed(7)
+            .with_max_grad_norm(Some(1.0)),
+    )
     .expect("options");
     let g = opt.add_group(config).expect("config");
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let shapes: [(&str, &[usize]); 3] = [("w", &[16, 48]), ("maps", &[48]), ("b/2", &[5])];
     let ids: Vec<_> = shapes
         .iter()
@@ -331,7 +334,9 @@ pub struct Mutator {
 impl Mutator {
     /// A mutator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
-        Mutator { rng: Rng(seed) }
+        Mutator {
+            rng: Rng::new(seed),
+        }
     }
 
     fn below(&mut self, n: usize) -> usize {

@@ -6,6 +6,7 @@ use crate::optimizer::Optimizer;
 
 /// The bytes one parameter's slots allocate.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ParamMemory {
     /// The parameter's name.
     pub name: String,
@@ -28,6 +29,7 @@ impl ParamMemory {
 
 /// Bytes per slot per parameter, and totals.
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct MemoryReport {
     /// One entry per parameter, in registration order.
     pub params: Vec<ParamMemory>,

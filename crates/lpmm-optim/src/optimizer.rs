@@ -69,8 +69,10 @@ pub enum NonFinitePolicy {
     SkipElements,
 }
 
-/// Settings that apply to the whole optimizer.
+/// Settings that apply to the whole optimizer: `OptimizerOptions::default()` (seed 0, no
+/// clipping, skip a step with a non-finite gradient), changed with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct OptimizerOptions {
     /// Seed of every stochastic-rounding stream.
     pub seed: u64,
@@ -90,8 +92,29 @@ impl Default for OptimizerOptions {
     }
 }
 
+impl OptimizerOptions {
+    /// With seed `seed` for every stochastic-rounding stream.
+    pub fn with_seed(self, seed: u64) -> Self {
+        OptimizerOptions { seed, ..self }
+    }
+
+    /// With the global gradient norm clipped to `max_grad_norm` (`None`: off).
+    pub fn with_max_grad_norm(self, max_grad_norm: Option<f64>) -> Self {
+        OptimizerOptions {
+            max_grad_norm,
+            ..self
+        }
+    }
+
+    /// With policy `non_finite` for non-finite gradients.
+    pub fn with_non_finite(self, non_finite: NonFinitePolicy) -> Self {
+        OptimizerOptions { non_finite, ..self }
+    }
+}
+
 /// What a step did.
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct StepReport {
     /// Parameters that were updated.
     pub updated: usize,
@@ -105,6 +128,7 @@ pub struct StepReport {
 
 /// This optimizer's part of a step's gradient pre-pass ([`Optimizer::gradient_summary`]).
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct GradientSummary {
     /// Exact sum of squares of the finite gradient values.
     pub sum: ExactSum,
@@ -308,7 +332,8 @@ impl<B: Backend> Optimizer<B> {
 
     /// Adds a parameter group: parameters added to it take `config` (unless given their own),
     /// and [`Optimizer::set_group_lr`] sets their learning rate together. Returns its index.
-    pub fn add_group(&mut self, config: ParamConfig) -> Result<usize, OptimError> {
+    pub fn add_group(&mut self, config: impl Into<ParamConfig>) -> Result<usize, OptimError> {
+        let config: ParamConfig = config.into();
         config.validate()?;
         self.groups.push(config);
         Ok(self.groups.len() - 1)
@@ -342,8 +367,9 @@ impl<B: Backend> Optimizer<B> {
         shape: &[usize],
         init: &[f32],
         group: usize,
-        config: ParamConfig,
+        config: impl Into<ParamConfig>,
     ) -> Result<ParamId, OptimError> {
+        let config: ParamConfig = config.into();
         self.group_config(group)?;
         config.validate()?;
         let numel = numel_of(name, shape)?;
@@ -398,8 +424,9 @@ impl<B: Backend> Optimizer<B> {
         shape: &[usize],
         values: B::Input<'_>,
         group: usize,
-        config: ParamConfig,
+        config: impl Into<ParamConfig>,
     ) -> Result<ParamId, OptimError> {
+        let config: ParamConfig = config.into();
         self.group_config(group)?;
         config.validate()?;
         let numel = numel_of(name, shape)?;
@@ -461,9 +488,10 @@ impl<B: Backend> Optimizer<B> {
         range: std::ops::Range<usize>,
         init: &[f32],
         group: usize,
-        config: ParamConfig,
+        config: impl Into<ParamConfig>,
         stream: usize,
     ) -> Result<ParamId, OptimError> {
+        let config: ParamConfig = config.into();
         self.group_config(group)?;
         config.validate()?;
         let numel = numel_of(name, global_shape)?;

@@ -1,98 +1,323 @@
-//! Named configurations a user picks in one line. Each is a [`ParamConfig`]; change any field to
-//! override it.
+//! Named configurations a user picks in one line, each a builder ([`Preset`]) that converts into
+//! the [`ParamConfig`] an optimizer takes:
+//!
+//! ```
+//! use lpmm_optim::{ParamConfig, presets};
+//!
+//! // bitsandbytes' AdamW8bit: f32 parameters, 8-bit states; betas and decay changed.
+//! let config: ParamConfig = presets::adamw_8bit(1e-3).weight_decay(0.1).betas(0.9, 0.95).into();
+//! assert_eq!(config.hyper.lr(), 1e-3);
+//! ```
+//!
+//! The builder is typed by its update rule: Adam's presets take `betas`/`eps`, Lion's `betas`,
+//! SGD's `momentum`/`dampening`/`nesterov`, and a setter a rule lacks does not compile. The
+//! storages can be overridden too (`with_state1`, `with_min_quantized_size`, ...). Which preset
+//! to pick: the README's table (memory per parameter, quality, speed).
 
 use crate::config::{ParamConfig, Storage, StoreRounding};
-use crate::rule::Hyper;
+use crate::rule::{Adam, Hyper, Lion, Sgd};
+
+/// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any
+/// [`Hyper`]) and the storage of each slot. Converts into [`ParamConfig`] (`.into()` or
+/// [`Preset::build`]); every function taking a configuration accepts it as it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Preset<R> {
+    rule: R,
+    param: Storage,
+    grad: Storage,
+    state1: Storage,
+    state2: Storage,
+    min_quantized_size: usize,
+}
+
+impl<R: Into<Hyper>> From<Preset<R>> for ParamConfig {
+    fn from(p: Preset<R>) -> Self {
+        ParamConfig::f32(p.rule.into())
+            .with_param(p.param)
+            .with_grad(p.grad)
+            .with_state1(p.state1)
+            .with_state2(p.state2)
+            .with_min_quantized_size(p.min_quantized_size)
+    }
+}
+
+impl<R: Into<Hyper>> Preset<R> {
+    /// The configuration ([`ParamConfig::validate`] checks it when an optimizer takes it).
+    pub fn build(self) -> ParamConfig {
+        self.into()
+    }
+}
+
+impl<R> Preset<R> {
+    /// All f32 with update rule `rule`; the minimum quantized size is bitsandbytes' 4096.
+    pub fn f32(rule: R) -> Self {
+        Preset {
+            rule,
+            param: Storage::F32,
+            grad: Storage::F32,
+            state1: Storage::F32,
+            state2: Storage::F32,
+            min_quantized_size: 4096,
+        }
+    }
+
+    /// The update rule and its hyperparameters.
+    pub fn rule(&self) -> &R {
+        &self.rule
+    }
+
+    /// With the parameter stored as `s`.
+    pub fn with_param(self, s: Storage) -> Self {
+        Preset { param: s, ..self }
+    }
+
+    /// With the gradient accumulator stored as `s`.
+    pub fn with_grad(self, s: Storage) -> Self {
+        Preset { grad: s, ..self }
+    }
+
+    /// With state 1 (momentum / first moment) stored as `s`.
+    pub fn with_state1(self, s: Storage) -> Self {
+        Preset { state1: s, ..self }
+    }
+
+    /// With state 2 (Adam's second moment) stored as `s`.
+    pub fn with_state2(self, s: Storage) -> Self {
+        Preset { state2: s, ..self }
+    }
+
+    /// Tensors with fewer elements keep quantized slots in f32 (bitsandbytes' `min_8bit_size`).
+    pub fn with_min_quantized_size(self, n: usize) -> Self {
+        Preset {
+            min_quantized_size: n,
+            ..self
+        }
+    }
+
+    fn map_rule(self, f: impl FnOnce(R) -> R) -> Self {
+        Preset {
+            rule: f(self.rule),
+            ..self
+        }
+    }
+}
+
+impl Preset<Adam> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|a| Adam { lr, ..a })
+    }
+
+    /// With other betas (first and second moment decay).
+    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+        self.map_rule(|a| a.betas(beta1, beta2))
+    }
+
+    /// With another eps.
+    pub fn eps(self, eps: f64) -> Self {
+        self.map_rule(|a| a.eps(eps))
+    }
+
+    /// With another weight decay (decoupled for the AdamW presets).
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|a| a.weight_decay(weight_decay))
+    }
+}
+
+impl Preset<Lion> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|l| Lion { lr, ..l })
+    }
+
+    /// With other betas (interpolation, momentum decay).
+    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+        self.map_rule(|l| l.betas(beta1, beta2))
+    }
+
+    /// With decoupled weight decay.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|l| l.weight_decay(weight_decay))
+    }
+}
+
+impl Preset<Sgd> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|s| Sgd { lr, ..s })
+    }
+
+    /// With momentum `mu`.
+    pub fn momentum(self, mu: f64) -> Self {
+        self.map_rule(|s| s.momentum(mu))
+    }
+
+    /// With dampening.
+    pub fn dampening(self, dampening: f64) -> Self {
+        self.map_rule(|s| s.dampening(dampening))
+    }
+
+    /// With Nesterov momentum on or off.
+    pub fn nesterov(self, nesterov: bool) -> Self {
+        self.map_rule(|s| s.nesterov(nesterov))
+    }
+
+    /// With an L2 penalty.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|s| s.weight_decay(weight_decay))
+    }
+}
+
+impl Preset<Hyper> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|mut h| {
+            h.set_lr(lr);
+            h
+        })
+    }
+}
 
 /// f32 SGD with momentum: the reference for the SGDM presets (12 bytes per parameter).
-pub fn sgdm_f32(lr: f64, momentum: f64) -> ParamConfig {
-    ParamConfig::f32(Hyper::sgd(lr, momentum))
+pub fn sgdm_f32(lr: f64, momentum: f64) -> Preset<Sgd> {
+    Preset::f32(Sgd::new(lr).momentum(momentum))
 }
 
 /// LPMM-SGDM: parameters, gradient accumulator and momentum all 8-bit linear in groups of 64 with
 /// stochastic rounding (about 3.19 bytes per parameter), for every tensor however small (LPMM
 /// keeps the whole model memory in 8 bits; there is no minimum size).
-pub fn lpmm_sgdm(lr: f64, momentum: f64) -> ParamConfig {
-    ParamConfig {
-        param: Storage::LINEAR8_GROUP64_SR,
-        grad: Storage::LINEAR8_GROUP64_SR,
-        state1: Storage::LINEAR8_GROUP64_SR,
-        min_quantized_size: 0,
-        ..ParamConfig::f32(Hyper::sgd(lr, momentum))
-    }
+pub fn lpmm_sgdm(lr: f64, momentum: f64) -> Preset<Sgd> {
+    sgdm_f32(lr, momentum)
+        .with_param(Storage::LINEAR8_GROUP64_SR)
+        .with_grad(Storage::LINEAR8_GROUP64_SR)
+        .with_state1(Storage::LINEAR8_GROUP64_SR)
+        .with_min_quantized_size(0)
 }
 
 /// f32 AdamW: the reference for the AdamW presets (16 bytes per parameter).
-pub fn adamw_f32(lr: f64) -> ParamConfig {
-    ParamConfig::f32(Hyper::adamw(lr))
+pub fn adamw_f32(lr: f64) -> Preset<Adam> {
+    Preset::f32(Adam::adamw(lr))
 }
 
 /// bitsandbytes' `AdamW8bit` on an f32 model: f32 parameters and gradients, 8-bit dynamic states
 /// in blocks of 256 (a one-line swap for f32 AdamW; with gradients stepped where the framework
 /// holds them, no accumulator is ever allocated).
-pub fn adamw_8bit(lr: f64) -> ParamConfig {
-    ParamConfig {
-        state1: Storage::DYNAMIC8_SIGNED,
-        state2: Storage::DYNAMIC8_UNSIGNED,
-        ..ParamConfig::f32(Hyper::adamw(lr))
-    }
+pub fn adamw_8bit(lr: f64) -> Preset<Adam> {
+    adamw_f32(lr)
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+}
+
+/// The 4-bit twin of [`adamw_8bit`] (thu-ml lpmm's 4-bit AdamW states on an f32 model): f32
+/// parameters and gradients, 4-bit states (signed dynamic-exponent first moment, linear second
+/// moment, blocks of 128).
+pub fn adamw_4bit(lr: f64) -> Preset<Adam> {
+    adamw_f32(lr)
+        .with_state1(Storage::FOUR_BIT_SIGNED)
+        .with_state2(Storage::FOUR_BIT_UNSIGNED)
 }
 
 /// bitsandbytes-like: bf16 parameters and gradients (round to nearest), 8-bit dynamic states in
 /// blocks of 256.
-pub fn adamw_8bit_bf16(lr: f64) -> ParamConfig {
-    ParamConfig {
-        param: Storage::Bf16(StoreRounding::Nearest),
-        grad: Storage::Bf16(StoreRounding::Nearest),
-        state1: Storage::DYNAMIC8_SIGNED,
-        state2: Storage::DYNAMIC8_UNSIGNED,
-        ..ParamConfig::f32(Hyper::adamw(lr))
-    }
+pub fn adamw_8bit_bf16(lr: f64) -> Preset<Adam> {
+    adamw_8bit(lr)
+        .with_param(Storage::Bf16(StoreRounding::Nearest))
+        .with_grad(Storage::Bf16(StoreRounding::Nearest))
 }
 
 /// As [`adamw_8bit_bf16`] with stochastic rounding of the bf16 parameters and gradients.
-pub fn adamw_8bit_bf16_sr(lr: f64) -> ParamConfig {
-    ParamConfig {
-        param: Storage::Bf16(StoreRounding::Stochastic),
-        grad: Storage::Bf16(StoreRounding::Stochastic),
-        ..adamw_8bit_bf16(lr)
-    }
+pub fn adamw_8bit_bf16_sr(lr: f64) -> Preset<Adam> {
+    adamw_8bit(lr)
+        .with_param(Storage::Bf16(StoreRounding::Stochastic))
+        .with_grad(Storage::Bf16(StoreRounding::Stochastic))
 }
 
 /// 4-bit AdamW (lpmm's maps, blocks of 128) with split-f32 parameters (exactly f32, bf16-readable)
 /// and bf16 gradients.
-pub fn adamw_4bit_split(lr: f64) -> ParamConfig {
-    ParamConfig {
-        param: Storage::SplitF32,
-        grad: Storage::Bf16(StoreRounding::Nearest),
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::FOUR_BIT_UNSIGNED,
-        ..ParamConfig::f32(Hyper::adamw(lr))
-    }
+pub fn adamw_4bit_split(lr: f64) -> Preset<Adam> {
+    adamw_4bit(lr)
+        .with_param(Storage::SplitF32)
+        .with_grad(Storage::Bf16(StoreRounding::Nearest))
+}
+
+/// f32 Lion: the reference for the Lion presets (12 bytes per parameter).
+pub fn lion_f32(lr: f64) -> Preset<Lion> {
+    Preset::f32(Lion::new(lr))
+}
+
+/// bitsandbytes' `Lion8bit` without paging: f32 parameters and gradients, the momentum 8-bit
+/// dynamic in blocks of 256.
+pub fn lion_8bit(lr: f64) -> Preset<Lion> {
+    lion_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
 }
 
 /// Everything bf16 with round-to-nearest: the naive low-precision setup whose small updates
-/// underflow.
-pub fn bf16_nearest(hyper: Hyper) -> ParamConfig {
+/// underflow. `rule` is any rule ([`Adam`], [`Lion`], [`Sgd`]) or a [`Hyper`].
+pub fn bf16_nearest<R>(rule: R) -> Preset<R> {
     let bf = Storage::Bf16(StoreRounding::Nearest);
-    ParamConfig {
-        param: bf,
-        grad: bf,
-        state1: bf,
-        state2: bf,
-        ..ParamConfig::f32(hyper)
-    }
+    Preset::f32(rule)
+        .with_param(bf)
+        .with_grad(bf)
+        .with_state1(bf)
+        .with_state2(bf)
 }
 
 /// The smallest AdamW: bf16 parameters with stochastic rounding, 4-bit states, and no gradient
 /// memory at all: gradients are released in the backward pass (`step_param`) or folded into the
 /// states (`accumulate_states`).
-pub fn adamw_4bit_bf16_sr_released(lr: f64) -> ParamConfig {
-    ParamConfig {
-        param: Storage::Bf16(StoreRounding::Stochastic),
-        grad: Storage::None,
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::FOUR_BIT_UNSIGNED,
-        ..ParamConfig::f32(Hyper::adamw(lr))
+pub fn adamw_4bit_bf16_sr_released(lr: f64) -> Preset<Adam> {
+    adamw_4bit(lr)
+        .with_param(Storage::Bf16(StoreRounding::Stochastic))
+        .with_grad(Storage::None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builders_set_the_rule() {
+        let c: ParamConfig = adamw_8bit(1e-3)
+            .weight_decay(0.1)
+            .betas(0.9, 0.95)
+            .eps(1e-6)
+            .into();
+        assert_eq!(
+            c.hyper,
+            Hyper::Adam(
+                Adam::adamw(1e-3)
+                    .weight_decay(0.1)
+                    .betas(0.9, 0.95)
+                    .eps(1e-6)
+            )
+        );
+        assert_eq!(c.state1, Storage::DYNAMIC8_SIGNED);
+        assert_eq!(c.param, Storage::F32);
+        let l = lion_8bit(1e-4).betas(0.95, 0.98).weight_decay(1.0).build();
+        assert_eq!(
+            l.hyper,
+            Hyper::Lion(Lion::new(1e-4).betas(0.95, 0.98).weight_decay(1.0))
+        );
+        assert_eq!(
+            (l.state1, l.state2),
+            (Storage::DYNAMIC8_SIGNED, Storage::F32)
+        );
+        let s = lpmm_sgdm(0.1, 0.9).nesterov(true).lr(0.2).build();
+        assert_eq!(
+            s.hyper,
+            Hyper::Sgd(Sgd::new(0.2).momentum(0.9).nesterov(true))
+        );
+        assert_eq!(s.min_quantized_size, 0);
+        let b = bf16_nearest(Hyper::lion(1e-4)).lr(1e-3).build();
+        assert_eq!(b.hyper.lr(), 1e-3);
+        for c in [
+            adamw_8bit(1e-3).build(),
+            adamw_4bit(1e-3).build(),
+            lion_8bit(1e-3).build(),
+            adamw_4bit_split(1e-3).build(),
+            adamw_4bit_bf16_sr_released(1e-3).build(),
+        ] {
+            c.validate().unwrap();
+        }
     }
 }

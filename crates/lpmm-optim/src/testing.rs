@@ -3,22 +3,27 @@
 //! every optimizer and storage, clipping, non-finite gradients, reads, checkpoints moved between
 //! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
 
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
+
 use crate::{
     Adam, Backend, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig,
     ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
 };
 
-/// SplitMix64: the same numbers everywhere.
+/// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
 #[derive(Debug, Clone)]
-pub struct Rng(pub u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
+    }
+
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [-1, 1).
@@ -162,7 +167,7 @@ pub fn compare<B: Backend>(
     let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
-    let mut rng = Rng(0x5eed ^ name.len() as u64);
+    let mut rng = Rng::new(0x5eed ^ name.len() as u64);
     let mut ids: Vec<(ParamId, usize)> = Vec::new();
     for (k, shape) in shapes().iter().enumerate() {
         let n: usize = shape.iter().product();
@@ -210,19 +215,22 @@ pub fn compare<B: Backend>(
 /// released), 4 steps of 2 micro-batches each.
 pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
     let cases = [
-        ("sgdm f32", presets::sgdm_f32(0.05, 0.9)),
-        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9)),
-        ("adamw f32", presets::adamw_f32(1e-3)),
-        ("adamw 8-bit bf16", presets::adamw_8bit_bf16(1e-3)),
-        ("adamw 8-bit bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3)),
+        ("sgdm f32", presets::sgdm_f32(0.05, 0.9).build()),
+        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
+        ("adamw f32", presets::adamw_f32(1e-3).build()),
+        ("adamw 8-bit bf16", presets::adamw_8bit_bf16(1e-3).build()),
+        (
+            "adamw 8-bit bf16 sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3).build()),
         (
             "bf16 nearest lion",
-            presets::bf16_nearest(Hyper::lion(1e-4)),
+            presets::bf16_nearest(Hyper::lion(1e-4)).build(),
         ),
         (
             "adamw 4-bit released",
-            presets::adamw_4bit_bf16_sr_released(1e-3),
+            presets::adamw_4bit_bf16_sr_released(1e-3).build(),
         ),
     ];
     for (name, config) in cases {
@@ -262,14 +270,12 @@ pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
             let grad = grads[k % grads.len()];
             let (state1, state2) = states[k % states.len()];
             k += 1;
-            let config = ParamConfig {
-                hyper,
-                param,
-                grad,
-                state1,
-                state2,
-                min_quantized_size: 4096,
-            };
+            let config = ParamConfig::f32(hyper)
+                .with_param(param)
+                .with_grad(grad)
+                .with_state1(state1)
+                .with_state2(state2)
+                .with_min_quantized_size(4096);
             let name = format!(
                 "{hname}: param {} grad {} states {}/{}",
                 param.describe(),
@@ -285,17 +291,16 @@ pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
 /// Global-norm clipping with Inf and NaN gradients under both non-finite policies.
 pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
     for policy in [NonFinitePolicy::SkipStep, NonFinitePolicy::SkipElements] {
-        let options = OptimizerOptions {
-            seed: 7,
-            max_grad_norm: Some(0.5),
-            non_finite: policy,
-        };
+        let options = OptimizerOptions::default()
+            .with_seed(7)
+            .with_max_grad_norm(Some(0.5))
+            .with_non_finite(policy);
         let config = presets::adamw_8bit_bf16_sr(1e-3);
         let mut cpu = Optimizer::new(options).unwrap();
         let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
         cpu.add_group(config).unwrap();
         dev.add_group(config).unwrap();
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         let n = 3 * 8192 + 5;
         let init = rng.spread(n, 0.5);
         let a = cpu.add_param("w", &[n], &init, 0).unwrap();
@@ -323,7 +328,7 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let n = 20_000;
     let init = rng.spread(n, 1.0);
     let a = cpu.add_param("w", &[n], &init, 0).unwrap();
@@ -352,16 +357,13 @@ fn temp(name: &str) -> std::path::PathBuf {
 /// Checkpoints saved on the CPU (with a pending micro-batch) load on `gpu`, and back, and both
 /// resume bit-identically.
 pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B) {
-    let options = OptimizerOptions {
-        seed: 99,
-        ..Default::default()
-    };
+    let options = OptimizerOptions::default().with_seed(99);
     for (name, config) in [
-        ("8bit", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("lpmm", presets::lpmm_sgdm(0.05, 0.9)),
-        ("4bit", presets::adamw_4bit_split(1e-3)),
+        ("8bit", presets::adamw_8bit_bf16_sr(1e-3).build()),
+        ("lpmm", presets::lpmm_sgdm(0.05, 0.9).build()),
+        ("4bit", presets::adamw_4bit_split(1e-3).build()),
     ] {
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let mut cpu = Optimizer::new(options).unwrap();
         cpu.add_group(config).unwrap();
         let sizes = [20_000usize, 5000, 300];
@@ -430,11 +432,10 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
         map: MapKind::LinearWithoutZero4,
         fallback: lpmm_quant::BlockSize::B128,
     };
-    let clipped = OptimizerOptions {
-        seed: 3,
-        max_grad_norm: Some(0.5),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let clipped = OptimizerOptions::default()
+        .with_seed(3)
+        .with_max_grad_norm(Some(0.5))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     for (name, state2) in [("factorized", Storage::Factorized), ("rank-1", rank1)] {
         for (hname, hyper) in [
             ("adamw", Hyper::adamw(1e-3)),
@@ -449,14 +450,12 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
                     OptimizerOptions::default(),
                 ),
             ] {
-                let config = ParamConfig {
-                    hyper,
-                    param,
-                    grad,
-                    state1: Storage::FOUR_BIT_SIGNED,
-                    state2,
-                    min_quantized_size: 0,
-                };
+                let config = ParamConfig::f32(hyper)
+                    .with_param(param)
+                    .with_grad(grad)
+                    .with_state1(Storage::FOUR_BIT_SIGNED)
+                    .with_state2(state2)
+                    .with_min_quantized_size(0);
                 let label = format!("{name} {hname} {gname}");
                 compare(gpu, &label, config, options, 3);
             }
@@ -473,7 +472,7 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
     let n = 10_000;
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let init = rng.spread(n, 1e-37);
     let a = cpu.add_param("w", &[n], &init, 0).unwrap();
     dev.add_param("w", &[n], &init, 0).unwrap();
@@ -522,31 +521,27 @@ fn with(n: usize, base: &mut Rng, scale: f32, at: &[(usize, f32)]) -> Vec<f32> {
 /// one — under both non-finite policies: the same elements left unchanged, the same reports, the
 /// same refusals of micro-batches, bit for bit.
 pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let n = 5000;
     let sgdm = |lr| Hyper::Sgd(Sgd::new(lr).momentum(0.9));
     let scenarios = vec![
         Overflow {
             name: "sgd momentum in bf16, released",
-            config: ParamConfig {
-                param: BF_SR,
-                grad: Storage::None,
-                state1: BF,
-                ..ParamConfig::f32(sgdm(1e-30))
-            },
+            config: ParamConfig::f32(sgdm(1e-30))
+                .with_param(BF_SR)
+                .with_grad(Storage::None)
+                .with_state1(BF),
             shape: vec![n],
             init: rng.spread(n, 1.0),
             steps: vec![Vec::new(); 3],
         },
         Overflow {
             name: "adamw with bf16 states and a Kahan parameter",
-            config: ParamConfig {
-                param: Storage::Bf16Kahan,
-                grad: Storage::F32,
-                state1: BF,
-                state2: BF_SR,
-                ..ParamConfig::f32(Hyper::adamw(1e-3))
-            },
+            config: ParamConfig::f32(Hyper::adamw(1e-3))
+                .with_param(Storage::Bf16Kahan)
+                .with_grad(Storage::F32)
+                .with_state1(BF)
+                .with_state2(BF_SR),
             shape: vec![n],
             init: with(n, &mut rng, 1.0, &[(7, 1.6e38), (4999, -1.69e38)]),
             steps: (0..3)
@@ -562,11 +557,9 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
         },
         Overflow {
             name: "sgd pushing bf16 and split-f32 parameters past bf16's range",
-            config: ParamConfig {
-                param: BF,
-                grad: BF,
-                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-            },
+            config: ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(BF)
+                .with_grad(BF),
             shape: vec![n],
             init: with(n, &mut rng, 1.0, &[(0, 3.3e38), (1, 3.3e38), (2, -3.3e38)]),
             steps: (0..2)
@@ -582,25 +575,21 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
         },
         Overflow {
             name: "split f32",
-            config: ParamConfig {
-                param: Storage::SplitF32,
-                grad: Storage::F32,
-                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-            },
+            config: ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(Storage::SplitF32)
+                .with_grad(Storage::F32),
             shape: vec![n],
             init: with(n, &mut rng, 1.0, &[(0, 3.39e38), (5, -3e38)]),
             steps: vec![vec![with(n, &mut rng, 1.0, &[(0, -1e36), (5, 1e37)])]],
         },
         Overflow {
             name: "factorized statistics",
-            config: ParamConfig {
-                param: Storage::F32,
-                grad: Storage::F32,
-                state1: Storage::F32,
-                state2: Storage::Factorized,
-                min_quantized_size: 0,
-                ..ParamConfig::f32(Hyper::adamw(1e-3))
-            },
+            config: ParamConfig::f32(Hyper::adamw(1e-3))
+                .with_param(Storage::F32)
+                .with_grad(Storage::F32)
+                .with_state1(Storage::F32)
+                .with_state2(Storage::Factorized)
+                .with_min_quantized_size(0),
             shape: vec![50, 100],
             init: rng.spread(n, 1.0),
             steps: (0..2)
@@ -609,7 +598,7 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
         },
         Overflow {
             name: "lpmm sgdm: 8-bit accumulator sums",
-            config: presets::lpmm_sgdm(1e-3, 0.9),
+            config: presets::lpmm_sgdm(1e-3, 0.9).build(),
             shape: vec![n],
             init: rng.spread(n, 1.0),
             steps: (0..2)
@@ -625,11 +614,10 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
     ];
     for policy in [NonFinitePolicy::SkipElements, NonFinitePolicy::SkipStep] {
         for sc in &scenarios {
-            let options = OptimizerOptions {
-                seed: 17,
-                max_grad_norm: None,
-                non_finite: policy,
-            };
+            let options = OptimizerOptions::default()
+                .with_seed(17)
+                .with_max_grad_norm(None)
+                .with_non_finite(policy);
             let what = format!("{} ({policy:?})", sc.name);
             let mut cpu = Optimizer::new(options).unwrap();
             let mut dev = Optimizer::with_backend(gpu.clone(), options).unwrap();
@@ -639,7 +627,7 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
             dev.add_param("w", &sc.shape, &sc.init, 0).unwrap();
             let mut flagged = false;
             let mut refused = false;
-            let mut released = Rng(99);
+            let mut released = Rng::new(99);
             for (k, micro) in sc.steps.iter().enumerate() {
                 let (r1, r2) = if micro.is_empty() {
                     let g = with(

@@ -38,11 +38,9 @@ fn check(results: &[(u64, &str, f64, f64)], bound: impl Fn(u64, &str) -> f64) {
 /// states in both, where only bitsandbytes' `sqrt(v) + eps*c2` form differs: measured 6e-8.
 #[test]
 fn adamw_8bit_follows_bitsandbytes() {
-    let config = ParamConfig {
-        state1: Storage::DYNAMIC8_SIGNED,
-        state2: Storage::DYNAMIC8_UNSIGNED,
-        ..ParamConfig::f32(adamw())
-    };
+    let config = ParamConfig::f32(adamw())
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED);
     check(
         &common::compare("bnb_adamw8bit", config, 50),
         |t, name| match (t, name) {
@@ -62,11 +60,9 @@ fn adamw_8bit_follows_bitsandbytes() {
 /// quantization noise (measured 2.9e-2).
 #[test]
 fn adamw_4bit_follows_torchao() {
-    let config = ParamConfig {
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::FOUR_BIT_UNSIGNED,
-        ..ParamConfig::f32(adamw())
-    };
+    let config = ParamConfig::f32(adamw())
+        .with_state1(Storage::FOUR_BIT_SIGNED)
+        .with_state2(Storage::FOUR_BIT_UNSIGNED);
     let mimic = |name: &str| (name == "w2").then(|| ParamConfig::f32(adamw()));
     check(
         &common::compare_with("torchao_adamw4bit", config, 50, mimic),

@@ -15,16 +15,9 @@ fn sgd(lr: f64) -> Hyper {
 /// 1000 steps that each add +1e-4 to parameters of 1.0: the bf16 ulp at 1.0 is 2^-7 = 7.8e-3, so
 /// each update is 1/78 of an ulp, far below the half ulp round-to-nearest needs.
 fn underflow_run(param: Storage) -> Vec<f32> {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 5,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(5)).unwrap();
     let group = opt
-        .add_group(ParamConfig {
-            param,
-            ..ParamConfig::f32(sgd(1e-4))
-        })
+        .add_group(ParamConfig::f32(sgd(1e-4)).with_param(param))
         .unwrap();
     let id = opt.add_param("p", &[N], &[1.0; N], group).unwrap();
     for _ in 0..1000 {
@@ -131,11 +124,9 @@ fn non_finite_gradients_skip_the_step_by_default_and_never_poison_states() {
 
 #[test]
 fn skip_elements_policy_leaves_only_the_bad_elements_unchanged() {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        non_finite: NonFinitePolicy::SkipElements,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opt =
+        Optimizer::new(OptimizerOptions::default().with_non_finite(NonFinitePolicy::SkipElements))
+            .unwrap();
     let group = opt
         .add_group(ParamConfig::f32(Hyper::sgd(0.5, 0.9)))
         .unwrap();
@@ -153,11 +144,8 @@ fn skip_elements_policy_leaves_only_the_bad_elements_unchanged() {
 
 #[test]
 fn global_norm_clipping_scales_every_gradient() {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        max_grad_norm: Some(1.0),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opt =
+        Optimizer::new(OptimizerOptions::default().with_max_grad_norm(Some(1.0))).unwrap();
     let group = opt.add_group(ParamConfig::f32(sgd(1.0))).unwrap();
     let a = opt.add_param("a", &[1], &[0.0], group).unwrap();
     let b = opt.add_param("b", &[1], &[0.0], group).unwrap();
@@ -176,13 +164,11 @@ fn global_norm_clipping_scales_every_gradient() {
 
 #[test]
 fn gradient_release_equals_accumulate_then_step() {
-    let config = ParamConfig {
-        param: Storage::Bf16(StoreRounding::Stochastic),
-        state1: Storage::DYNAMIC8_SIGNED,
-        state2: Storage::DYNAMIC8_UNSIGNED,
-        min_quantized_size: 0,
-        ..ParamConfig::f32(Hyper::adamw(1e-3))
-    };
+    let config = ParamConfig::f32(Hyper::adamw(1e-3))
+        .with_param(Storage::Bf16(StoreRounding::Stochastic))
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+        .with_min_quantized_size(0);
     let init: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
     let grads: Vec<Vec<f32>> = (0..3)
         .map(|t| {
@@ -191,10 +177,7 @@ fn gradient_release_equals_accumulate_then_step() {
                 .collect()
         })
         .collect();
-    let options = OptimizerOptions {
-        seed: 9,
-        ..Default::default()
-    };
+    let options = OptimizerOptions::default().with_seed(9);
     let mut one = Optimizer::new(options).unwrap();
     let mut two = Optimizer::new(options).unwrap();
     let g1 = one.add_group(config).unwrap();
@@ -266,10 +249,7 @@ fn bad_input_gets_typed_errors() {
             "{h:?}"
         );
     }
-    let kahan_grad = ParamConfig {
-        grad: Storage::Bf16Kahan,
-        ..ParamConfig::f32(sgd(0.1))
-    };
+    let kahan_grad = ParamConfig::f32(sgd(0.1)).with_grad(Storage::Bf16Kahan);
     assert!(matches!(
         opt.add_group(kahan_grad),
         Err(OptimError::StorageNotAllowed { .. })
@@ -312,13 +292,7 @@ fn bad_input_gets_typed_errors() {
         opt.param_id("nope"),
         Err(OptimError::UnknownParam(_))
     ));
-    assert!(
-        Optimizer::new(OptimizerOptions {
-            max_grad_norm: Some(0.0),
-            ..Default::default()
-        })
-        .is_err()
-    );
+    assert!(Optimizer::new(OptimizerOptions::default().with_max_grad_norm(Some(0.0))).is_err());
 }
 
 #[test]
@@ -338,11 +312,9 @@ fn the_learning_rate_can_change_every_step() {
 
 #[test]
 fn small_tensors_keep_f32_states_decided_on_the_whole_tensor() {
-    let config = ParamConfig {
-        state1: Storage::DYNAMIC8_SIGNED,
-        state2: Storage::DYNAMIC8_UNSIGNED,
-        ..ParamConfig::f32(Hyper::adamw(1e-3))
-    };
+    let config = ParamConfig::f32(Hyper::adamw(1e-3))
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED);
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(config).unwrap();
     let small = opt.add_param("small", &[4095], &[0.0; 4095], g).unwrap();
@@ -357,10 +329,7 @@ fn optimizer_accumulation_folds_micro_batches_into_the_states() {
     // SGD with momentum mu, no dampening: micro-batch g1 into the states (m = g1, first step),
     // then the step with g2: m = mu*g1 + g2 (one fma), p = p0 - lr*m.
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
-    let config = ParamConfig {
-        grad: Storage::None,
-        ..ParamConfig::f32(Hyper::sgd(0.1, 0.9))
-    };
+    let config = ParamConfig::f32(Hyper::sgd(0.1, 0.9)).with_grad(Storage::None);
     let group = opt.add_group(config).unwrap();
     let id = opt.add_param("p", &[3], &[1.0, 2.0, 3.0], group).unwrap();
     let (g1, g2) = ([0.5f32, -0.25, 2.0], [1.0f32, 1.0, -1.0]);
@@ -390,10 +359,7 @@ fn optimizer_accumulation_folds_micro_batches_into_the_states() {
 fn optimizer_accumulation_skips_weight_decay_and_counts_steps() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let group = opt
-        .add_group(ParamConfig {
-            grad: Storage::None,
-            ..ParamConfig::f32(Hyper::adamw(1e-2))
-        })
+        .add_group(ParamConfig::f32(Hyper::adamw(1e-2)).with_grad(Storage::None))
         .unwrap();
     let id = opt.add_param("p", &[2], &[1.0, -1.0], group).unwrap();
     opt.accumulate_states(id, &[0.5, 0.5]).unwrap();
@@ -428,15 +394,8 @@ fn larger_micro_batches_accumulate_with_less_error_and_no_bias() {
         .collect();
     let rms_exact = (exact.iter().map(|x| x * x).sum::<f64>() / n as f64).sqrt();
     let run = |micro: usize| -> (f64, f64) {
-        let config = ParamConfig {
-            grad: Storage::LINEAR8_GROUP64_SR,
-            ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-        };
-        let mut opt = Optimizer::new(OptimizerOptions {
-            seed: micro as u64,
-            ..Default::default()
-        })
-        .unwrap();
+        let config = ParamConfig::f32(Hyper::sgd(1.0, 0.0)).with_grad(Storage::LINEAR8_GROUP64_SR);
+        let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(micro as u64)).unwrap();
         let g = opt.add_group(config).unwrap();
         let id = opt.add_param("p", &[n], &vec![0.0; n], g).unwrap();
         for batch in samples.chunks(micro) {
@@ -474,17 +433,14 @@ fn a_huge_finite_gradient_never_poisons_the_states() {
         (Storage::F32, Storage::F32),
         (Storage::DYNAMIC8_SIGNED, Storage::DYNAMIC8_UNSIGNED),
     ] {
-        let mut opt = Optimizer::new(OptimizerOptions {
-            non_finite: NonFinitePolicy::SkipElements,
-            ..Default::default()
-        })
+        let mut opt = Optimizer::new(
+            OptimizerOptions::default().with_non_finite(NonFinitePolicy::SkipElements),
+        )
         .unwrap();
-        let config = ParamConfig {
-            state1,
-            state2,
-            min_quantized_size: 0,
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        };
+        let config = ParamConfig::f32(Hyper::adamw(1e-3))
+            .with_state1(state1)
+            .with_state2(state2)
+            .with_min_quantized_size(0);
         let g = opt.add_group(config).unwrap();
         let n = 512;
         let id = opt.add_param("p", &[n], &vec![0.5; n], g).unwrap();
@@ -531,11 +487,11 @@ fn gradient_release_skips_when_the_accumulator_holds_a_non_finite_value() {
 
 #[test]
 fn clipping_still_applies_to_finite_gradients_under_skip_elements() {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        max_grad_norm: Some(1.0),
-        non_finite: NonFinitePolicy::SkipElements,
-        ..Default::default()
-    })
+    let mut opt = Optimizer::new(
+        OptimizerOptions::default()
+            .with_max_grad_norm(Some(1.0))
+            .with_non_finite(NonFinitePolicy::SkipElements),
+    )
     .unwrap();
     let g = opt
         .add_group(ParamConfig::f32(Hyper::sgd(1.0, 0.0)))
@@ -672,12 +628,12 @@ fn the_8bit_first_moment_is_bitsandbytes_cpu_quantization_without_the_sign_fix()
     use lpmm_quant::{BlockSize, Blockwise, QuantRounding};
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            grad: Storage::None,
-            state1: Storage::DYNAMIC8_SIGNED,
-            min_quantized_size: 0,
-            ..ParamConfig::f32(Hyper::sgd(1e-3, 0.9))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::sgd(1e-3, 0.9))
+                .with_grad(Storage::None)
+                .with_state1(Storage::DYNAMIC8_SIGNED)
+                .with_min_quantized_size(0),
+        )
         .unwrap();
     let n = 512;
     let id = opt.add_param("w", &[n], &vec![0.0; n], g).unwrap();

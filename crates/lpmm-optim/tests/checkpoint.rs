@@ -8,28 +8,28 @@ use lpmm_optim::{
 /// Every storage kind at once: SR bf16, Kahan, split f32, 8-bit linear SR parameters; SR
 /// gradient accumulators; 8-bit and 4-bit states; one tensor above the piece size.
 fn build() -> (Optimizer, Vec<(ParamId, usize)>) {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 77,
-        max_grad_norm: Some(10.0),
-        ..Default::default()
-    })
+    let mut opt = Optimizer::new(
+        OptimizerOptions::default()
+            .with_seed(77)
+            .with_max_grad_norm(Some(10.0)),
+    )
     .unwrap();
     let adam8 = opt
-        .add_group(ParamConfig {
-            param: Storage::Bf16(StoreRounding::Stochastic),
-            grad: Storage::Bf16(StoreRounding::Stochastic),
-            state1: Storage::DYNAMIC8_SIGNED,
-            state2: Storage::DYNAMIC8_UNSIGNED,
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::adamw(1e-3))
+                .with_param(Storage::Bf16(StoreRounding::Stochastic))
+                .with_grad(Storage::Bf16(StoreRounding::Stochastic))
+                .with_state1(Storage::DYNAMIC8_SIGNED)
+                .with_state2(Storage::DYNAMIC8_UNSIGNED),
+        )
         .unwrap();
     let lpmm = opt
-        .add_group(ParamConfig {
-            param: Storage::LINEAR8_GROUP64_SR,
-            grad: Storage::LINEAR8_GROUP64_SR,
-            state1: Storage::LINEAR8_GROUP64_SR,
-            ..ParamConfig::f32(Hyper::sgd(0.05, 0.9))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::sgd(0.05, 0.9))
+                .with_param(Storage::LINEAR8_GROUP64_SR)
+                .with_grad(Storage::LINEAR8_GROUP64_SR)
+                .with_state1(Storage::LINEAR8_GROUP64_SR),
+        )
         .unwrap();
     let shapes: [(&str, usize, usize, Option<ParamConfig>); 5] = [
         ("a", 5000, adam8, None),
@@ -39,21 +39,18 @@ fn build() -> (Optimizer, Vec<(ParamId, usize)>) {
             "kahan",
             4096,
             adam8,
-            Some(ParamConfig {
-                param: Storage::Bf16Kahan,
-                state1: Storage::FOUR_BIT_SIGNED,
-                state2: Storage::FOUR_BIT_UNSIGNED,
-                ..ParamConfig::f32(Hyper::lion(1e-4))
-            }),
+            Some(
+                ParamConfig::f32(Hyper::lion(1e-4))
+                    .with_param(Storage::Bf16Kahan)
+                    .with_state1(Storage::FOUR_BIT_SIGNED)
+                    .with_state2(Storage::FOUR_BIT_UNSIGNED),
+            ),
         ),
         (
             "split",
             100,
             adam8,
-            Some(ParamConfig {
-                param: Storage::SplitF32,
-                ..ParamConfig::f32(Hyper::adamw(1e-2))
-            }),
+            Some(ParamConfig::f32(Hyper::adamw(1e-2)).with_param(Storage::SplitF32)),
         ),
     ];
     let mut ids = Vec::new();
@@ -392,7 +389,7 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
 fn learning_rates_survive_save_and_load_bit_for_bit() {
     let dir = tempdir();
     let path = dir.join("lr.safetensors");
-    let mut rng = lpmm_optim::testing::Rng(0x22);
+    let mut rng = lpmm_optim::testing::Rng::new(0x22);
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(lpmm_optim::presets::adamw_f32(1e-3)).unwrap();
     let id = opt.add_param("w", &[4], &[0.1; 4], g).unwrap();
@@ -433,12 +430,12 @@ fn a_state_after_overflow_saves_and_loads() {
     let path = dir.join("overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            grad: Storage::Bf16(StoreRounding::Nearest),
-            state1: Storage::Bf16(StoreRounding::Nearest),
-            state2: Storage::Bf16(StoreRounding::Stochastic),
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::adamw(1e-3))
+                .with_grad(Storage::Bf16(StoreRounding::Nearest))
+                .with_state1(Storage::Bf16(StoreRounding::Nearest))
+                .with_state2(Storage::Bf16(StoreRounding::Stochastic)),
+        )
         .unwrap();
     let a = opt.add_param("a", &[4], &[0.1; 4], g).unwrap();
     let s = opt
@@ -474,11 +471,7 @@ fn a_state_after_overflow_saves_and_loads() {
 fn load_state_replaces_the_configuration_only_when_asked() {
     let dir = tempdir();
     let path = dir.join("other.safetensors");
-    let mut other = Optimizer::new(OptimizerOptions {
-        seed: 9,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut other = Optimizer::new(OptimizerOptions::default().with_seed(9)).unwrap();
     let g = other
         .add_group(lpmm_optim::presets::lpmm_sgdm(0.1, 0.9))
         .unwrap();

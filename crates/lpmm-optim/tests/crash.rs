@@ -18,13 +18,9 @@ const FIRST: &str = "LPMM_CRASH_FIRST";
 
 /// One of two states, `which` = 0 or 1, about 2.5 MB each, so that a save takes a few ms.
 fn state(which: u64) -> Optimizer {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 3,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(3)).unwrap();
     let g = opt.add_group(presets::adamw_8bit_bf16_sr(1e-3)).unwrap();
-    let mut rng = Rng(which);
+    let mut rng = Rng::new(which);
     let ids: Vec<(ParamId, usize)> = [300_077usize, 100_000, 1000]
         .iter()
         .enumerate()
@@ -134,7 +130,7 @@ fn killed_saves_leave_the_old_or_the_new_file_and_no_leftovers() {
         .unwrap();
     // Kills anywhere from the child's start to its third save.
     let window = (first_save + 2 * save).as_micros() as u64;
-    let mut rng = Rng(0x22);
+    let mut rng = Rng::new(0x22);
     let start = Instant::now();
     let (mut mid_save, mut seen, mut changed) = (0usize, [0usize; 2], 0usize);
     for kill in 0..kills {

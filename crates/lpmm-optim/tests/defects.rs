@@ -28,10 +28,7 @@ fn item1_init_above_bf16_max_is_refused() {
     ] {
         let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
         let g = opt
-            .add_group(ParamConfig {
-                param: p,
-                ..ParamConfig::f32(Hyper::sgd(0.1, 0.0))
-            })
+            .add_group(ParamConfig::f32(Hyper::sgd(0.1, 0.0)).with_param(p))
             .unwrap();
         let r = opt.add_param("w", &[2], &[1.0, 3.4e38], g);
         assert!(r.is_err(), "{p:?}: 3.4e38 accepted into bf16");
@@ -42,11 +39,11 @@ fn item1_init_above_bf16_max_is_refused() {
 fn item1_bf16_momentum_overflow_is_reported() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            state1: bf(StoreRounding::Nearest),
-            grad: Storage::None,
-            ..ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
+                .with_state1(bf(StoreRounding::Nearest))
+                .with_grad(Storage::None),
+        )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
     let r = opt.step_param(id, &[1.0, 3.4e38]).unwrap();
@@ -114,11 +111,7 @@ fn item4_load_state_with_other_configuration_is_refused() {
     let g = a.add_group(presets::adamw_f32(1e-3)).unwrap();
     a.add_param("w", &[4], &[0.0; 4], g).unwrap();
     a.save(&path).unwrap();
-    let mut b = Optimizer::new(OptimizerOptions {
-        seed: 9,
-        ..Default::default()
-    })
-    .unwrap();
+    let mut b = Optimizer::new(OptimizerOptions::default().with_seed(9)).unwrap();
     let g = b.add_group(presets::lpmm_sgdm(0.1, 0.9)).unwrap();
     b.add_param("w", &[4], &[0.0; 4], g).unwrap();
     assert!(
@@ -189,12 +182,13 @@ fn item6_errors_of_bad_files_are_checkpoint_errors() {
 fn item1_adamw_bf16_second_moment_overflow_is_reported() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            grad: Storage::None,
-            state1: bf(StoreRounding::Nearest),
-            state2: bf(StoreRounding::Stochastic),
-            ..presets::adamw_f32(1e-3)
-        })
+        .add_group(
+            presets::adamw_f32(1e-3)
+                .with_grad(Storage::None)
+                .with_state1(bf(StoreRounding::Nearest))
+                .with_state2(bf(StoreRounding::Stochastic))
+                .build(),
+        )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.1, 0.1], g).unwrap();
     let r = opt.step_param(id, &[0.01, 5.832e20]).unwrap();
@@ -211,11 +205,11 @@ fn item3_a_save_after_overflow_loads() {
     let path = dir().join("after-overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            state1: bf(StoreRounding::Nearest),
-            grad: Storage::None,
-            ..ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
-        })
+        .add_group(
+            ParamConfig::f32(Hyper::sgd(1e-40, 0.9))
+                .with_state1(bf(StoreRounding::Nearest))
+                .with_grad(Storage::None),
+        )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
     let _ = opt.step_param(id, &[1.0, 3.4e38]);

@@ -6,11 +6,9 @@ const ROWS: usize = 4;
 const COLS: usize = 6;
 
 fn config() -> ParamConfig {
-    ParamConfig {
-        state2: Storage::Factorized,
-        min_quantized_size: 0,
-        ..ParamConfig::f32(Hyper::adamw(1e-2))
-    }
+    ParamConfig::f32(Hyper::adamw(1e-2))
+        .with_state2(Storage::Factorized)
+        .with_min_quantized_size(0)
 }
 
 fn grad(t: usize) -> Vec<f32> {
@@ -114,10 +112,7 @@ fn it_resumes_exactly_from_a_checkpoint() {
 #[test]
 fn only_adam_matrices_factorize() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
-    let sgd = ParamConfig {
-        state2: Storage::Factorized,
-        ..ParamConfig::f32(Hyper::sgd(0.1, 0.9))
-    };
+    let sgd = ParamConfig::f32(Hyper::sgd(0.1, 0.9)).with_state2(Storage::Factorized);
     assert!(matches!(
         opt.add_group(sgd),
         Err(OptimError::StorageNotAllowed { .. })

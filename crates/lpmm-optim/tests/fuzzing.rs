@@ -183,7 +183,7 @@ fn mutated_checkpoints_load_and_round_trip_or_are_refused() {
 
 #[test]
 fn blockwise_quantize_takes_arbitrary_bytes() {
-    let mut rng = Rng(env("LPMM_FUZZ_SEED", 0x22));
+    let mut rng = Rng::new(env("LPMM_FUZZ_SEED", 0x22));
     let secs = env("LPMM_FUZZ_SECS", 25) / 5;
     let start = Instant::now();
     let (mut n, mut quantized) = (0u64, 0u64);

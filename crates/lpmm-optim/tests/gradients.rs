@@ -66,25 +66,23 @@ fn same(a: &Optimizer, b: &Optimizer, what: &str) {
 
 #[test]
 fn stepping_from_the_callers_gradients_equals_accumulating_them() {
-    let clipped = OptimizerOptions {
-        seed: 3,
-        max_grad_norm: Some(0.5),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let clipped = OptimizerOptions::default()
+        .with_seed(3)
+        .with_max_grad_norm(Some(0.5))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     for (name, config) in [
-        ("adamw f32", presets::adamw_f32(1e-3)),
-        ("sgdm f32", presets::sgdm_f32(0.05, 0.9)),
+        ("adamw f32", presets::adamw_f32(1e-3).build()),
+        ("sgdm f32", presets::sgdm_f32(0.05, 0.9).build()),
         (
             "8-bit adamw, bf16-sr params, f32 gradients",
-            ParamConfig {
-                grad: Storage::F32,
-                ..presets::adamw_8bit_bf16_sr(1e-3)
-            },
+            presets::adamw_8bit_bf16_sr(1e-3)
+                .with_grad(Storage::F32)
+                .build(),
         ),
     ] {
-        let mut rng = Rng(9);
+        let mut rng = Rng::new(9);
         let mut acc = optimizer(config, clipped, &mut rng);
-        let mut rng = Rng(9);
+        let mut rng = Rng::new(9);
         let mut direct = optimizer(config, clipped, &mut rng);
         for step in 0..3 {
             let grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 2.0)).collect();
@@ -114,9 +112,9 @@ fn stepping_from_the_callers_gradients_equals_accumulating_them() {
 
 #[test]
 fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     let mut opt = optimizer(
-        presets::adamw_f32(1e-3),
+        presets::adamw_f32(1e-3).build(),
         OptimizerOptions::default(),
         &mut rng,
     );
@@ -147,7 +145,7 @@ fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
 #[test]
 fn a_lent_parameter_steps_in_the_lenders_buffer() {
     let config = presets::adamw_f32(1e-3);
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let init = rng.spread(5000, 0.5);
     let mut held = Optimizer::new(OptimizerOptions::default()).unwrap();
     held.add_group(config).unwrap();
@@ -178,9 +176,9 @@ fn a_lent_parameter_steps_in_the_lenders_buffer() {
 
 #[test]
 fn a_pending_accumulated_gradient_is_refused() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let mut opt = optimizer(
-        presets::sgdm_f32(0.1, 0.9),
+        presets::sgdm_f32(0.1, 0.9).build(),
         OptimizerOptions::default(),
         &mut rng,
     );
@@ -193,16 +191,15 @@ fn a_pending_accumulated_gradient_is_refused() {
 
 #[test]
 fn given_and_accumulated_gradients_step_together_under_one_norm() {
-    let clipped = OptimizerOptions {
-        seed: 8,
-        max_grad_norm: Some(0.5),
-        non_finite: NonFinitePolicy::SkipStep,
-    };
+    let clipped = OptimizerOptions::default()
+        .with_seed(8)
+        .with_max_grad_norm(Some(0.5))
+        .with_non_finite(NonFinitePolicy::SkipStep);
     let config = presets::adamw_f32(1e-3);
-    let mut rng = Rng(6);
-    let mut acc = optimizer(config, clipped, &mut rng);
-    let mut rng = Rng(6);
-    let mut mixed = optimizer(config, clipped, &mut rng);
+    let mut rng = Rng::new(6);
+    let mut acc = optimizer(config.build(), clipped, &mut rng);
+    let mut rng = Rng::new(6);
+    let mut mixed = optimizer(config.build(), clipped, &mut rng);
     for step in 0..2 {
         let grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 2.0)).collect();
         for (k, g) in grads.iter().enumerate() {

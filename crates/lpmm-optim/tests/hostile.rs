@@ -64,10 +64,7 @@ fn file_refused<T>(r: Result<T, OptimError>) -> Seen {
 }
 
 fn opts() -> OptimizerOptions {
-    OptimizerOptions {
-        seed: 5,
-        ..Default::default()
-    }
+    OptimizerOptions::default().with_seed(5)
 }
 
 /// An optimizer with one group of `config` and one parameter "w" of `n` elements (values 0.1).
@@ -86,10 +83,7 @@ fn group(config: ParamConfig) -> Seen {
 fn with_init(storage: Storage, value: f32) -> Seen {
     let mut opt = Optimizer::new(opts()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            param: storage,
-            ..ParamConfig::f32(Hyper::sgd(0.1, 0.0))
-        })
+        .add_group(ParamConfig::f32(Hyper::sgd(0.1, 0.0)).with_param(storage))
         .unwrap();
     refused(opt.add_param("w", &[3], &[0.5, value, -0.5], g))
 }
@@ -153,10 +147,11 @@ fn dir() -> PathBuf {
 fn saved(path: &Path) -> Vec<u8> {
     let mut opt = Optimizer::new(opts()).unwrap();
     let g = opt
-        .add_group(ParamConfig {
-            min_quantized_size: 0,
-            ..presets::adamw_8bit_bf16_sr(1e-3)
-        })
+        .add_group(
+            presets::adamw_8bit_bf16_sr(1e-3)
+                .with_min_quantized_size(0)
+                .build(),
+        )
         .unwrap();
     let a = opt.add_param("a", &[300], &[0.25; 300], g).unwrap();
     let r = opt
@@ -165,15 +160,14 @@ fn saved(path: &Path) -> Vec<u8> {
             &[8, 40],
             &[0.5; 320],
             g,
-            ParamConfig {
-                param: Storage::Bf16Kahan,
-                state2: Storage::Rank1 {
+            presets::adamw_8bit_bf16_sr(1e-3)
+                .with_param(Storage::Bf16Kahan)
+                .with_state2(Storage::Rank1 {
                     map: MapKind::LinearWithoutZero4,
                     fallback: lpmm_quant::BlockSize::B128,
-                },
-                min_quantized_size: 0,
-                ..presets::adamw_8bit_bf16_sr(1e-3)
-            },
+                })
+                .with_min_quantized_size(0)
+                .build(),
         )
         .unwrap();
     let s = opt
@@ -331,41 +325,34 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         ("Lion beta2 = -1", lion(Lion::new(1e-4).betas(0.9, -1.0))),
         (
             "unsigned 8-bit map for a first moment",
-            ParamConfig {
-                state1: Storage::DYNAMIC8_UNSIGNED,
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_state1(Storage::DYNAMIC8_UNSIGNED)
+                .build(),
         ),
         (
             "unsigned 8-bit map for a parameter",
-            ParamConfig {
-                param: Storage::DYNAMIC8_UNSIGNED,
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_param(Storage::DYNAMIC8_UNSIGNED)
+                .build(),
         ),
         (
             "factorized first moment",
-            ParamConfig {
-                state1: Storage::Factorized,
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_state1(Storage::Factorized)
+                .build(),
         ),
         (
             "rank-1 parameter",
-            ParamConfig {
-                param: Storage::Rank1 {
+            presets::adamw_f32(1e-3)
+                .with_param(Storage::Rank1 {
                     map: MapKind::LinearWithoutZero4,
                     fallback: lpmm_quant::BlockSize::B128,
-                },
-                ..presets::adamw_f32(1e-3)
-            },
+                })
+                .build(),
         ),
         (
             "no parameter storage",
-            ParamConfig {
-                param: Storage::None,
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3).with_param(Storage::None).build(),
         ),
     ] {
         add("configuration", what, group(c));
@@ -379,10 +366,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "configuration",
             what,
-            refused(Optimizer::new(OptimizerOptions {
-                max_grad_norm: Some(norm),
-                ..opts()
-            })),
+            refused(Optimizer::new(opts().with_max_grad_norm(Some(norm)))),
         );
     }
 
@@ -492,22 +476,19 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         g[i] = v;
         g
     };
-    let sgdm_bf16 = ParamConfig {
-        grad: Storage::None,
-        state1: bf(StoreRounding::Nearest),
-        ..ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
-    };
+    let sgdm_bf16 = ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
+        .with_grad(Storage::None)
+        .with_state1(bf(StoreRounding::Nearest));
     add(
         "steps",
         "SGD momentum in bf16, released gradient 3.4e38",
         overflow(sgdm_bf16, &[0.1; 300], &[&spike(3, 3.4e38)], true),
     );
-    let adamw_bf16 = ParamConfig {
-        grad: Storage::None,
-        state1: bf(StoreRounding::Nearest),
-        state2: bf(StoreRounding::Stochastic),
-        ..presets::adamw_f32(1e-3)
-    };
+    let adamw_bf16 = presets::adamw_f32(1e-3)
+        .with_grad(Storage::None)
+        .with_state1(bf(StoreRounding::Nearest))
+        .with_state2(bf(StoreRounding::Stochastic))
+        .build();
     add(
         "steps",
         "AdamW second moment in bf16, gradient 5.832e20 (v = 3.401e38: finite f32, above bf16's max)",
@@ -517,13 +498,12 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "AdamW first moment in bf16, gradient -3.39e38 over 8-bit states",
         overflow(
-            ParamConfig {
-                grad: Storage::None,
-                state1: bf(StoreRounding::Nearest),
-                state2: Storage::DYNAMIC8_UNSIGNED,
-                min_quantized_size: 0,
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_grad(Storage::None)
+                .with_state1(bf(StoreRounding::Nearest))
+                .with_state2(Storage::DYNAMIC8_UNSIGNED)
+                .with_min_quantized_size(0)
+                .build(),
             &[0.1; 300],
             &[&spike(9, -3.39e38)],
             true,
@@ -535,11 +515,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "bf16 parameter pushed past bf16's max by SGD",
         overflow(
-            ParamConfig {
-                param: bf(StoreRounding::Nearest),
-                grad: Storage::None,
-                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-            },
+            ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(bf(StoreRounding::Nearest))
+                .with_grad(Storage::None),
             &near_max,
             &[&spike(0, -1e37)],
             true,
@@ -551,11 +529,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "Kahan parameter pushed past 2^127",
         overflow(
-            ParamConfig {
-                param: Storage::Bf16Kahan,
-                grad: Storage::None,
-                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-            },
+            ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(Storage::Bf16Kahan)
+                .with_grad(Storage::None),
             &kahan_top,
             &[&spike(0, -1.5e37)],
             true,
@@ -565,11 +541,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "split-f32 parameter pushed past bf16's max",
         overflow(
-            ParamConfig {
-                param: Storage::SplitF32,
-                grad: Storage::None,
-                ..ParamConfig::f32(Hyper::sgd(1.0, 0.0))
-            },
+            ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(Storage::SplitF32)
+                .with_grad(Storage::None),
             &near_max,
             &[&spike(0, -1e37)],
             true,
@@ -581,12 +555,13 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         {
             let mut opt = Optimizer::new(opts()).unwrap();
             let g = opt
-                .add_group(ParamConfig {
-                    grad: Storage::None,
-                    state2: Storage::Factorized,
-                    min_quantized_size: 0,
-                    ..presets::adamw_f32(1e-3)
-                })
+                .add_group(
+                    presets::adamw_f32(1e-3)
+                        .with_grad(Storage::None)
+                        .with_state2(Storage::Factorized)
+                        .with_min_quantized_size(0)
+                        .build(),
+                )
                 .unwrap();
             let id = opt.add_param("w", &[10, 30], &[0.1; 300], g).unwrap();
             let mut grad = vec![0.01f32; 300];
@@ -607,7 +582,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "steps",
             what,
             overflow(
-                presets::adamw_f32(1e-3),
+                presets::adamw_f32(1e-3).build(),
                 &[0.1; 300],
                 &[&spike(5, v)],
                 false,
@@ -618,7 +593,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "f32 accumulator: 3e38 + 3e38",
         overflow(
-            presets::adamw_f32(1e-3),
+            presets::adamw_f32(1e-3).build(),
             &[0.1; 300],
             &[&spike(5, 3e38), &spike(5, 3e38)],
             false,
@@ -628,7 +603,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "bf16 accumulator: 3e38 + 1e38",
         overflow(
-            presets::adamw_8bit_bf16(1e-3),
+            presets::adamw_8bit_bf16(1e-3).build(),
             &[0.1; 300],
             &[&spike(5, 3e38), &spike(5, 1e38)],
             false,
@@ -638,7 +613,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "8-bit accumulator (LPMM-SGDM): 3e38 + 3e38",
         overflow(
-            presets::lpmm_sgdm(1e-3, 0.9),
+            presets::lpmm_sgdm(1e-3, 0.9).build(),
             &[0.1; 300],
             &[&spike(64, 3e38), &spike(64, 3e38)],
             false,
@@ -648,7 +623,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "8-bit accumulator: micro-batches 0.5 then 3e38 (the 0.5 must not be dropped)",
         {
-            let (mut opt, id) = one(presets::lpmm_sgdm(1.0, 0.0), 64);
+            let (mut opt, id) = one(presets::lpmm_sgdm(1.0, 0.0).build(), 64);
             let mut a = vec![0f32; 64];
             a[0] = 0.5;
             a[1] = 3e38;
@@ -666,7 +641,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "8-bit accumulator, gradient NaN",
         overflow(
-            presets::lpmm_sgdm(1e-3, 0.9),
+            presets::lpmm_sgdm(1e-3, 0.9).build(),
             &[0.1; 300],
             &[&spike(3, f32::NAN)],
             false,
@@ -676,16 +651,13 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         "steps",
         "SkipStep policy, one gradient overflows a bf16 momentum",
         {
-            let mut opt = Optimizer::new(OptimizerOptions {
-                non_finite: NonFinitePolicy::SkipStep,
-                ..opts()
-            })
-            .unwrap();
+            let mut opt =
+                Optimizer::new(opts().with_non_finite(NonFinitePolicy::SkipStep)).unwrap();
             let g = opt
-                .add_group(ParamConfig {
-                    state1: bf(StoreRounding::Nearest),
-                    ..ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
-                })
+                .add_group(
+                    ParamConfig::f32(Hyper::sgd(1e-30, 0.9))
+                        .with_state1(bf(StoreRounding::Nearest)),
+                )
                 .unwrap();
             let id = opt.add_param("w", &[300], &[0.1; 300], g).unwrap();
             opt.accumulate(id, &spike(3, 3.4e38)).unwrap();
@@ -698,7 +670,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         },
     );
     {
-        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         add(
             "steps",
             "gradient of the wrong length",
@@ -709,7 +681,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "released gradient of the wrong length",
             refused(opt.step_param(id, &[0.0; 3])),
         );
-        let (mut other, _) = one(presets::adamw_f32(1e-3), 4);
+        let (mut other, _) = one(presets::adamw_f32(1e-3).build(), 4);
         other.add_param("x", &[1], &[0.0], 0).unwrap();
         let foreign = other.param_id("x").unwrap();
         add(
@@ -717,7 +689,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "a ParamId of another optimizer",
             refused(opt.accumulate(foreign, &[0.0])),
         );
-        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3), 4);
+        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3).build(), 4);
         add(
             "steps",
             "accumulate into a parameter without accumulator",
@@ -727,7 +699,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
 
     // --- Counters and state access.
     {
-        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         add(
             "counters",
             "restore(steps = u64::MAX)",
@@ -765,27 +737,27 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "a step past 2^53 (global counter)",
             refused(opt.step()),
         );
-        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         opt.restore(id, 1 << 53, 0, false, LrRule::Group).unwrap();
         add(
             "counters",
             "a step past 2^53 (parameter counter)",
             refused(opt.step_param(id, &[0.1; 4])),
         );
-        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         opt.restore(id, 0, 1 << 53, false, LrRule::Group).unwrap();
         add(
             "counters",
             "an accumulate past 2^53",
             refused(opt.accumulate(id, &[0.1; 4])),
         );
-        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3), 4);
+        let (mut released, rid) = one(presets::adamw_4bit_bf16_sr_released(1e-3).build(), 4);
         add(
             "counters",
             "restore(pending) without an accumulator",
             refused(released.restore(rid, 0, 0, true, LrRule::Group)),
         );
-        let (mut opt, id) = one(presets::adamw_f32(1e-3), 4);
+        let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         let mut out = [0f32; 4];
         add(
             "state access",
@@ -830,10 +802,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             refused(opt.import_slot(id, SlotKind::Param, short)),
         );
         let (mut b16, bid) = one(
-            ParamConfig {
-                state1: bf(StoreRounding::Nearest),
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_state1(bf(StoreRounding::Nearest))
+                .build(),
             4,
         );
         let mut inf = b16.export_slot(bid, SlotKind::State1).unwrap();
@@ -1154,7 +1125,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
     };
     let other_path = dir().join("other.safetensors");
     {
-        let mut o = Optimizer::new(OptimizerOptions { seed: 99, ..opts() }).unwrap();
+        let mut o = Optimizer::new(opts().with_seed(99)).unwrap();
         let g = o.add_group(presets::lpmm_sgdm(0.5, 0.9)).unwrap();
         o.add_param("w", &[16], &[0.3; 16], g).unwrap();
         o.save(&other_path).unwrap();
@@ -1236,10 +1207,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             file_refused(opt.save(dir().join("no/such/dir/x"))),
         );
         let (mut b, id) = one(
-            ParamConfig {
-                grad: bf(StoreRounding::Nearest),
-                ..presets::adamw_f32(1e-3)
-            },
+            presets::adamw_f32(1e-3)
+                .with_grad(bf(StoreRounding::Nearest))
+                .build(),
             4,
         );
         b.accumulate(id, &[f32::INFINITY, 0.0, 0.0, 0.0]).unwrap();

@@ -32,15 +32,19 @@ fn a_lent_parameter_is_stepped_in_place_without_a_copy() {
                 .collect()
         })
         .collect();
-    let options = OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(1.0),
-        ..Default::default()
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(1.0));
     for (name, config) in [
-        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9)),
-        ("8-bit adamw, bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("4-bit adamw, split f32", presets::adamw_4bit_split(1e-3)),
+        ("f32 sgdm", presets::sgdm_f32(0.1, 0.9).build()),
+        (
+            "8-bit adamw, bf16 sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        (
+            "4-bit adamw, split f32",
+            presets::adamw_4bit_split(1e-3).build(),
+        ),
     ] {
         let f32_param = config.param == Storage::F32;
         // The caller's tensor: f32, or bf16 (the values the owned parameter starts from too).

@@ -69,11 +69,11 @@ fn a_load_allocates_linearly_in_the_file_even_for_forged_files() {
         std::fs::read(&path).unwrap()
     };
     let big = vec![("w".to_string(), 1usize << 20), ("b".to_string(), 1000)];
-    let f32_file = save(presets::adamw_f32(1e-3), &big);
+    let f32_file = save(presets::adamw_f32(1e-3).build(), &big);
     cases.push(("AdamW f32, 1M elements", f32_file.clone(), true));
     cases.push((
         "AdamW 4-bit, bf16 parameters, released",
-        save(presets::adamw_4bit_bf16_sr_released(1e-3), &big),
+        save(presets::adamw_4bit_bf16_sr_released(1e-3).build(), &big),
         true,
     ));
     // The most bookkeeping per byte a file can carry: one-element parameters with short names.

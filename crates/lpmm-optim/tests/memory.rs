@@ -28,52 +28,35 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
     }
     let configs = [
         ParamConfig::f32(Hyper::sgd(0.1, 0.9)),
-        ParamConfig {
-            param: Storage::Bf16(StoreRounding::Stochastic),
-            grad: Storage::Bf16(StoreRounding::Stochastic),
-            state1: Storage::DYNAMIC8_SIGNED,
-            state2: Storage::DYNAMIC8_UNSIGNED,
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        },
-        ParamConfig {
-            param: Storage::SplitF32,
-            grad: Storage::Bf16(StoreRounding::Nearest),
-            state1: Storage::FOUR_BIT_SIGNED,
-            state2: Storage::FOUR_BIT_UNSIGNED,
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        },
-        ParamConfig {
-            param: Storage::LINEAR8_GROUP64_SR,
-            grad: Storage::LINEAR8_GROUP64_SR,
-            state1: Storage::LINEAR8_GROUP64_SR,
-            ..ParamConfig::f32(Hyper::sgd(0.1, 0.9))
-        },
-        ParamConfig {
-            param: Storage::Bf16Kahan,
-            ..ParamConfig::f32(Hyper::lion(1e-4))
-        },
-        ParamConfig {
-            state1: Storage::FOUR_BIT_SIGNED,
-            state2: Storage::Rank1 {
+        ParamConfig::f32(Hyper::adamw(1e-3))
+            .with_param(Storage::Bf16(StoreRounding::Stochastic))
+            .with_grad(Storage::Bf16(StoreRounding::Stochastic))
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED),
+        ParamConfig::f32(Hyper::adamw(1e-3))
+            .with_param(Storage::SplitF32)
+            .with_grad(Storage::Bf16(StoreRounding::Nearest))
+            .with_state1(Storage::FOUR_BIT_SIGNED)
+            .with_state2(Storage::FOUR_BIT_UNSIGNED),
+        ParamConfig::f32(Hyper::sgd(0.1, 0.9))
+            .with_param(Storage::LINEAR8_GROUP64_SR)
+            .with_grad(Storage::LINEAR8_GROUP64_SR)
+            .with_state1(Storage::LINEAR8_GROUP64_SR),
+        ParamConfig::f32(Hyper::lion(1e-4)).with_param(Storage::Bf16Kahan),
+        ParamConfig::f32(Hyper::adamw(1e-3))
+            .with_state1(Storage::FOUR_BIT_SIGNED)
+            .with_state2(Storage::Rank1 {
                 map: MapKind::LinearWithoutZero4,
                 fallback: lpmm_quant::BlockSize::B128,
-            },
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        },
-        ParamConfig {
-            state2: Storage::Factorized,
-            ..ParamConfig::f32(Hyper::adamw(1e-3))
-        },
+            }),
+        ParamConfig::f32(Hyper::adamw(1e-3)).with_state2(Storage::Factorized),
     ];
     let n = 3 << 20; // three pieces per parameter
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
     let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
     for config in configs {
-        let mut opt = Optimizer::new(OptimizerOptions {
-            max_grad_norm: Some(1.0),
-            ..Default::default()
-        })
-        .unwrap();
+        let mut opt =
+            Optimizer::new(OptimizerOptions::default().with_max_grad_norm(Some(1.0))).unwrap();
         let group = opt.add_group(config).unwrap();
         let before = LIVE.load(Ordering::SeqCst);
         // A matrix (rank-1 states need 2 dimensions) of three pieces.

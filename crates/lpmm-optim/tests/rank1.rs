@@ -4,14 +4,12 @@ use lpmm_optim::{Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Stora
 use lpmm_quant::{BlockSize, QuantRounding, Rank1};
 
 fn config() -> ParamConfig {
-    ParamConfig {
-        state1: Storage::FOUR_BIT_SIGNED,
-        state2: Storage::Rank1 {
+    ParamConfig::f32(Hyper::adamw(1e-3))
+        .with_state1(Storage::FOUR_BIT_SIGNED)
+        .with_state2(Storage::Rank1 {
             map: MapKind::LinearWithoutZero4,
             fallback: BlockSize::B128,
-        },
-        ..ParamConfig::f32(Hyper::adamw(1e-3))
-    }
+        })
 }
 
 /// A tensor of 2 pieces (1100 x 1000 > 2^20 elements) with row/column structure.

@@ -10,15 +10,18 @@ use lpmm_optim::{
 
 fn configs() -> Vec<(&'static str, ParamConfig)> {
     vec![
-        ("adamw_f32", presets::adamw_f32(1e-3)),
-        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3)),
-        ("adamw_8bit_bf16_sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("adamw_4bit_split", presets::adamw_4bit_split(1e-3)),
+        ("adamw_f32", presets::adamw_f32(1e-3).build()),
+        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3).build()),
+        (
+            "adamw_8bit_bf16_sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        ("adamw_4bit_split", presets::adamw_4bit_split(1e-3).build()),
         (
             "adamw_4bit_released",
-            presets::adamw_4bit_bf16_sr_released(1e-3),
+            presets::adamw_4bit_bf16_sr_released(1e-3).build(),
         ),
-        ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9)),
+        ("lpmm_sgdm", presets::lpmm_sgdm(1e-2, 0.9).build()),
         (
             "sgdm_f32_nesterov",
             ParamConfig::f32(Hyper::Sgd(lpmm_optim::Sgd {
@@ -29,30 +32,31 @@ fn configs() -> Vec<(&'static str, ParamConfig)> {
                 weight_decay: 1e-4,
             })),
         ),
-        ("lion_bf16", presets::bf16_nearest(Hyper::lion(1e-4))),
+        (
+            "lion_bf16",
+            presets::bf16_nearest(Hyper::lion(1e-4)).build(),
+        ),
         (
             "adam_l2_kahan",
-            ParamConfig {
-                param: Storage::Bf16Kahan,
-                ..ParamConfig::f32(Hyper::Adam(lpmm_optim::Adam {
-                    lr: 1e-3,
-                    betas: (0.9, 0.999),
-                    eps: 1e-8,
-                    weight_decay: 1e-2,
-                    decoupled: false,
-                }))
-            },
+            ParamConfig::f32(Hyper::Adam(lpmm_optim::Adam {
+                lr: 1e-3,
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                weight_decay: 1e-2,
+                decoupled: false,
+            }))
+            .with_param(Storage::Bf16Kahan),
         ),
     ]
 }
 
 /// Parameters and states after three steps, as bit patterns.
 fn run(config: ParamConfig) -> Vec<u32> {
-    let mut opt = Optimizer::new(OptimizerOptions {
-        seed: 11,
-        non_finite: NonFinitePolicy::SkipElements,
-        ..Default::default()
-    })
+    let mut opt = Optimizer::new(
+        OptimizerOptions::default()
+            .with_seed(11)
+            .with_non_finite(NonFinitePolicy::SkipElements),
+    )
     .unwrap();
     let released = config.grad == Storage::None;
     let nan_ok = !matches!(config.grad, Storage::Quantized { .. });

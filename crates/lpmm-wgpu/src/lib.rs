@@ -52,6 +52,7 @@ lpmm_backend::device_backend! {
 
 /// How the backend lays out device memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WgpuOptions {
     /// Bytes per segment buffer (clamped to the adapter's storage-binding and buffer limits).
     pub segment_bytes: u64,
@@ -68,6 +69,32 @@ impl Default for WgpuOptions {
             segment_bytes: 128 << 20,
             piece_elements: 1 << 20,
             io_bytes: 64 << 20,
+        }
+    }
+}
+
+impl WgpuOptions {
+    /// With segment buffers of `bytes`.
+    pub fn with_segment_bytes(self, bytes: u64) -> Self {
+        Self {
+            segment_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// With `n` elements per piece.
+    pub fn with_piece_elements(self, n: usize) -> Self {
+        Self {
+            piece_elements: n,
+            ..self
+        }
+    }
+
+    /// With a staging buffer of `bytes`.
+    pub fn with_io_bytes(self, bytes: u64) -> Self {
+        Self {
+            io_bytes: bytes,
+            ..self
         }
     }
 }
@@ -270,10 +297,9 @@ impl Wgpu {
             .iter()
             .map(|e| pipeline(e.name(), fused))
             .collect();
-        let device_options = DeviceOptions {
-            piece_elements: options.piece_elements,
-            io_floats,
-        };
+        let device_options = DeviceOptions::default()
+            .with_piece_elements(options.piece_elements)
+            .with_io_floats(io_floats);
         Wgpu::from_runtime(rt, device_options).map_err(|e| WgpuError::Options(e.to_string()))
     }
 

@@ -36,14 +36,9 @@ impl FloatBehaviour {
 /// The probe's inputs: products that need a fused rounding, cancellations, results that are
 /// subnormal or overflow, and quotients and roots across the exponent range.
 pub fn probe_inputs() -> Vec<[f32; 3]> {
-    let mut s = 0x1234_5678_9ABC_DEF0u64;
-    let mut next = move || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    use rand_core::{Rng as _, SeedableRng};
+    let mut rng = rand_xoshiro::SplitMix64::seed_from_u64(0x1234_5678_9ABC_DEF0);
+    let mut next = move || rng.next_u64();
     let mut out = Vec::new();
     let finite = |b: u32| {
         let x = f32::from_bits(b);

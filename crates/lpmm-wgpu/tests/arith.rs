@@ -11,7 +11,7 @@ fn software_fma_is_correctly_rounded() {
     let Some(gpu) = backend(Default::default()) else {
         return;
     };
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     let mut triples = lpmm_wgpu::probe_inputs();
     let pick = |rng: &mut Rng| {
         let b = rng.next_u64() as u32;

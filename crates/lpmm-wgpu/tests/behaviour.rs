@@ -14,7 +14,7 @@ fn many_small_tensors_share_one_dispatch() {
     };
     let mut opt = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
     opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let ids: Vec<ParamId> = (0..1000)
         .map(|k| {
             opt.add_param(&format!("b{k}"), &[64], &rng.spread(64, 0.1), 0)
@@ -46,10 +46,7 @@ fn subnormal_values_are_bit_exact_where_the_probe_says_so() {
 #[test]
 fn a_tensor_larger_than_a_segment_is_cut_into_pieces() {
     // 1.5 segments of parameter memory in one tensor, with the real piece size.
-    let options = WgpuOptions {
-        segment_bytes: 8 << 20,
-        ..WgpuOptions::default()
-    };
+    let options = WgpuOptions::default().with_segment_bytes(8 << 20);
     let Some(gpu) = backend(options) else { return };
     let config = presets::adamw_8bit_bf16(1e-3);
     let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -57,7 +54,7 @@ fn a_tensor_larger_than_a_segment_is_cut_into_pieces() {
     cpu.add_group(config).unwrap();
     dev.add_group(config).unwrap();
     let n = 3 << 20;
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     let init = rng.spread(n, 0.5);
     let a = cpu.add_param("big", &[n], &init, 0).unwrap();
     dev.add_param("big", &[n], &init, 0).unwrap();

@@ -29,17 +29,16 @@ fn buffer(gpu: &Wgpu, bytes: &[u8]) -> wgpu::Buffer {
 fn a_lent_parameter_is_stepped_in_place_in_the_callers_buffer() {
     let Some(gpu) = backend(small()) else { return };
     let n = 20_000;
-    let mut rng = Rng(12);
+    let mut rng = Rng::new(12);
     let init: Vec<lpmm_formats::bf16> = rng
         .spread(n, 0.5)
         .into_iter()
         .map(lpmm_formats::bf16::from_f32)
         .collect();
-    let options = OptimizerOptions {
-        seed: 4,
-        max_grad_norm: None,
-        non_finite: NonFinitePolicy::SkipElements,
-    };
+    let options = OptimizerOptions::default()
+        .with_seed(4)
+        .with_max_grad_norm(None)
+        .with_non_finite(NonFinitePolicy::SkipElements);
     let config = presets::adamw_8bit_bf16_sr(1e-3);
     // The reference: the CPU holding the parameter itself.
     let mut cpu = Optimizer::new(options).unwrap();

@@ -50,7 +50,7 @@ impl Mlp {
 
     /// The model with parameters of `dtype`.
     pub fn new_in(device: &Device, seed: u64, dtype: DType) -> Self {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         Mlp {
             w1: param(
                 uniform(&mut rng, D_IN * HIDDEN, 0.15),
@@ -97,7 +97,7 @@ impl Mlp {
 
 /// Batch `step` of a fixed regression task.
 pub fn batch(step: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
-    let mut rng = Rng(1000 + step as u64);
+    let mut rng = Rng::new(1000 + step as u64);
     let x = uniform(&mut rng, BATCH * D_IN, 1.0);
     let y = uniform(&mut rng, BATCH * D_OUT, 1.0);
     (

@@ -8,17 +8,19 @@ use lpmm_optim::{
     Canonical, Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage,
     StoreRounding, presets,
 };
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
-/// SplitMix64 (the same numbers everywhere).
-pub struct Rng(pub u64);
+/// SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
+pub struct Rng(SplitMix64);
 
 impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
+    }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Values over several orders of magnitude, with exact zeros.
@@ -54,14 +56,14 @@ pub fn numels() -> Vec<usize> {
 }
 
 pub fn init() -> Vec<Vec<f32>> {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     numels().iter().map(|&n| rng.spread(n, 0.5)).collect()
 }
 
 /// Rank `r`'s gradients at `step`. With `exact`, multiples of 2^-20 below 2^6 in magnitude: sums
 /// of up to 4 of them are exact in f32, so the total does not depend on the world size.
 pub fn grads(world: usize, r: usize, step: usize, exact: bool) -> Vec<Vec<f32>> {
-    let mut rng = Rng(1000 * step as u64 + 10 * world as u64 + r as u64);
+    let mut rng = Rng::new(1000 * step as u64 + 10 * world as u64 + r as u64);
     numels()
         .iter()
         .map(|&n| {
@@ -134,54 +136,51 @@ pub fn same_canonical(a: &Canonical, b: &Canonical, what: &str) {
 pub fn configs() -> Vec<(&'static str, ParamConfig)> {
     let bf_sr = Storage::Bf16(StoreRounding::Stochastic);
     vec![
-        ("adamw 8-bit bf16 sr", presets::adamw_8bit_bf16_sr(1e-3)),
-        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3)),
-        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9)),
-        ("adamw f32", presets::adamw_f32(1e-3)),
+        (
+            "adamw 8-bit bf16 sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3).build()),
+        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
+        ("adamw f32", presets::adamw_f32(1e-3).build()),
         (
             "lion kahan, bf16-sr grads",
-            ParamConfig {
-                hyper: Hyper::lion(1e-4),
-                param: Storage::Bf16Kahan,
-                grad: bf_sr,
-                state1: bf_sr,
-                state2: bf_sr,
-                min_quantized_size: 4096,
-            },
+            ParamConfig::f32(Hyper::lion(1e-4))
+                .with_param(Storage::Bf16Kahan)
+                .with_grad(bf_sr)
+                .with_state1(bf_sr)
+                .with_state2(bf_sr)
+                .with_min_quantized_size(4096),
         ),
         (
             "sgd nesterov, quantized grads and params",
-            ParamConfig {
-                hyper: Hyper::Sgd(lpmm_optim::Sgd {
-                    lr: 0.05,
-                    momentum: 0.9,
-                    dampening: 0.0,
-                    nesterov: true,
-                    weight_decay: 1e-2,
-                }),
-                param: Storage::LINEAR8_GROUP64_SR,
-                grad: Storage::LINEAR8_GROUP64_SR,
-                state1: Storage::DYNAMIC8_SIGNED,
-                state2: Storage::DYNAMIC8_UNSIGNED,
-                min_quantized_size: 4096,
-            },
+            ParamConfig::f32(Hyper::Sgd(lpmm_optim::Sgd {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.0,
+                nesterov: true,
+                weight_decay: 1e-2,
+            }))
+            .with_param(Storage::LINEAR8_GROUP64_SR)
+            .with_grad(Storage::LINEAR8_GROUP64_SR)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+            .with_min_quantized_size(4096),
         ),
         (
             "adam 4-bit with rank-1 second moment",
-            ParamConfig {
-                state2: Storage::Rank1 {
+            presets::adamw_4bit_split(1e-3)
+                .with_state2(Storage::Rank1 {
                     map: MapKind::LinearWithoutZero4,
                     fallback: lpmm_quant::BlockSize::B128,
-                },
-                ..presets::adamw_4bit_split(1e-3)
-            },
+                })
+                .build(),
         ),
         (
             "adam factorized second moment",
-            ParamConfig {
-                state2: Storage::Factorized,
-                ..presets::adamw_8bit_bf16(1e-3)
-            },
+            presets::adamw_8bit_bf16(1e-3)
+                .with_state2(Storage::Factorized)
+                .build(),
         ),
     ]
 }

@@ -15,11 +15,10 @@ use lpmm_optim::{Canonical, NonFinitePolicy, OptimizerOptions, ParamConfig, pres
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 fn options() -> OptimizerOptions {
-    OptimizerOptions {
-        seed: 5,
-        max_grad_norm: Some(50.0),
-        non_finite: NonFinitePolicy::SkipStep,
-    }
+    OptimizerOptions::default()
+        .with_seed(5)
+        .with_max_grad_norm(Some(50.0))
+        .with_non_finite(NonFinitePolicy::SkipStep)
 }
 
 /// Steps `mpi`'s ranks and a local unsharded optimizer through 3 steps; `exact` picks exactly
@@ -98,10 +97,9 @@ fn main() {
                         &mpi,
                         name,
                         config,
-                        ShardOptions {
-                            zero,
-                            reduction: Reduction::FixedOrder,
-                        },
+                        ShardOptions::default()
+                            .with_zero(zero)
+                            .with_reduction(Reduction::FixedOrder),
                         false,
                         dir,
                     );
@@ -109,10 +107,9 @@ fn main() {
                         &mpi,
                         name,
                         config,
-                        ShardOptions {
-                            zero,
-                            reduction: Reduction::Native,
-                        },
+                        ShardOptions::default()
+                            .with_zero(zero)
+                            .with_reduction(Reduction::Native),
                         true,
                         dir,
                     );
@@ -123,9 +120,16 @@ fn main() {
             }
             // Memory each rank holds, 8-bit AdamW.
             let config = presets::adamw_8bit_bf16(1e-3);
-            let (refopt, _) = reference(options(), config);
-            let opt = ShardedOptimizer::new(&mpi, options(), shard, vec![config], model(), &init())
-                .expect("sharded optimizer");
+            let (refopt, _) = reference(options(), config.build());
+            let opt = ShardedOptimizer::new(
+                &mpi,
+                options(),
+                shard,
+                vec![config.build()],
+                model(),
+                &init(),
+            )
+            .expect("sharded optimizer");
             println!(
                 "rank {rank}/{world}: memory {} bytes of {} unsharded",
                 opt.memory_report().total(),
@@ -137,7 +141,7 @@ fn main() {
                 &mpi,
                 options(),
                 shard,
-                vec![presets::adamw_4bit_split(1e-3)],
+                vec![presets::adamw_4bit_split(1e-3).build()],
                 model(),
                 &init(),
             )
@@ -158,7 +162,7 @@ fn main() {
                 opt.step(&refs).expect("step");
             }
             opt.save(&args[2]).expect("save");
-            let (mut refopt, ids) = reference(options(), presets::adamw_4bit_split(1e-3));
+            let (mut refopt, ids) = reference(options(), presets::adamw_4bit_split(1e-3).build());
             for step in 0..4 {
                 for (&id, g) in ids.iter().zip(grads(1, 0, step, true)) {
                     refopt.accumulate(id, &g).expect("accumulate");

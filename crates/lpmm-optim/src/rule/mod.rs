@@ -251,6 +251,14 @@ macro_rules! rules {
             $($variant(<$config as Rule>::Consts),)*
         }
 
+        $(
+            impl From<$config> for Hyper {
+                fn from(rule: $config) -> Self {
+                    Hyper::$variant(rule)
+                }
+            }
+        )*
+
         impl Hyper {
             /// The learning rate.
             pub fn lr(&self) -> f64 {

@@ -23,9 +23,8 @@ pub fn backend(options: WgpuOptions) -> Option<Wgpu> {
 /// Small segments, pieces and io buffer, so that parameters span pieces and segments and
 /// dispatches are cut into batches (the results must not depend on any of it).
 pub fn small() -> WgpuOptions {
-    WgpuOptions {
-        segment_bytes: 160 << 10,
-        piece_elements: 8192,
-        io_bytes: 40 << 10,
-    }
+    WgpuOptions::default()
+        .with_segment_bytes(160 << 10)
+        .with_piece_elements(8192)
+        .with_io_bytes(40 << 10)
 }

@@ -3,7 +3,7 @@
 //! f32 reference; then a low-learning-rate condition where round-to-nearest bf16 loses small
 //! updates; then text sampled from the trained language models.
 //!
-//! `cargo run --release -p lpmm-candle --example compare` (about 15 minutes on 2 cores).
+//! `cargo run --release -p lpmm-candle-examples --example compare` (about 15 minutes on 2 cores).
 //! Options: `--quick` (a smoke run of a minute), `--text PATH` (train the language model on your
 //! own text: the first 90% of its bytes train, the last 10% validate; `.gz` files are
 //! decompressed).
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use lpmm_candle::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
-use lpmm_candle::footprint::{self, Probe, ProbeShape};
+use lpmm_candle_examples::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
+use lpmm_candle_examples::footprint::{self, Probe, ProbeShape};
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -148,46 +148,29 @@ fn candle_threads() {
     }
 }
 
+/// Every preset on the digits MLP and the character-level transformer through candle: model
+/// and process memory, quality against the f32 references, the low-learning-rate condition,
+/// samples (docs/RESULTS.md).
+#[derive(Debug, clap::Parser)]
 struct Args {
+    /// A smoke run of a minute (short budgets, small memory probe).
+    #[arg(long)]
     quick: bool,
+    /// Train the language model on this text (first 90% train, last 10% validate; `.gz` is
+    /// decompressed) instead of the embedded Shakespeare plays.
+    #[arg(long, value_name = "PATH")]
     text: Option<PathBuf>,
     /// Child mode: measure one memory arm in this process and print its JSON.
+    #[arg(long, value_name = "ARM", hide = true)]
     memory_probe: Option<String>,
     /// Only the process-memory section.
+    #[arg(long)]
     memory_only: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        quick: false,
-        text: None,
-        memory_probe: None,
-        memory_only: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--quick" => args.quick = true,
-            "--memory-only" => args.memory_only = true,
-            "--memory-probe" => {
-                args.memory_probe = Some(it.next().ok_or("--memory-probe needs an arm's name")?)
-            }
-            "--text" => {
-                args.text = Some(it.next().ok_or("--text needs a file: --text PATH")?.into())
-            }
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; options: --quick, --text PATH, --memory-only"
-                ));
-            }
-        }
-    }
-    Ok(args)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_threads();
-    let args = parse_args()?;
+    let args = <Args as clap::Parser>::parse();
     let probe_shape = if args.quick {
         ProbeShape::quick()
     } else {
@@ -364,7 +347,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
     std::fs::create_dir_all(&dir)?;
-    let mut command = "cargo run --release -p lpmm-candle --example compare".to_string();
+    let mut command = "cargo run --release -p lpmm-candle-examples --example compare".to_string();
     let mut flags = Vec::new();
     if mode != "default" {
         flags.push(format!("--{mode}"));

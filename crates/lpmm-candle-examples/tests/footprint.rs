@@ -1,7 +1,7 @@
 //! The process-memory probe of the README's main command, on a tiny model: every arm trains, and
 //! what it accounts is what its storage says.
 
-use lpmm_candle::footprint::{self, ArmKind, ProbeShape};
+use lpmm_candle_examples::footprint::{self, ArmKind, ProbeShape};
 
 #[test]
 fn every_arm_trains_and_accounts_its_storage() {

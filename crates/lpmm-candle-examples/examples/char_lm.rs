@@ -2,8 +2,8 @@
 //! recipe: for trying a recipe (the figures of docs/RESULTS.md's "Choosing the recipe" come from
 //! it) or checking lpmm on your own text.
 //!
-//! `cargo run --release -p lpmm-candle --example char_lm -- [options]`, options (defaults: the
-//! main command's recipe, `lpmm_candle::experiments::LmRecipe::default_run`):
+//! `cargo run --release -p lpmm-candle-examples --example char_lm -- [options]`, options (defaults: the
+//! main command's recipe, `lpmm_candle_examples::experiments::LmRecipe::default_run`):
 //! `--text PATH` (default: the embedded Shakespeare plays), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
 //! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use lpmm_candle::experiments::{self, LmRecipe};
+use lpmm_candle_examples::experiments::{self, LmRecipe};
 
 /// As in `compare.rs`: candle 0.11's element-wise pool spins on 2 cores; `RAYON_NUM_THREADS`
 /// spares it from reading /proc/cpuinfo before every matrix product.
@@ -45,36 +45,65 @@ fn keep_freed_memory() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn keep_freed_memory() {}
 
+/// One language-model run; every option left out keeps the main command's recipe.
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// The text (default: the embedded Shakespeare plays).
+    #[arg(long, value_name = "PATH")]
+    text: Option<std::path::PathBuf>,
+    /// A preset of the comparison's table, or of `experiments::more_presets`.
+    #[arg(long, default_value = "f32 AdamW")]
+    preset: String,
+    /// Initialisation and data-order seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Peak learning rate of the AdamW (and Lion) presets.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Peak learning rate of the SGD presets.
+    #[arg(long)]
+    sgd_lr: Option<f64>,
+    #[arg(long)]
+    width: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    context: Option<usize>,
+    #[arg(long)]
+    warmup: Option<usize>,
+    #[arg(long)]
+    final_lr_fraction: Option<f64>,
+    /// Standard deviation of the initial weights (0: candle's own initialisation).
+    #[arg(long)]
+    init_std: Option<f64>,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_threads();
     keep_freed_memory();
+    let args = <Args as clap::Parser>::parse();
     let mut recipe = LmRecipe::default_run();
-    let (mut text_path, mut preset_name, mut seed) = (None, "f32 AdamW".to_string(), 0u64);
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-        match flag.as_str() {
-            "--text" => text_path = Some(std::path::PathBuf::from(&value)),
-            "--preset" => preset_name = value.clone(),
-            "--seed" => seed = value.parse().map_err(|e| bad(&e))?,
-            "--steps" => recipe.budget.steps = value.parse().map_err(|e| bad(&e))?,
-            "--batch" => recipe.budget.batch = value.parse().map_err(|e| bad(&e))?,
-            "--lr" => recipe.adamw_lr = value.parse().map_err(|e| bad(&e))?,
-            "--sgd-lr" => recipe.sgd_lr = value.parse().map_err(|e| bad(&e))?,
-            "--width" => recipe.width = value.parse().map_err(|e| bad(&e))?,
-            "--heads" => recipe.heads = value.parse().map_err(|e| bad(&e))?,
-            "--layers" => recipe.layers = value.parse().map_err(|e| bad(&e))?,
-            "--context" => recipe.context = value.parse().map_err(|e| bad(&e))?,
-            "--warmup" => recipe.warmup = value.parse().map_err(|e| bad(&e))?,
-            "--final-lr-fraction" => {
-                recipe.final_lr_fraction = value.parse().map_err(|e| bad(&e))?
-            }
-            "--init-std" => recipe.init_std = value.parse().map_err(|e| bad(&e))?,
-            _ => return Err(format!("unknown option {flag}").into()),
-        }
-    }
-    let presets = experiments::presets();
+    let set = |field: &mut usize, v: Option<usize>| *field = v.unwrap_or(*field);
+    set(&mut recipe.budget.steps, args.steps);
+    set(&mut recipe.budget.batch, args.batch);
+    set(&mut recipe.width, args.width);
+    set(&mut recipe.heads, args.heads);
+    set(&mut recipe.layers, args.layers);
+    set(&mut recipe.context, args.context);
+    set(&mut recipe.warmup, args.warmup);
+    recipe.adamw_lr = args.lr.unwrap_or(recipe.adamw_lr);
+    recipe.sgd_lr = args.sgd_lr.unwrap_or(recipe.sgd_lr);
+    recipe.final_lr_fraction = args.final_lr_fraction.unwrap_or(recipe.final_lr_fraction);
+    recipe.init_std = args.init_std.unwrap_or(recipe.init_std);
+    let (text_path, preset_name, seed) = (args.text, args.preset, args.seed);
+    let mut presets = experiments::presets();
+    presets.extend(experiments::more_presets());
     let preset = presets
         .iter()
         .find(|p| p.name == preset_name)

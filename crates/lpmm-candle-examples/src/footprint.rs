@@ -14,9 +14,10 @@ use candle_nn::{Linear, Optimizer as _, VarMap};
 use lpmm_optim::presets;
 use serde::{Deserialize, Serialize};
 
+use lpmm_candle::nn::QLinear;
+use lpmm_candle::{LpmmConfig, LpmmOptimizer};
+
 use crate::experiments::Rng;
-use crate::nn::QLinear;
-use crate::{LpmmConfig, LpmmOptimizer};
 
 /// The probe's model and run.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -117,49 +118,49 @@ pub fn arms() -> Vec<Arm> {
             "lpmm f32 SGDM",
             "lpmm f32 SGDM",
             None,
-            ArmKind::Lpmm(|lr| presets::sgdm_f32(lr, 0.9), 1e-2),
+            ArmKind::Lpmm(|lr| presets::sgdm_f32(lr, 0.9).build(), 1e-2),
         ),
         arm(
             "lpmm f32 AdamW",
             "candle-nn AdamW",
             None,
-            ArmKind::Lpmm(presets::adamw_f32, 1e-3),
+            ArmKind::Lpmm(|lr| presets::adamw_f32(lr).build(), 1e-3),
         ),
         arm(
             "lpmm 8-bit AdamW, f32 params",
             "candle-nn AdamW",
             None,
-            ArmKind::Lpmm(presets::adamw_8bit, 1e-3),
+            ArmKind::Lpmm(|lr| presets::adamw_8bit(lr).build(), 1e-3),
         ),
         arm(
             "lpmm 8-bit AdamW, bf16 SR",
             "candle-nn AdamW",
             Some(0.45),
-            ArmKind::Lpmm(presets::adamw_8bit_bf16_sr, 1e-3),
+            ArmKind::Lpmm(|lr| presets::adamw_8bit_bf16_sr(lr).build(), 1e-3),
         ),
         arm(
             "lpmm 4-bit AdamW, split f32",
             "candle-nn AdamW",
             None,
-            ArmKind::Lpmm(presets::adamw_4bit_split, 1e-3),
+            ArmKind::Lpmm(|lr| presets::adamw_4bit_split(lr).build(), 1e-3),
         ),
         arm(
             "lpmm 4-bit AdamW, bf16 SR, released",
             "candle-nn AdamW",
             None,
-            ArmKind::Lpmm(presets::adamw_4bit_bf16_sr_released, 1e-3),
+            ArmKind::Lpmm(|lr| presets::adamw_4bit_bf16_sr_released(lr).build(), 1e-3),
         ),
         arm(
             "lpmm 4-bit AdamW, bf16 SR, released (lpmm layers)",
             "candle-nn AdamW",
             None,
-            ArmKind::LpmmLayers(presets::adamw_4bit_bf16_sr_released, 1e-3),
+            ArmKind::LpmmLayers(|lr| presets::adamw_4bit_bf16_sr_released(lr).build(), 1e-3),
         ),
         arm(
             "LPMM-SGDM (lpmm layers)",
             "lpmm f32 SGDM",
             Some(0.30),
-            ArmKind::LpmmLayers(|lr| presets::lpmm_sgdm(lr, 0.9), 1e-2),
+            ArmKind::LpmmLayers(|lr| presets::lpmm_sgdm(lr, 0.9).build(), 1e-2),
         ),
         arm(
             "process floor (no model)",

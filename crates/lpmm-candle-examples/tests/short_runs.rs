@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use lpmm_candle::experiments::{self, Budget, CharLm, LmRecipe, RunResult};
+use lpmm_candle_examples::experiments::{self, Budget, CharLm, LmRecipe, RunResult};
 
 fn falls(r: &RunResult) {
     let first = r.curve[0];

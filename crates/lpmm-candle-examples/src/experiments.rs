@@ -2,6 +2,8 @@
 //! every preset, the same initialisation and data order for all of them, and the measurements
 //! the report prints. Data: `data/` (see its README for sources, licences and the fixed splits).
 
+use rand_core::{Rng as _, SeedableRng};
+use rand_xoshiro::SplitMix64;
 use std::io::Read;
 use std::time::Instant;
 
@@ -10,8 +12,8 @@ use candle_nn::{Embedding, Linear, Optimizer as _, VarBuilder, VarMap};
 use lpmm_optim::{Hyper, ParamConfig, presets};
 use serde::Serialize;
 
-use crate::ops::LayerNorm;
-use crate::{LpmmConfig, LpmmOptimizer};
+use lpmm_candle::ops::LayerNorm;
+use lpmm_candle::{LpmmConfig, LpmmOptimizer};
 
 const DIGITS_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
 const SHAKESPEARE_GZ: &[u8] = include_bytes!("../data/shakespeare.txt.gz");
@@ -39,19 +41,19 @@ pub struct Digits {
 
 /// Loads the digits with the fixed split: sample `i` validates iff `i % 5 == 0`.
 pub fn digits() -> Result<Digits> {
-    let text = String::from_utf8(gunzip(DIGITS_GZ)?).map_err(candle_core::Error::wrap)?;
+    let csv = gunzip(DIGITS_GZ)?;
     let mut d = Digits {
         train_x: Vec::new(),
         train_y: Vec::new(),
         val_x: Vec::new(),
         val_y: Vec::new(),
     };
-    for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
-        let v: Vec<u32> = line
-            .split(',')
-            .map(|f| f.trim().parse::<u32>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(candle_core::Error::wrap)?;
+    let mut rows = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .trim(csv::Trim::All)
+        .from_reader(csv.as_slice());
+    for (i, row) in rows.deserialize::<Vec<u32>>().enumerate() {
+        let v = row.map_err(candle_core::Error::wrap)?;
         if v.len() != 65 {
             return Err(candle_core::Error::Msg(format!(
                 "digits row {i} has {} fields",
@@ -190,24 +192,20 @@ pub fn baselines(text: &Text) -> Baselines {
     Baselines { unigram, bigram }
 }
 
-/// A small deterministic generator (SplitMix64) for initialisation and data order, so every
-/// preset sees the same numbers.
+/// A small deterministic generator (SplitMix64 from `rand_xoshiro`) for initialisation and data
+/// order, so every preset sees the same numbers.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
     /// A generator from `seed`.
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Rng(SplitMix64::seed_from_u64(seed ^ 0x9E37_79B9_7F4A_7C15))
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).
@@ -373,7 +371,7 @@ struct Block {
 
 /// A small causal character-level transformer (nanoGPT-like: pre-norm blocks, learned positions,
 /// an MLP of 4x the width, no biases; ReLU instead of GELU, which costs a third of the step time
-/// in candle's CPU backward pass). Its layer norms and attention softmax are [`crate::ops`]'s
+/// in candle's CPU backward pass). Its layer norms and attention softmax are [`lpmm_candle::ops`]'s
 /// differentiable ones: with candle-nn's fused `LayerNorm` and `softmax_last_dim` no gradient
 /// would cross them (see the crate's documentation).
 #[derive(Debug)]
@@ -480,7 +478,7 @@ impl CharLm {
                     .contiguous()
             };
             let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-            let att = crate::ops::causal_softmax(
+            let att = lpmm_candle::ops::causal_softmax(
                 &q.matmul(&k.transpose(2, 3)?.contiguous()?)?,
                 1.0 / ((w / h) as f64).sqrt(),
             )?;
@@ -557,51 +555,88 @@ pub fn presets() -> Vec<Preset> {
     vec![
         Preset {
             name: "f32 AdamW",
-            config: presets::adamw_f32,
+            config: |lr| presets::adamw_f32(lr).build(),
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
         },
         Preset {
             name: "f32 SGDM",
-            config: |lr| presets::sgdm_f32(lr, 0.9),
+            config: |lr| presets::sgdm_f32(lr, 0.9).build(),
             sgd: true,
             reference: "f32 SGDM",
             micro_batches: 1,
         },
         Preset {
             name: "8-bit AdamW, bf16",
-            config: presets::adamw_8bit_bf16,
+            config: |lr| presets::adamw_8bit_bf16(lr).build(),
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
         },
         Preset {
             name: "8-bit AdamW, bf16 SR",
-            config: presets::adamw_8bit_bf16_sr,
+            config: |lr| presets::adamw_8bit_bf16_sr(lr).build(),
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
         },
         Preset {
             name: "4-bit AdamW, split f32",
-            config: presets::adamw_4bit_split,
+            config: |lr| presets::adamw_4bit_split(lr).build(),
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
         },
         Preset {
             name: "LPMM-SGDM",
-            config: |lr| presets::lpmm_sgdm(lr, 0.9),
+            config: |lr| presets::lpmm_sgdm(lr, 0.9).build(),
             sgd: true,
             reference: "f32 SGDM",
             micro_batches: 4,
         },
         Preset {
             name: "bf16 AdamW, round to nearest",
-            config: |lr| presets::bf16_nearest(Hyper::adamw(lr)),
+            config: |lr| presets::bf16_nearest(Hyper::adamw(lr)).build(),
             sgd: false,
             reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+    ]
+}
+
+/// Presets outside the comparison's default run, for [`run_char_lm`] (`examples/char_lm.rs
+/// --preset NAME`): bitsandbytes' `AdamW8bit` and `Lion8bit` equivalents on f32 parameters, the
+/// 4-bit AdamW twin, and the f32 Lion reference. Lion steps at a tenth of the AdamW learning
+/// rate (its authors advise 3 to 10 times smaller).
+pub fn more_presets() -> Vec<Preset> {
+    vec![
+        Preset {
+            name: "8-bit AdamW, f32",
+            config: |lr| presets::adamw_8bit(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "4-bit AdamW, f32",
+            config: |lr| presets::adamw_4bit(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "f32 Lion",
+            config: |lr| presets::lion_f32(lr / 10.0).build(),
+            sgd: false,
+            reference: "f32 Lion",
+            micro_batches: 1,
+        },
+        Preset {
+            name: "8-bit Lion, f32",
+            config: |lr| presets::lion_8bit(lr / 10.0).build(),
+            sgd: false,
+            reference: "f32 Lion",
             micro_batches: 1,
         },
     ]
