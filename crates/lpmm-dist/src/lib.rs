@@ -10,7 +10,7 @@
 //!     Single,
 //!     OptimizerOptions::default(),
 //!     ShardOptions::default(),
-//!     vec![presets::adamw_8bit_bf16(1e-3)],
+//!     vec![presets::adamw_8bit_bf16(1e-3).build()],
 //!     vec![ParamDef::new("w", &[64, 128], 0)],
 //!     &[vec![0.01; 64 * 128]],
 //! )?;
