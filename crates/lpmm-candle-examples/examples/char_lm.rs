@@ -13,37 +13,7 @@
 use std::time::Instant;
 
 use lpmm_candle_examples::experiments::{self, LmRecipe};
-
-/// As in `compare.rs`: candle 0.11's element-wise pool spins on 2 cores; `RAYON_NUM_THREADS`
-/// spares it from reading /proc/cpuinfo before every matrix product.
-fn candle_threads() {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    for (name, value) in [
-        ("CANDLE_NUM_THREADS", "1".to_string()),
-        ("RAYON_NUM_THREADS", cores.to_string()),
-    ] {
-        if std::env::var_os(name).is_none() {
-            // SAFETY: called first thing in `main`, before any other thread exists.
-            unsafe { std::env::set_var(name, value) };
-        }
-    }
-}
-
-/// As in `compare.rs`: keep freed memory in the process (glibc).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
-    unsafe extern "C" {
-        fn mallopt(param: i32, value: i32) -> i32;
-    }
-    // SAFETY: mallopt only changes allocator thresholds; called before any other thread exists.
-    unsafe {
-        mallopt(-3, 32 << 20); // M_MMAP_THRESHOLD
-        mallopt(-1, 1 << 30); // M_TRIM_THRESHOLD
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
+use lpmm_candle_examples::process;
 
 /// One language-model run; every option left out keeps the main command's recipe.
 #[derive(Debug, clap::Parser)]
@@ -85,8 +55,9 @@ struct Args {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    candle_threads();
-    keep_freed_memory();
+    // SAFETY: first thing in `main`, before any other thread exists.
+    unsafe { process::candle_threads() };
+    process::keep_freed_memory();
     let args = <Args as clap::Parser>::parse();
     let mut recipe = LmRecipe::default_run();
     let set = |field: &mut usize, v: Option<usize>| *field = v.unwrap_or(*field);

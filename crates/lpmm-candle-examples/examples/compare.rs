@@ -16,6 +16,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use lpmm_candle_examples::experiments::{self, Baselines, Budget, LmRecipe, Preset, RunResult};
 use lpmm_candle_examples::footprint::{self, Probe, ProbeShape};
+use lpmm_candle_examples::process;
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -108,46 +109,6 @@ struct MemoryRow {
     goal_met: Option<bool>,
 }
 
-/// Keeps freed memory in the process (glibc): candle allocates and frees a buffer for every
-/// tensor operation, and with glibc's defaults large ones are returned to the kernel and faulted in
-/// again on every step (about a third of the step time on 2 cores).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
-    unsafe extern "C" {
-        fn mallopt(param: i32, value: i32) -> i32;
-    }
-    const M_TRIM_THRESHOLD: i32 = -1;
-    const M_MMAP_THRESHOLD: i32 = -3;
-    // SAFETY: mallopt only changes allocator thresholds; it is called before any other thread
-    // exists, with values glibc accepts (the mmap threshold at its 32 MiB maximum).
-    unsafe {
-        mallopt(M_MMAP_THRESHOLD, 32 << 20);
-        mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
-
-/// Thread settings for candle 0.11's CPU backend, unless the environment gives its own:
-/// `CANDLE_NUM_THREADS=1` runs element-wise operations on the calling thread (candle's pool for
-/// them spins while it waits; on a 2-core machine with anything else running, that made a step
-/// up to 5 times slower), and `RAYON_NUM_THREADS` (the matrix products' threads, every core)
-/// spares candle from reading /proc/cpuinfo for it before every matrix product.
-fn candle_threads() {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    for (name, value) in [
-        ("CANDLE_NUM_THREADS", "1".to_string()),
-        ("RAYON_NUM_THREADS", cores.to_string()),
-    ] {
-        if std::env::var_os(name).is_none() {
-            // SAFETY: called first thing in `main`, before any other thread exists, so nothing
-            // reads the environment concurrently.
-            unsafe { std::env::set_var(name, value) };
-        }
-    }
-}
-
 /// Every preset on the digits MLP and the character-level transformer through candle: model
 /// and process memory, quality against the f32 references, the low-learning-rate condition,
 /// samples (docs/RESULTS.md).
@@ -169,7 +130,8 @@ struct Args {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    candle_threads();
+    // SAFETY: first thing in `main`, before any other thread exists.
+    unsafe { process::candle_threads() };
     let args = <Args as clap::Parser>::parse();
     let probe_shape = if args.quick {
         ProbeShape::quick()
@@ -186,7 +148,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("PROBE {}", serde_json::to_string(&probe)?);
         return Ok(());
     }
-    keep_freed_memory();
+    process::keep_freed_memory();
     let start = Instant::now();
     println!(
         "Process memory: {} layers of {}, batch {}, {} steps; each arm in a process of its own",

@@ -6,3 +6,4 @@
 
 pub mod experiments;
 pub mod footprint;
+pub mod process;
