@@ -11,6 +11,7 @@
 
 use bytemuck::{Pod, Zeroable};
 use lpmm_optim::MapKind;
+use lpmm_optim::backend::{MAX_STATS, SLOTS};
 
 /// Elements per tile (the CPU's chunk): every quantization block divides it.
 pub const TILE: u32 = 4096;
@@ -31,6 +32,10 @@ pub const F_FIRST: u32 = lpmm_optim::backend::StepFlags::FIRST;
 pub const F_UPDATE_PARAM: u32 = lpmm_optim::backend::StepFlags::UPDATE_PARAM;
 /// [`Desc::flags`]: state 2 is given (a factorized reconstruction) and not updated.
 pub const F_GIVEN_V: u32 = lpmm_optim::backend::StepFlags::GIVEN_V;
+/// [`Desc::flags`]: state 3 is given (a factorized reconstruction) and not updated.
+pub const F_GIVEN_W: u32 = lpmm_optim::backend::StepFlags::GIVEN_W;
+/// [`Desc::flags`]: only the parameter moves, by the rule's transform (no gradient, no state).
+pub const F_TRANSFORM: u32 = lpmm_optim::backend::StepFlags::TRANSFORM;
 /// [`Desc::flags`]: the item has an input (a gradient to add, initial values).
 pub const F_INPUT: u32 = 1 << 8;
 /// [`Desc::flags`]: the input holds bf16 values (else f32).
@@ -93,8 +98,8 @@ pub struct Desc {
     pub shape: [u32; MAX_DIMS],
     /// The rule's constants ([`lpmm_optim::backend::RuleConsts::words`]).
     pub consts: [u32; CONST_WORDS],
-    /// The four slots: parameter, gradient accumulator, state 1, state 2.
-    pub slots: [SlotDesc; 4],
+    /// The slots: parameter, gradient accumulator, states 1, 2 and 3.
+    pub slots: [SlotDesc; SLOTS],
 }
 
 /// A kernel entry point.
@@ -141,6 +146,26 @@ impl Entry {
         }
     }
 }
+
+/// Words per parameter in the flag buffer: word 0 is set when a value is not finite; then the
+/// fold scratch of the rule's sums of squares ([`lpmm_optim::backend::RuleConsts::stats`]):
+/// `MAX_STATS` exponents and `MAX_STATS` 64-bit sums (low word first), the layout of
+/// lpmm-optim's `fixed` folds.
+pub const FLAG_WORDS: u32 = 8;
+/// Where a parameter's exponent words start among its flag words.
+pub const STAT_EXP: u32 = 1;
+/// Where its sum words start.
+pub const STAT_SUM: u32 = STAT_EXP + MAX_STATS as u32;
+const _: () = assert!(STAT_SUM + 2 * MAX_STATS as u32 <= FLAG_WORDS);
+
+/// [`Desc::mode`] of a fold pass: `phase | target << 8 | input << 16`; `target` is the slot
+/// whose statistics fold (state 2 or 3) or [`FOLD_STATS`], `input` [`FOLD_UPDATED`] or
+/// [`FOLD_MOMENT`] (ignored for the rule's sums).
+pub const FOLD_STATS: u32 = 255;
+/// A fold pass's input: the slot's updated value (the rule applied, nothing stored).
+pub const FOLD_UPDATED: u32 = 0;
+/// A fold pass's input: the rule's moment input for the slot.
+pub const FOLD_MOMENT: u32 = 1;
 
 /// Where a region lives, for runtimes that bind buffers (wgpu): the binding its address refers
 /// to. Runtimes with pointers (CUDA) ignore it.
@@ -217,4 +242,4 @@ pub const SLOTS_OFFSET: usize = std::mem::offset_of!(Desc, slots);
 const _: () = assert!(std::mem::size_of::<SlotDesc>() == 8 + 8 * SLOT_REGIONS);
 const _: () = assert!(SLOTS_OFFSET.is_multiple_of(8));
 const _: () =
-    assert!(std::mem::size_of::<Desc>() == SLOTS_OFFSET + 4 * std::mem::size_of::<SlotDesc>());
+    assert!(std::mem::size_of::<Desc>() == SLOTS_OFFSET + SLOTS * std::mem::size_of::<SlotDesc>());

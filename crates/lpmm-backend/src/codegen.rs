@@ -6,18 +6,22 @@
 //!
 //! A format's kernel file `formats/<name>` defines any of `fmt_<name>_load`, `_store`, `_clear`,
 //! `_add`, `_fold` and `_stochastic` (see [docs/BACKENDS.md] for their signatures); a rule's file
-//! `rules/<name>` defines `rule_<name>_apply` and optionally `rule_<name>_moment_gradient`. The
+//! `rules/<name>` defines `rule_<name>_apply` and optionally `rule_<name>_moment_input` and
+//! `rule_<name>_stat_input` (the values a factorized state's and the rule's own folds square). The
 //! dispatch calls what a file defines and falls back to doing nothing (load: 0) otherwise, so a
 //! new format or rule is one file per language and no switch is edited by hand.
 //!
 //! [docs/BACKENDS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BACKENDS.md
 
-use lpmm_optim::backend::{F32_MAX_BITS, FORMAT_KERNELS, FORMAT_LIMITS, FieldType, RuleConsts};
+use lpmm_optim::backend::{
+    F32_MAX_BITS, FORMAT_KERNELS, FORMAT_LIMITS, FieldType, RuleConsts, SLOTS,
+};
 
 use crate::abi::{
-    CONST_WORDS, DESC_FIELDS, Desc, Entry, F_FIRST, F_GIVEN_V, F_INPUT, F_INPUT_BF16,
-    F_OUTPUT_BF16, F_UPDATE_PARAM, MAP_LENS, MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS, SLOTS_OFFSET,
-    SlotDesc, THREADS, TILE,
+    CONST_WORDS, DESC_FIELDS, Desc, Entry, F_FIRST, F_GIVEN_V, F_GIVEN_W, F_INPUT, F_INPUT_BF16,
+    F_OUTPUT_BF16, F_TRANSFORM, F_UPDATE_PARAM, FLAG_WORDS, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED,
+    MAP_LENS, MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS, SLOTS_OFFSET, STAT_EXP, STAT_SUM, SlotDesc,
+    THREADS, TILE,
 };
 
 /// A kernel language.
@@ -84,6 +88,8 @@ pub fn abi(lang: Lang) -> String {
         ("F_FIRST".into(), F_FIRST.into()),
         ("F_UPDATE_PARAM".into(), F_UPDATE_PARAM.into()),
         ("F_GIVEN_V".into(), F_GIVEN_V.into()),
+        ("F_GIVEN_W".into(), F_GIVEN_W.into()),
+        ("F_TRANSFORM".into(), F_TRANSFORM.into()),
         ("F_INPUT".into(), F_INPUT.into()),
         ("F_INPUT_BF16".into(), F_INPUT_BF16.into()),
         ("F_OUTPUT_BF16".into(), F_OUTPUT_BF16.into()),
@@ -91,6 +97,13 @@ pub fn abi(lang: Lang) -> String {
         ("S_GRAD".into(), 1),
         ("S_STATE1".into(), 2),
         ("S_STATE2".into(), 3),
+        ("S_STATE3".into(), 4),
+        ("FLAG_WORDS".into(), FLAG_WORDS.into()),
+        ("STAT_EXP".into(), STAT_EXP.into()),
+        ("STAT_SUM".into(), STAT_SUM.into()),
+        ("FOLD_STATS".into(), FOLD_STATS.into()),
+        ("FOLD_UPDATED".into(), FOLD_UPDATED.into()),
+        ("FOLD_MOMENT".into(), FOLD_MOMENT.into()),
         ("MAP_STRIDE".into(), MAP_STRIDE.into()),
         ("MAP_LENS".into(), MAP_LENS.into()),
         ("FMT_NONE".into(), 0),
@@ -125,7 +138,7 @@ pub fn abi(lang: Lang) -> String {
                     o += &format!("    {} {};\n", f.ty, f.name);
                 }
             }
-            o += "    SlotDesc slots[4];\n};\n\n";
+            o += &format!("    SlotDesc slots[{SLOTS}];\n}};\n\n");
             o += "#ifdef LPMM_HOST\n";
             for f in DESC_FIELDS {
                 o += &format!(
@@ -290,24 +303,28 @@ pub fn dispatch(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 o += &format!("        default: {{ {default} }}\n    }}\n}}\n\n");
             }
             o += &limit_dispatch(lang);
-            o += "fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {\n    switch dw(t, D_RULE) {\n";
+            o += "fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {\n    switch dw(t, D_RULE) {\n";
             for (r, name, _) in &rules {
                 o += &format!(
-                    "        case RULE_{}: {{ return rule_{r}_apply(load_{name}(t), flags, p, g, m0, v0); }}\n",
+                    "        case RULE_{}: {{ return rule_{r}_apply(load_{name}(t), flags, p, g, m0, v0, w0); }}\n",
                     upper(r)
                 );
             }
-            o += "        default: { return Update(p, 0.0, m0, v0); }\n    }\n}\n\n";
-            o += "fn moment_gradient(t: Tile, flags: u32, p: f32, g: f32) -> f32 {\n    switch dw(t, D_RULE) {\n";
-            for (r, name, src) in &rules {
-                if defines(lang, src, &format!("rule_{r}_moment_gradient")) {
-                    o += &format!(
-                        "        case RULE_{}: {{ return rule_{r}_moment_gradient(load_{name}(t), flags, p, g); }}\n",
-                        upper(r)
-                    );
+            o += "        default: { return Update(p, 0.0, m0, v0, w0); }\n    }\n}\n\n";
+            for (func, extra, default) in [("moment_input", "s", "g"), ("stat_input", "k", "0.0")] {
+                o += &format!(
+                    "fn {func}(t: Tile, flags: u32, {extra}: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {{\n    switch dw(t, D_RULE) {{\n"
+                );
+                for (r, name, src) in &rules {
+                    if defines(lang, src, &format!("rule_{r}_{func}")) {
+                        o += &format!(
+                            "        case RULE_{}: {{ return rule_{r}_{func}(load_{name}(t), flags, {extra}, p, g, m, v, w); }}\n",
+                            upper(r)
+                        );
+                    }
                 }
+                o += &format!("        default: {{ return {default}; }}\n    }}\n}}\n\n");
             }
-            o += "        default: { return g; }\n    }\n}\n";
         }
         Lang::Cuda => {
             let fns: [(&str, &str, &str, &str); 6] = [
@@ -367,24 +384,29 @@ pub fn dispatch(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 o += &format!("    default:{default}\n    }}\n}}\n\n");
             }
             o += &limit_dispatch(lang);
-            o += "__device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, float m0, float v0) {\n    switch (d->rule) {\n";
+            o += "__device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, float m0, float v0, float w0) {\n    switch (d->rule) {\n";
             for (r, name, _) in &rules {
                 o += &format!(
-                    "    case RULE_{}: return rule_{r}_apply(*reinterpret_cast<const {name}*>(d->consts), flags, p, g, m0, v0);\n",
+                    "    case RULE_{}: return rule_{r}_apply(*reinterpret_cast<const {name}*>(d->consts), flags, p, g, m0, v0, w0);\n",
                     upper(r)
                 );
             }
-            o += "    default: { Update u; u.p = p; u.d = 0.0f; u.m = m0; u.v = v0; return u; }\n    }\n}\n\n";
-            o += "__device__ float moment_gradient(const Desc* d, uint32_t flags, float p, float g) {\n    switch (d->rule) {\n";
-            for (r, name, src) in &rules {
-                if defines(lang, src, &format!("rule_{r}_moment_gradient")) {
-                    o += &format!(
-                        "    case RULE_{}: return rule_{r}_moment_gradient(*reinterpret_cast<const {name}*>(d->consts), flags, p, g);\n",
-                        upper(r)
-                    );
+            o += "    default: { Update u; u.p = p; u.d = 0.0f; u.m = m0; u.v = v0; u.w = w0; return u; }\n    }\n}\n\n";
+            for (func, extra, default) in [("moment_input", "s", "g"), ("stat_input", "k", "0.0f")]
+            {
+                o += &format!(
+                    "__device__ float {func}(const Desc* d, uint32_t flags, uint32_t {extra}, float p, float g, float m, float v, float w) {{\n    switch (d->rule) {{\n"
+                );
+                for (r, name, src) in &rules {
+                    if defines(lang, src, &format!("rule_{r}_{func}")) {
+                        o += &format!(
+                            "    case RULE_{}: return rule_{r}_{func}(*reinterpret_cast<const {name}*>(d->consts), flags, {extra}, p, g, m, v, w);\n",
+                            upper(r)
+                        );
+                    }
                 }
+                o += &format!("    default: return {default};\n    }}\n}}\n\n");
             }
-            o += "    default: return g;\n    }\n}\n";
         }
     }
     o

@@ -1,7 +1,8 @@
 //! The one host orchestration of every optimizer operation over device memory: [`Device`] runs
 //! lpmm-optim's [`Backend`] seam on any [`Runtime`] — memory layout (pieces in arenas, tensor-wide
 //! regions), descriptors, batching into as few launches as the bindings and the staging buffer
-//! allow, gradient statistics, the two-phase step (fold, combine on the host, fused pass),
+//! allow, gradient statistics, the step's tensor-wide phases (folds, combine on the host) and
+//! fused pass,
 //! export and import, lent parameters and device-resident inputs and outputs.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -9,13 +10,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use lpmm_optim::backend::{
     Backend, BackendError, Dtype, FoldInput, Format, HostRegion, HostSlot, HostValues,
-    HostValuesMut, Init, ParamLayout, ParamStep, RegionSpec, SlotKind, StepFlags, StepWork,
+    HostValuesMut, Init, ParamLayout, ParamStep, RegionSpec, SLOTS, SlotKind, StepFlags, StepWork,
 };
 use lpmm_optim::{ExactSum, add_squares};
 
 use crate::abi::{
-    Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, MAX_DIMS,
-    SLOT_REGIONS, SlotDesc, TILE, map_table,
+    Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, FLAG_WORDS,
+    FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_EXP, STAT_SUM, SlotDesc,
+    TILE, map_table,
 };
 use crate::runtime::{Io, Launch, Runtime};
 
@@ -165,7 +167,7 @@ struct Piece {
     len: usize,
     span: Span,
     /// `(word offset in the arena, words)` of each slot's element regions.
-    regions: [[(usize, usize); 3]; 4],
+    regions: [[(usize, usize); 3]; SLOTS],
 }
 
 /// Everything a [`Device`] holds for one parameter. Dropping it returns its memory.
@@ -175,7 +177,7 @@ pub struct DeviceParam<R: Runtime> {
     /// The reservation of every tensor-wide region of every slot.
     wide: Option<Span>,
     /// `(word offset in the wide arena, words)` of each slot's tensor-wide regions.
-    wide_regions: [Vec<(usize, usize)>; 4],
+    wide_regions: [Vec<(usize, usize)>; SLOTS],
 }
 
 impl<R: Runtime> std::fmt::Debug for DeviceParam<R> {
@@ -220,7 +222,7 @@ struct Item<'a, R: Runtime> {
 struct StepCtx<'a, 'v, R: Runtime> {
     params: &'a [DeviceParam<R>],
     layouts: &'a [ParamLayout],
-    stepping: &'a [(usize, &'a ParamStep)],
+    stepping: &'a [(usize, ParamStep)],
     released: Option<(usize, DeviceInput<'v, R>)>,
     views: &'a [Option<R::View<'v>>],
     seed: u64,
@@ -365,7 +367,7 @@ impl<R: Runtime> Device<R> {
                 return Err(BackendError::Unsupported {
                     backend: rt.name(),
                     what: format!(
-                        "a piece of {words} words, more than an arena holds ({limit}): lower piece_elements"
+                        "a reservation of {words} words (a piece, or one parameter's tensor-wide statistics), more than an arena holds ({limit}): lower piece_elements or raise the segment size"
                     ),
                 });
             }
@@ -779,12 +781,12 @@ impl<R: Runtime> Device<R> {
         &self,
         state: &State<R::Buffer>,
         ctx: &StepCtx<'_, 'v, R>,
-        which: &dyn Fn(&ParamLayout) -> bool,
+        which: &dyn Fn(usize) -> bool,
         items: &mut Vec<Item<'v, R>>,
     ) {
-        for &(i, plan) in ctx.stepping {
+        for &(i, ref plan) in ctx.stepping {
             let layout = &ctx.layouts[i];
-            if !which(layout) {
+            if !which(i) {
                 continue;
             }
             let input = ctx.released.filter(|(r, _)| *r == i).map(|(_, g)| g);
@@ -799,16 +801,13 @@ impl<R: Runtime> Device<R> {
                 false,
                 items,
             );
-            let given = layout
-                .format(SlotKind::State2)
-                .is_some_and(|f| f.folds().contains(&FoldInput::MomentGradient));
             let words = plan.rule.words();
             let n = words.len().min(CONST_WORDS);
             for it in &mut items[before..] {
                 let d = &mut it.desc;
                 d.step = plan.t;
-                d.flags |= plan.flags.with(StepFlags::GIVEN_V, given).0;
-                d.flag_index = i as u32;
+                d.flags |= layout.step_flags(plan.flags).0;
+                d.flag_index = i as u32 * FLAG_WORDS;
                 d.rule = plan.rule.kernel_id();
                 d.clip = plan.clip;
                 d.consts[..n].copy_from_slice(&words[..n]);
@@ -897,7 +896,7 @@ impl<R: Runtime> Backend for Device<R> {
         for offset in (0..n).step_by(piece) {
             let len = piece.min(n - offset);
             let lent_region = |s: usize, k: usize| s == 0 && k == 0 && layout.lent;
-            let mut regions = [[(0usize, 0usize); 3]; 4];
+            let mut regions = [[(0usize, 0usize); 3]; SLOTS];
             let mut words = 0;
             for (s, specs) in elems.iter().enumerate() {
                 for (k, r) in specs.iter().enumerate() {
@@ -1161,42 +1160,51 @@ impl<R: Runtime> Backend for Device<R> {
             return Ok(());
         }
         let mut state = self.inner.lock();
-        self.ensure_flags(&mut state, params.len())?;
-        let stepping: Vec<(usize, &ParamStep)> = plans
+        self.ensure_flags(&mut state, params.len() * FLAG_WORDS as usize)?;
+        // The plans' constants change as the rule's sums are combined.
+        let mut stepping: Vec<(usize, ParamStep)> = plans
             .iter()
             .enumerate()
-            .filter_map(|(i, p)| p.as_ref().map(|p| (i, p)))
+            .filter_map(|(i, p)| p.map(|p| (i, p)))
             .collect();
-        // Phase A: the folds of formats with tensor-wide statistics, then their combine.
-        let two_phase = |l: &ParamLayout| {
-            l.format(SlotKind::State2)
-                .is_some_and(|f| !f.folds().is_empty())
-        };
         // Parameters whose tensor-wide statistics kept an old value (reported as non-finite).
         let mut kept = vec![false; params.len()];
-        if stepping.iter().any(|&(i, _)| two_phase(&layouts[i])) {
-            let mut passes = 0;
-            for &(i, _) in &stepping {
-                let Some(f) = layouts[i]
-                    .format(SlotKind::State2)
-                    .filter(|_| two_phase(&layouts[i]))
-                else {
-                    continue;
-                };
-                passes = passes.max(f.folds().len());
-                let targets = f.fold_targets();
-                let regions = params[i].wide_regions[3].clone();
-                self.write_wide(&state, &params[i], 3, &mut |r| {
-                    targets.contains(&r).then(|| vec![0u32; regions[r].1])
-                })?;
+        // The tensor-wide phases, in the CPU's order: a state 2's folds and combine, the rule's
+        // sums and their combine into its constants, a state 3's folds and combine.
+        let transform = |p: &ParamStep| p.flags.has(StepFlags::TRANSFORM);
+        for phase in [Some(SlotKind::State2), None, Some(SlotKind::State3)] {
+            // (parameter, passes) of every stepping parameter this phase folds.
+            let folding: Vec<(usize, usize)> = stepping
+                .iter()
+                .filter(|(_, p)| !transform(p))
+                .filter_map(|&(i, ref p)| {
+                    let passes = match phase {
+                        None => 2 * usize::from(p.rule.stats() > 0),
+                        Some(slot) => layouts[i].format(slot).map_or(0, |f| f.folds().len()),
+                    };
+                    (passes > 0).then_some((i, passes))
+                })
+                .collect();
+            if folding.is_empty() {
+                continue;
             }
+            if let Some(slot) = phase {
+                for &(i, _) in &folding {
+                    let f = layouts[i].format(slot).expect("folds");
+                    let targets = f.fold_targets();
+                    let regions = params[i].wide_regions[slot as usize].clone();
+                    self.write_wide(&state, &params[i], slot as usize, &mut |r| {
+                        targets.contains(&r).then(|| vec![0u32; regions[r].1])
+                    })?;
+                }
+            }
+            // The rule's fold words follow each parameter's flag word: ensure_flags zeroed them.
+            let passes = folding.iter().map(|&(_, n)| n).max().unwrap_or(0);
             for pass in 0..passes {
                 let mut items = Vec::new();
-                let which = |l: &ParamLayout| {
-                    two_phase(l)
-                        && l.format(SlotKind::State2)
-                            .is_some_and(|f| pass < f.folds().len())
-                };
+                let which: Vec<bool> = (0..params.len())
+                    .map(|i| folding.iter().any(|&(k, n)| k == i && pass < n))
+                    .collect();
                 let ctx = StepCtx {
                     params,
                     layouts,
@@ -1205,30 +1213,74 @@ impl<R: Runtime> Backend for Device<R> {
                     views: &views,
                     seed,
                 };
-                self.step_items(&state, &ctx, &which, &mut items);
+                self.step_items(&state, &ctx, &|i| which[i], &mut items);
                 for it in &mut items {
-                    // Pass and what it folds: `pass | input << 8` (entries' `lpmm_fold`).
-                    let layout = &layouts[it.desc.flag_index as usize];
-                    let input = layout
-                        .format(SlotKind::State2)
-                        .map_or(FoldInput::UpdatedState2, |f| f.folds()[pass]);
-                    it.desc.mode = pass as u32 | u32::from(input == FoldInput::MomentGradient) << 8;
+                    // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
+                    let layout = &layouts[(it.desc.flag_index / FLAG_WORDS) as usize];
+                    let (i, numel) = ((it.desc.flag_index / FLAG_WORDS) as usize, layout.numel);
+                    it.desc.mode = match phase {
+                        None => {
+                            // The sums' count, as fractional bits, and how many.
+                            let stats = stepping.iter().find(|(k, _)| *k == i).expect("stepping");
+                            let frac = lpmm_optim::backend::fixed_frac_bits(numel) as u32;
+                            pass as u32
+                                | FOLD_STATS << 8
+                                | frac << 16
+                                | (stats.1.rule.stats() as u32) << 24
+                        }
+                        Some(slot) => {
+                            let input = match layout.format(slot).map(|f| f.folds()[pass]) {
+                                Some(FoldInput::MomentGradient) => FOLD_MOMENT,
+                                _ => FOLD_UPDATED,
+                            };
+                            pass as u32 | (slot as u32) << 8 | input << 16
+                        }
+                    };
                 }
                 self.run(&mut state, Entry::Fold, &mut items)?;
             }
-            for &(i, plan) in &stepping {
-                if !two_phase(&layouts[i]) {
-                    continue;
+            match phase {
+                None => {
+                    let flags = state.flags.as_ref().expect("allocated");
+                    let words = self.guard(self.inner.rt.read(
+                        flags,
+                        0,
+                        params.len() * FLAG_WORDS as usize,
+                    ))?;
+                    for (i, plan) in stepping.iter_mut() {
+                        if !folding.iter().any(|&(k, _)| k == *i) {
+                            continue;
+                        }
+                        let base = *i * FLAG_WORDS as usize;
+                        let scratch: Vec<AtomicU32> = words[base..base + FLAG_WORDS as usize]
+                            .iter()
+                            .map(|&w| AtomicU32::new(w))
+                            .collect();
+                        let (exp, sum) = (
+                            &scratch[STAT_EXP as usize..STAT_SUM as usize],
+                            &scratch[STAT_SUM as usize..],
+                        );
+                        let numel = layouts[*i].numel;
+                        let sums: Vec<f64> = (0..plan.rule.stats())
+                            .map(|k| lpmm_optim::backend::fixed_total(exp, sum, k, numel))
+                            .collect();
+                        plan.rule.combine_stats(&sums, numel);
+                    }
                 }
-                let f = layouts[i].format(SlotKind::State2).expect("two-phase");
-                let wide = self.wide_words(&state, &params[i], 3)?;
-                kept[i] = f.combine(&wide, &layouts[i].shape, &plan.rule);
-                self.write_wide(&state, &params[i], 3, &mut |r| {
-                    Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect())
-                })?;
+                Some(slot) => {
+                    for &(i, _) in &folding {
+                        let plan = &stepping.iter().find(|(k, _)| *k == i).expect("stepping").1;
+                        let f = layouts[i].format(slot).expect("folds");
+                        let wide = self.wide_words(&state, &params[i], slot as usize)?;
+                        kept[i] |= f.combine(&wide, &layouts[i].shape, &plan.rule, slot);
+                        self.write_wide(&state, &params[i], slot as usize, &mut |r| {
+                            Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect())
+                        })?;
+                    }
+                }
             }
         }
-        // Phase B: the fused pass over every stepping parameter.
+        // The fused pass over every stepping parameter.
         let mut items = Vec::new();
         let ctx = StepCtx {
             params,
@@ -1241,17 +1293,23 @@ impl<R: Runtime> Backend for Device<R> {
         self.step_items(&state, &ctx, &|_| true, &mut items);
         self.run(&mut state, Entry::Step, &mut items)?;
         let flags = state.flags.as_ref().expect("allocated");
-        let words = self.guard(self.inner.rt.read(flags, 0, params.len().max(1)))?;
-        for ((f, w), k) in non_finite.iter_mut().zip(words).zip(kept) {
-            *f = w != 0 || k;
+        let words = self.guard(self.inner.rt.read(
+            flags,
+            0,
+            params.len().max(1) * FLAG_WORDS as usize,
+        ))?;
+        for (i, (f, k)) in non_finite.iter_mut().zip(kept).enumerate() {
+            *f = words[i * FLAG_WORDS as usize] != 0 || k;
         }
         drop(state);
-        for &(i, _) in &stepping {
-            if let Some((a, b)) = layouts[i]
-                .format(SlotKind::State2)
-                .and_then(|f| f.swap_after_step())
-            {
-                params[i].wide_regions[3].swap(a, b);
+        for (i, plan) in &stepping {
+            if transform(plan) {
+                continue;
+            }
+            for slot in [SlotKind::State2, SlotKind::State3] {
+                if let Some((a, b)) = layouts[*i].format(slot).and_then(|f| f.swap_after_step()) {
+                    params[*i].wide_regions[slot as usize].swap(a, b);
+                }
             }
         }
         Ok(())
@@ -1452,8 +1510,8 @@ impl<R: Runtime> Backend for Device<R> {
         Ok(())
     }
 
-    fn bytes(&self, param: &DeviceParam<R>, _layout: &ParamLayout) -> [usize; 4] {
-        let mut bytes = [0usize; 4];
+    fn bytes(&self, param: &DeviceParam<R>, _layout: &ParamLayout) -> [usize; SLOTS] {
+        let mut bytes = [0usize; SLOTS];
         for (s, b) in bytes.iter_mut().enumerate() {
             *b = param
                 .pieces

@@ -28,7 +28,7 @@ pub mod reexport {
     pub use lpmm_optim::ExactSum;
     pub use lpmm_optim::backend::{
         Backend, BackendError, Dtype, HostSlot, HostValues, HostValuesMut, Init, ParamLayout,
-        SlotKind, StepWork,
+        SLOTS, SlotKind, StepWork,
     };
 }
 
@@ -182,7 +182,7 @@ macro_rules! device_backend {
             ) -> Result<(), $crate::reexport::BackendError> {
                 self.0.import(param, layout, slot, host, lent)
             }
-            fn bytes(&self, param: &Self::Param, layout: &$crate::reexport::ParamLayout) -> [usize; 4] {
+            fn bytes(&self, param: &Self::Param, layout: &$crate::reexport::ParamLayout) -> [usize; $crate::reexport::SLOTS] {
                 self.0.bytes(param, layout)
             }
         }

@@ -412,6 +412,7 @@ impl<L: Lane> Core<L> {
                 fresh
                     .opt
                     .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+                fresh.opt.restore_rule_state(lid, p.rule_state)?;
                 for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
                     fresh.opt.import_slot(lid, slot, host.clone())?;
                 }
@@ -437,6 +438,7 @@ impl<L: Lane> Core<L> {
             fresh
                 .opt
                 .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            fresh.opt.restore_rule_state(lid, p.rule_state)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
                 match slot {
                     SlotKind::Param if !held => {

@@ -1,18 +1,23 @@
 //! lpmm's canonical state inside a burn record (burnpack).
 //!
 //! Layout (version 1): one tensor per saved region of every allocated slot, named
-//! `{param_id}.{slot}{suffix}` (`slot` in `param`, `grad`, `state1`, `state2`; `suffix` the
+//! `{param_id}.{slot}{suffix}` (`slot` in `param`, `grad`, `state1`, `state2`, `state3`; `suffix` the
 //! region's, as in lpmm's safetensors checkpoint: `""`, `.absmax`, `.comp`, `.rem`, ...) and
 //! carrying the parameter's burn id, in the region's dtype (u8 codes, f32 scales, bf16 values,
 //! ...), 1-D; and metadata key `lpmm` holding the JSON of [`Meta`]: options, step counter,
-//! groups, and per parameter its shape, configuration, counters and whether its value is the
-//! module's (then its parameter slot's primary region is not in the record: the module record
-//! holds it).
+//! groups, whether the parameters hold their evaluation point, and per parameter its shape,
+//! configuration, counters, rule state and whether its value is the module's (then its parameter
+//! slot's primary region is not in the record: the module record holds it). Fields added after
+//! version 1 was first written (`state3` tensors, `rule_state`, `eval`) default to nothing, so
+//! older records still load.
 
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
+use lpmm_optim::backend::SLOTS;
 use lpmm_optim::backend::{Dtype, HostRegion, HostSlot};
-use lpmm_optim::{Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, SlotKind};
+use lpmm_optim::{
+    Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, RuleState, SlotKind,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::BurnError;
@@ -32,6 +37,8 @@ struct Meta {
     global_steps: u64,
     groups: Vec<ParamConfig>,
     params: Vec<ParamMeta>,
+    #[serde(default)]
+    eval: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -44,6 +51,8 @@ struct ParamMeta {
     accumulations: u64,
     pending: bool,
     lr_rule: LrRule,
+    #[serde(default)]
+    rule_state: RuleState,
     /// The parameter's value is the module's tensor (not in this record).
     from_module: bool,
 }
@@ -109,6 +118,7 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
             accumulations: p.accumulations,
             pending: p.pending,
             lr_rule: p.lr_rule,
+            rule_state: p.rule_state,
             from_module,
         });
     }
@@ -119,6 +129,7 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
         global_steps: c.global_steps,
         groups: c.groups.clone(),
         params,
+        eval: c.eval,
     };
     let json = serde_json::to_string(&meta).map_err(err)?;
     let bytes = burn_pack::Writer::new(tensors)
@@ -147,6 +158,12 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             meta.format, meta.version
         )));
     }
+    if meta.eval {
+        // lpmm-burn steps in training mode only (it has no evaluation-point switch).
+        return Err(err(
+            "the record was saved with the parameters at their evaluation point (schedule-free eval())",
+        ));
+    }
     let mut params = Vec::with_capacity(meta.params.len());
     let mut from_module = Vec::with_capacity(meta.params.len());
     for p in meta.params {
@@ -156,12 +173,10 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .ok_or_else(|| err(format!("parameter {}: shape {:?}", p.name, p.shape)))?;
         p.requested.validate()?;
-        let c = p.requested.resolve(numel, &p.shape);
-        let states = c.hyper.states();
-        let used = [true, true, states >= 1, states >= 2];
-        let mut slots: [HostSlot; 4] = Default::default();
+        let formats = p.requested.resolve(numel, &p.shape).formats();
+        let mut slots: [HostSlot; SLOTS] = Default::default();
         for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
-            let Some(format) = c.slots()[k].format().filter(|_| used[k]) else {
+            let Some(format) = formats[k] else {
                 continue;
             };
             for spec in format.regions(&p.shape).into_iter().filter(|r| r.saved) {
@@ -185,6 +200,7 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             accumulations: p.accumulations,
             pending: p.pending,
             lr_rule: p.lr_rule,
+            rule_state: p.rule_state,
             slots,
         });
     }
@@ -197,6 +213,7 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             global_steps: meta.global_steps,
             groups: meta.groups,
             params,
+            eval: meta.eval,
         },
         from_module,
     }))

@@ -77,16 +77,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // accumulator filled once, then steps (each reads and writes every slot; the cleared
             // accumulator is read again, so every step does the same work).
             let resolved = config.resolve(n, &[n]);
-            let states = resolved.hyper.states();
             let layout = ParamLayout {
                 shape: vec![n],
                 numel: n,
-                formats: [
-                    resolved.param.format(),
-                    resolved.grad.format(),
-                    (states >= 1).then(|| resolved.state1.format()).flatten(),
-                    (states >= 2).then(|| resolved.state2.format()).flatten(),
-                ],
+                formats: resolved.formats(),
                 stream: 0,
                 offset: 0,
                 lent: false,
@@ -108,7 +102,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let plan = ParamStep {
                     t: steps,
                     flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, steps == 1),
-                    rule: resolved.hyper.consts(steps),
+                    rule: resolved.hyper.consts(steps, &Default::default()),
                     clip: 1.0,
                 };
                 backend.step(StepWork {

@@ -129,6 +129,7 @@ struct Update {
     float d;
     float m;
     float v;
+    float w;
 };
 
 // 64-bit unsigned integers (WGSL composes them from two words; CUDA has them).

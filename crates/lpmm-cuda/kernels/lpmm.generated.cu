@@ -22,6 +22,8 @@ typedef int int32_t;
 #define F_FIRST 1u
 #define F_UPDATE_PARAM 2u
 #define F_GIVEN_V 4u
+#define F_GIVEN_W 8u
+#define F_TRANSFORM 16u
 #define F_INPUT 256u
 #define F_INPUT_BF16 512u
 #define F_OUTPUT_BF16 1024u
@@ -29,6 +31,13 @@ typedef int int32_t;
 #define S_GRAD 1u
 #define S_STATE1 2u
 #define S_STATE2 3u
+#define S_STATE3 4u
+#define FLAG_WORDS 8u
+#define STAT_EXP 1u
+#define STAT_SUM 3u
+#define FOLD_STATS 255u
+#define FOLD_UPDATED 0u
+#define FOLD_MOMENT 1u
 #define MAP_STRIDE 512u
 #define MAP_LENS 2560u
 #define FMT_NONE 0u
@@ -43,6 +52,10 @@ typedef int int32_t;
 #define RULE_SGD 0u
 #define RULE_ADAM 1u
 #define RULE_LION 2u
+#define RULE_ADAFACTOR 3u
+#define RULE_CAME 4u
+#define RULE_ADEMAMIX 5u
+#define RULE_SCHEDULE_FREE 6u
 #define ENTRY_INIT 0u
 #define ENTRY_ACCUMULATE 1u
 #define ENTRY_DECODE 2u
@@ -77,7 +90,7 @@ struct Desc {
     uint32_t ndim;
     uint32_t shape[8];
     uint32_t consts[16];
-    SlotDesc slots[4];
+    SlotDesc slots[5];
 };
 
 #ifdef LPMM_HOST
@@ -99,7 +112,7 @@ static_assert(offsetof(Desc, ndim) == 92, "Desc layout");
 static_assert(offsetof(Desc, shape) == 96, "Desc layout");
 static_assert(offsetof(Desc, consts) == 128, "Desc layout");
 static_assert(offsetof(Desc, slots) == 192, "Desc layout");
-static_assert(sizeof(Desc) == 384, "Desc layout");
+static_assert(sizeof(Desc) == 432, "Desc layout");
 #endif
 
 struct SgdConsts {
@@ -131,6 +144,65 @@ struct LionConsts {
     float one_minus_beta1;
     float beta2;
     float one_minus_beta2;
+};
+
+struct AdafactorConsts {
+    float beta2t;
+    float one_minus_beta2t;
+    float eps1;
+    float beta1;
+    float one_minus_beta1;
+    uint32_t mode;
+    float step;
+    float neg_step_wd;
+    float clip_div;
+    uint32_t rel_lo;
+    uint32_t rel_hi;
+    float eps2;
+    float clip_threshold;
+    float wd;
+};
+
+struct CameConsts {
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float beta3;
+    float one_minus_beta3;
+    float eps1;
+    float eps2;
+    float lr;
+    float neg_lr_wd;
+    float clip_div;
+    float clip_threshold;
+};
+
+struct AdEMAMixConsts {
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float beta3;
+    float one_minus_beta3;
+    float alpha;
+    float bias_correction1;
+    float bias_correction2_sqrt;
+    float eps;
+    float decay;
+    float neg_lr_wd;
+    float neg_lr;
+};
+
+struct ScheduleFreeConsts {
+    float ckp1;
+    float y_step;
+    float neg_lr;
+    float beta2;
+    float one_minus_beta2;
+    float bias_correction2;
+    float eps;
+    float wd;
 };
 
 
@@ -267,6 +339,7 @@ struct Update {
     float d;
     float m;
     float v;
+    float w;
 };
 
 // 64-bit unsigned integers (WGSL composes them from two words; CUDA has them).
@@ -344,6 +417,52 @@ __device__ __forceinline__ float bf16_value(uint32_t h) {
     return u2f(h << 16u);
 }
 
+// Order-free sums of squares (lpmm-optim fixed.rs): x = m 2^e0 with an integer significand
+// m < 2^24: (m^2, exact in 64 bits, and e0).
+struct Square {
+    uint64_t sq;
+    int32_t e0;
+};
+
+__device__ __forceinline__ Square square(float x) {
+    uint32_t b = f2u(x) & 0x7FFFFFFFu;
+    uint32_t eb = b >> 23u;
+    uint32_t m = b & 0x7FFFFFu;
+    int32_t e0 = -149;
+    if (eb != 0u) {
+        m = m | 0x800000u;
+        e0 = (int32_t)eb - 150;
+    }
+    Square out;
+    out.sq = (uint64_t)m * (uint64_t)m;
+    out.e0 = e0;
+    return out;
+}
+
+// Fractional bits of a sum over `count` terms (fixed.rs `frac_bits`).
+__device__ __forceinline__ int32_t frac_bits(uint64_t count) {
+    return 62 - (int32_t)bitlen64(count);
+}
+
+// Whether x counts in a fold: finite and not zero.
+__device__ __forceinline__ bool fixed_counts(float x) {
+    return is_finite(x) && x != 0.0f;
+}
+
+// The first fold's value: the exponent of x^2 + 1024 (fixed.rs `exponent` + EXP_BIAS).
+__device__ __forceinline__ uint32_t fixed_exponent(float x) {
+    Square q = square(x);
+    return (uint32_t)((int32_t)bitlen64(q.sq) - 1 + 2 * q.e0 + 1024);
+}
+
+// The second fold's term: floor(x^2 2^(frac - E)) for the stored exponent of the sum (fixed.rs
+// `term`).
+__device__ __forceinline__ uint64_t fixed_term(float x, uint32_t stored, int32_t frac) {
+    Square q = square(x);
+    int32_t shift = 2 * q.e0 + frac - ((int32_t)stored - 1024);
+    return shift >= 0 ? shl64(q.sq, (uint32_t)shift) : shr64(q.sq, (uint32_t)(-shift));
+}
+
 // ---- kernels/random.cuh ----
 
 // Counter-based random bits (lpmm-quant random.rs, docs/FORMATS.md §9).
@@ -412,7 +531,8 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
 // (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key + its index).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
-    uint64_t tensor = (t.d->stream << 2) | slot;
+    // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
+    uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).
     uint64_t key = t.d->key + t.start + PER * lt;
     chacha8(t.d->seed, tensor, key >> 4, counter, r);
@@ -877,8 +997,8 @@ __device__ __forceinline__ void fmt_rank1_fold(const Tile& t, const uint32_t* ma
 // ---- kernels/formats/factored.cuh ----
 
 // Adafactor's factorized second moment (lpmm-optim format/factored.rs): the row averages
-// (region 0), column averages (1), mean(r) (2), and the folds' scratch: per row, then per
-// column, the largest exponent of the squares + 1024 (3) and the 64-bit fixed-point sum (4).
+// (region 0), column averages (1), mean(r) (2), and the folds' scratch (fixed.rs): per row, then
+// per column, the largest exponent of the squares + 1024 (3) and the 64-bit fixed-point sum (4).
 
 // (rows, cols) of the tensor viewed as a matrix (leading dimensions x last).
 struct FactoredDims {
@@ -906,62 +1026,27 @@ __device__ __forceinline__ float fmt_factored_load(const Tile& t, const uint32_t
     if (mean > 0.0f) {
         float r = u2f(rd(region(t, s, 0u), e / dims.cols));
         float c = u2f(rd(region(t, s, 1u), e % dims.cols));
-        return r * c / mean;
+        return r / mean * c;
     }
     return 0.0f;
-}
-
-// x = m 2^e0 with an integer significand m < 2^24: (m^2, exact in 64 bits, and e0).
-struct Square {
-    uint64_t sq;
-    int32_t e0;
-};
-
-__device__ __forceinline__ Square square(float x) {
-    uint32_t b = f2u(x) & 0x7FFFFFFFu;
-    uint32_t eb = b >> 23u;
-    uint32_t m = b & 0x7FFFFFu;
-    int32_t e0 = -149;
-    if (eb != 0u) {
-        m = m | 0x800000u;
-        e0 = (int32_t)eb - 150;
-    }
-    Square out;
-    out.sq = (uint64_t)m * (uint64_t)m;
-    out.e0 = e0;
-    return out;
-}
-
-// Fractional bits of a sum over `count` terms (factored.rs `frac_bits`).
-__device__ __forceinline__ int32_t frac_bits(uint64_t count) {
-    return 62 - (int32_t)bitlen64(count);
 }
 
 // Pass 0: the exponent of x^2 into its row's and column's maxima; pass 1: floor(x^2 2^(F - E))
 // into their sums.
 __device__ __forceinline__ void fmt_factored_fold(const Tile& t, const uint32_t* maps, uint32_t s,
                                                   uint32_t phase, uint32_t i, float x) {
-    if (!is_finite(x) || x == 0.0f) {
+    if (!fixed_counts(x)) {
         return;
     }
     FactoredDims dims = factored_dims(t);
     uint64_t e = global_index(t, i);
     uint64_t keys[2] = {e / dims.cols, dims.rows + e % dims.cols};
     uint64_t counts[2] = {dims.cols, dims.rows};
-    Square q = square(x);
-    int32_t ex = (int32_t)bitlen64(q.sq) - 1 + 2 * q.e0;
     for (uint32_t k = 0u; k < 2u; k++) {
         if (phase == 0u) {
-            wide_max(region(t, s, 3u), keys[k], (uint32_t)(ex + 1024));
+            wide_max(region(t, s, 3u), keys[k], fixed_exponent(x));
         } else {
-            int32_t big = (int32_t)rd(region(t, s, 3u), keys[k]) - 1024;
-            int32_t shift = 2 * q.e0 + frac_bits(counts[k]) - big;
-            uint64_t term;
-            if (shift >= 0) {
-                term = shl64(q.sq, (uint32_t)shift);
-            } else {
-                term = shr64(q.sq, (uint32_t)(-shift));
-            }
+            uint64_t term = fixed_term(x, rd(region(t, s, 3u), keys[k]), frac_bits(counts[k]));
             wide_add64(region(t, s, 4u), keys[k], term);
         }
     }
@@ -972,12 +1057,13 @@ __device__ __forceinline__ void fmt_factored_fold(const Tile& t, const uint32_t*
 // SGD with momentum (lpmm-optim rule/sgd.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, float p, float g,
-                                                 float m0, float v0) {
+                                                 float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // No penalty while the parameter does not move (optimizer accumulation).
     float wd = 0.0f;
     if ((flags & F_UPDATE_PARAM) != 0u) {
@@ -1009,12 +1095,13 @@ __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, fl
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0) {
+                                                  float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // Neither decay nor penalty while the parameter does not move (optimizer accumulation).
     bool decay_on = (flags & F_UPDATE_PARAM) != 0u;
     float gg = g;
@@ -1042,8 +1129,9 @@ __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, 
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
-__device__ __forceinline__ float rule_adam_moment_gradient(AdamConsts c, uint32_t flags, float p,
-                                                           float g) {
+__device__ __forceinline__ float rule_adam_moment_input(AdamConsts c, uint32_t flags, uint32_t s,
+                                                        float p, float g, float m, float v,
+                                                        float w) {
     if (c.decoupled == 0u && (flags & F_UPDATE_PARAM) != 0u && c.wd != 0.0f) {
         return __fmaf_rn(p, c.wd, g);
     }
@@ -1055,12 +1143,13 @@ __device__ __forceinline__ float rule_adam_moment_gradient(AdamConsts c, uint32_
 // Lion (lpmm-optim rule/lion.rs), lion-pytorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0) {
+                                                  float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // No decay while the parameter does not move (optimizer accumulation).
     float decay = 1.0f;
     float neg_lr_wd = 0.0f;
@@ -1079,6 +1168,179 @@ __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, 
     u.m = __fmaf_rn(g, c.one_minus_beta2, m0 * c.beta2);
     u.p = __fmaf_rn(s, c.neg_lr, decayed);
     u.d = p * neg_lr_wd + s * c.neg_lr;
+    return u;
+}
+
+// ---- kernels/rules/adafactor.cuh ----
+
+// Adafactor (lpmm-optim rule/adafactor.rs), transformers' order; `__fmaf_rn` where the CPU
+// fuses.
+
+// The unclipped update g / sqrt(v) and, unless given, the second moment moved into `v`.
+__device__ __forceinline__ float adafactor_unscaled(const AdafactorConsts& c, uint32_t flags,
+                                                    float g, float* v) {
+    if ((flags & F_GIVEN_V) == 0u) {
+        *v = __fmaf_rn(g * g + c.eps1, c.one_minus_beta2t, *v * c.beta2t);
+    }
+    return g / sqrtf(*v);
+}
+
+__device__ __forceinline__ Update rule_adafactor_apply(AdafactorConsts c, uint32_t flags, float p,
+                                                       float g, float m0, float v0, float w0) {
+    Update u;
+    u.p = p;
+    u.d = 0.0f;
+    u.m = m0;
+    u.v = v0;
+    u.w = w0;
+    float x = adafactor_unscaled(c, flags, g, &u.v) / c.clip_div * c.step;
+    if ((c.mode & 1u) != 0u) {
+        u.m = __fmaf_rn(x, c.one_minus_beta1, m0 * c.beta1);
+        x = u.m;
+    }
+    // No decay while the parameter does not move (optimizer accumulation).
+    float decay = (flags & F_UPDATE_PARAM) != 0u ? c.neg_step_wd : 0.0f;
+    u.p = __fmaf_rn(p, decay, p) - x;
+    u.d = __fmaf_rn(p, decay, -x);
+    return u;
+}
+
+// Sum 0: the parameter (with parameter scaling); then the unclipped update.
+__device__ __forceinline__ float rule_adafactor_stat_input(AdafactorConsts c, uint32_t flags,
+                                                           uint32_t k, float p, float g, float m,
+                                                           float v, float w) {
+    if (k == 0u && (c.mode & 2u) != 0u) {
+        return p;
+    }
+    return adafactor_unscaled(c, flags, g, &v);
+}
+
+// ---- kernels/rules/came.cuh ----
+
+// CAME (lpmm-optim rule/came.rs), the authors' order; `__fmaf_rn` where the CPU fuses.
+
+// The unclipped update g / sqrt(v) and, unless given, the second moment moved into `v`.
+__device__ __forceinline__ float came_unscaled(const CameConsts& c, uint32_t flags, float g,
+                                               float* v) {
+    if ((flags & F_GIVEN_V) == 0u) {
+        *v = __fmaf_rn(g * g + c.eps1, c.one_minus_beta2, *v * c.beta2);
+    }
+    return g / sqrtf(*v);
+}
+
+// The clipped update into `u`, the new first moment into `m1`, the second moment into `v`.
+__device__ __forceinline__ void came_moments(const CameConsts& c, uint32_t flags, float g,
+                                             float m0, float* v, float* u, float* m1) {
+    *u = came_unscaled(c, flags, g, v) / c.clip_div;
+    *m1 = __fmaf_rn(*u, c.one_minus_beta1, m0 * c.beta1);
+}
+
+__device__ __forceinline__ Update rule_came_apply(CameConsts c, uint32_t flags, float p, float g,
+                                                  float m0, float v0, float w0) {
+    Update u;
+    u.p = p;
+    u.d = 0.0f;
+    u.m = m0;
+    u.v = v0;
+    u.w = w0;
+    float clipped;
+    came_moments(c, flags, g, m0, &u.v, &clipped, &u.m);
+    // Factorized instability (given): exp_avg / sqrt(S); else exp_avg.
+    float x = (flags & F_GIVEN_W) != 0u ? u.m / sqrtf(w0) : u.m;
+    // No decay while the parameter does not move (optimizer accumulation).
+    float decay = (flags & F_UPDATE_PARAM) != 0u ? c.neg_lr_wd : 0.0f;
+    float step = x * c.lr;
+    u.p = __fmaf_rn(p, decay, p) - step;
+    u.d = __fmaf_rn(p, decay, -step);
+    return u;
+}
+
+// State 2: the gradient; state 3: the instability of the clipped update against the new first
+// moment.
+__device__ __forceinline__ float rule_came_moment_input(CameConsts c, uint32_t flags, uint32_t s,
+                                                        float p, float g, float m, float v,
+                                                        float w) {
+    if (s == S_STATE3) {
+        float clipped;
+        float m1;
+        came_moments(c, flags, g, m, &v, &clipped, &m1);
+        return clipped - m1;
+    }
+    return g;
+}
+
+// The unclipped update.
+__device__ __forceinline__ float rule_came_stat_input(CameConsts c, uint32_t flags, uint32_t k,
+                                                      float p, float g, float m, float v,
+                                                      float w) {
+    return came_unscaled(c, flags, g, &v);
+}
+
+// ---- kernels/rules/ademamix.cuh ----
+
+// AdEMAMix (lpmm-optim rule/ademamix.rs), bitsandbytes' order; `__fmaf_rn` where the CPU fuses.
+
+__device__ __forceinline__ Update rule_ademamix_apply(AdEMAMixConsts c, uint32_t flags, float p,
+                                                      float g, float m0, float v0, float w0) {
+    Update u;
+    u.m = __fmaf_rn(g, c.one_minus_beta1, m0 * c.beta1);
+    u.w = __fmaf_rn(g, c.one_minus_beta3, w0 * c.beta3);
+    u.v = __fmaf_rn(c.one_minus_beta2 * g, g, v0 * c.beta2);
+    float denom = sqrtf(u.v) / c.bias_correction2_sqrt + c.eps;
+    float update = (u.m / c.bias_correction1 + c.alpha * u.w) / denom;
+    // No decay while the parameter does not move (optimizer accumulation).
+    bool moves = (flags & F_UPDATE_PARAM) != 0u;
+    float decay = moves ? c.decay : 1.0f;
+    float neg_lr_wd = moves ? c.neg_lr_wd : 0.0f;
+    u.p = __fmaf_rn(update, c.neg_lr, p * decay);
+    u.d = __fmaf_rn(update, c.neg_lr, p * neg_lr_wd);
+    return u;
+}
+
+// ---- kernels/rules/schedule_free.cuh ----
+
+// Schedule-free AdamW (lpmm-optim rule/schedule_free.rs), the schedulefree package's order;
+// `__fmaf_rn` where the CPU fuses.
+
+// torch's CPU lerp: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
+__device__ __forceinline__ float schedule_free_lerp(float a, float b, float w) {
+    if (fabsf(w) < 0.5f) {
+        return __fmaf_rn(w, b - a, a);
+    }
+    return __fmaf_rn(w - 1.0f, b - a, b);
+}
+
+__device__ __forceinline__ Update rule_schedule_free_apply(ScheduleFreeConsts c, uint32_t flags,
+                                                           float p, float g, float m0, float v0,
+                                                           float w0) {
+    Update u;
+    u.p = p;
+    u.d = 0.0f;
+    u.m = m0;
+    u.v = v0;
+    u.w = w0;
+    if ((flags & F_TRANSFORM) != 0u) {
+        // p.lerp_(z, weight): to x (eval) or back to y (train).
+        float q = schedule_free_lerp(p, m0, c.ckp1);
+        u.p = q;
+        u.d = q - p;
+        return u;
+    }
+    // z = clone(p) at the first step.
+    float z = (flags & F_FIRST) != 0u ? p : m0;
+    u.m = z;
+    u.v = __fmaf_rn(c.one_minus_beta2 * g, g, v0 * c.beta2);
+    float gn = g / (sqrtf(u.v / c.bias_correction2) + c.eps);
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    if (c.wd != 0.0f) {
+        gn = __fmaf_rn(p, c.wd, gn);
+    }
+    float y = __fmaf_rn(gn, c.y_step, schedule_free_lerp(p, z, c.ckp1));
+    u.m = __fmaf_rn(gn, c.neg_lr, z);
+    u.p = y;
+    u.d = y - p;
     return u;
 }
 
@@ -1152,27 +1414,42 @@ __device__ uint32_t fmt_limit(uint32_t fmt) {
     }
 }
 
-__device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, float m0, float v0) {
+__device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, float m0, float v0, float w0) {
     switch (d->rule) {
-    case RULE_SGD: return rule_sgd_apply(*reinterpret_cast<const SgdConsts*>(d->consts), flags, p, g, m0, v0);
-    case RULE_ADAM: return rule_adam_apply(*reinterpret_cast<const AdamConsts*>(d->consts), flags, p, g, m0, v0);
-    case RULE_LION: return rule_lion_apply(*reinterpret_cast<const LionConsts*>(d->consts), flags, p, g, m0, v0);
-    default: { Update u; u.p = p; u.d = 0.0f; u.m = m0; u.v = v0; return u; }
+    case RULE_SGD: return rule_sgd_apply(*reinterpret_cast<const SgdConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_ADAM: return rule_adam_apply(*reinterpret_cast<const AdamConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_LION: return rule_lion_apply(*reinterpret_cast<const LionConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_ADAFACTOR: return rule_adafactor_apply(*reinterpret_cast<const AdafactorConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_CAME: return rule_came_apply(*reinterpret_cast<const CameConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_ADEMAMIX: return rule_ademamix_apply(*reinterpret_cast<const AdEMAMixConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_SCHEDULE_FREE: return rule_schedule_free_apply(*reinterpret_cast<const ScheduleFreeConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    default: { Update u; u.p = p; u.d = 0.0f; u.m = m0; u.v = v0; u.w = w0; return u; }
     }
 }
 
-__device__ float moment_gradient(const Desc* d, uint32_t flags, float p, float g) {
+__device__ float moment_input(const Desc* d, uint32_t flags, uint32_t s, float p, float g, float m, float v, float w) {
     switch (d->rule) {
-    case RULE_ADAM: return rule_adam_moment_gradient(*reinterpret_cast<const AdamConsts*>(d->consts), flags, p, g);
+    case RULE_ADAM: return rule_adam_moment_input(*reinterpret_cast<const AdamConsts*>(d->consts), flags, s, p, g, m, v, w);
+    case RULE_CAME: return rule_came_moment_input(*reinterpret_cast<const CameConsts*>(d->consts), flags, s, p, g, m, v, w);
     default: return g;
     }
 }
+
+__device__ float stat_input(const Desc* d, uint32_t flags, uint32_t k, float p, float g, float m, float v, float w) {
+    switch (d->rule) {
+    case RULE_ADAFACTOR: return rule_adafactor_stat_input(*reinterpret_cast<const AdafactorConsts*>(d->consts), flags, k, p, g, m, v, w);
+    case RULE_CAME: return rule_came_stat_input(*reinterpret_cast<const CameConsts*>(d->consts), flags, k, p, g, m, v, w);
+    default: return 0.0f;
+    }
+}
+
 
 // ---- kernels/entries.cuh ----
 
 // The entry points (abi.rs `Entry`): every tile's descriptor says which operation's fields it
 // fills. Each takes the launch's descriptors, their count, the code-map table and the flag words
-// (one per parameter); a descriptor's `io` is the address of its element 0's input or output.
+// (FLAG_WORDS per parameter: the non-finite flag, then the rule's fold words); a descriptor's
+// `io` is the address of its element 0's input or output.
 
 #define LPMM_ARGS const Desc *descs, uint32_t ndesc, const uint32_t *maps, uint32_t *flags
 
@@ -1282,7 +1559,8 @@ __device__ __forceinline__ bool step_ok(const Tile& t, uint32_t fl, float gi, co
     uint32_t lp = (fl & F_UPDATE_PARAM) != 0u ? fmt_limit(slot_format(t, S_PARAM)) : LIMIT_F32;
     return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) &&
            fits(u.m, fmt_limit(slot_format(t, S_STATE1))) &&
-           fits(u.v, fmt_limit(slot_format(t, S_STATE2)));
+           fits(u.v, fmt_limit(slot_format(t, S_STATE2))) &&
+           fits(u.w, fmt_limit(slot_format(t, S_STATE3)));
 }
 
 // The gradient of item element `i`: the accumulator plus the released gradient, if any.
@@ -1294,8 +1572,11 @@ __device__ __forceinline__ float gradient(const Tile& t, const uint32_t* maps, u
     return g;
 }
 
-// cpu.rs `fold_piece`: pass `mode & 255` of a two-phase step folds, per element, the updated
-// second moment (the rule applied, nothing stored; mode >> 8 = 0) or the moment gradient (1).
+// cpu.rs `fold_piece`: pass `mode & 255` of a tensor-wide phase. Target `(mode >> 8) & 255` is a
+// slot (state 2 or 3) whose format folds, per element, its updated value (the rule applied,
+// nothing stored; input `mode >> 16` = FOLD_UPDATED) or the rule's moment input for it
+// (FOLD_MOMENT); or FOLD_STATS: the rule's `mode >> 24` sums of squares, over a tensor whose
+// count has `(mode >> 16) & 255` fractional bits, into the flag words after the item's flag.
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
     Tile t = tile_of(descs, ndesc);
     if (!t.valid) {
@@ -1307,25 +1588,52 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
     uint32_t fl = t.d->flags;
     float clip = t.d->clip;
     uint32_t mode = t.d->mode;
+    uint32_t phase = mode & 0xFFu;
+    uint32_t dest = (mode >> 8u) & 0xFFu;
+    uint32_t* stats = flags + t.d->flag_index;
     for (uint32_t j = 0u; j < count; j++) {
         float gi = gradient(t, maps, first + j) * clip;
         float p0 = fmt_load(t, maps, S_PARAM, first + j);
-        float x;
-        if ((mode >> 8u) == 0u) {
-            float m0 = fmt_load(t, maps, S_STATE1, first + j);
-            float v0 = fmt_load(t, maps, S_STATE2, first + j);
-            Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
-            x = step_ok(t, fl, gi, u) ? u.v : v0;
-        } else {
-            x = moment_gradient(t.d, fl, p0, gi);
+        float m0 = fmt_load(t, maps, S_STATE1, first + j);
+        float v0 = fmt_load(t, maps, S_STATE2, first + j);
+        float w0 = fmt_load(t, maps, S_STATE3, first + j);
+        if (dest == FOLD_STATS) {
+            int32_t frac = (int32_t)((mode >> 16u) & 0xFFu);
+            for (uint32_t k = 0u; k < (mode >> 24u); k++) {
+                float x = stat_input(t.d, fl, k, p0, gi, m0, v0, w0);
+                if (!fixed_counts(x)) {
+                    continue;
+                }
+                if (phase == 0u) {
+                    wide_max(stats + STAT_EXP, k, fixed_exponent(x));
+                } else {
+                    uint32_t stored = rd(stats + STAT_EXP, k);
+                    wide_add64(stats + STAT_SUM, k, fixed_term(x, stored, frac));
+                }
+            }
+            continue;
         }
-        fmt_fold(t, maps, S_STATE2, mode & 0xFFu, first + j, x);
+        float x;
+        if ((mode >> 16u) == FOLD_UPDATED) {
+            Update u = apply_rule(t.d, fl, p0, gi, m0, v0, w0);
+            bool ok = step_ok(t, fl, gi, u);
+            if (dest == S_STATE3) {
+                x = ok ? u.w : w0;
+            } else {
+                x = ok ? u.v : v0;
+            }
+        } else {
+            x = moment_input(t.d, fl, dest, p0, gi, m0, v0, w0);
+        }
+        fmt_fold(t, maps, dest, phase, first + j, x);
     }
 }
 
 // cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
 // the rule (an element whose gradient or results are not finite, or whose parameter or states do
-// not fit their formats, is left unchanged and flags the parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+// not fit their formats, is left unchanged and flags the parameter); store the states, the
+// parameter (or add the increment) and clear the accumulator. With F_TRANSFORM: no gradient is
+// read, only the parameter is stored.
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     __shared__ uint32_t red[THREADS];
     Tile t = tile_of(descs, ndesc);
@@ -1337,20 +1645,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     uint32_t first = t.start + PER * lt;
     uint32_t fl = t.d->flags;
     float clip = t.d->clip;
+    bool transform = (fl & F_TRANSFORM) != 0u;
     float p[16];
     float m[16];
     float v[16];
+    float w[16];
     float d[16];
     bool bad = false;
     for (uint32_t j = 0u; j < count; j++) {
-        float gi = gradient(t, maps, first + j) * clip;
+        float gi = transform ? 0.0f : gradient(t, maps, first + j) * clip;
         float p0 = fmt_load(t, maps, S_PARAM, first + j);
         float m0 = fmt_load(t, maps, S_STATE1, first + j);
         float v0 = fmt_load(t, maps, S_STATE2, first + j);
-        Update u = apply_rule(t.d, fl, p0, gi, m0, v0);
+        float w0 = fmt_load(t, maps, S_STATE3, first + j);
+        Update u = apply_rule(t.d, fl, p0, gi, m0, v0, w0);
         bool ok = step_ok(t, fl, gi, u);
         m[j] = ok ? u.m : m0;
         v[j] = ok ? u.v : v0;
+        w[j] = ok ? u.w : w0;
         p[j] = ok ? u.p : p0;
         d[j] = ok ? u.d : 0.0f;
         bad = bad || !ok;
@@ -1359,8 +1671,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
         atomicOr(&flags[t.d->flag_index], 1u);
     }
     uint64_t counter = t.d->step;
-    store(t, maps, red, lt, S_STATE1, m, count, counter);
-    store(t, maps, red, lt, S_STATE2, v, count, counter);
+    if (!transform) {
+        store(t, maps, red, lt, S_STATE1, m, count, counter);
+        store(t, maps, red, lt, S_STATE2, v, count, counter);
+        store(t, maps, red, lt, S_STATE3, w, count, counter);
+    }
     if ((fl & F_UPDATE_PARAM) != 0u) {
         if (!fmt_add(t, lt, S_PARAM, d, count)) {
             store(t, maps, red, lt, S_PARAM, p, count, counter);
@@ -1369,6 +1684,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     // Every thread has read the block scales of the gradient it shares with its neighbours
     // before any of them is zeroed.
     __syncthreads();
-    fmt_clear(t, maps, lt, S_GRAD, count);
+    if (!transform) {
+        fmt_clear(t, maps, lt, S_GRAD, count);
+    }
 }
 

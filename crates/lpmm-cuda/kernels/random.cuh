@@ -64,7 +64,8 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
 // (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key + its index).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
-    uint64_t tensor = (t.d->stream << 2) | slot;
+    // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
+    uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).
     uint64_t key = t.d->key + t.start + PER * lt;
     chacha8(t.d->seed, tensor, key >> 4, counter, r);

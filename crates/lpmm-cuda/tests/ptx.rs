@@ -87,47 +87,86 @@ fn committed_ptx_assembles() {
     }
 }
 
-/// The `__fmaf_rn` calls of the program: in rules' `_apply` functions, in their
-/// `_moment_gradient` functions, and elsewhere (function bodies end at a line `}`).
-fn fma_sites(program: &str) -> (usize, usize, usize) {
-    let (mut apply, mut moment, mut other) = (0, 0, 0);
-    let mut current: Option<&mut usize> = None;
+/// The program's functions (a definition line starts with `__device__` or `extern "C"`; its body
+/// ends at a line `}`): each one's name, its own `__fmaf_rn` calls, and the program's functions it
+/// calls (one entry per call site).
+fn functions(program: &str) -> Vec<(String, usize, Vec<String>)> {
+    let mut out: Vec<(String, usize, String)> = Vec::new();
     for line in program.lines() {
-        if line.starts_with("__device__") && line.contains(" rule_") {
-            current = if line.contains("_moment_gradient(") {
-                Some(&mut moment)
-            } else if line.contains("_apply(") {
-                Some(&mut apply)
-            } else {
-                None
-            };
-        }
-        let n = line.matches("__fmaf_rn(").count();
-        match current.as_deref_mut() {
-            Some(c) => *c += n,
-            None => other += n,
-        }
-        if line == "}" {
-            current = None;
+        if line.starts_with("__device__") || line.starts_with("extern \"C\"") {
+            let line = line.replace("__launch_bounds__(THREADS)", "");
+            let head = line.split('(').next().unwrap_or("");
+            let name = head.split_whitespace().last().unwrap_or("").to_string();
+            out.push((name, 0, String::new()));
+        } else if let Some(f) = out.last_mut() {
+            if f.2.ends_with("\n}\n") {
+                continue;
+            }
+            f.1 += line.matches("__fmaf_rn(").count();
+            f.2 += line;
+            f.2 += "\n";
         }
     }
-    (apply, moment, other)
+    let names: Vec<String> = out.iter().map(|f| f.0.clone()).collect();
+    out.into_iter()
+        .map(|(name, fmas, body)| {
+            let calls = names
+                .iter()
+                .flat_map(|n| {
+                    let needle = format!("{n}(");
+                    body.match_indices(&needle)
+                        .filter(|&(at, _)| {
+                            let before = body[..at].chars().last().unwrap_or(' ');
+                            !(before.is_alphanumeric() || before == '_')
+                        })
+                        .map(|_| n.clone())
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            (name, fmas, calls)
+        })
+        .collect()
+}
+
+/// The `__fmaf_rn` instances of function `name` once every call in it is inlined.
+fn inlined_fmas(fns: &[(String, usize, Vec<String>)], name: &str) -> usize {
+    let Some((_, own, calls)) = fns.iter().find(|f| f.0 == name) else {
+        return 0;
+    };
+    own + calls.iter().map(|c| inlined_fmas(fns, c)).sum::<usize>()
 }
 
 /// The float instructions of the committed PTX are the IEEE ones the CPU reference computes:
 /// division and square root correctly rounded (`.rn`, not `.approx` / `.full`), no flush to zero,
 /// and every f32 multiply and add with an explicit `.rn`, which ptxas never contracts into an fma
-/// (so the only fmas are the kernels' own `__fmaf_rn`: each entry has one per call it inlines,
-/// the step every rule's update, the fold every update and moment gradient). Needs no NVRTC.
+/// (so the only fmas are the kernels' own `__fmaf_rn`, all in the rules' files, and each entry has
+/// exactly one per `__fmaf_rn` it inlines). Needs no NVRTC.
 #[test]
 fn committed_ptx_uses_only_ieee_float_operations() {
-    let (apply, moment, other) = fma_sites(kernels::SOURCE);
-    assert_eq!(other, 0, "__fmaf_rn outside the rules");
+    let fns = functions(kernels::SOURCE);
+    let rules: Vec<&str> = lpmm_optim::backend::RuleConsts::KERNELS
+        .iter()
+        .map(|(r, _, _)| *r)
+        .collect();
+    for (name, fmas, _) in &fns {
+        let in_rule = rules
+            .iter()
+            .any(|r| name.starts_with(&format!("rule_{r}_")) || name.starts_with(&format!("{r}_")));
+        assert!(*fmas == 0 || in_rule, "__fmaf_rn outside the rules: {name}");
+    }
     assert_eq!(
-        apply + moment,
-        kernels::SOURCE.matches("__fmaf_rn(").count()
+        fns.iter().map(|f| f.1).sum::<usize>(),
+        kernels::SOURCE.matches("__fmaf_rn(").count(),
+        "every __fmaf_rn is inside a function"
     );
-    assert!(apply > 0 && moment > 0, "rules found: {apply} {moment}");
+    let (step, fold) = (
+        inlined_fmas(&fns, "lpmm_step"),
+        inlined_fmas(&fns, "lpmm_fold"),
+    );
+    assert!(
+        step > 0 && fold > step,
+        "fmas found: step {step}, fold {fold}"
+    );
     for (arch, ptx) in ARCHS {
         let mut fmas: std::collections::BTreeMap<&str, usize> = Default::default();
         let mut entry = "";
@@ -164,14 +203,7 @@ fn committed_ptx_uses_only_ieee_float_operations() {
         }
         let want: std::collections::BTreeMap<&str, usize> = lpmm_backend::abi::Entry::ALL
             .iter()
-            .map(|e| {
-                let n = match e {
-                    lpmm_backend::abi::Entry::Step => apply,
-                    lpmm_backend::abi::Entry::Fold => apply + moment,
-                    _ => 0,
-                };
-                (e.name(), n)
-            })
+            .map(|e| (e.name(), inlined_fmas(&fns, e.name())))
             .collect();
         assert_eq!(
             fmas, want,

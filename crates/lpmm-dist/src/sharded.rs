@@ -4,9 +4,10 @@
 use std::ops::Range;
 use std::path::Path;
 
+use lpmm_optim::backend::SLOTS;
 use lpmm_optim::{
     Backend, Canonical, CanonicalParam, Cpu, ExactSum, LrRule, MemoryReport, NonFinitePolicy,
-    Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, RuleState, SlotKind,
 };
 
 use crate::layout::{ParamSpec, ShardLayout};
@@ -446,7 +447,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     /// call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
         let local = self.opt.canonical()?;
-        // This rank's shards: (param, start, counters, the four slots).
+        // This rank's shards: (param, start, counters, rule state, the slots).
         let mut blob = Vec::new();
         for (k, c) in local.params.iter().enumerate() {
             let p = self.owner[k];
@@ -467,6 +468,9 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             };
             blob.push(tag);
             blob.extend(factor.to_le_bytes());
+            for x in c.rule_state.0 {
+                blob.extend(x.to_le_bytes());
+            }
             for s in &c.slots {
                 let bytes = slots::encode(s);
                 blob.extend((bytes.len() as u64).to_le_bytes());
@@ -517,6 +521,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             accumulations: u64,
             pending: bool,
             lr_rule: LrRule,
+            rule_state: RuleState,
             slots: Vec<lpmm_optim::HostSlot>,
         }
         let mut parts: Vec<Vec<Part>> = (0..self.defs.len()).map(|_| Vec::new()).collect();
@@ -542,8 +547,12 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                     1 => LrRule::Scaled(factor),
                     _ => LrRule::Fixed,
                 };
-                let mut s = Vec::with_capacity(4);
-                for k in 0..4 {
+                let rule_state = RuleState([
+                    f64::from_bits(u64_at(&mut at)?),
+                    f64::from_bits(u64_at(&mut at)?),
+                ]);
+                let mut s = Vec::with_capacity(SLOTS);
+                for k in 0..SLOTS {
                     let n = u64_at(&mut at)? as usize;
                     let specs = self.saved_regions(p, k).ok_or_else(bad)?;
                     s.push(slots::decode(
@@ -558,6 +567,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                     accumulations,
                     pending,
                     lr_rule,
+                    rule_state,
                     slots: s,
                 });
             }
@@ -568,19 +578,20 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             let first = ps.first().ok_or_else(|| {
                 DistError::Checkpoint(format!("no rank holds {}", self.defs[p].name))
             })?;
-            let (steps, accumulations, pending, lr_rule) = (
+            let (steps, accumulations, pending, lr_rule, rule_state) = (
                 first.steps,
                 first.accumulations,
                 first.pending,
                 first.lr_rule,
+                first.rule_state,
             );
-            let mut per_slot: [Vec<lpmm_optim::HostSlot>; 4] = Default::default();
+            let mut per_slot: [Vec<lpmm_optim::HostSlot>; SLOTS] = Default::default();
             for part in ps {
                 for (k, s) in part.slots.into_iter().enumerate() {
                     per_slot[k].push(s);
                 }
             }
-            let mut joined = Vec::with_capacity(4);
+            let mut joined = Vec::with_capacity(SLOTS);
             for v in per_slot {
                 joined.push(slots::join(v)?);
             }
@@ -594,6 +605,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 accumulations,
                 pending,
                 lr_rule,
+                rule_state,
                 slots: joined.try_into().map_err(|_| bad())?,
             });
         }
@@ -602,6 +614,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             global_steps: self.opt.steps(),
             groups: self.groups.clone(),
             params,
+            eval: false,
         })
     }
 
@@ -612,12 +625,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             .config
             .unwrap_or(*self.groups.get(d.group)?)
             .resolve(self.numels[p], &d.shape);
-        let states = config.hyper.states();
-        let used = [true, true, states >= 1, states >= 2][k];
         Some(
-            config.slots()[k]
-                .format()
-                .filter(|_| used)
+            config.formats()[k]
                 .map(|f| {
                     f.regions(&d.shape)
                         .into_iter()
@@ -636,6 +645,11 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         shard: ShardOptions,
     ) -> Result<Self, DistError> {
         let c = Canonical::read(path.as_ref())?;
+        if c.eval {
+            return Err(DistError::Checkpoint(
+                "the checkpoint holds the parameters at their evaluation point (schedule-free eval()): the sharded optimizer steps in training mode; load it with Optimizer::load, call train() and save it again".into(),
+            ));
+        }
         let defs: Vec<ParamDef> = c
             .params
             .iter()
@@ -654,6 +668,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             for (id, range) in s.local[p].clone() {
                 s.opt
                     .restore(id, cp.steps, cp.accumulations, cp.pending, cp.lr_rule)?;
+                s.opt.restore_rule_state(id, cp.rule_state)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                     let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;
                     s.opt.import_slot(id, slot, host)?;

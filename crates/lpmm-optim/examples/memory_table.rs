@@ -30,7 +30,7 @@ fn model() -> Vec<(String, Vec<usize>)> {
     shapes
 }
 
-fn bytes(config: ParamConfig) -> (usize, [usize; 4], usize) {
+fn bytes(config: ParamConfig) -> (usize, [usize; 5], usize) {
     let mut opt = Optimizer::new(OptimizerOptions::default()).expect("valid options");
     let group = opt.add_group(config).expect("valid preset");
     for (name, shape) in model() {
@@ -119,7 +119,7 @@ fn main() {
             "| {name} | {:.4} | {:.4} | {:.4} | {:.4} | {} |",
             per(slots[0]),
             per(slots[1]),
-            per(slots[2] + slots[3]),
+            per(slots[2] + slots[3] + slots[4]),
             per(total),
             if name == against {
                 "reference".to_string()

@@ -29,7 +29,7 @@ use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backend, Format, HostRegion, HostSlot, ParamId, SlotKind};
+use crate::backend::{Backend, Format, HostRegion, HostSlot, ParamId, RuleState, SLOTS, SlotKind};
 use crate::config::{MapKind, ParamConfig};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
@@ -49,6 +49,9 @@ struct CheckpointMeta {
     global_steps: u64,
     groups: Vec<ParamConfig>,
     params: Vec<ParamMeta>,
+    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    eval: bool,
     /// The checksum (module documentation); files written before it existed have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     crc32: Option<u32>,
@@ -65,6 +68,12 @@ struct ParamMeta {
     pending: bool,
     #[serde(default)]
     lr_rule: LrRule,
+    #[serde(default, skip_serializing_if = "is_default")]
+    rule_state: RuleState,
+}
+
+fn is_default(s: &RuleState) -> bool {
+    *s == RuleState::default()
 }
 
 /// What [`Optimizer::load_state_with`] may change besides the state.
@@ -119,12 +128,8 @@ fn numel(shape: &[usize]) -> Option<usize> {
 
 /// The format of each slot of a parameter with this requested configuration and shape (`None`
 /// where the slot is not allocated).
-fn slot_formats(requested: &ParamConfig, shape: &[usize], numel: usize) -> [Option<Format>; 4] {
-    let c = requested.resolve(numel, shape);
-    let states = c.hyper.states();
-    let used = [true, true, states >= 1, states >= 2];
-    let slots = c.slots();
-    std::array::from_fn(|k| slots[k].format().filter(|_| used[k]))
+fn slot_formats(requested: &ParamConfig, shape: &[usize], numel: usize) -> [Option<Format>; SLOTS] {
+    requested.resolve(numel, shape).formats()
 }
 
 fn map_tensor(map: MapKind) -> Vec<u8> {
@@ -180,8 +185,10 @@ pub struct CanonicalParam {
     pub pending: bool,
     /// How its learning rate follows its group's.
     pub lr_rule: LrRule,
-    /// Param, grad, state1, state2.
-    pub slots: [HostSlot; 4],
+    /// The rule's host state ([`RuleState`]: schedule-free AdamW's averaging weights).
+    pub rule_state: RuleState,
+    /// Param, grad, state1, state2, state3.
+    pub slots: [HostSlot; SLOTS],
 }
 
 /// A whole checkpoint in the canonical layout: what [`Optimizer::save`] writes and
@@ -196,6 +203,8 @@ pub struct Canonical {
     pub groups: Vec<ParamConfig>,
     /// Parameters, in registration order.
     pub params: Vec<CanonicalParam>,
+    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
+    pub eval: bool,
 }
 
 impl Canonical {
@@ -244,6 +253,12 @@ impl Canonical {
                 && !(k.is_finite() && k > 0.0)
             {
                 return Err(format!("parameter {name}: learning-rate scale {k}"));
+            }
+            if !p.rule_state.valid() {
+                return Err(format!(
+                    "parameter {name}: rule state {:?} is not finite and non-negative",
+                    p.rule_state.0
+                ));
             }
             let formats = slot_formats(&p.requested, &p.shape, n);
             if p.pending && formats[1].is_none() {
@@ -317,8 +332,10 @@ impl Canonical {
                     accumulations: m.accumulations,
                     pending: m.pending,
                     lr_rule: m.lr_rule,
+                    rule_state: m.rule_state,
                 })
                 .collect(),
+            eval: self.eval,
             crc32: None,
         };
         let json = serde_json::to_string(&meta).map_err(|e| e.to_string())?;
@@ -459,7 +476,7 @@ impl Canonical {
         drop(names);
         let mut params = Vec::with_capacity(meta.params.len());
         for (p, slots) in meta.params.into_iter().zip(formats) {
-            let mut hosts: [HostSlot; 4] = Default::default();
+            let mut hosts: [HostSlot; SLOTS] = Default::default();
             for ((slot, format), host) in SlotKind::ALL.into_iter().zip(slots).zip(&mut hosts) {
                 let Some(format) = format else { continue };
                 let specs: Vec<_> = format
@@ -487,6 +504,7 @@ impl Canonical {
                 accumulations: p.accumulations,
                 pending: p.pending,
                 lr_rule: p.lr_rule,
+                rule_state: p.rule_state,
                 slots: hosts,
             });
         }
@@ -495,6 +513,7 @@ impl Canonical {
             global_steps: meta.global_steps,
             groups: meta.groups,
             params,
+            eval: meta.eval,
         };
         c.check()?;
         Ok(c)
@@ -585,7 +604,7 @@ impl<B: Backend> Optimizer<B> {
         let mut params = Vec::with_capacity(self.len());
         for (i, m) in self.states.iter().enumerate() {
             let (layout, p) = (&self.layouts[i], &self.params[i]);
-            let mut slots: [HostSlot; 4] = Default::default();
+            let mut slots: [HostSlot; SLOTS] = Default::default();
             for (slot, out) in SlotKind::ALL.into_iter().zip(slots.iter_mut()) {
                 *out = match (&mut lender, slot == SlotKind::Param && layout.lent) {
                     (Some(lender), true) => {
@@ -608,6 +627,7 @@ impl<B: Backend> Optimizer<B> {
                 accumulations: m.accumulations,
                 pending: m.pending,
                 lr_rule: m.lr_rule,
+                rule_state: m.rule_state,
                 slots,
             });
         }
@@ -616,6 +636,7 @@ impl<B: Backend> Optimizer<B> {
             global_steps: self.global_steps,
             groups: self.groups.clone(),
             params,
+            eval: self.eval,
         })
     }
 
@@ -644,9 +665,11 @@ impl<B: Backend> Optimizer<B> {
             opt.add_group(*g)?;
         }
         opt.set_steps(canonical.global_steps)?;
+        opt.eval = canonical.eval;
         for p in canonical.params {
             let id = opt.add_param_fresh(&p.name, &p.shape, p.group, p.requested)?;
             opt.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            opt.restore_rule_state(id, p.rule_state)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(p.slots) {
                 opt.import_slot(id, slot, host)?;
             }
@@ -746,9 +769,11 @@ impl<B: Backend> Optimizer<B> {
         self.options = c.options;
         self.global_steps = c.global_steps;
         self.groups = c.groups;
+        self.eval = c.eval;
         for (i, p) in c.params.into_iter().enumerate() {
             let id = ParamId(i);
             self.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            self.restore_rule_state(id, p.rule_state)?;
             self.states[i].group = p.group;
             self.states[i].requested = p.requested;
             self.states[i].config = p.requested.resolve(self.layouts[i].numel, &p.shape);

@@ -5,7 +5,7 @@ use lpmm_formats::CodeMap;
 use lpmm_quant::BlockSize;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::SlotKind;
+use crate::backend::{SLOTS, SlotKind};
 use crate::error::OptimError;
 use crate::format::Format;
 use crate::rule::Hyper;
@@ -123,8 +123,9 @@ pub enum Storage {
     },
     /// Adafactor's factorized second moment (Shazeer & Stern 2018): only moving averages of the
     /// row and column means of the squared gradient are kept, for the tensor viewed as a matrix
-    /// (leading dimensions x last dimension), and `v_ij = R_i C_j / mean(R)`. Adam only, state 2
-    /// only; 1-D tensors keep a full f32 state.
+    /// (leading dimensions x last dimension), and `v_ij = (R_i / mean(R)) C_j`. For the slots a
+    /// rule averages squares in (Adam's, Adafactor's and CAME's state 2, CAME's state 3); 1-D
+    /// tensors keep a full f32 state 2 and no state 3.
     Factorized,
     /// Rank-1 normalized quantization (second moments of 2-D+ tensors; 1-D tensors use blocks of
     /// `fallback`).
@@ -206,6 +207,9 @@ pub struct ParamConfig {
     pub state1: Storage,
     /// How the second state (Adam's second moment) is stored.
     pub state2: Storage,
+    /// How the third state (AdEMAMix's slow first moment, CAME's instability) is stored.
+    #[serde(default = "f32_storage")]
+    pub state3: Storage,
     /// Tensors with fewer elements keep quantized slots in f32 (bitsandbytes' `min_8bit_size`),
     /// decided on the whole tensor, never on a shard.
     pub min_quantized_size: usize,
@@ -220,6 +224,7 @@ impl ParamConfig {
             grad: Storage::F32,
             state1: Storage::F32,
             state2: Storage::F32,
+            state3: Storage::F32,
             min_quantized_size: 4096,
         }
     }
@@ -252,6 +257,16 @@ impl ParamConfig {
         ParamConfig { state2: s, ..self }
     }
 
+    /// With state 3 (AdEMAMix's slow first moment, CAME's instability) stored as `s`.
+    pub fn with_state3(self, s: Storage) -> Self {
+        ParamConfig { state3: s, ..self }
+    }
+
+    /// The storage of `slot`.
+    pub fn storage(&self, slot: SlotKind) -> Storage {
+        self.slots()[slot as usize]
+    }
+
     /// With minimum quantized size `n` (see the field).
     pub fn with_min_quantized_size(self, n: usize) -> Self {
         ParamConfig {
@@ -272,22 +287,38 @@ impl ParamConfig {
     }
 
     /// Whether a tensor with this (resolved) configuration may be cut into shards: no slot keeps
-    /// tensor-wide statistics.
+    /// tensor-wide statistics and the rule needs no tensor-wide sums (Adafactor's and CAME's
+    /// RMS of the update).
     pub fn splittable(&self) -> bool {
         self.slots()
             .iter()
-            .filter_map(|s| s.format())
+            .zip(SlotKind::ALL)
+            .filter(|&(_, slot)| self.hyper.uses(slot))
+            .filter_map(|(s, _)| s.format())
             .all(|f| !f.tensor_wide())
+            && self.hyper.consts(1, &Default::default()).stats() == 0
     }
 
-    /// The four slots' storages: parameter, gradient accumulator, state 1, state 2.
-    pub fn slots(&self) -> [Storage; 4] {
-        [self.param, self.grad, self.state1, self.state2]
+    /// The slots' storages: parameter, gradient accumulator, states 1, 2 and 3.
+    pub fn slots(&self) -> [Storage; SLOTS] {
+        [self.param, self.grad, self.state1, self.state2, self.state3]
+    }
+
+    /// The format of each slot of a tensor with this (resolved) configuration: `None` where the
+    /// slot is not allocated (no accumulator, states the rule does not use).
+    pub fn formats(&self) -> [Option<Format>; SLOTS] {
+        let slots = self.slots();
+        std::array::from_fn(|k| {
+            slots[k]
+                .format()
+                .filter(|_| self.hyper.uses(SlotKind::ALL[k]))
+        })
     }
 
     /// The storage each slot will really use for a tensor of `numel` elements and `shape`:
     /// quantized slots of tensors below `min_quantized_size` are f32, and a format that cannot
-    /// hold the shape falls back (rank-1 states of vectors to blocks, factorized ones to f32).
+    /// hold the shape falls back (rank-1 states of vectors to blocks, a factorized state 2 to f32;
+    /// a factorized state 3, CAME's instability, is not kept for vectors: [`Storage::None`]).
     pub fn resolve(&self, numel: usize, shape: &[usize]) -> ParamConfig {
         let small = numel < self.min_quantized_size;
         let pick = |s: Storage| match s.format() {
@@ -295,11 +326,16 @@ impl ParamConfig {
             Some(f) => f.resolve(shape).unwrap_or(s),
             None => s,
         };
+        let state3 = match self.state3 {
+            Storage::Factorized if shape.len() < 2 => Storage::None,
+            s => pick(s),
+        };
         ParamConfig {
             param: pick(self.param),
             grad: pick(self.grad),
             state1: pick(self.state1),
             state2: pick(self.state2),
+            state3,
             ..*self
         }
     }
@@ -307,10 +343,26 @@ impl ParamConfig {
     /// Checks the hyperparameters and that each slot's storage is allowed there.
     pub fn validate(&self) -> Result<(), OptimError> {
         self.hyper.validate()?;
-        if self.state2 == Storage::Factorized && !self.hyper.has_second_moment() {
+        for (slot, name) in [(SlotKind::State2, "state2"), (SlotKind::State3, "state3")] {
+            if self.storage(slot) == Storage::Factorized && !self.hyper.factorable(slot) {
+                return Err(OptimError::StorageNotAllowed {
+                    slot: name,
+                    storage: format!(
+                        "factorized (only an average of squares: Adam's, Adafactor's and CAME's state 2, CAME's state 3; not {})",
+                        self.hyper.name()
+                    ),
+                });
+            }
+        }
+        // CAME's instability is an average of squares the rule only reads as a factorized
+        // reconstruction: on a tensor of two or more dimensions it must be factorized.
+        if matches!(self.hyper, Hyper::Came(_)) && self.state3 != Storage::Factorized {
             return Err(OptimError::StorageNotAllowed {
-                slot: "state2",
-                storage: "factorized (only a second moment: Adam)".into(),
+                slot: "state3",
+                storage: format!(
+                    "{} (CAME's instability is factorized)",
+                    self.state3.describe()
+                ),
             });
         }
         for (kind, name, s) in [
@@ -318,6 +370,7 @@ impl ParamConfig {
             (SlotKind::Grad, "gradient", self.grad),
             (SlotKind::State1, "state1", self.state1),
             (SlotKind::State2, "state2", self.state2),
+            (SlotKind::State3, "state3", self.state3),
         ] {
             let ok = match s.format() {
                 None => kind == SlotKind::Grad,
@@ -332,6 +385,11 @@ impl ParamConfig {
         }
         Ok(())
     }
+}
+
+/// The default of a field added after checkpoints were first written.
+fn f32_storage() -> Storage {
+    Storage::F32
 }
 
 /// `BlockSize` as its element count in checkpoints, validated when read back.

@@ -14,9 +14,10 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Backend, BackendError, Dtype, FoldInput, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    ParamLayout, ParamStep, SlotKind, StepFlags, StepWork,
+    MAX_STATS, ParamLayout, ParamStep, SLOTS, SlotKind, StepFlags, StepWork,
 };
 use crate::exact::{ExactSum, add_squares};
+use crate::fixed;
 use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
 use crate::rule::{Chunk, apply_chunk};
 
@@ -38,7 +39,9 @@ pub struct Cpu;
 pub struct CpuParam {
     pieces: Vec<Piece>,
     /// Each slot's tensor-wide regions.
-    wide: [Vec<Box<[AtomicU32]>>; 4],
+    wide: [Vec<Box<[AtomicU32]>>; SLOTS],
+    /// The folds of the rule's sums of squares (scratch, in place: no allocation).
+    stats: [AtomicU32; STAT_WORDS],
 }
 
 /// A contiguous range of one parameter with its slots' element regions.
@@ -47,9 +50,9 @@ struct Piece {
     offset: usize,
     len: usize,
     /// Each slot's element regions, as words (a lent parameter's primary region is empty).
-    regions: [Vec<Vec<u32>>; 4],
+    regions: [Vec<Vec<u32>>; SLOTS],
     /// The byte length of each element region for this piece.
-    bytes: [[usize; MAX_REGIONS]; 4],
+    bytes: [[usize; MAX_REGIONS]; SLOTS],
     /// Whether the gradient accumulator's element regions are allocated. They are allocated on
     /// the first accumulation (or import): a parameter stepped only from given gradients
     /// (`step_gradients`, released steps) never holds an accumulator. Unallocated, it reads as
@@ -245,71 +248,147 @@ fn decode_slot(
     }
 }
 
-/// The step's flags for `layout`: the plan's, with the second moment given where state 2 is a
-/// reconstruction (factorized).
-fn flags_for(layout: &ParamLayout, plan: &ParamStep) -> StepFlags {
-    let given = layout
-        .format(SlotKind::State2)
-        .is_some_and(|f| f.folds().contains(&FoldInput::MomentGradient));
-    plan.flags.with(StepFlags::GIVEN_V, given)
+/// What a fold pass folds into: a slot's tensor-wide statistics (its format's folds), or the
+/// rule's sums of squares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FoldTarget {
+    Slot(SlotKind),
+    Stats,
 }
 
-/// One fold pass over a piece (see [`Format::folds`]): the folded values of every chunk.
+/// Words of a parameter's sums of squares: `MAX_STATS` exponents, then `MAX_STATS` 64-bit sums
+/// (the layout of the kernels' flag words after the non-finite flag).
+const STAT_WORDS: usize = 3 * MAX_STATS;
+
+/// The f32 scratch of one chunk: gradient, parameter, the three states and the increments.
+struct Scratch {
+    g: [f32; CHUNK],
+    p: [f32; CHUNK],
+    m: [f32; CHUNK],
+    v: [f32; CHUNK],
+    w: [f32; CHUNK],
+    d: [f32; CHUNK],
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Scratch {
+            g: [0.0; CHUNK],
+            p: [0.0; CHUNK],
+            m: [0.0; CHUNK],
+            v: [0.0; CHUNK],
+            w: [0.0; CHUNK],
+            d: [0.0; CHUNK],
+        }
+    }
+
+    /// The first `n` values of each, as a chunk of the rule's work.
+    fn chunk(&mut self, n: usize) -> Chunk<'_> {
+        Chunk {
+            g: &self.g[..n],
+            p: &mut self.p[..n],
+            m: &mut self.m[..n],
+            v: &mut self.v[..n],
+            w: &mut self.w[..n],
+            d: &mut self.d[..n],
+        }
+    }
+}
+
+/// Decodes a chunk's gradient (`g`, unless `transform`), parameter and states into `s`.
+#[allow(clippy::too_many_arguments)]
+fn decode_chunk(
+    s: &mut Scratch,
+    layout: &ParamLayout,
+    piece: &Piece,
+    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
+    released: Option<HostValues<'_>>,
+    lent: Option<&[u8]>,
+    start: usize,
+    n: usize,
+    transform: bool,
+) {
+    if transform {
+        s.g[..n].fill(0.0);
+    } else {
+        load_gradient(layout, piece, &wide[1], start, released, &mut s.g[..n]);
+    }
+    decode_slot(
+        layout,
+        piece,
+        &wide[0],
+        SlotKind::Param,
+        lent,
+        start,
+        &mut s.p[..n],
+    );
+    for (slot, out) in [
+        (SlotKind::State1, &mut s.m),
+        (SlotKind::State2, &mut s.v),
+        (SlotKind::State3, &mut s.w),
+    ] {
+        let k = slot as usize;
+        decode_slot(layout, piece, &wide[k], slot, None, start, &mut out[..n]);
+    }
+}
+
+/// One fold pass over a piece: the folded values of every chunk — for a slot's statistics (see
+/// [`Format::folds`]) its updated value or the rule's moment input, for the rule's sums its stat
+/// inputs.
 #[allow(clippy::too_many_arguments)]
 fn fold_piece(
     piece: &Piece,
     layout: &ParamLayout,
-    wide: &[Vec<Box<[AtomicU32]>>; 4],
+    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
+    stats: &[AtomicU32; STAT_WORDS],
     plan: &ParamStep,
+    target: FoldTarget,
     pass: usize,
-    input: FoldInput,
     released: Option<HostValues<'_>>,
     lent: Option<&[u8]>,
 ) {
-    let Some(state2) = layout.format(SlotKind::State2) else {
-        return;
-    };
-    let flags = flags_for(layout, plan);
-    let (mut g, mut p, mut m, mut v, mut d) = (
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-    );
-    let target = piece.view(SlotKind::State2, &wide[3], &layout.shape, None);
+    let flags = layout.step_flags(plan.flags);
+    let rule = &plan.rule;
+    let mut s = Scratch::new();
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
-        let (g, p, m, v, d) = (
-            &mut g[..n],
-            &mut p[..n],
-            &mut m[..n],
-            &mut v[..n],
-            &mut d[..n],
-        );
-        load_gradient(layout, piece, &wide[1], start, released, g);
-        decode_slot(layout, piece, &wide[0], SlotKind::Param, lent, start, p);
-        match input {
-            FoldInput::UpdatedState2 => {
-                decode_slot(layout, piece, &wide[2], SlotKind::State1, None, start, m);
-                decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
-                // Exactly the fused pass's element-wise work, restore included, so both phases
-                // agree (the parameter and increments it computes are dropped).
-                let limits = layout.limits(flags);
-                apply_chunk(
-                    plan.rule,
-                    flags,
-                    plan.clip,
-                    limits,
-                    &mut Chunk { g, p, m, v, d },
-                );
-                state2.fold(&target, pass, start, v);
-            }
-            FoldInput::MomentGradient => {
-                for (x, &p) in g.iter_mut().zip(p.iter()) {
-                    *x = plan.rule.moment_gradient(flags, p, *x * plan.clip);
+        decode_chunk(&mut s, layout, piece, wide, released, lent, start, n, false);
+        let clip = plan.clip;
+        match target {
+            FoldTarget::Stats => {
+                let (exp, sum) = stats.split_at(MAX_STATS);
+                for k in 0..rule.stats() {
+                    for j in 0..n {
+                        let g = s.g[j] * clip;
+                        let x = rule.stat_input(flags, k, s.p[j], g, s.m[j], s.v[j], s.w[j]);
+                        fixed::fold(exp, sum, k, layout.numel, pass, x);
+                    }
                 }
-                state2.fold(&target, pass, start, g);
+            }
+            FoldTarget::Slot(slot) => {
+                let Some(format) = layout.format(slot) else {
+                    return;
+                };
+                let k = slot as usize;
+                let view = piece.view(slot, &wide[k], &layout.shape, None);
+                match format.folds()[pass] {
+                    FoldInput::UpdatedState2 => {
+                        // Exactly the fused pass's element-wise work, restore included, so both
+                        // phases agree (the parameter and increments it computes are dropped).
+                        let limits = layout.limits(flags);
+                        apply_chunk(*rule, flags, plan.clip, limits, &mut s.chunk(n));
+                        let values = if slot == SlotKind::State3 { &s.w } else { &s.v };
+                        format.fold(&view, pass, start, &values[..n]);
+                    }
+                    FoldInput::MomentGradient => {
+                        for j in 0..n {
+                            let g = s.g[j] * clip;
+                            s.d[j] =
+                                rule.moment_input(flags, slot, s.p[j], g, s.m[j], s.v[j], s.w[j]);
+                        }
+                        format.fold(&view, pass, start, &s.d[..n]);
+                    }
+                }
             }
         }
     }
@@ -317,80 +396,74 @@ fn fold_piece(
 
 /// The fused step of one piece: for each chunk, decode gradient, parameter and states, apply the
 /// rule, store the states (a quantized state gets the exact absmax of its updated block), the
-/// parameter (Kahan: add the increment), clear the gradient. Returns whether a non-finite value
-/// was met (those elements were left unchanged).
+/// parameter (Kahan: add the increment), clear the gradient. With [`StepFlags::TRANSFORM`] only
+/// the parameter is stored. Returns whether a non-finite value was met (those elements were left
+/// unchanged).
 fn fused_step(
     piece: &mut Piece,
     layout: &ParamLayout,
-    wide: &[Vec<Box<[AtomicU32]>>; 4],
+    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
     plan: &ParamStep,
     seed: u64,
     released: Option<HostValues<'_>>,
     mut lent: Option<&mut [u8]>,
 ) -> bool {
-    let flags = flags_for(layout, plan);
+    let flags = layout.step_flags(plan.flags);
+    let transform = flags.has(StepFlags::TRANSFORM);
     let limits = layout.limits(flags);
     let t = plan.t;
-    let (mut g, mut p, mut m, mut v, mut d) = (
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-        [0f32; CHUNK],
-    );
+    let mut s = Scratch::new();
     let shape = &layout.shape[..];
     let mut saw_non_finite = false;
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
-        let (g, p, m, v, d) = (
-            &mut g[..n],
-            &mut p[..n],
-            &mut m[..n],
-            &mut v[..n],
-            &mut d[..n],
-        );
         let at = piece.offset + start;
-        load_gradient(layout, piece, &wide[1], start, released, g);
-        decode_slot(
+        decode_chunk(
+            &mut s,
             layout,
             piece,
-            &wide[0],
-            SlotKind::Param,
+            wide,
+            released,
             lent.as_deref(),
             start,
-            p,
+            n,
+            transform,
         );
-        decode_slot(layout, piece, &wide[2], SlotKind::State1, None, start, m);
-        decode_slot(layout, piece, &wide[3], SlotKind::State2, None, start, v);
-        let mut chunk = Chunk { g, p, m, v, d };
-        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut chunk);
-        let Chunk { p, m, v, d, .. } = chunk;
-        let [rp, rg, r1, r2] = &mut piece.regions;
-        let [bp, bg, b1, b2] = &piece.bytes;
-        for (slot, regions, bytes, values) in [
-            (SlotKind::State1, r1, b1, &*m),
-            (SlotKind::State2, r2, b2, &*v),
-        ] {
-            if let Some(f) = layout.format(slot) {
-                let w = &wide[slot as usize];
-                let mut r = view_mut(regions, bytes, w, piece.offset, shape, None);
-                f.encode(&mut r, start, values, random(layout, seed, slot, t, at));
+        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut s.chunk(n));
+        let [rp, rg, r1, r2, r3] = &mut piece.regions;
+        let [bp, bg, b1, b2, b3] = &piece.bytes;
+        if !transform {
+            for (slot, regions, bytes, values) in [
+                (SlotKind::State1, r1, b1, &s.m),
+                (SlotKind::State2, r2, b2, &s.v),
+                (SlotKind::State3, r3, b3, &s.w),
+            ] {
+                if let Some(f) = layout.format(slot) {
+                    let w = &wide[slot as usize];
+                    let mut r = view_mut(regions, bytes, w, piece.offset, shape, None);
+                    f.encode(
+                        &mut r,
+                        start,
+                        &values[..n],
+                        random(layout, seed, slot, t, at),
+                    );
+                }
             }
         }
         if flags.has(StepFlags::UPDATE_PARAM)
             && let Some(f) = layout.format(SlotKind::Param)
         {
             let mut r = view_mut(rp, bp, &wide[0], piece.offset, shape, lent.as_deref_mut());
-            if !f.add(&mut r, start, d) {
+            if !f.add(&mut r, start, &s.d[..n]) {
                 f.encode(
                     &mut r,
                     start,
-                    p,
+                    &s.p[..n],
                     random(layout, seed, SlotKind::Param, t, at),
                 );
             }
         }
-        if let Some(f) = layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
+        if !transform && let Some(f) = layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
             let mut r = view_mut(rg, bg, &wide[1], piece.offset, shape, None);
             f.clear(&mut r, start, n);
         }
@@ -398,7 +471,37 @@ fn fused_step(
     saw_non_finite
 }
 
-/// Steps one parameter: the folds of a two-phase step, the fused pass, the swap after it.
+/// Runs one fold pass over every piece of a parameter (in parallel; a lent buffer cut per piece).
+#[allow(clippy::too_many_arguments)]
+fn fold_all(
+    pieces: &[Piece],
+    layout: &ParamLayout,
+    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
+    stats: &[AtomicU32; STAT_WORDS],
+    plan: &ParamStep,
+    target: FoldTarget,
+    pass: usize,
+    released: Option<HostValues<'_>>,
+    lent: Option<&[u8]>,
+) {
+    let stride = lent_stride(layout);
+    let fold = |k: usize, piece: &Piece| {
+        let lent = lent.map(|l| &l[(k * stride).min(l.len())..((k + 1) * stride).min(l.len())]);
+        fold_piece(
+            piece, layout, wide, stats, plan, target, pass, released, lent,
+        );
+    };
+    match pieces {
+        [one] => fold(0, one),
+        many => many
+            .par_iter()
+            .enumerate()
+            .for_each(|(k, piece)| fold(k, piece)),
+    }
+}
+
+/// Steps one parameter: the tensor-wide phases (a factorized state 2's folds and combine, the
+/// rule's sums of squares, a factorized state 3's), the fused pass, the swaps after it.
 fn step_param(
     param: &mut CpuParam,
     layout: &ParamLayout,
@@ -407,58 +510,71 @@ fn step_param(
     released: Option<HostValues<'_>>,
     lent: Option<&mut [u8]>,
 ) -> bool {
-    let CpuParam { pieces, wide } = param;
+    let CpuParam {
+        pieces,
+        wide,
+        stats,
+    } = param;
     let stride = lent_stride(layout);
+    let mut plan = *plan;
     // A tensor-wide statistic that would not fit keeps its old value and flags the parameter.
     let mut kept = false;
-    if let Some(state2) = layout.format(SlotKind::State2)
-        && !state2.folds().is_empty()
-    {
-        for &k in state2.fold_targets() {
-            wide[3][k]
-                .iter()
-                .for_each(|w| w.store(0, Ordering::Relaxed));
-        }
-        for (pass, &input) in state2.folds().iter().enumerate() {
-            let wide = &*wide;
-            match lent.as_deref() {
-                Some(l) => {
-                    let cut =
-                        |k: usize| &l[(k * stride).min(l.len())..((k + 1) * stride).min(l.len())];
-                    if pieces.len() == 1 {
-                        fold_piece(
-                            &pieces[0],
-                            layout,
-                            wide,
-                            plan,
-                            pass,
-                            input,
-                            released,
-                            Some(l),
-                        );
-                    } else {
-                        pieces.par_iter().enumerate().for_each(|(k, piece)| {
-                            fold_piece(
-                                piece,
-                                layout,
-                                wide,
-                                plan,
-                                pass,
-                                input,
-                                released,
-                                Some(cut(k)),
-                            )
-                        });
-                    }
+    if !plan.flags.has(StepFlags::TRANSFORM) {
+        for phase in [
+            FoldTarget::Slot(SlotKind::State2),
+            FoldTarget::Stats,
+            FoldTarget::Slot(SlotKind::State3),
+        ] {
+            let passes = match phase {
+                FoldTarget::Stats if plan.rule.stats() > 0 => {
+                    stats.iter().for_each(|w| w.store(0, Ordering::Relaxed));
+                    2
                 }
-                None => pieces.par_iter().for_each(|piece| {
-                    fold_piece(piece, layout, wide, plan, pass, input, released, None)
-                }),
+                FoldTarget::Stats => 0,
+                FoldTarget::Slot(slot) => match layout.format(slot) {
+                    Some(f) if !f.folds().is_empty() => {
+                        for &k in f.fold_targets() {
+                            wide[slot as usize][k]
+                                .iter()
+                                .for_each(|w| w.store(0, Ordering::Relaxed));
+                        }
+                        f.folds().len()
+                    }
+                    _ => 0,
+                },
+            };
+            if passes == 0 {
+                continue;
+            }
+            for pass in 0..passes {
+                fold_all(
+                    pieces,
+                    layout,
+                    wide,
+                    stats,
+                    &plan,
+                    phase,
+                    pass,
+                    released,
+                    lent.as_deref(),
+                );
+            }
+            match phase {
+                FoldTarget::Stats => {
+                    let (exp, sum) = stats.split_at(MAX_STATS);
+                    let sums: Vec<f64> = (0..plan.rule.stats())
+                        .map(|k| fixed::total(exp, sum, k, layout.numel))
+                        .collect();
+                    plan.rule.combine_stats(&sums, layout.numel);
+                }
+                FoldTarget::Slot(slot) => {
+                    let f = layout.format(slot).expect("folds");
+                    kept |= f.combine(&wide[slot as usize], &layout.shape, &plan.rule, slot);
+                }
             }
         }
-        kept = state2.combine(&wide[3], &layout.shape, &plan.rule);
     }
-    let wide_ref = &*wide;
+    let (wide_ref, plan) = (&*wide, &plan);
     match lent {
         Some(l) => for_pieces_lent(pieces, l, stride, |piece, l| {
             piece.saw_non_finite =
@@ -468,11 +584,12 @@ fn step_param(
             piece.saw_non_finite = fused_step(piece, layout, wide_ref, plan, seed, released, None);
         }),
     }
-    if let Some((a, b)) = layout
-        .format(SlotKind::State2)
-        .and_then(|f| f.swap_after_step())
-    {
-        wide[3].swap(a, b);
+    if !plan.flags.has(StepFlags::TRANSFORM) {
+        for slot in [SlotKind::State2, SlotKind::State3] {
+            if let Some((a, b)) = layout.format(slot).and_then(|f| f.swap_after_step()) {
+                wide[slot as usize].swap(a, b);
+            }
+        }
     }
     kept | pieces.iter().any(|p| p.saw_non_finite)
 }
@@ -523,8 +640,8 @@ impl Backend for Cpu {
         let mut pieces = Vec::with_capacity(layout.numel.div_ceil(PIECE));
         for offset in (0..layout.numel).step_by(PIECE) {
             let len = PIECE.min(layout.numel - offset);
-            let mut regions: [Vec<Vec<u32>>; 4] = Default::default();
-            let mut bytes = [[0usize; MAX_REGIONS]; 4];
+            let mut regions: [Vec<Vec<u32>>; SLOTS] = Default::default();
+            let mut bytes = [[0usize; MAX_REGIONS]; SLOTS];
             for (s, spec) in specs.iter().enumerate() {
                 let (Some(spec), Some(format)) = (spec, layout.formats[s]) else {
                     continue;
@@ -552,7 +669,11 @@ impl Backend for Cpu {
                 grad_held: false,
             });
         }
-        let mut param = CpuParam { pieces, wide };
+        let mut param = CpuParam {
+            pieces,
+            wide,
+            stats: Default::default(),
+        };
         if let (Init::Values(values), Some(format)) = (init, layout.format(SlotKind::Param)) {
             let shape = &layout.shape[..];
             let wide = &param.wide[0];
@@ -993,8 +1114,8 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn bytes(&self, param: &CpuParam, layout: &ParamLayout) -> [usize; 4] {
-        let mut bytes = [0usize; 4];
+    fn bytes(&self, param: &CpuParam, layout: &ParamLayout) -> [usize; SLOTS] {
+        let mut bytes = [0usize; SLOTS];
         for (s, b) in bytes.iter_mut().enumerate() {
             for piece in param.pieces.iter().filter(|p| p.holds(SlotKind::ALL[s])) {
                 let lent = s == 0 && layout.lent;

@@ -70,7 +70,7 @@ pub enum OptimError {
         limit: f32,
     },
     /// `read_state` takes state 1 or 2.
-    #[error("optimizer state {0} does not exist: the states are 1 and 2")]
+    #[error("optimizer state {0} does not exist: the states are 1, 2 and 3")]
     UnknownState(usize),
     /// A step or accumulation counter beyond [`crate::MAX_COUNTER`] (2^53: the largest count
     /// the f64 bias corrections and the checkpoint format hold exactly).
@@ -126,6 +126,12 @@ pub enum OptimError {
         /// The parameter.
         param: String,
     },
+    /// A step was asked for while the parameters hold their evaluation point
+    /// (`Optimizer::eval`): `Optimizer::train` first.
+    #[error(
+        "the optimizer is in evaluation mode (parameters hold their evaluation point): call train() before stepping"
+    )]
+    EvalMode,
     /// The backend failed (device lost, out of memory, unsupported, driver error).
     #[error(transparent)]
     Backend(crate::backend::BackendError),

@@ -36,6 +36,7 @@ mod config;
 mod cpu;
 mod error;
 mod exact;
+mod fixed;
 mod format;
 #[cfg(feature = "testing")]
 pub mod fuzzing;
@@ -58,6 +59,6 @@ pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
     GradientSummary, Gradients, Lender, LrRule, MAX_COUNTER, NonFinitePolicy, Optimizer,
-    OptimizerOptions, StepInProgress, StepReport, WithGradient,
+    OptimizerOptions, StepInProgress, StepReport, TRANSFORM_COUNTER, WithGradient,
 };
-pub use rule::{Adam, Hyper, Lion, Sgd};
+pub use rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, RuleState, ScheduleFreeAdamW, Sgd};

@@ -1,6 +1,6 @@
 //! Memory accounting: the bytes each slot of each parameter allocates.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, SLOTS, SlotKind};
 use crate::config::Storage;
 use crate::optimizer::Optimizer;
 
@@ -14,10 +14,11 @@ pub struct ParamMemory {
     pub shape: Vec<usize>,
     /// Its element count.
     pub numel: usize,
-    /// Storage in force for parameter, gradient accumulator, state 1 and state 2.
-    pub storage: [Storage; 4],
-    /// Bytes of parameter, gradient accumulator, state 1 and state 2 (codes and scales included).
-    pub bytes: [usize; 4],
+    /// Storage in force for parameter, gradient accumulator and states 1, 2 and 3 ([`Storage::None`]
+    /// for a state the rule does not use).
+    pub storage: [Storage; SLOTS],
+    /// Bytes of parameter, gradient accumulator and states 1, 2 and 3 (codes and scales included).
+    pub bytes: [usize; SLOTS],
 }
 
 impl ParamMemory {
@@ -41,9 +42,9 @@ impl MemoryReport {
         self.params.iter().map(|p| p.numel).sum()
     }
 
-    /// Bytes of parameter, gradient, state 1 and state 2 over all parameters.
-    pub fn slot_totals(&self) -> [usize; 4] {
-        let mut t = [0; 4];
+    /// Bytes of parameter, gradient and states 1, 2 and 3 over all parameters.
+    pub fn slot_totals(&self) -> [usize; SLOTS] {
+        let mut t = [0; SLOTS];
         for p in &self.params {
             for (a, b) in t.iter_mut().zip(p.bytes) {
                 *a += b;
@@ -76,18 +77,20 @@ impl<B: Backend> Optimizer<B> {
             .zip(&self.layouts)
             .zip(&self.params)
             .map(|((m, layout), p)| {
-                let states = m.config.hyper.states();
                 let c = m.config;
+                let slots = c.slots();
                 ParamMemory {
                     name: m.name.clone(),
                     shape: layout.shape.clone(),
                     numel: layout.numel,
-                    storage: [
-                        c.param,
-                        c.grad,
-                        if states >= 1 { c.state1 } else { Storage::None },
-                        if states >= 2 { c.state2 } else { Storage::None },
-                    ],
+                    storage: std::array::from_fn(|k| {
+                        let slot = SlotKind::ALL[k];
+                        if c.hyper.uses(slot) {
+                            slots[k]
+                        } else {
+                            Storage::None
+                        }
+                    }),
                     bytes: self.backend.bytes(p, layout),
                 }
             })

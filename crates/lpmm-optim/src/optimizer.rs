@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{
     Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
-    ParamLayout, ParamStep, SlotKind, StepFlags, StepWork, fits,
+    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepWork, fits,
 };
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
@@ -253,7 +253,32 @@ pub(crate) struct ParamState {
     /// Whether the accumulator holds gradients not yet consumed.
     pub pending: bool,
     pub lr_rule: LrRule,
+    /// The rule's host state after `steps` steps.
+    pub rule_state: RuleState,
 }
+
+impl ParamState {
+    /// The plan of the parameter's next step.
+    pub fn plan(&self, flags: StepFlags, clip: f32) -> ParamStep {
+        let (hyper, t) = (&self.config.hyper, self.steps + 1);
+        ParamStep {
+            t,
+            flags: flags.with(StepFlags::FIRST, self.steps == 0),
+            rule: hyper.consts(t, &hyper.advance(t, self.rule_state)),
+            clip,
+        }
+    }
+
+    /// Counts a step taken: the step counter and the rule's host state move on together.
+    pub fn stepped(&mut self) {
+        self.steps += 1;
+        self.rule_state = self.config.hyper.advance(self.steps, self.rule_state);
+    }
+}
+
+/// The random-stream counters of [`Optimizer::eval`] and [`Optimizer::train`] start here:
+/// `2^62 + 2 steps + 1` for the move to evaluation, `2^62 + 2 steps` back.
+pub const TRANSFORM_COUNTER: u64 = 1 << 62;
 
 /// The optimizer over all registered parameters, on backend `B` (the CPU by default).
 #[derive(Debug)]
@@ -276,6 +301,9 @@ pub struct Optimizer<B: Backend = Cpu> {
     plans: Vec<Option<ParamStep>>,
     flags: Vec<bool>,
     call_flags: Vec<bool>,
+    /// The parameters hold their evaluation point ([`Optimizer::eval`]): no step until
+    /// [`Optimizer::train`].
+    pub(crate) eval: bool,
 }
 
 impl Optimizer<Cpu> {
@@ -322,6 +350,7 @@ impl<B: Backend> Optimizer<B> {
             plans: Vec::new(),
             flags: Vec::new(),
             call_flags: Vec::new(),
+            eval: false,
         })
     }
 
@@ -563,24 +592,10 @@ impl<B: Backend> Optimizer<B> {
         } else {
             LrRule::Fixed
         };
-        let states = resolved.hyper.states();
         let layout = ParamLayout {
             shape,
             numel,
-            formats: [
-                resolved.param.format(),
-                resolved.grad.format(),
-                if states >= 1 {
-                    resolved.state1.format()
-                } else {
-                    None
-                },
-                if states >= 2 {
-                    resolved.state2.format()
-                } else {
-                    None
-                },
-            ],
+            formats: resolved.formats(),
             stream: stream as u64,
             offset: offset as u64,
             lent: matches!(init, Init::Lent),
@@ -597,6 +612,7 @@ impl<B: Backend> Optimizer<B> {
             accumulations: 0,
             pending: false,
             lr_rule,
+            rule_state: RuleState::default(),
         });
         self.layouts.push(layout);
         self.params.push(param);
@@ -833,12 +849,126 @@ impl<B: Backend> Optimizer<B> {
             .export(&self.params[id.0], &self.layouts[id.0], slot, lent)?)
     }
 
-    /// Reads a state (1 or 2) of the parameter as f32 into `out` (zeros if the optimizer has no
-    /// such state); any other index is [`OptimError::UnknownState`].
+    /// Sets a parameter's rule state ([`RuleState`]: schedule-free AdamW's averaging weights),
+    /// as a checkpoint restores it with [`Optimizer::restore`]. It must be finite and
+    /// non-negative.
+    pub fn restore_rule_state(&mut self, id: ParamId, state: RuleState) -> Result<(), OptimError> {
+        self.state(id)?;
+        if !state.valid() {
+            let value = state.0.into_iter().find(|x| !(x.is_finite() && *x >= 0.0));
+            return Err(OptimError::Hyperparameter {
+                name: "rule state",
+                value: value.unwrap_or(f64::NAN),
+            });
+        }
+        self.states[id.0].rule_state = state;
+        Ok(())
+    }
+
+    /// A parameter's rule state ([`RuleState`]).
+    pub fn rule_state(&self, id: ParamId) -> Result<RuleState, OptimError> {
+        Ok(self.state(id)?.rule_state)
+    }
+
+    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
+    pub fn in_eval(&self) -> bool {
+        self.eval
+    }
+
+    /// Moves every parameter whose rule evaluates at another point than it trains at
+    /// (schedule-free AdamW: from `y` to the average `x`, the `schedulefree` package's
+    /// `optimizer.eval()`) to its evaluation point; other parameters do not change. Steps are
+    /// refused ([`OptimError::EvalMode`]) until [`Optimizer::train`]. Stored values round as the
+    /// parameter's storage rounds (stochastic rounding draws from a stream no step uses), so a
+    /// low-precision `y` comes back within its rounding, not bit for bit. A no-op in
+    /// evaluation mode. Lent parameters need their buffers: [`Optimizer::eval_lent`].
+    pub fn eval(&mut self) -> Result<(), OptimError> {
+        self.transform(true, None)
+    }
+
+    /// Back to the training point ([`Optimizer::eval`]'s inverse: `train()`).
+    pub fn train(&mut self) -> Result<(), OptimError> {
+        self.transform(false, None)
+    }
+
+    /// [`Optimizer::eval`] with the buffers of lent parameters.
+    pub fn eval_lent(&mut self, lender: &mut dyn Lender<B>) -> Result<(), OptimError> {
+        self.transform(true, Some(lender))
+    }
+
+    /// [`Optimizer::train`] with the buffers of lent parameters.
+    pub fn train_lent(&mut self, lender: &mut dyn Lender<B>) -> Result<(), OptimError> {
+        self.transform(false, Some(lender))
+    }
+
+    /// The parameters a mode change moves.
+    fn transforms(&self, eval: bool) -> Vec<(usize, ParamStep)> {
+        self.states
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| {
+                let rule = m.config.hyper.transform(eval)?;
+                Some((
+                    i,
+                    ParamStep {
+                        // Counters no step reaches (steps stay below 2^53).
+                        t: TRANSFORM_COUNTER + 2 * m.steps + u64::from(eval),
+                        flags: StepFlags(StepFlags::UPDATE_PARAM | StepFlags::TRANSFORM),
+                        rule,
+                        clip: 1.0,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    fn transform(
+        &mut self,
+        eval: bool,
+        mut lender: Option<&mut dyn Lender<B>>,
+    ) -> Result<(), OptimError> {
+        if self.eval == eval {
+            return Ok(());
+        }
+        let moves = self.transforms(eval);
+        if let Some(&(i, _)) = moves
+            .iter()
+            .find(|(i, _)| self.layouts[*i].lent && lender.is_none())
+        {
+            return Err(self.unlent(i));
+        }
+        self.plans.iter_mut().for_each(|p| *p = None);
+        for &(i, plan) in &moves {
+            if !self.layouts[i].lent {
+                self.plans[i] = Some(plan);
+            }
+        }
+        if self.plans.iter().any(Option::is_some) {
+            self.run_plans(None, &mut [])?;
+        }
+        for &(i, plan) in &moves {
+            if !self.layouts[i].lent {
+                continue;
+            }
+            let id = ParamId(i);
+            let lender = lender.as_deref_mut().expect("checked above");
+            lender.lend_mut(id, &mut |buf| {
+                self.plans.iter_mut().for_each(|p| *p = None);
+                self.plans[i] = Some(plan);
+                self.run_plans(None, &mut [(id, buf)])
+            })?;
+        }
+        self.eval = eval;
+        Ok(())
+    }
+
+    /// Reads a state (1, 2 or 3) of the parameter as f32 into `out` (zeros if the optimizer has
+    /// no such state); any other index is [`OptimError::UnknownState`].
     pub fn read_state(&self, id: ParamId, state: usize, out: &mut [f32]) -> Result<(), OptimError> {
         let slot = match state {
             1 => SlotKind::State1,
             2 => SlotKind::State2,
+            3 => SlotKind::State3,
             other => return Err(OptimError::UnknownState(other)),
         };
         self.read_slot(id, slot, out)
@@ -928,7 +1058,16 @@ impl<B: Backend> Optimizer<B> {
 
     /// Refuses a step that would take the global counter, or the step counter of a parameter
     /// with `takes_part`, past [`MAX_COUNTER`] (before anything changes).
+    /// In evaluation mode no parameter steps.
+    fn check_training(&self) -> Result<(), OptimError> {
+        if self.eval {
+            return Err(OptimError::EvalMode);
+        }
+        Ok(())
+    }
+
     fn check_step_counters(&self, takes_part: impl Fn(usize) -> bool) -> Result<(), OptimError> {
+        self.check_training()?;
         check_counter(|| "the step counter".into(), self.global_steps + 1)?;
         for (i, m) in self.states.iter().enumerate() {
             if takes_part(i) {
@@ -1034,7 +1173,7 @@ impl<B: Backend> Optimizer<B> {
                     report.non_finite.push(ParamId(index));
                 }
                 report.updated += 1;
-                state.steps += 1;
+                state.stepped();
                 state.pending = false;
             }
         }
@@ -1173,12 +1312,7 @@ impl<B: Backend> Optimizer<B> {
                 return Ok(report);
             }
         }
-        let plan = |state: &ParamState| ParamStep {
-            t: state.steps + 1,
-            flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
-            rule: state.config.hyper.consts(state.steps + 1),
-            clip,
-        };
+        let plan = |state: &ParamState| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip);
         self.flags.iter_mut().for_each(|f| *f = false);
         // Accumulated gradients: every held parameter in one call, lent ones one at a time.
         self.plans.iter_mut().for_each(|p| *p = None);
@@ -1228,7 +1362,7 @@ impl<B: Backend> Optimizer<B> {
                     report.non_finite.push(id);
                 }
                 let m = &mut self.states[i];
-                m.steps += 1;
+                m.stepped();
                 m.pending = false;
                 self.select[i] = false;
                 report.updated += 1;
@@ -1326,12 +1460,7 @@ impl<B: Backend> Optimizer<B> {
             .zip(&self.select)
             .zip(&self.states)
         {
-            *plan = s.then(|| ParamStep {
-                t: state.steps + 1,
-                flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, state.steps == 0),
-                rule: state.config.hyper.consts(state.steps + 1),
-                clip,
-            });
+            *plan = s.then(|| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip));
         }
         Ok(StepInProgress { report, clip })
     }
@@ -1401,6 +1530,7 @@ impl<B: Backend> Optimizer<B> {
                 },
             });
         }
+        self.check_training()?;
         let name = &self.states[id.0].name;
         check_counter(
             || format!("parameter {name}'s step counter"),
@@ -1435,14 +1565,10 @@ impl<B: Backend> Optimizer<B> {
         }
         let state = &self.states[id.0];
         self.plans.iter_mut().for_each(|p| *p = None);
-        self.plans[id.0] = Some(ParamStep {
-            t: state.steps + 1,
-            flags: StepFlags(0)
-                .with(StepFlags::FIRST, state.steps == 0)
-                .with(StepFlags::UPDATE_PARAM, update_param),
-            rule: state.config.hyper.consts(state.steps + 1),
-            clip: 1.0,
-        });
+        self.plans[id.0] = Some(state.plan(
+            StepFlags(0).with(StepFlags::UPDATE_PARAM, update_param),
+            1.0,
+        ));
         self.flags[id.0] = false;
         match lent {
             Some(l) => self.run_plans(Some((id.0, grad)), &mut [(id, l)])?,
@@ -1452,7 +1578,7 @@ impl<B: Backend> Optimizer<B> {
             report.non_finite.push(id);
         }
         let m = &mut self.states[id.0];
-        m.steps += 1;
+        m.stepped();
         m.pending = false;
         report.updated = 1;
         Ok(report)

@@ -15,7 +15,7 @@
 //! to pick: the README's table (memory per parameter, quality, speed).
 
 use crate::config::{ParamConfig, Storage, StoreRounding};
-use crate::rule::{Adam, Hyper, Lion, Sgd};
+use crate::rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, ScheduleFreeAdamW, Sgd};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any
 /// [`Hyper`]) and the storage of each slot. Converts into [`ParamConfig`] (`.into()` or
@@ -27,6 +27,7 @@ pub struct Preset<R> {
     grad: Storage,
     state1: Storage,
     state2: Storage,
+    state3: Storage,
     min_quantized_size: usize,
 }
 
@@ -37,6 +38,7 @@ impl<R: Into<Hyper>> From<Preset<R>> for ParamConfig {
             .with_grad(p.grad)
             .with_state1(p.state1)
             .with_state2(p.state2)
+            .with_state3(p.state3)
             .with_min_quantized_size(p.min_quantized_size)
     }
 }
@@ -57,6 +59,7 @@ impl<R> Preset<R> {
             grad: Storage::F32,
             state1: Storage::F32,
             state2: Storage::F32,
+            state3: Storage::F32,
             min_quantized_size: 4096,
         }
     }
@@ -84,6 +87,11 @@ impl<R> Preset<R> {
     /// With state 2 (Adam's second moment) stored as `s`.
     pub fn with_state2(self, s: Storage) -> Self {
         Preset { state2: s, ..self }
+    }
+
+    /// With state 3 (AdEMAMix's slow first moment, CAME's instability) stored as `s`.
+    pub fn with_state3(self, s: Storage) -> Self {
+        Preset { state3: s, ..self }
     }
 
     /// Tensors with fewer elements keep quantized slots in f32 (bitsandbytes' `min_8bit_size`).
@@ -165,6 +173,103 @@ impl Preset<Sgd> {
     /// With an L2 penalty.
     pub fn weight_decay(self, weight_decay: f64) -> Self {
         self.map_rule(|s| s.weight_decay(weight_decay))
+    }
+}
+
+impl Preset<Adafactor> {
+    /// A fixed learning rate `lr` instead of the relative step (parameter scaling kept as set).
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|a| Adafactor {
+            lr,
+            relative_step: false,
+            ..a
+        })
+    }
+
+    /// With a first moment of decay `beta1`.
+    pub fn beta1(self, beta1: f64) -> Self {
+        self.map_rule(|a| a.beta1(beta1))
+    }
+
+    /// With decoupled weight decay (scaled by the step size).
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|a| a.weight_decay(weight_decay))
+    }
+
+    /// With or without the parameter-RMS scaling of the step size.
+    pub fn scale_parameter(self, on: bool) -> Self {
+        self.map_rule(|a| a.scale_parameter(on))
+    }
+
+    /// With warmup of the relative step size.
+    pub fn warmup_init(self, on: bool) -> Self {
+        self.map_rule(|a| a.warmup_init(on))
+    }
+}
+
+impl Preset<Came> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|c| Came { lr, ..c })
+    }
+
+    /// With other betas (first moment, second moment, instability).
+    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
+        self.map_rule(|c| c.betas(beta1, beta2, beta3))
+    }
+
+    /// With decoupled weight decay.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|c| c.weight_decay(weight_decay))
+    }
+}
+
+impl Preset<AdEMAMix> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|a| AdEMAMix { lr, ..a })
+    }
+
+    /// With other betas (fast moment, second moment, slow moment).
+    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
+        self.map_rule(|a| a.betas(beta1, beta2, beta3))
+    }
+
+    /// With another weight of the slow moment.
+    pub fn alpha(self, alpha: f64) -> Self {
+        self.map_rule(|a| a.alpha(alpha))
+    }
+
+    /// With decoupled weight decay.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|a| a.weight_decay(weight_decay))
+    }
+
+    /// With warmups of `alpha` and `beta3` over these many steps.
+    pub fn warmup(self, t_alpha: Option<u64>, t_beta3: Option<u64>) -> Self {
+        self.map_rule(|a| a.warmup(t_alpha, t_beta3))
+    }
+}
+
+impl Preset<ScheduleFreeAdamW> {
+    /// With learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        self.map_rule(|s| ScheduleFreeAdamW { lr, ..s })
+    }
+
+    /// With other betas (interpolation, second moment decay).
+    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+        self.map_rule(|s| s.betas(beta1, beta2))
+    }
+
+    /// With weight decay (applied at `y`).
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.map_rule(|s| s.weight_decay(weight_decay))
+    }
+
+    /// With a linear learning-rate warmup over `steps`.
+    pub fn warmup_steps(self, steps: u64) -> Self {
+        self.map_rule(|s| s.warmup_steps(steps))
     }
 }
 
@@ -271,6 +376,81 @@ pub fn adamw_4bit_bf16_sr_released(lr: f64) -> Preset<Adam> {
         .with_grad(Storage::None)
 }
 
+/// Adafactor as `transformers` defaults it (relative step size scaled by the parameter's RMS, no
+/// first moment, update clipping): f32 parameters and gradients, the second moment factorized
+/// (a full f32 one for vectors). The reference for the Adafactor presets.
+pub fn adafactor_f32() -> Preset<Adafactor> {
+    Preset::f32(Adafactor::new()).with_state2(Storage::Factorized)
+}
+
+/// Adafactor with a first moment (`beta1 = 0.9`) stored 8-bit dynamic in blocks of 256, the
+/// second moment factorized, f32 parameters and gradients.
+pub fn adafactor_8bit() -> Preset<Adafactor> {
+    adafactor_f32()
+        .beta1(0.9)
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+}
+
+/// Adafactor with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit
+/// linear in groups of 64 with stochastic rounding (every tensor, no minimum size), the first
+/// moment (`beta1 = 0.9`) 8-bit dynamic, the second moment factorized.
+pub fn adafactor_lpmm() -> Preset<Adafactor> {
+    adafactor_8bit()
+        .with_param(Storage::LINEAR8_GROUP64_SR)
+        .with_grad(Storage::LINEAR8_GROUP64_SR)
+        .with_min_quantized_size(0)
+}
+
+/// CAME with the authors' defaults: f32 parameters, gradients and first moment, the second
+/// moment and the instability factorized. The reference for the CAME presets.
+pub fn came_f32(lr: f64) -> Preset<Came> {
+    Preset::f32(Came::new(lr))
+        .with_state2(Storage::Factorized)
+        .with_state3(Storage::Factorized)
+}
+
+/// CAME with the first moment 8-bit dynamic in blocks of 256; f32 parameters and gradients.
+pub fn came_8bit(lr: f64) -> Preset<Came> {
+    came_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
+}
+
+/// CAME with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit linear
+/// in groups of 64 with stochastic rounding (every tensor), the first moment 8-bit dynamic, the
+/// two statistics factorized.
+pub fn came_lpmm(lr: f64) -> Preset<Came> {
+    came_8bit(lr)
+        .with_param(Storage::LINEAR8_GROUP64_SR)
+        .with_grad(Storage::LINEAR8_GROUP64_SR)
+        .with_min_quantized_size(0)
+}
+
+/// AdEMAMix with bitsandbytes' defaults, everything f32: the reference for the AdEMAMix presets.
+pub fn ademamix_f32(lr: f64) -> Preset<AdEMAMix> {
+    Preset::f32(AdEMAMix::new(lr))
+}
+
+/// bitsandbytes' `AdEMAMix8bit`: f32 parameters and gradients, both first moments 8-bit dynamic
+/// signed and the second moment 8-bit dynamic unsigned, in blocks of 256.
+pub fn ademamix_8bit(lr: f64) -> Preset<AdEMAMix> {
+    ademamix_f32(lr)
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+        .with_state3(Storage::DYNAMIC8_SIGNED)
+}
+
+/// Schedule-free AdamW with the package's defaults, everything f32: the reference.
+pub fn schedule_free_adamw_f32(lr: f64) -> Preset<ScheduleFreeAdamW> {
+    Preset::f32(ScheduleFreeAdamW::new(lr))
+}
+
+/// Schedule-free AdamW with the second moment 8-bit dynamic (blocks of 256) and the base
+/// sequence `z` in bf16 with stochastic rounding; f32 parameters and gradients.
+pub fn schedule_free_adamw_8bit(lr: f64) -> Preset<ScheduleFreeAdamW> {
+    schedule_free_adamw_f32(lr)
+        .with_state1(Storage::Bf16(StoreRounding::Stochastic))
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,8 +496,23 @@ mod tests {
             lion_8bit(1e-3).build(),
             adamw_4bit_split(1e-3).build(),
             adamw_4bit_bf16_sr_released(1e-3).build(),
+            adafactor_f32().build(),
+            adafactor_8bit().weight_decay(0.01).build(),
+            adafactor_lpmm().build(),
+            came_f32(2e-4).build(),
+            came_8bit(2e-4).betas(0.9, 0.999, 0.9999).build(),
+            came_lpmm(2e-4).build(),
+            ademamix_f32(1e-3).build(),
+            ademamix_8bit(1e-3).warmup(Some(100), Some(100)).build(),
+            schedule_free_adamw_f32(1e-3).warmup_steps(10).build(),
+            schedule_free_adamw_8bit(1e-3).build(),
         ] {
             c.validate().unwrap();
         }
+        let a = adafactor_8bit().lr(1e-3).build();
+        assert_eq!(
+            a.hyper,
+            Hyper::Adafactor(Adafactor::with_lr(1e-3).beta1(0.9))
+        );
     }
 }

@@ -7,8 +7,9 @@ use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
 use crate::{
-    Adam, Backend, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig,
-    ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
+    AdEMAMix, Adafactor, Adam, Backend, Came, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer,
+    OptimizerOptions, ParamConfig, ParamId, ScheduleFreeAdamW, Sgd, SlotKind, Storage,
+    StoreRounding, presets,
 };
 
 /// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
@@ -151,7 +152,33 @@ pub fn hypers() -> Vec<(&'static str, Hyper)> {
             ),
         ),
         ("lion", Hyper::Lion(Lion::new(1e-4).weight_decay(0.1))),
+        (
+            "adafactor-beta1-wd",
+            Hyper::Adafactor(Adafactor::new().beta1(0.9).weight_decay(0.1)),
+        ),
+        ("came-wd", Hyper::Came(Came::new(2e-4).weight_decay(0.1))),
+        (
+            "ademamix-warmup",
+            Hyper::AdEMAMix(AdEMAMix::new(1e-3).warmup(Some(2), Some(3))),
+        ),
+        (
+            "schedule-free-warmup-wd",
+            Hyper::ScheduleFreeAdamW(
+                ScheduleFreeAdamW::new(2.5e-3)
+                    .warmup_steps(2)
+                    .weight_decay(0.1),
+            ),
+        ),
     ]
+}
+
+/// State 3's storage beside state 1's in the storage covers: CAME's instability is factorized;
+/// the other rules' state 3 (AdEMAMix's slow moment) is stored like state 1.
+fn state3_for(hyper: &Hyper, state1: Storage) -> Storage {
+    match hyper {
+        Hyper::Came(_) => Storage::Factorized,
+        _ => state1,
+    }
 }
 
 /// Runs the same training on the CPU and on `gpu` (any backend) and compares every slot after registration
@@ -232,13 +259,28 @@ pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
             "adamw 4-bit released",
             presets::adamw_4bit_bf16_sr_released(1e-3).build(),
         ),
+        ("adafactor f32", presets::adafactor_f32().build()),
+        ("adafactor 8-bit", presets::adafactor_8bit().build()),
+        ("adafactor lpmm", presets::adafactor_lpmm().build()),
+        ("came f32", presets::came_f32(2e-4).build()),
+        ("came lpmm", presets::came_lpmm(2e-4).build()),
+        (
+            "ademamix 8-bit",
+            presets::ademamix_8bit(1e-3)
+                .warmup(Some(3), Some(3))
+                .build(),
+        ),
+        (
+            "schedule-free 8-bit",
+            presets::schedule_free_adamw_8bit(1e-3).build(),
+        ),
     ];
     for (name, config) in cases {
         compare(gpu, name, config, OptimizerOptions::default(), 4);
     }
 }
 
-/// 7 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
+/// 11 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
 /// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
 pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
     let params = [
@@ -275,6 +317,7 @@ pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
                 .with_grad(grad)
                 .with_state1(state1)
                 .with_state2(state2)
+                .with_state3(state3_for(&hyper, state1))
                 .with_min_quantized_size(4096);
             let name = format!(
                 "{hname}: param {} grad {} states {}/{}",
@@ -321,6 +364,43 @@ pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
+/// Schedule-free AdamW's evaluation point: `eval()` and `train()` move the parameters (f32 and
+/// bf16 with stochastic rounding) as the CPU does, bit for bit, and steps resume from them.
+pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
+    for param in [Storage::F32, BF_SR] {
+        let config = presets::schedule_free_adamw_8bit(2.5e-3)
+            .warmup_steps(2)
+            .with_param(param);
+        let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
+        let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
+        cpu.add_group(config).unwrap();
+        dev.add_group(config).unwrap();
+        let mut rng = Rng::new(5);
+        let mut ids = Vec::new();
+        for (k, shape) in [vec![9000], vec![33, 70]].iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let init = rng.spread(n, 0.5);
+            ids.push((cpu.add_param(&format!("p{k}"), shape, &init, 0).unwrap(), n));
+            dev.add_param(&format!("p{k}"), shape, &init, 0).unwrap();
+        }
+        let only: Vec<ParamId> = ids.iter().map(|&(id, _)| id).collect();
+        for round in 0..3 {
+            for &(id, n) in &ids {
+                let g = rng.spread(n, 1.0);
+                cpu.accumulate(id, &g).unwrap();
+                dev.accumulate(id, &g).unwrap();
+            }
+            assert_eq!(cpu.step().unwrap(), dev.step().unwrap());
+            cpu.eval().unwrap();
+            dev.eval().unwrap();
+            assert_same(&cpu, &dev, &only, &format!("{param:?} eval {round}"));
+            cpu.train().unwrap();
+            dev.train().unwrap();
+            assert_same(&cpu, &dev, &only, &format!("{param:?} train {round}"));
+        }
+    }
+}
+
 /// `read_param` / `read_state` decode as the CPU does.
 pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let config = presets::adamw_4bit_split(1e-3);
@@ -340,7 +420,7 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     cpu.read_param(a, &mut x).unwrap();
     dev.read_param(a, &mut y).unwrap();
     assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
-    for state in [1, 2] {
+    for state in [1, 2, 3] {
         cpu.read_state(a, state, &mut x).unwrap();
         dev.read_state(a, state, &mut y).unwrap();
         assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
@@ -424,9 +504,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
 }
 
 /// Rank-1 and factorized second moments (tensor-wide statistics, the two-phase step) with
-/// AdamW and Adam-L2 (whose moment gradient folds the penalty in), clipped and accumulated
-/// gradients, released gradients and optimizer accumulation, on matrices, a 3-D tensor and
-/// vectors (which fall back), on several pieces.
+/// AdamW and Adam-L2 (whose moment gradient folds the penalty in), Adafactor (the rule's sums of
+/// squares: parameter and update RMS) and CAME (a factorized state 3 fed by the rule), clipped
+/// and accumulated gradients, released gradients and optimizer accumulation, on matrices, a 3-D
+/// tensor and vectors (which fall back), on several pieces.
 pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
     let rank1 = Storage::Rank1 {
         map: MapKind::LinearWithoutZero4,
@@ -440,6 +521,11 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
         for (hname, hyper) in [
             ("adamw", Hyper::adamw(1e-3)),
             ("adam-l2", Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2))),
+            (
+                "adafactor-relative-beta1-wd",
+                Hyper::Adafactor(Adafactor::new().beta1(0.9).weight_decay(0.1)),
+            ),
+            ("came-wd", Hyper::Came(Came::new(2e-4).weight_decay(0.1))),
         ] {
             for (gname, param, grad, options) in [
                 ("bf16 sr, clipped", BF_SR, BF_SR, clipped),
@@ -455,6 +541,7 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
                     .with_grad(grad)
                     .with_state1(Storage::FOUR_BIT_SIGNED)
                     .with_state2(state2)
+                    .with_state3(state3_for(&hyper, Storage::FOUR_BIT_SIGNED))
                     .with_min_quantized_size(0);
                 let label = format!("{name} {hname} {gname}");
                 compare(gpu, &label, config, options, 3);
@@ -674,6 +761,7 @@ macro_rules! conformance_tests {
             reads_decode_as_the_cpu_does,
             checkpoints_move_between_backends_and_resume_exactly,
             tensor_wide_second_moments_are_bit_exact,
+            evaluation_points_are_bit_exact,
             overflow_is_bit_exact,
         );
     };

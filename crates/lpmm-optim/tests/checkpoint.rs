@@ -499,3 +499,106 @@ fn load_state_replaces_the_configuration_only_when_asked() {
     // The same configuration loads under the default policy.
     live.load_state(&path).unwrap();
 }
+
+/// Every slot of every parameter, as bytes (state 3 and the factorized statistics included).
+fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for &(id, _) in ids {
+        for slot in lpmm_optim::SlotKind::ALL {
+            for r in opt.export_slot(id, slot).unwrap().regions {
+                out.push(r.bytes);
+            }
+        }
+    }
+    out
+}
+
+/// Adafactor, CAME, AdEMAMix and schedule-free AdamW at their low-precision presets: state 3,
+/// the factorized statistics, the rules' tensor-wide sums and schedule-free's host state (its
+/// averaging weights) all resume bit for bit; a checkpoint saved at the evaluation point loads
+/// there, refuses to step, and trains on after `train()` exactly as the uninterrupted run.
+#[test]
+fn the_newer_rules_resume_exactly() {
+    use lpmm_optim::presets;
+    let dir = tempdir();
+    let configs: [(&str, ParamConfig); 4] = [
+        (
+            "adafactor",
+            presets::adafactor_lpmm().weight_decay(0.01).build(),
+        ),
+        ("came", presets::came_lpmm(2e-4).weight_decay(0.01).build()),
+        (
+            "ademamix",
+            presets::ademamix_8bit(1e-3)
+                .warmup(Some(5), Some(5))
+                .build(),
+        ),
+        (
+            "schedule-free",
+            presets::schedule_free_adamw_8bit(2.5e-3)
+                .warmup_steps(3)
+                .build(),
+        ),
+    ];
+    let shapes: [&[usize]; 3] = [&[64, 80], &[5000], &[3, 40, 50]];
+    for (name, config) in configs {
+        let make = || {
+            let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(5)).unwrap();
+            let g = opt.add_group(config).unwrap();
+            let ids: Vec<(ParamId, usize)> = shapes
+                .iter()
+                .enumerate()
+                .map(|(k, shape)| {
+                    let n: usize = shape.iter().product();
+                    let init: Vec<f32> = (0..n)
+                        .map(|i| ((i * 7919 + k) % 1000) as f32 / 1000.0 - 0.5)
+                        .collect();
+                    (opt.add_param(&format!("p{k}"), shape, &init, g).unwrap(), n)
+                })
+                .collect();
+            (opt, ids)
+        };
+        let (mut first, ids) = make();
+        train(&mut first, &ids, 1..4);
+        let eval = name == "schedule-free";
+        if eval {
+            first.eval().unwrap();
+        }
+        let path = dir.join(format!("{name}.safetensors"));
+        first.save(&path).unwrap();
+        let mut resumed = Optimizer::load(&path).unwrap();
+        assert_eq!(
+            all_slots(&resumed, &ids),
+            all_slots(&first, &ids),
+            "{name}: loaded"
+        );
+        assert_eq!(resumed.in_eval(), eval, "{name}: mode");
+        for &(id, _) in &ids {
+            assert_eq!(
+                resumed.rule_state(id).unwrap(),
+                first.rule_state(id).unwrap(),
+                "{name}: rule state"
+            );
+        }
+        if eval {
+            assert!(matches!(resumed.step(), Err(OptimError::EvalMode)));
+            resumed.train().unwrap();
+        }
+        train(&mut resumed, &ids, 4..8);
+        let (mut reference, ids2) = make();
+        train(&mut reference, &ids2, 1..4);
+        if eval {
+            reference.eval().unwrap();
+            reference.train().unwrap();
+        }
+        train(&mut reference, &ids2, 4..8);
+        assert_eq!(
+            all_slots(&resumed, &ids),
+            all_slots(&reference, &ids2),
+            "{name}: resumed"
+        );
+        if eval {
+            assert!(resumed.rule_state(ids[0].0).unwrap().0[1] > 0.0);
+        }
+    }
+}

@@ -96,12 +96,16 @@ fn item4_eps_zero_is_refused() {
 }
 
 #[test]
-fn item4_read_state_3_is_refused() {
+fn item4_read_state_4_is_refused() {
+    // States are 1, 2 and 3 (AdEMAMix and CAME use the third); AdamW's state 3 reads as zeros.
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     let id = opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    let mut out = [0f32; 4];
-    assert!(opt.read_state(id, 3, &mut out).is_err(), "state 3 read");
+    let mut out = [1f32; 4];
+    assert!(opt.read_state(id, 4, &mut out).is_err(), "state 4 read");
+    assert!(opt.read_state(id, 0, &mut out).is_err(), "state 0 read");
+    opt.read_state(id, 3, &mut out).unwrap();
+    assert_eq!(out, [0.0; 4]);
 }
 
 #[test]

@@ -766,8 +766,8 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         );
         add(
             "state access",
-            "read_state(3)",
-            refused(opt.read_state(id, 3, &mut out)),
+            "read_state(4)",
+            refused(opt.read_state(id, 4, &mut out)),
         );
         add(
             "state access",

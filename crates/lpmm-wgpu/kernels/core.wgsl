@@ -153,6 +153,7 @@ struct Update {
     d: f32,
     m: f32,
     v: f32,
+    w: f32,
 }
 
 // 64-bit unsigned integers as (low, high) words.

@@ -103,7 +103,7 @@ fn step_ok(t: Tile, fl: u32, gi: f32, u: Update) -> bool {
     if ((fl & F_UPDATE_PARAM) != 0u) {
         lp = fmt_limit(slot_format(t, S_PARAM));
     }
-    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) && fits(u.m, fmt_limit(slot_format(t, S_STATE1))) && fits(u.v, fmt_limit(slot_format(t, S_STATE2)));
+    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) && fits(u.m, fmt_limit(slot_format(t, S_STATE1))) && fits(u.v, fmt_limit(slot_format(t, S_STATE2))) && fits(u.w, fmt_limit(slot_format(t, S_STATE3)));
 }
 
 // The gradient of item element `i`: the accumulator plus the released gradient, if any.
@@ -115,8 +115,11 @@ fn gradient(t: Tile, i: u32) -> f32 {
     return g;
 }
 
-// cpu.rs `fold_piece`: pass `mode & 255` of a two-phase step folds, per element, the updated
-// second moment (the rule applied, nothing stored; mode >> 8 = 0) or the moment gradient (1).
+// cpu.rs `fold_piece`: pass `mode & 255` of a tensor-wide phase. Target `(mode >> 8) & 255` is a
+// slot (state 2 or 3) whose format folds, per element, its updated value (the rule applied,
+// nothing stored; input `mode >> 16` = FOLD_UPDATED) or the rule's moment input for it
+// (FOLD_MOMENT); or FOLD_STATS: the rule's `mode >> 24` sums of squares, over a tensor whose
+// count has `(mode >> 16) & 255` fractional bits, into the flag words after the item's flag.
 @compute @workgroup_size(256)
 fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -128,25 +131,52 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let fl = dw(t, D_FLAGS);
     let clip = df(t, D_CLIP);
     let mode = dw(t, D_MODE);
+    let phase = mode & 0xFFu;
+    let dest = (mode >> 8u) & 0xFFu;
+    let base = dw(t, D_FLAG_INDEX);
     for (var j = 0u; j < count; j = j + 1u) {
         let gi = gradient(t, first + j) * clip;
         let p0 = fmt_load(t, S_PARAM, first + j);
-        var x: f32;
-        if ((mode >> 8u) == 0u) {
-            let m0 = fmt_load(t, S_STATE1, first + j);
-            let v0 = fmt_load(t, S_STATE2, first + j);
-            let u = apply_rule(t, fl, p0, gi, m0, v0);
-            x = select(v0, u.v, step_ok(t, fl, gi, u));
-        } else {
-            x = moment_gradient(t, fl, p0, gi);
+        let m0 = fmt_load(t, S_STATE1, first + j);
+        let v0 = fmt_load(t, S_STATE2, first + j);
+        let w0 = fmt_load(t, S_STATE3, first + j);
+        if (dest == FOLD_STATS) {
+            let frac = i32((mode >> 16u) & 0xFFu);
+            for (var k = 0u; k < (mode >> 24u); k = k + 1u) {
+                let x = stat_input(t, fl, k, p0, gi, m0, v0, w0);
+                if (!fixed_counts(x)) {
+                    continue;
+                }
+                if (phase == 0u) {
+                    atomicMax(&flags[base + STAT_EXP + k], fixed_exponent(x));
+                } else {
+                    let stored = atomicLoad(&flags[base + STAT_EXP + k]);
+                    flag_add64(base + STAT_SUM + 2u * k, fixed_term(x, stored, frac));
+                }
+            }
+            continue;
         }
-        fmt_fold(t, S_STATE2, mode & 0xFFu, first + j, x);
+        var x: f32;
+        if ((mode >> 16u) == FOLD_UPDATED) {
+            let u = apply_rule(t, fl, p0, gi, m0, v0, w0);
+            let ok = step_ok(t, fl, gi, u);
+            if (dest == S_STATE3) {
+                x = select(w0, u.w, ok);
+            } else {
+                x = select(v0, u.v, ok);
+            }
+        } else {
+            x = moment_input(t, fl, dest, p0, gi, m0, v0, w0);
+        }
+        fmt_fold(t, dest, phase, first + j, x);
     }
 }
 
 // cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
 // the rule (an element whose gradient or results are not finite, or whose parameter or states do
-// not fit their formats, is left unchanged and flags the parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+// not fit their formats, is left unchanged and flags the parameter); store the states, the
+// parameter (or add the increment) and clear the accumulator. With F_TRANSFORM: no gradient is
+// read, only the parameter is stored.
 @compute @workgroup_size(256)
 fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -157,20 +187,27 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let first = t.start + PER * lt;
     let fl = dw(t, D_FLAGS);
     let clip = df(t, D_CLIP);
+    let transform = (fl & F_TRANSFORM) != 0u;
     var p: array<f32, 16>;
     var m: array<f32, 16>;
     var v: array<f32, 16>;
+    var w: array<f32, 16>;
     var d: array<f32, 16>;
     var bad = false;
     for (var j = 0u; j < count; j = j + 1u) {
-        let gi = gradient(t, first + j) * clip;
+        var gi = 0.0;
+        if (!transform) {
+            gi = gradient(t, first + j) * clip;
+        }
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);
         let v0 = fmt_load(t, S_STATE2, first + j);
-        let u = apply_rule(t, fl, p0, gi, m0, v0);
+        let w0 = fmt_load(t, S_STATE3, first + j);
+        let u = apply_rule(t, fl, p0, gi, m0, v0, w0);
         let ok = step_ok(t, fl, gi, u);
         m[j] = select(m0, u.m, ok);
         v[j] = select(v0, u.v, ok);
+        w[j] = select(w0, u.w, ok);
         p[j] = select(p0, u.p, ok);
         d[j] = select(0.0, u.d, ok);
         bad = bad || !ok;
@@ -179,8 +216,11 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         atomicOr(&flags[dw(t, D_FLAG_INDEX)], 1u);
     }
     let counter = pair(t, D_STEP);
-    store(t, lt, S_STATE1, m, count, counter);
-    store(t, lt, S_STATE2, v, count, counter);
+    if (!transform) {
+        store(t, lt, S_STATE1, m, count, counter);
+        store(t, lt, S_STATE2, v, count, counter);
+        store(t, lt, S_STATE3, w, count, counter);
+    }
     if ((fl & F_UPDATE_PARAM) != 0u) {
         if (!fmt_add(t, lt, S_PARAM, d, count)) {
             store(t, lt, S_PARAM, p, count, counter);
@@ -189,5 +229,7 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     // Every invocation has read the block scales of the gradient it shares with its neighbours
     // before any of them is zeroed.
     workgroupBarrier();
-    fmt_clear(t, lt, S_GRAD, count);
+    if (!transform) {
+        fmt_clear(t, lt, S_GRAD, count);
+    }
 }

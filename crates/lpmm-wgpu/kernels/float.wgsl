@@ -279,3 +279,67 @@ fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
     io[i + 7u] = bitcast<u32>(sqrt(abs(a)));
 }
 
+// Order-free sums of squares (lpmm-optim fixed.rs): x = m 2^e0 with an integer significand
+// m < 2^24: (m^2 as 64 bits, e0).
+struct Square {
+    sq: vec2<u32>,
+    e0: i32,
+}
+
+fn square(x: f32) -> Square {
+    let b = bitcast<u32>(x) & 0x7FFFFFFFu;
+    let eb = b >> 23u;
+    var m = b & 0x7FFFFFu;
+    var e0 = -149;
+    if (eb != 0u) {
+        m = m | 0x800000u;
+        e0 = i32(eb) - 150;
+    }
+    // m^2 from 12-bit halves: hh 2^24 + hl 2^12 + ll.
+    let h = m >> 12u;
+    let l = m & 0xFFFu;
+    var v = vec2<u32>(l * l, 0u);
+    v = add64(v, shl64(vec2<u32>(2u * h * l, 0u), 12u));
+    v = add64(v, shl64(vec2<u32>(h * h, 0u), 24u));
+    var out: Square;
+    out.sq = v;
+    out.e0 = e0;
+    return out;
+}
+
+// Fractional bits of a sum over `count` terms (fixed.rs `frac_bits`).
+fn frac_bits(count: u32) -> i32 {
+    return 62 - i32(32u - countLeadingZeros(count));
+}
+
+// Whether x counts in a fold: finite and not zero.
+fn fixed_counts(x: f32) -> bool {
+    return is_finite(x) && x != 0.0;
+}
+
+// The first fold's value: the exponent of x^2 + 1024 (fixed.rs `exponent` + EXP_BIAS).
+fn fixed_exponent(x: f32) -> u32 {
+    let q = square(x);
+    return u32(i32(bitlen64(q.sq)) - 1 + 2 * q.e0 + 1024);
+}
+
+// The second fold's term: floor(x^2 2^(frac - E)) for the stored exponent of the sum (fixed.rs
+// `term`).
+fn fixed_term(x: f32, stored: u32, frac: i32) -> vec2<u32> {
+    let q = square(x);
+    let shift = 2 * q.e0 + frac - (i32(stored) - 1024);
+    if (shift >= 0) {
+        return shl64(q.sq, u32(shift));
+    }
+    return shr64(q.sq, u32(-shift));
+}
+
+// Adds `v` to the 64-bit integer in flag words k (low) and k + 1 (high): exact in any order.
+fn flag_add64(k: u32, v: vec2<u32>) {
+    let old = atomicAdd(&flags[k], v.x);
+    let carry = select(0u, 1u, old > 0xFFFFFFFFu - v.x);
+    let hi = v.y + carry;
+    if (hi != 0u) {
+        atomicAdd(&flags[k + 1u], hi);
+    }
+}

@@ -55,10 +55,14 @@ fn chacha8(seed: vec2<u32>, tensor: vec2<u32>, counter: vec2<u32>, nonce: vec2<u
 }
 
 // The random words of the 16 elements thread `lt` owns, from slot `slot`'s stream at `counter`
-// (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key + its index).
+// (backend `stream_tensor`: tensor id = stream << 2 | slot, state 3's 2^63 | stream << 2;
+// element = the item's key + its index).
 fn thread_bits(t: Tile, lt: u32, slot: u32, counter: vec2<u32>) -> array<u32, 16> {
     let id = pair(t, D_STREAM);
-    let tensor = vec2<u32>((id.x << 2u) | slot, (id.y << 2u) | (id.x >> 30u));
+    var tensor = vec2<u32>((id.x << 2u) | slot, (id.y << 2u) | (id.x >> 30u));
+    if (slot == S_STATE3) {
+        tensor = vec2<u32>(id.x << 2u, (id.y << 2u) | (id.x >> 30u) | 0x80000000u);
+    }
     // The logical index of the thread's first element (a multiple of 16), as a 64-bit sum.
     let key = pair(t, D_KEY);
     let add = t.start + PER * lt;

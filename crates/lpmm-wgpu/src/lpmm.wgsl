@@ -15,6 +15,8 @@ const CONST_WORDS: u32 = 16u;
 const F_FIRST: u32 = 1u;
 const F_UPDATE_PARAM: u32 = 2u;
 const F_GIVEN_V: u32 = 4u;
+const F_GIVEN_W: u32 = 8u;
+const F_TRANSFORM: u32 = 16u;
 const F_INPUT: u32 = 256u;
 const F_INPUT_BF16: u32 = 512u;
 const F_OUTPUT_BF16: u32 = 1024u;
@@ -22,6 +24,13 @@ const S_PARAM: u32 = 0u;
 const S_GRAD: u32 = 1u;
 const S_STATE1: u32 = 2u;
 const S_STATE2: u32 = 3u;
+const S_STATE3: u32 = 4u;
+const FLAG_WORDS: u32 = 8u;
+const STAT_EXP: u32 = 1u;
+const STAT_SUM: u32 = 3u;
+const FOLD_STATS: u32 = 255u;
+const FOLD_UPDATED: u32 = 0u;
+const FOLD_MOMENT: u32 = 1u;
 const MAP_STRIDE: u32 = 512u;
 const MAP_LENS: u32 = 2560u;
 const FMT_NONE: u32 = 0u;
@@ -36,6 +45,10 @@ const FMT_FACTORED: u32 = 7u;
 const RULE_SGD: u32 = 0u;
 const RULE_ADAM: u32 = 1u;
 const RULE_LION: u32 = 2u;
+const RULE_ADAFACTOR: u32 = 3u;
+const RULE_CAME: u32 = 4u;
+const RULE_ADEMAMIX: u32 = 5u;
+const RULE_SCHEDULE_FREE: u32 = 6u;
 const ENTRY_INIT: u32 = 0u;
 const ENTRY_ACCUMULATE: u32 = 1u;
 const ENTRY_DECODE: u32 = 2u;
@@ -44,9 +57,9 @@ const ENTRY_STEP: u32 = 4u;
 const ENTRY_FOLD: u32 = 5u;
 const ENTRY_CHECK: u32 = 6u;
 
-// The descriptors in `work`: [count, 0, then 96 words each] (abi.rs `Desc`).
+// The descriptors in `work`: [count, 0, then 108 words each] (abi.rs `Desc`).
 const DESC_BASE: u32 = 2u;
-const DESC_WORDS: u32 = 96u;
+const DESC_WORDS: u32 = 108u;
 const D_LEN: u32 = 0u;
 const D_KEY: u32 = 2u;
 const D_GLOBAL: u32 = 4u;
@@ -108,6 +121,81 @@ struct LionConsts {
 
 fn load_LionConsts(t: Tile) -> LionConsts {
     return LionConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u));
+}
+
+struct AdafactorConsts {
+    beta2t: f32,
+    one_minus_beta2t: f32,
+    eps1: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    mode: u32,
+    step: f32,
+    neg_step_wd: f32,
+    clip_div: f32,
+    rel_lo: u32,
+    rel_hi: u32,
+    eps2: f32,
+    clip_threshold: f32,
+    wd: f32,
+}
+
+fn load_AdafactorConsts(t: Tile) -> AdafactorConsts {
+    return AdafactorConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), dw(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), df(t, D_CONSTS + 8u), dw(t, D_CONSTS + 9u), dw(t, D_CONSTS + 10u), df(t, D_CONSTS + 11u), df(t, D_CONSTS + 12u), df(t, D_CONSTS + 13u));
+}
+
+struct CameConsts {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    beta3: f32,
+    one_minus_beta3: f32,
+    eps1: f32,
+    eps2: f32,
+    lr: f32,
+    neg_lr_wd: f32,
+    clip_div: f32,
+    clip_threshold: f32,
+}
+
+fn load_CameConsts(t: Tile) -> CameConsts {
+    return CameConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), df(t, D_CONSTS + 8u), df(t, D_CONSTS + 9u), df(t, D_CONSTS + 10u), df(t, D_CONSTS + 11u));
+}
+
+struct AdEMAMixConsts {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    beta3: f32,
+    one_minus_beta3: f32,
+    alpha: f32,
+    bias_correction1: f32,
+    bias_correction2_sqrt: f32,
+    eps: f32,
+    decay: f32,
+    neg_lr_wd: f32,
+    neg_lr: f32,
+}
+
+fn load_AdEMAMixConsts(t: Tile) -> AdEMAMixConsts {
+    return AdEMAMixConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), df(t, D_CONSTS + 8u), df(t, D_CONSTS + 9u), df(t, D_CONSTS + 10u), df(t, D_CONSTS + 11u), df(t, D_CONSTS + 12u));
+}
+
+struct ScheduleFreeConsts {
+    ckp1: f32,
+    y_step: f32,
+    neg_lr: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bias_correction2: f32,
+    eps: f32,
+    wd: f32,
+}
+
+fn load_ScheduleFreeConsts(t: Tile) -> ScheduleFreeConsts {
+    return ScheduleFreeConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u));
 }
 
 
@@ -268,6 +356,7 @@ struct Update {
     d: f32,
     m: f32,
     v: f32,
+    w: f32,
 }
 
 // 64-bit unsigned integers as (low, high) words.
@@ -604,6 +693,70 @@ fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
     io[i + 7u] = bitcast<u32>(sqrt(abs(a)));
 }
 
+// Order-free sums of squares (lpmm-optim fixed.rs): x = m 2^e0 with an integer significand
+// m < 2^24: (m^2 as 64 bits, e0).
+struct Square {
+    sq: vec2<u32>,
+    e0: i32,
+}
+
+fn square(x: f32) -> Square {
+    let b = bitcast<u32>(x) & 0x7FFFFFFFu;
+    let eb = b >> 23u;
+    var m = b & 0x7FFFFFu;
+    var e0 = -149;
+    if (eb != 0u) {
+        m = m | 0x800000u;
+        e0 = i32(eb) - 150;
+    }
+    // m^2 from 12-bit halves: hh 2^24 + hl 2^12 + ll.
+    let h = m >> 12u;
+    let l = m & 0xFFFu;
+    var v = vec2<u32>(l * l, 0u);
+    v = add64(v, shl64(vec2<u32>(2u * h * l, 0u), 12u));
+    v = add64(v, shl64(vec2<u32>(h * h, 0u), 24u));
+    var out: Square;
+    out.sq = v;
+    out.e0 = e0;
+    return out;
+}
+
+// Fractional bits of a sum over `count` terms (fixed.rs `frac_bits`).
+fn frac_bits(count: u32) -> i32 {
+    return 62 - i32(32u - countLeadingZeros(count));
+}
+
+// Whether x counts in a fold: finite and not zero.
+fn fixed_counts(x: f32) -> bool {
+    return is_finite(x) && x != 0.0;
+}
+
+// The first fold's value: the exponent of x^2 + 1024 (fixed.rs `exponent` + EXP_BIAS).
+fn fixed_exponent(x: f32) -> u32 {
+    let q = square(x);
+    return u32(i32(bitlen64(q.sq)) - 1 + 2 * q.e0 + 1024);
+}
+
+// The second fold's term: floor(x^2 2^(frac - E)) for the stored exponent of the sum (fixed.rs
+// `term`).
+fn fixed_term(x: f32, stored: u32, frac: i32) -> vec2<u32> {
+    let q = square(x);
+    let shift = 2 * q.e0 + frac - (i32(stored) - 1024);
+    if (shift >= 0) {
+        return shl64(q.sq, u32(shift));
+    }
+    return shr64(q.sq, u32(-shift));
+}
+
+// Adds `v` to the 64-bit integer in flag words k (low) and k + 1 (high): exact in any order.
+fn flag_add64(k: u32, v: vec2<u32>) {
+    let old = atomicAdd(&flags[k], v.x);
+    let carry = select(0u, 1u, old > 0xFFFFFFFFu - v.x);
+    let hi = v.y + carry;
+    if (hi != 0u) {
+        atomicAdd(&flags[k + 1u], hi);
+    }
+}
 
 // ---- kernels/random.wgsl ----
 
@@ -664,10 +817,14 @@ fn chacha8(seed: vec2<u32>, tensor: vec2<u32>, counter: vec2<u32>, nonce: vec2<u
 }
 
 // The random words of the 16 elements thread `lt` owns, from slot `slot`'s stream at `counter`
-// (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key + its index).
+// (backend `stream_tensor`: tensor id = stream << 2 | slot, state 3's 2^63 | stream << 2;
+// element = the item's key + its index).
 fn thread_bits(t: Tile, lt: u32, slot: u32, counter: vec2<u32>) -> array<u32, 16> {
     let id = pair(t, D_STREAM);
-    let tensor = vec2<u32>((id.x << 2u) | slot, (id.y << 2u) | (id.x >> 30u));
+    var tensor = vec2<u32>((id.x << 2u) | slot, (id.y << 2u) | (id.x >> 30u));
+    if (slot == S_STATE3) {
+        tensor = vec2<u32>(id.x << 2u, (id.y << 2u) | (id.x >> 30u) | 0x80000000u);
+    }
     // The logical index of the thread's first element (a multiple of 16), as a 64-bit sum.
     let key = pair(t, D_KEY);
     let add = t.start + PER * lt;
@@ -1086,8 +1243,8 @@ fn fmt_rank1_fold(t: Tile, s: u32, phase: u32, i: u32, x: f32) {
 // ---- kernels/formats/factored.wgsl ----
 
 // Adafactor's factorized second moment (lpmm-optim format/factored.rs): the row averages
-// (region 0), column averages (1), mean(r) (2), and the folds' scratch: per row, then per
-// column, the largest exponent of the squares + 1024 (3) and the 64-bit fixed-point sum (4).
+// (region 0), column averages (1), mean(r) (2), and the folds' scratch (fixed.rs): per row, then
+// per column, the largest exponent of the squares + 1024 (3) and the 64-bit fixed-point sum (4).
 
 // (rows, cols) of the tensor viewed as a matrix (leading dimensions x last).
 fn factored_dims(t: Tile) -> vec2<u32> {
@@ -1106,67 +1263,26 @@ fn fmt_factored_load(t: Tile, s: u32, i: u32) -> f32 {
     if (mean > 0.0) {
         let r = bitcast<f32>(rd(region(t, s, 0u), e / dims.y));
         let c = bitcast<f32>(rd(region(t, s, 1u), e % dims.y));
-        return r * c / mean;
+        return r / mean * c;
     }
     return 0.0;
-}
-
-// x = m 2^e0 with an integer significand m < 2^24: (m^2 as 64 bits, e0).
-struct Square {
-    sq: vec2<u32>,
-    e0: i32,
-}
-
-fn square(x: f32) -> Square {
-    let b = bitcast<u32>(x) & 0x7FFFFFFFu;
-    let eb = b >> 23u;
-    var m = b & 0x7FFFFFu;
-    var e0 = -149;
-    if (eb != 0u) {
-        m = m | 0x800000u;
-        e0 = i32(eb) - 150;
-    }
-    // m^2 from 12-bit halves: hh 2^24 + hl 2^12 + ll.
-    let h = m >> 12u;
-    let l = m & 0xFFFu;
-    var v = vec2<u32>(l * l, 0u);
-    v = add64(v, shl64(vec2<u32>(2u * h * l, 0u), 12u));
-    v = add64(v, shl64(vec2<u32>(h * h, 0u), 24u));
-    var out: Square;
-    out.sq = v;
-    out.e0 = e0;
-    return out;
-}
-
-// Fractional bits of a sum over `count` terms (factored.rs `frac_bits`).
-fn frac_bits(count: u32) -> i32 {
-    return 62 - i32(32u - countLeadingZeros(count));
 }
 
 // Pass 0: the exponent of x^2 into its row's and column's maxima; pass 1: floor(x^2 2^(F - E))
 // into their sums.
 fn fmt_factored_fold(t: Tile, s: u32, phase: u32, i: u32, x: f32) {
-    if (!is_finite(x) || x == 0.0) {
+    if (!fixed_counts(x)) {
         return;
     }
     let dims = factored_dims(t);
     let e = global_index(t, i);
     let keys = array<u32, 2>(e / dims.y, dims.x + e % dims.y);
     let counts = array<u32, 2>(dims.y, dims.x);
-    let q = square(x);
-    let ex = i32(bitlen64(q.sq)) - 1 + 2 * q.e0;
     for (var k = 0u; k < 2u; k = k + 1u) {
         if (phase == 0u) {
-            wide_max(region(t, s, 3u), keys[k], u32(ex + 1024));
+            wide_max(region(t, s, 3u), keys[k], fixed_exponent(x));
         } else {
-            let big = i32(rd(region(t, s, 3u), keys[k])) - 1024;
-            let shift = 2 * q.e0 + frac_bits(counts[k]) - big;
-            var term: vec2<u32>;
-            if (shift >= 0) {
-                term = shl64(q.sq, u32(shift));
-            } else {
-                term = shr64(q.sq, u32(-shift));
-            }
+            let term = fixed_term(x, rd(region(t, s, 3u), keys[k]), frac_bits(counts[k]));
             wide_add64(region(t, s, 4u), keys[k], term);
         }
     }
@@ -1176,8 +1292,8 @@ fn fmt_factored_fold(t: Tile, s: u32, phase: u32, i: u32, x: f32) {
 
 // SGD with momentum (lpmm-optim rule/sgd.rs), PyTorch's order; `fmaf` where the CPU fuses.
 
-fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // No penalty while the parameter does not move (optimizer accumulation).
     var wd = 0.0;
     if ((flags & F_UPDATE_PARAM) != 0u) {
@@ -1208,8 +1324,8 @@ fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) ->
 
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `fmaf` where the CPU fuses.
 
-fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // Neither decay nor penalty while the parameter does not move (optimizer accumulation).
     let decay_on = (flags & F_UPDATE_PARAM) != 0u;
     var gg = g;
@@ -1237,7 +1353,7 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) 
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
-fn rule_adam_moment_gradient(c: AdamConsts, flags: u32, p: f32, g: f32) -> f32 {
+fn rule_adam_moment_input(c: AdamConsts, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
     if (c.decoupled == 0u && (flags & F_UPDATE_PARAM) != 0u && c.wd != 0.0) {
         return fmaf(p, c.wd, g);
     }
@@ -1248,8 +1364,8 @@ fn rule_adam_moment_gradient(c: AdamConsts, flags: u32, p: f32, g: f32) -> f32 {
 
 // Lion (lpmm-optim rule/lion.rs), lion-pytorch's order; `fmaf` where the CPU fuses.
 
-fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 1.0;
     var neg_lr_wd = 0.0;
@@ -1268,6 +1384,168 @@ fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) 
     u.m = fmaf(g, c.one_minus_beta2, m0 * c.beta2);
     u.p = fmaf(s, c.neg_lr, decayed);
     u.d = p * neg_lr_wd + s * c.neg_lr;
+    return u;
+}
+
+// ---- kernels/rules/adafactor.wgsl ----
+
+// Adafactor (lpmm-optim rule/adafactor.rs), transformers' order; `fmaf` where the CPU fuses.
+
+// (the unclipped update g / sqrt(v), the new second moment v): given, or moved here.
+fn adafactor_unscaled(c: AdafactorConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
+    var v = v0;
+    if ((flags & F_GIVEN_V) == 0u) {
+        v = fmaf(g * g + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
+    }
+    return vec2<f32>(g / sqrt(v), v);
+}
+
+fn rule_adafactor_apply(c: AdafactorConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    let r = adafactor_unscaled(c, flags, g, v0);
+    u.v = r.y;
+    var x = r.x / c.clip_div * c.step;
+    if ((c.mode & 1u) != 0u) {
+        u.m = fmaf(x, c.one_minus_beta1, m0 * c.beta1);
+        x = u.m;
+    }
+    // No decay while the parameter does not move (optimizer accumulation).
+    var decay = 0.0;
+    if ((flags & F_UPDATE_PARAM) != 0u) {
+        decay = c.neg_step_wd;
+    }
+    u.p = fmaf(p, decay, p) - x;
+    u.d = fmaf(p, decay, -x);
+    return u;
+}
+
+// Sum 0: the parameter (with parameter scaling); then the unclipped update.
+fn rule_adafactor_stat_input(c: AdafactorConsts, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    if (k == 0u && (c.mode & 2u) != 0u) {
+        return p;
+    }
+    return adafactor_unscaled(c, flags, g, v).x;
+}
+
+// ---- kernels/rules/came.wgsl ----
+
+// CAME (lpmm-optim rule/came.rs), the authors' order; `fmaf` where the CPU fuses.
+
+// (the unclipped update g / sqrt(v), the new second moment v): given, or moved here.
+fn came_unscaled(c: CameConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
+    var v = v0;
+    if ((flags & F_GIVEN_V) == 0u) {
+        v = fmaf(g * g + c.eps1, c.one_minus_beta2, v0 * c.beta2);
+    }
+    return vec2<f32>(g / sqrt(v), v);
+}
+
+// (the clipped update, the new first moment, the new second moment).
+fn came_moments(c: CameConsts, flags: u32, g: f32, m0: f32, v0: f32) -> vec3<f32> {
+    let r = came_unscaled(c, flags, g, v0);
+    let u = r.x / c.clip_div;
+    return vec3<f32>(u, fmaf(u, c.one_minus_beta1, m0 * c.beta1), r.y);
+}
+
+fn rule_came_apply(c: CameConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    let r = came_moments(c, flags, g, m0, v0);
+    u.m = r.y;
+    u.v = r.z;
+    // Factorized instability (given): exp_avg / sqrt(S); else exp_avg.
+    var x = r.y;
+    if ((flags & F_GIVEN_W) != 0u) {
+        x = r.y / sqrt(w0);
+    }
+    // No decay while the parameter does not move (optimizer accumulation).
+    var decay = 0.0;
+    if ((flags & F_UPDATE_PARAM) != 0u) {
+        decay = c.neg_lr_wd;
+    }
+    let step = x * c.lr;
+    u.p = fmaf(p, decay, p) - step;
+    u.d = fmaf(p, decay, -step);
+    return u;
+}
+
+// State 2: the gradient; state 3: the instability of the clipped update against the new first
+// moment.
+fn rule_came_moment_input(c: CameConsts, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    if (s == S_STATE3) {
+        let r = came_moments(c, flags, g, m, v);
+        return r.x - r.y;
+    }
+    return g;
+}
+
+// The unclipped update.
+fn rule_came_stat_input(c: CameConsts, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    return came_unscaled(c, flags, g, v).x;
+}
+
+// ---- kernels/rules/ademamix.wgsl ----
+
+// AdEMAMix (lpmm-optim rule/ademamix.rs), bitsandbytes' order; `fmaf` where the CPU fuses.
+
+fn rule_ademamix_apply(c: AdEMAMixConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    u.m = fmaf(g, c.one_minus_beta1, m0 * c.beta1);
+    u.w = fmaf(g, c.one_minus_beta3, w0 * c.beta3);
+    u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
+    let denom = sqrt(u.v) / c.bias_correction2_sqrt + c.eps;
+    let update = (u.m / c.bias_correction1 + c.alpha * u.w) / denom;
+    // No decay while the parameter does not move (optimizer accumulation).
+    var decay = 1.0;
+    var neg_lr_wd = 0.0;
+    if ((flags & F_UPDATE_PARAM) != 0u) {
+        decay = c.decay;
+        neg_lr_wd = c.neg_lr_wd;
+    }
+    u.p = fmaf(update, c.neg_lr, p * decay);
+    u.d = fmaf(update, c.neg_lr, p * neg_lr_wd);
+    return u;
+}
+
+// ---- kernels/rules/schedule_free.wgsl ----
+
+// Schedule-free AdamW (lpmm-optim rule/schedule_free.rs), the schedulefree package's order;
+// `fmaf` where the CPU fuses.
+
+// torch's CPU lerp: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
+fn schedule_free_lerp(a: f32, b: f32, w: f32) -> f32 {
+    if (abs(w) < 0.5) {
+        return fmaf(w, b - a, a);
+    }
+    return fmaf(w - 1.0, b - a, b);
+}
+
+fn rule_schedule_free_apply(c: ScheduleFreeConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    if ((flags & F_TRANSFORM) != 0u) {
+        // p.lerp_(z, weight): to x (eval) or back to y (train).
+        let q = schedule_free_lerp(p, m0, c.ckp1);
+        u.p = q;
+        u.d = q - p;
+        return u;
+    }
+    // z = clone(p) at the first step.
+    var z = m0;
+    if ((flags & F_FIRST) != 0u) {
+        z = p;
+    }
+    u.m = z;
+    u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
+    var gn = g / (sqrt(u.v / c.bias_correction2) + c.eps);
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    if (c.wd != 0.0) {
+        gn = fmaf(p, c.wd, gn);
+    }
+    let y = fmaf(gn, c.y_step, schedule_free_lerp(p, z, c.ckp1));
+    u.m = fmaf(gn, c.neg_lr, z);
+    u.p = y;
+    u.d = y - p;
     return u;
 }
 
@@ -1341,21 +1619,35 @@ fn fmt_limit(fmt: u32) -> u32 {
     }
 }
 
-fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
+fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
     switch dw(t, D_RULE) {
-        case RULE_SGD: { return rule_sgd_apply(load_SgdConsts(t), flags, p, g, m0, v0); }
-        case RULE_ADAM: { return rule_adam_apply(load_AdamConsts(t), flags, p, g, m0, v0); }
-        case RULE_LION: { return rule_lion_apply(load_LionConsts(t), flags, p, g, m0, v0); }
-        default: { return Update(p, 0.0, m0, v0); }
+        case RULE_SGD: { return rule_sgd_apply(load_SgdConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_ADAM: { return rule_adam_apply(load_AdamConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_LION: { return rule_lion_apply(load_LionConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_ADAFACTOR: { return rule_adafactor_apply(load_AdafactorConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_CAME: { return rule_came_apply(load_CameConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_ADEMAMIX: { return rule_ademamix_apply(load_AdEMAMixConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_SCHEDULE_FREE: { return rule_schedule_free_apply(load_ScheduleFreeConsts(t), flags, p, g, m0, v0, w0); }
+        default: { return Update(p, 0.0, m0, v0, w0); }
     }
 }
 
-fn moment_gradient(t: Tile, flags: u32, p: f32, g: f32) -> f32 {
+fn moment_input(t: Tile, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
     switch dw(t, D_RULE) {
-        case RULE_ADAM: { return rule_adam_moment_gradient(load_AdamConsts(t), flags, p, g); }
+        case RULE_ADAM: { return rule_adam_moment_input(load_AdamConsts(t), flags, s, p, g, m, v, w); }
+        case RULE_CAME: { return rule_came_moment_input(load_CameConsts(t), flags, s, p, g, m, v, w); }
         default: { return g; }
     }
 }
+
+fn stat_input(t: Tile, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    switch dw(t, D_RULE) {
+        case RULE_ADAFACTOR: { return rule_adafactor_stat_input(load_AdafactorConsts(t), flags, k, p, g, m, v, w); }
+        case RULE_CAME: { return rule_came_stat_input(load_CameConsts(t), flags, k, p, g, m, v, w); }
+        default: { return 0.0; }
+    }
+}
+
 
 // ---- kernels/entries.wgsl ----
 
@@ -1464,7 +1756,7 @@ fn step_ok(t: Tile, fl: u32, gi: f32, u: Update) -> bool {
     if ((fl & F_UPDATE_PARAM) != 0u) {
         lp = fmt_limit(slot_format(t, S_PARAM));
     }
-    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) && fits(u.m, fmt_limit(slot_format(t, S_STATE1))) && fits(u.v, fmt_limit(slot_format(t, S_STATE2)));
+    return fits(gi, LIMIT_F32) && fits(u.p, lp) && fits(u.d, LIMIT_F32) && fits(u.m, fmt_limit(slot_format(t, S_STATE1))) && fits(u.v, fmt_limit(slot_format(t, S_STATE2))) && fits(u.w, fmt_limit(slot_format(t, S_STATE3)));
 }
 
 // The gradient of item element `i`: the accumulator plus the released gradient, if any.
@@ -1476,8 +1768,11 @@ fn gradient(t: Tile, i: u32) -> f32 {
     return g;
 }
 
-// cpu.rs `fold_piece`: pass `mode & 255` of a two-phase step folds, per element, the updated
-// second moment (the rule applied, nothing stored; mode >> 8 = 0) or the moment gradient (1).
+// cpu.rs `fold_piece`: pass `mode & 255` of a tensor-wide phase. Target `(mode >> 8) & 255` is a
+// slot (state 2 or 3) whose format folds, per element, its updated value (the rule applied,
+// nothing stored; input `mode >> 16` = FOLD_UPDATED) or the rule's moment input for it
+// (FOLD_MOMENT); or FOLD_STATS: the rule's `mode >> 24` sums of squares, over a tensor whose
+// count has `(mode >> 16) & 255` fractional bits, into the flag words after the item's flag.
 @compute @workgroup_size(256)
 fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -1489,25 +1784,52 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let fl = dw(t, D_FLAGS);
     let clip = df(t, D_CLIP);
     let mode = dw(t, D_MODE);
+    let phase = mode & 0xFFu;
+    let dest = (mode >> 8u) & 0xFFu;
+    let base = dw(t, D_FLAG_INDEX);
     for (var j = 0u; j < count; j = j + 1u) {
         let gi = gradient(t, first + j) * clip;
         let p0 = fmt_load(t, S_PARAM, first + j);
-        var x: f32;
-        if ((mode >> 8u) == 0u) {
-            let m0 = fmt_load(t, S_STATE1, first + j);
-            let v0 = fmt_load(t, S_STATE2, first + j);
-            let u = apply_rule(t, fl, p0, gi, m0, v0);
-            x = select(v0, u.v, step_ok(t, fl, gi, u));
-        } else {
-            x = moment_gradient(t, fl, p0, gi);
+        let m0 = fmt_load(t, S_STATE1, first + j);
+        let v0 = fmt_load(t, S_STATE2, first + j);
+        let w0 = fmt_load(t, S_STATE3, first + j);
+        if (dest == FOLD_STATS) {
+            let frac = i32((mode >> 16u) & 0xFFu);
+            for (var k = 0u; k < (mode >> 24u); k = k + 1u) {
+                let x = stat_input(t, fl, k, p0, gi, m0, v0, w0);
+                if (!fixed_counts(x)) {
+                    continue;
+                }
+                if (phase == 0u) {
+                    atomicMax(&flags[base + STAT_EXP + k], fixed_exponent(x));
+                } else {
+                    let stored = atomicLoad(&flags[base + STAT_EXP + k]);
+                    flag_add64(base + STAT_SUM + 2u * k, fixed_term(x, stored, frac));
+                }
+            }
+            continue;
         }
-        fmt_fold(t, S_STATE2, mode & 0xFFu, first + j, x);
+        var x: f32;
+        if ((mode >> 16u) == FOLD_UPDATED) {
+            let u = apply_rule(t, fl, p0, gi, m0, v0, w0);
+            let ok = step_ok(t, fl, gi, u);
+            if (dest == S_STATE3) {
+                x = select(w0, u.w, ok);
+            } else {
+                x = select(v0, u.v, ok);
+            }
+        } else {
+            x = moment_input(t, fl, dest, p0, gi, m0, v0, w0);
+        }
+        fmt_fold(t, dest, phase, first + j, x);
     }
 }
 
 // cpu.rs `fused_step`: decode gradient (plus the released gradient), parameter and states; apply
 // the rule (an element whose gradient or results are not finite, or whose parameter or states do
-// not fit their formats, is left unchanged and flags the parameter); store the states, the parameter (or add the increment) and clear the accumulator.
+// not fit their formats, is left unchanged and flags the parameter); store the states, the
+// parameter (or add the increment) and clear the accumulator. With F_TRANSFORM: no gradient is
+// read, only the parameter is stored.
 @compute @workgroup_size(256)
 fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -1518,20 +1840,27 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let first = t.start + PER * lt;
     let fl = dw(t, D_FLAGS);
     let clip = df(t, D_CLIP);
+    let transform = (fl & F_TRANSFORM) != 0u;
     var p: array<f32, 16>;
     var m: array<f32, 16>;
     var v: array<f32, 16>;
+    var w: array<f32, 16>;
     var d: array<f32, 16>;
     var bad = false;
     for (var j = 0u; j < count; j = j + 1u) {
-        let gi = gradient(t, first + j) * clip;
+        var gi = 0.0;
+        if (!transform) {
+            gi = gradient(t, first + j) * clip;
+        }
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);
         let v0 = fmt_load(t, S_STATE2, first + j);
-        let u = apply_rule(t, fl, p0, gi, m0, v0);
+        let w0 = fmt_load(t, S_STATE3, first + j);
+        let u = apply_rule(t, fl, p0, gi, m0, v0, w0);
         let ok = step_ok(t, fl, gi, u);
         m[j] = select(m0, u.m, ok);
         v[j] = select(v0, u.v, ok);
+        w[j] = select(w0, u.w, ok);
         p[j] = select(p0, u.p, ok);
         d[j] = select(0.0, u.d, ok);
         bad = bad || !ok;
@@ -1540,8 +1869,11 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         atomicOr(&flags[dw(t, D_FLAG_INDEX)], 1u);
     }
     let counter = pair(t, D_STEP);
-    store(t, lt, S_STATE1, m, count, counter);
-    store(t, lt, S_STATE2, v, count, counter);
+    if (!transform) {
+        store(t, lt, S_STATE1, m, count, counter);
+        store(t, lt, S_STATE2, v, count, counter);
+        store(t, lt, S_STATE3, w, count, counter);
+    }
     if ((fl & F_UPDATE_PARAM) != 0u) {
         if (!fmt_add(t, lt, S_PARAM, d, count)) {
             store(t, lt, S_PARAM, p, count, counter);
@@ -1550,6 +1882,8 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     // Every invocation has read the block scales of the gradient it shares with its neighbours
     // before any of them is zeroed.
     workgroupBarrier();
-    fmt_clear(t, lt, S_GRAD, count);
+    if (!transform) {
+        fmt_clear(t, lt, S_GRAD, count);
+    }
 }
 

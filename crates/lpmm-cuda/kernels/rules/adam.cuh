@@ -1,12 +1,13 @@
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0) {
+                                                  float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // Neither decay nor penalty while the parameter does not move (optimizer accumulation).
     bool decay_on = (flags & F_UPDATE_PARAM) != 0u;
     float gg = g;
@@ -34,8 +35,9 @@ __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, 
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
-__device__ __forceinline__ float rule_adam_moment_gradient(AdamConsts c, uint32_t flags, float p,
-                                                           float g) {
+__device__ __forceinline__ float rule_adam_moment_input(AdamConsts c, uint32_t flags, uint32_t s,
+                                                        float p, float g, float m, float v,
+                                                        float w) {
     if (c.decoupled == 0u && (flags & F_UPDATE_PARAM) != 0u && c.wd != 0.0f) {
         return __fmaf_rn(p, c.wd, g);
     }

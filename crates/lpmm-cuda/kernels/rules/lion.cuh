@@ -1,12 +1,13 @@
 // Lion (lpmm-optim rule/lion.rs), lion-pytorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0) {
+                                                  float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // No decay while the parameter does not move (optimizer accumulation).
     float decay = 1.0f;
     float neg_lr_wd = 0.0f;

@@ -1,12 +1,13 @@
 // SGD with momentum (lpmm-optim rule/sgd.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
 __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, float p, float g,
-                                                 float m0, float v0) {
+                                                 float m0, float v0, float w0) {
     Update u;
     u.p = p;
     u.d = 0.0f;
     u.m = m0;
     u.v = v0;
+    u.w = w0;
     // No penalty while the parameter does not move (optimizer accumulation).
     float wd = 0.0f;
     if ((flags & F_UPDATE_PARAM) != 0u) {

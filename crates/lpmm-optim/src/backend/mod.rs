@@ -26,9 +26,15 @@ pub use crate::format::{
     KERNELS as FORMAT_KERNELS, LIMITS as FORMAT_LIMITS, RegionSpec, fits,
 };
 pub use crate::rule::{
-    AdamConsts, FieldType, KernelStruct, Limits, LionConsts, RuleConsts, SgdConsts, StepFlags,
+    AdEMAMixConsts, AdafactorConsts, AdamConsts, CameConsts, FieldType, KernelStruct, Limits,
+    LionConsts, MAX_STATS, Moment, RuleConsts, RuleState, ScheduleFreeConsts, SgdConsts, StepFlags,
     Updated,
 };
+
+pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
+
+/// Slots per parameter: the parameter, its gradient accumulator and three states.
+pub const SLOTS: usize = 5;
 
 use crate::exact::ExactSum;
 
@@ -54,15 +60,18 @@ pub enum SlotKind {
     State1 = 2,
     /// State 2 (second moment).
     State2 = 3,
+    /// State 3 (AdEMAMix's slow first moment, CAME's instability).
+    State3 = 4,
 }
 
 impl SlotKind {
-    /// All four, in checkpoint order.
-    pub const ALL: [SlotKind; 4] = [
+    /// All of them, in checkpoint order.
+    pub const ALL: [SlotKind; SLOTS] = [
         SlotKind::Param,
         SlotKind::Grad,
         SlotKind::State1,
         SlotKind::State2,
+        SlotKind::State3,
     ];
 
     /// The slot's name in checkpoints.
@@ -72,6 +81,7 @@ impl SlotKind {
             SlotKind::Grad => "grad",
             SlotKind::State1 => "state1",
             SlotKind::State2 => "state2",
+            SlotKind::State3 => "state3",
         }
     }
 }
@@ -85,7 +95,7 @@ pub struct ParamLayout {
     pub numel: usize,
     /// Each slot's format (resolved by the minimum-size and shape rules), `None` where the slot
     /// is not allocated (no gradient accumulator, states the rule does not use).
-    pub formats: [Option<Format>; 4],
+    pub formats: [Option<Format>; SLOTS],
     /// The logical parameter index that keys its random streams (its own index, or for a shard
     /// the logical parameter's index in the unsharded model).
     pub stream: u64,
@@ -115,7 +125,20 @@ impl ParamLayout {
             },
             state1: limit(SlotKind::State1),
             state2: limit(SlotKind::State2),
+            state3: limit(SlotKind::State3),
         }
+    }
+
+    /// The step's flags for this layout: `flags` with the states given where they are a
+    /// factorized reconstruction ([`StepFlags::GIVEN_V`], [`StepFlags::GIVEN_W`]).
+    pub fn step_flags(&self, flags: StepFlags) -> StepFlags {
+        let given = |slot: SlotKind| {
+            self.format(slot)
+                .is_some_and(|f| f.folds().contains(&FoldInput::MomentGradient))
+        };
+        flags
+            .with(StepFlags::GIVEN_V, given(SlotKind::State2))
+            .with(StepFlags::GIVEN_W, given(SlotKind::State3))
     }
 
     /// The random stream of `slot` at `counter` (the step, or for the gradient accumulator its
@@ -123,7 +146,17 @@ impl ParamLayout {
     ///
     /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
     pub fn stream(&self, seed: u64, slot: SlotKind, counter: u64) -> RandomStream {
-        RandomStream::new(seed, self.stream << 2 | slot as u64, counter)
+        RandomStream::new(seed, stream_tensor(self.stream, slot), counter)
+    }
+}
+
+/// The tensor id of a slot's random stream: `stream << 2 | slot` for the parameter, the
+/// accumulator and states 1 and 2; state 3 is `2^63 | stream << 2` (a space no other slot
+/// reaches while `stream < 2^61`).
+pub fn stream_tensor(stream: u64, slot: SlotKind) -> u64 {
+    match slot {
+        SlotKind::State3 => 1 << 63 | stream << 2,
+        _ => stream << 2 | slot as u64,
     }
 }
 
@@ -412,8 +445,11 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
         out: &mut [(ExactSum, bool)],
     ) -> Result<(), BackendError>;
 
-    /// The fused step of every parameter with a plan ([docs/OPTIMIZERS.md], "The step"), with the
-    /// two-phase fold for formats with tensor-wide statistics ([`Format::folds`]).
+    /// The fused step of every parameter with a plan ([docs/OPTIMIZERS.md], "The step"), after
+    /// the tensor-wide phases: the folds and combine of a state 2 with tensor-wide statistics
+    /// ([`Format::folds`]), the rule's sums of squares ([`RuleConsts::stats`], combined into its
+    /// constants), the folds and combine of such a state 3. With [`StepFlags::TRANSFORM`] only
+    /// the parameter moves (no gradient is read or cleared, no state is stored, no phase runs).
     ///
     /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
     fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError>;
@@ -458,5 +494,5 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
 
     /// Bytes each slot of the parameter occupies on the backend (scratch it keeps for the
     /// parameter included, a lent region and a deferred accumulator excluded).
-    fn bytes(&self, param: &Self::Param, layout: &ParamLayout) -> [usize; 4];
+    fn bytes(&self, param: &Self::Param, layout: &ParamLayout) -> [usize; SLOTS];
 }

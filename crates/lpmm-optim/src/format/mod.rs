@@ -235,7 +235,8 @@ pub(crate) struct Random {
 pub enum FoldInput {
     /// The pass folds each element's updated state 2 (the rule applied, nothing stored).
     UpdatedState2,
-    /// The pass folds each element's moment gradient (the gradient the second moment sees).
+    /// The pass folds each element's moment input for the slot (the rule's
+    /// [`crate::rule::Rule::moment_input`]: for a second moment, the gradient it sees).
     MomentGradient,
 }
 
@@ -333,7 +334,13 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
     /// After the folds, before the fused pass: turns the folded scratch into the statistics the
     /// fused pass uses (host code, the same for every backend). True if a statistic would not
     /// fit and kept its old value (the step reports the parameter).
-    fn combine(&self, _wide: &[Box<[AtomicU32]>], _shape: &[usize], _rule: &RuleConsts) -> bool {
+    fn combine(
+        &self,
+        _wide: &[Box<[AtomicU32]>],
+        _shape: &[usize],
+        _rule: &RuleConsts,
+        _slot: SlotKind,
+    ) -> bool {
         false
     }
     /// Two tensor-wide regions that trade places after the fused pass (rank-1: the next maxima
@@ -554,13 +561,13 @@ macro_rules! formats {
             pub fn fold_targets(&self) -> &'static [usize] {
                 match &self.0 { $(Inner::$variant(c) => c.fold_targets(),)* }
             }
-            /// After the folds: turns the folded tensor-wide regions into the statistics the
-            /// fused pass reads (host code shared by every backend; `wide` holds every
-            /// tensor-wide region of the slot, as words). True if a statistic would not fit and
-            /// kept its old value: the backend reports the parameter as it reports elements left
-            /// unchanged.
-            pub fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts) -> bool {
-                match &self.0 { $(Inner::$variant(c) => c.combine(wide, shape, rule),)* }
+            /// After the folds: turns the folded tensor-wide regions of `slot` into the
+            /// statistics the fused pass reads (host code shared by every backend; `wide` holds
+            /// every tensor-wide region of the slot, as words; the rule says the moving average,
+            /// [`RuleConsts::moment`]). True if a statistic would not fit and kept its old value:
+            /// the backend reports the parameter as it reports elements left unchanged.
+            pub fn combine(&self, wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts, slot: SlotKind) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.combine(wide, shape, rule, slot),)* }
             }
             /// Two tensor-wide regions that trade places after the fused pass.
             pub fn swap_after_step(&self) -> Option<(usize, usize)> {

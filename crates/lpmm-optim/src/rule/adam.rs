@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, StepFlags, Updated, check, kernel_struct};
+use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use crate::backend::SlotKind;
 use crate::error::OptimError;
 
 /// Adam's and AdamW's hyperparameters.
@@ -94,7 +95,6 @@ kernel_struct! {
 
 impl Rule for Adam {
     const NAME: &'static str = "adam";
-    const SECOND_MOMENT: bool = true;
     type Consts = AdamConsts;
 
     fn lr(&self) -> f64 {
@@ -105,8 +105,8 @@ impl Rule for Adam {
         self.lr = lr;
     }
 
-    fn states(&self) -> usize {
-        2
+    fn states(&self) -> [bool; 3] {
+        [true, true, false]
     }
 
     fn validate(&self) -> Result<(), OptimError> {
@@ -119,7 +119,7 @@ impl Rule for Adam {
         check::finite_non_negative("weight_decay", self.weight_decay)
     }
 
-    fn consts(&self, t: u64) -> AdamConsts {
+    fn consts(&self, t: u64, _state: &RuleState) -> AdamConsts {
         let (lr, wd, (b1, b2)) = (self.lr, self.weight_decay, self.betas);
         let t = t as f64;
         let bias_correction1 = 1.0 - b1.powf(t);
@@ -139,7 +139,15 @@ impl Rule for Adam {
     }
 
     #[inline(always)]
-    fn apply(c: &AdamConsts, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32) -> Updated {
+    fn apply(
+        c: &AdamConsts,
+        f: StepFlags,
+        p: f32,
+        g: f32,
+        m: &mut f32,
+        v: &mut f32,
+        _w: &mut f32,
+    ) -> Updated {
         // Neither decay nor penalty while the parameter does not move (optimizer accumulation).
         let decay_on = f.has(StepFlags::UPDATE_PARAM);
         let (g, decayed, decay_delta) = if c.decoupled != 0 && decay_on {
@@ -174,16 +182,34 @@ impl Rule for Adam {
         }
     }
 
+    fn factorable(slot: SlotKind) -> bool {
+        slot == SlotKind::State2
+    }
+
+    fn moment(c: &AdamConsts, slot: SlotKind) -> Option<Moment> {
+        (slot == SlotKind::State2).then_some(Moment {
+            beta: c.beta2,
+            one_minus_beta: c.one_minus_beta2,
+            eps: 0.0,
+        })
+    }
+
+    /// The gradient the second moment sees: Adam's L2 penalty folded in.
     #[inline(always)]
-    fn moment_gradient(c: &AdamConsts, f: StepFlags, p: f32, g: f32) -> f32 {
+    fn moment_input(
+        c: &AdamConsts,
+        f: StepFlags,
+        _slot: SlotKind,
+        p: f32,
+        g: f32,
+        _m: f32,
+        _v: f32,
+        _w: f32,
+    ) -> f32 {
         if c.decoupled == 0 && f.has(StepFlags::UPDATE_PARAM) && c.wd != 0.0 {
             p.mul_add(c.wd, g)
         } else {
             g
         }
-    }
-
-    fn second_moment_betas(c: &AdamConsts) -> Option<(f32, f32)> {
-        Some((c.beta2, c.one_minus_beta2))
     }
 }

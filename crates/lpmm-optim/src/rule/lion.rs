@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
 use crate::error::OptimError;
 
 /// Lion's hyperparameters.
@@ -77,8 +77,8 @@ impl Rule for Lion {
         self.lr = lr;
     }
 
-    fn states(&self) -> usize {
-        1
+    fn states(&self) -> [bool; 3] {
+        [true, false, false]
     }
 
     fn validate(&self) -> Result<(), OptimError> {
@@ -90,7 +90,7 @@ impl Rule for Lion {
         check::finite_non_negative("weight_decay", self.weight_decay)
     }
 
-    fn consts(&self, _t: u64) -> LionConsts {
+    fn consts(&self, _t: u64, _state: &RuleState) -> LionConsts {
         let (lr, wd, (b1, b2)) = (self.lr, self.weight_decay, self.betas);
         LionConsts {
             decay: (1.0 - lr * wd) as f32,
@@ -104,7 +104,15 @@ impl Rule for Lion {
     }
 
     #[inline(always)]
-    fn apply(c: &LionConsts, f: StepFlags, p: f32, g: f32, m: &mut f32, _v: &mut f32) -> Updated {
+    fn apply(
+        c: &LionConsts,
+        f: StepFlags,
+        p: f32,
+        g: f32,
+        m: &mut f32,
+        _v: &mut f32,
+        _w: &mut f32,
+    ) -> Updated {
         // No decay while the parameter does not move (optimizer accumulation).
         let (decay, neg_lr_wd) = if f.has(StepFlags::UPDATE_PARAM) {
             (c.decay, c.neg_lr_wd)

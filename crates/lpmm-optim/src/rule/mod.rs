@@ -11,16 +11,25 @@
 //!
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
+mod adafactor;
 mod adam;
+mod ademamix;
+mod came;
 mod lion;
+mod schedule_free;
 mod sgd;
 
+pub use adafactor::{Adafactor, AdafactorConsts};
 pub use adam::{Adam, AdamConsts};
+pub use ademamix::{AdEMAMix, AdEMAMixConsts};
+pub use came::{Came, CameConsts};
 pub use lion::{Lion, LionConsts};
+pub use schedule_free::{ScheduleFreeAdamW, ScheduleFreeConsts};
 pub use sgd::{Sgd, SgdConsts};
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::SlotKind;
 use crate::error::OptimError;
 use crate::format::{F32_MAX_BITS, fits};
 
@@ -37,6 +46,12 @@ impl StepFlags {
     pub const UPDATE_PARAM: u32 = 2;
     /// The second moment is supplied (a factorized state's reconstruction) and not updated.
     pub const GIVEN_V: u32 = 4;
+    /// State 3 is supplied (a factorized state's reconstruction) and not updated.
+    pub const GIVEN_W: u32 = 8;
+    /// The step only moves the parameter by the rule's transform ([`Rule::transform`]: e.g.
+    /// schedule-free AdamW's switch between its training point `y` and its evaluation point
+    /// `x`): no gradient is read or consumed and no state changes.
+    pub const TRANSFORM: u32 = 16;
 
     /// Whether `bit` is set.
     pub fn has(self, bit: u32) -> bool {
@@ -98,14 +113,43 @@ macro_rules! kernel_struct {
 }
 pub(crate) use kernel_struct;
 
+/// The exponential moving average of squares a factorized slot keeps (its row and column
+/// means): `new = beta * old + (1 - beta) * (mean(x^2) + eps)`, all f32, `x` the rule's
+/// [`Rule::moment_input`] for the slot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Moment {
+    /// The decay of the old average.
+    pub beta: f32,
+    /// The weight of this step's mean.
+    pub one_minus_beta: f32,
+    /// Added to this step's mean (Adafactor's and CAME's `eps`; 0 for Adam).
+    pub eps: f32,
+}
+
+/// What a rule keeps on the host between steps, besides the step counter (schedule-free AdamW:
+/// the largest scheduled learning rate so far and the sum of the averaging weights). Saved in
+/// checkpoints; all zeros for rules that keep nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct RuleState(pub [f64; 2]);
+
+impl RuleState {
+    /// Finite and non-negative (what a checkpoint may hold).
+    pub fn valid(&self) -> bool {
+        self.0.iter().all(|x| x.is_finite() && *x >= 0.0)
+    }
+}
+
 /// One update rule: its configuration, constants and element-wise arithmetic.
+///
+/// A step is element-wise ([`Rule::apply`]) after up to three tensor-wide phases, each a fold
+/// over the tensor and a host combine: the statistics of a factorized state 2
+/// ([`Rule::moment`]), the rule's own sums of squares ([`Rule::stats`], e.g. Adafactor's RMS of
+/// the update, which sets its clipping), then the statistics of a factorized state 3.
 pub trait Rule:
     Copy + std::fmt::Debug + PartialEq + Serialize + for<'de> Deserialize<'de> + Send + Sync + 'static
 {
     /// The rule's name: reports, and the stem of its kernel files (`rule/<name>.wgsl`, ...).
     const NAME: &'static str;
-    /// Whether state 2 is a second moment fed by squared gradients (it may be factorized).
-    const SECOND_MOMENT: bool = false;
     /// The per-step constants.
     type Consts: KernelStruct;
 
@@ -113,22 +157,83 @@ pub trait Rule:
     fn lr(&self) -> f64;
     /// Sets the learning rate.
     fn set_lr(&mut self, lr: f64);
-    /// Number of state slots this configuration uses (0, 1 or 2).
-    fn states(&self) -> usize;
+    /// Which state slots (1, 2, 3) this configuration uses.
+    fn states(&self) -> [bool; 3];
     /// Checks every hyperparameter; an invalid one is a typed error naming it.
     fn validate(&self) -> Result<(), OptimError>;
-    /// The constants at 1-based step `t`.
-    fn consts(&self, t: u64) -> Self::Consts;
-    /// Updates one element: parameter `p`, gradient `g`, states `m` and `v` (unused ones are
-    /// ignored).
-    fn apply(c: &Self::Consts, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32) -> Updated;
-    /// The gradient the second moment sees (Adam with L2 decay folds `wd * p` in first).
+    /// The host state after step `t` (1-based) from the state before it.
+    fn advance(&self, _t: u64, state: RuleState) -> RuleState {
+        state
+    }
+    /// The constants at 1-based step `t`; `state` is the host state after step `t`
+    /// ([`Rule::advance`]).
+    fn consts(&self, t: u64, state: &RuleState) -> Self::Consts;
+    /// Updates one element: parameter `p`, gradient `g`, states `m`, `v` and `w` (unused ones
+    /// are ignored).
+    fn apply(
+        c: &Self::Consts,
+        f: StepFlags,
+        p: f32,
+        g: f32,
+        m: &mut f32,
+        v: &mut f32,
+        w: &mut f32,
+    ) -> Updated;
+    /// Whether `slot` may be factorized ([`crate::Storage::Factorized`]): an average of squares
+    /// the rule reads but does not update when it is given ([`StepFlags::GIVEN_V`],
+    /// [`StepFlags::GIVEN_W`]).
+    fn factorable(_slot: SlotKind) -> bool {
+        false
+    }
+    /// The moving average a factorized `slot` keeps.
+    fn moment(_c: &Self::Consts, _slot: SlotKind) -> Option<Moment> {
+        None
+    }
+    /// The value whose square feeds a factorized `slot`'s statistics (state 2: the gradient the
+    /// second moment sees; Adam with L2 decay folds `wd * p` in first). For state 3 the states
+    /// are state 1 and 2 as [`Rule::apply`] receives them (state 2 given).
     #[inline(always)]
-    fn moment_gradient(_c: &Self::Consts, _f: StepFlags, _p: f32, g: f32) -> f32 {
+    #[allow(clippy::too_many_arguments)]
+    fn moment_input(
+        _c: &Self::Consts,
+        _f: StepFlags,
+        _slot: SlotKind,
+        _p: f32,
+        g: f32,
+        _m: f32,
+        _v: f32,
+        _w: f32,
+    ) -> f32 {
         g
     }
-    /// `(beta2, 1 - beta2)` of the second moment, as f32.
-    fn second_moment_betas(_c: &Self::Consts) -> Option<(f32, f32)> {
+    /// How many tensor-wide sums of squares the step needs before its fused pass.
+    fn stats(_c: &Self::Consts) -> usize {
+        0
+    }
+    /// The value whose square feeds sum `k` (the states as [`Rule::apply`] receives them,
+    /// state 2 given if factorized).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn stat_input(
+        _c: &Self::Consts,
+        _f: StepFlags,
+        _k: usize,
+        _p: f32,
+        _g: f32,
+        _m: f32,
+        _v: f32,
+        _w: f32,
+    ) -> f32 {
+        0.0
+    }
+    /// Sets the constants that depend on the sums (host code, the same for every backend):
+    /// `sums[k]` is the sum of squares of [`Rule::stat_input`] `k` over the tensor's `numel`
+    /// elements.
+    fn combine_stats(_c: &mut Self::Consts, _sums: &[f64], _numel: usize) {}
+    /// The constants of the rule's transform of the parameter ([`StepFlags::TRANSFORM`]):
+    /// towards the point it is evaluated at (`eval`), or back to the point it trains at. `None`
+    /// if it evaluates where it trains.
+    fn transform(&self, _eval: bool) -> Option<Self::Consts> {
         None
     }
 }
@@ -167,13 +272,15 @@ pub(crate) mod check {
 }
 
 /// A chunk of the fused step's element-wise work: inputs `g` (the gradient, before clipping)
-/// and `p`; `m` and `v` updated in place; `p` receives the new parameter and `d` the increment.
+/// and `p`; `m`, `v` and `w` updated in place; `p` receives the new parameter and `d` the
+/// increment.
 #[derive(Debug)]
 pub(crate) struct Chunk<'a> {
     pub g: &'a [f32],
     pub p: &'a mut [f32],
     pub m: &'a mut [f32],
     pub v: &'a mut [f32],
+    pub w: &'a mut [f32],
     pub d: &'a mut [f32],
 }
 
@@ -188,6 +295,8 @@ pub struct Limits {
     pub state1: u32,
     /// State 2's.
     pub state2: u32,
+    /// State 3's.
+    pub state3: u32,
 }
 
 /// Applies rule `R` to every element of `c` with the gradient scaled by `clip`. An element whose
@@ -205,26 +314,29 @@ fn apply_rule<R: Rule>(
     chunk: &mut Chunk<'_>,
 ) -> bool {
     let n = chunk.g.len();
-    let (g, p, m, v, d) = (
+    let (g, p, m, v, w, d) = (
         &chunk.g[..n],
         &mut chunk.p[..n],
         &mut chunk.m[..n],
         &mut chunk.v[..n],
+        &mut chunk.w[..n],
         &mut chunk.d[..n],
     );
     let mut bad = false;
     for i in 0..n {
         let gi = g[i] * clip;
-        let (p0, m0, v0) = (p[i], m[i], v[i]);
-        let (mut mi, mut vi) = (m0, v0);
-        let u = R::apply(c, f, p0, gi, &mut mi, &mut vi);
+        let (p0, m0, v0, w0) = (p[i], m[i], v[i], w[i]);
+        let (mut mi, mut vi, mut wi) = (m0, v0, w0);
+        let u = R::apply(c, f, p0, gi, &mut mi, &mut vi, &mut wi);
         let ok = fits(gi, F32_MAX_BITS)
             & fits(u.param, limits.param)
             & fits(u.delta, F32_MAX_BITS)
             & fits(mi, limits.state1)
-            & fits(vi, limits.state2);
+            & fits(vi, limits.state2)
+            & fits(wi, limits.state3);
         m[i] = if ok { mi } else { m0 };
         v[i] = if ok { vi } else { v0 };
+        w[i] = if ok { wi } else { w0 };
         p[i] = if ok { u.param } else { p0 };
         d[i] = if ok { u.delta } else { 0.0 };
         bad |= !ok;
@@ -236,9 +348,10 @@ fn apply_rule<R: Rule>(
 /// and every dispatch below (the kernels' dispatch is generated from [`RuleConsts::KERNELS`]).
 macro_rules! rules {
     ($($(#[$meta:meta])* $variant:ident($config:ty),)*) => {
-        /// The optimizer and its hyperparameters: one variant per update rule. Defaults are
-        /// PyTorch's. Hyperparameters are f64, as PyTorch's are Python floats: derived factors
-        /// such as `1 - beta1` are computed in f64 and rounded to f32 once, as PyTorch does.
+        /// The optimizer and its hyperparameters: one variant per update rule. Defaults are the
+        /// reference implementations'. Hyperparameters are f64, as PyTorch's are Python floats:
+        /// derived factors such as `1 - beta1` are computed in f64 and rounded to f32 once, as
+        /// PyTorch does.
         #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
         pub enum Hyper {
             $($(#[$meta])* $variant($config),)*
@@ -270,9 +383,19 @@ macro_rules! rules {
                 match self { $(Hyper::$variant(h) => h.set_lr(lr),)* }
             }
 
-            /// Number of state slots: 0, 1 or 2.
-            pub fn states(&self) -> usize {
+            /// Which state slots (1, 2, 3) the configuration uses.
+            pub fn states(&self) -> [bool; 3] {
                 match self { $(Hyper::$variant(h) => h.states(),)* }
+            }
+
+            /// Whether the configuration uses `slot` (the parameter and the gradient always).
+            pub fn uses(&self, slot: SlotKind) -> bool {
+                match slot {
+                    SlotKind::Param | SlotKind::Grad => true,
+                    SlotKind::State1 => self.states()[0],
+                    SlotKind::State2 => self.states()[1],
+                    SlotKind::State3 => self.states()[2],
+                }
             }
 
             /// Checks every hyperparameter; an invalid one is a typed error naming it.
@@ -285,14 +408,26 @@ macro_rules! rules {
                 match self { $(Hyper::$variant(_) => <$config as Rule>::NAME,)* }
             }
 
-            /// Whether state 2 is a second moment (which may be factorized).
-            pub fn has_second_moment(&self) -> bool {
-                match self { $(Hyper::$variant(_) => <$config as Rule>::SECOND_MOMENT,)* }
+            /// Whether `slot` may be factorized (an average of squares: Adam's, Adafactor's and
+            /// CAME's second moments, CAME's instability).
+            pub fn factorable(&self, slot: SlotKind) -> bool {
+                match self { $(Hyper::$variant(_) => <$config as Rule>::factorable(slot),)* }
             }
 
-            /// The constants at 1-based step `t`.
-            pub fn consts(&self, t: u64) -> RuleConsts {
-                match self { $(Hyper::$variant(h) => RuleConsts::$variant(h.consts(t)),)* }
+            /// The host state after step `t` from the state before it.
+            pub fn advance(&self, t: u64, state: RuleState) -> RuleState {
+                match self { $(Hyper::$variant(h) => h.advance(t, state),)* }
+            }
+
+            /// The constants at 1-based step `t`, `state` the host state after it.
+            pub fn consts(&self, t: u64, state: &RuleState) -> RuleConsts {
+                match self { $(Hyper::$variant(h) => RuleConsts::$variant(h.consts(t, state)),)* }
+            }
+
+            /// The constants of the parameter's transform to its evaluation point (`eval`) or
+            /// back ([`StepFlags::TRANSFORM`]); `None` for rules that evaluate where they train.
+            pub fn transform(&self, eval: bool) -> Option<RuleConsts> {
+                match self { $(Hyper::$variant(h) => h.transform(eval).map(RuleConsts::$variant),)* }
             }
         }
 
@@ -323,21 +458,40 @@ macro_rules! rules {
                 match self { $(RuleConsts::$variant(c) => bytemuck::cast_slice(std::slice::from_ref(c)),)* }
             }
 
-            /// `(beta2, 1 - beta2)` of the second moment.
-            pub fn second_moment_betas(&self) -> Option<(f32, f32)> {
-                match self { $(RuleConsts::$variant(c) => <$config as Rule>::second_moment_betas(c),)* }
+            /// The moving average a factorized `slot` keeps.
+            pub fn moment(&self, slot: SlotKind) -> Option<Moment> {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::moment(c, slot),)* }
             }
 
             /// One element's update (see `Rule::apply`).
             #[inline]
-            pub fn apply(&self, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32) -> Updated {
-                match self { $(RuleConsts::$variant(c) => <$config as Rule>::apply(c, f, p, g, m, v),)* }
+            #[allow(clippy::too_many_arguments)]
+            pub fn apply(&self, f: StepFlags, p: f32, g: f32, m: &mut f32, v: &mut f32, w: &mut f32) -> Updated {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::apply(c, f, p, g, m, v, w),)* }
             }
 
-            /// The gradient the second moment sees.
+            /// The value whose square feeds a factorized `slot`'s statistics.
             #[inline]
-            pub fn moment_gradient(&self, f: StepFlags, p: f32, g: f32) -> f32 {
-                match self { $(RuleConsts::$variant(c) => <$config as Rule>::moment_gradient(c, f, p, g),)* }
+            #[allow(clippy::too_many_arguments)]
+            pub fn moment_input(&self, f: StepFlags, slot: SlotKind, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::moment_input(c, f, slot, p, g, m, v, w),)* }
+            }
+
+            /// How many tensor-wide sums of squares the step needs.
+            pub fn stats(&self) -> usize {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::stats(c),)* }
+            }
+
+            /// The value whose square feeds sum `k`.
+            #[inline]
+            #[allow(clippy::too_many_arguments)]
+            pub fn stat_input(&self, f: StepFlags, k: usize, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::stat_input(c, f, k, p, g, m, v, w),)* }
+            }
+
+            /// Sets the constants that depend on the sums of squares (host code).
+            pub fn combine_stats(&mut self, sums: &[f64], numel: usize) {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::combine_stats(c, sums, numel),)* }
             }
         }
 
@@ -350,6 +504,9 @@ macro_rules! rules {
     };
 }
 
+/// The most tensor-wide sums a rule may ask for ([`Rule::stats`]).
+pub const MAX_STATS: usize = 2;
+
 rules! {
     /// SGD with momentum, `torch.optim.SGD` semantics.
     Sgd(Sgd),
@@ -357,6 +514,15 @@ rules! {
     Adam(Adam),
     /// Lion (Chen et al. 2023; lion-pytorch semantics).
     Lion(Lion),
+    /// Adafactor (Shazeer & Stern 2018; `transformers.optimization.Adafactor` semantics).
+    Adafactor(Adafactor),
+    /// CAME (Luo et al. 2023; the authors' `came-pytorch` semantics).
+    Came(Came),
+    /// AdEMAMix (Pagliardini et al. 2024; bitsandbytes' `AdEMAMix` semantics).
+    AdEMAMix(AdEMAMix),
+    /// Schedule-free AdamW (Defazio et al. 2024; the `schedulefree` package's
+    /// `AdamWScheduleFree`).
+    ScheduleFreeAdamW(ScheduleFreeAdamW),
 }
 
 impl Hyper {
@@ -378,5 +544,29 @@ impl Hyper {
     /// lion-pytorch defaults: betas (0.9, 0.99), no weight decay.
     pub fn lion(lr: f64) -> Self {
         Hyper::Lion(Lion::new(lr))
+    }
+
+    /// `transformers`' Adafactor defaults: relative step size, parameter scaling, no first
+    /// moment, `beta2_t = 1 - t^-0.8`, update clipping at RMS 1.
+    pub fn adafactor() -> Self {
+        Hyper::Adafactor(Adafactor::new())
+    }
+
+    /// CAME with learning rate `lr` and the authors' defaults: betas (0.9, 0.999, 0.9999), eps
+    /// (1e-30, 1e-16), no weight decay.
+    pub fn came(lr: f64) -> Self {
+        Hyper::Came(Came::new(lr))
+    }
+
+    /// bitsandbytes' AdEMAMix defaults: betas (0.9, 0.999, 0.9999), alpha 5, eps 1e-8, weight
+    /// decay 0.01, no schedules.
+    pub fn ademamix(lr: f64) -> Self {
+        Hyper::AdEMAMix(AdEMAMix::new(lr))
+    }
+
+    /// `schedulefree.AdamWScheduleFree(lr)` defaults: betas (0.9, 0.999), eps 1e-8, no weight
+    /// decay, no warmup, r 0, weight_lr_power 2.
+    pub fn schedule_free_adamw(lr: f64) -> Self {
+        Hyper::ScheduleFreeAdamW(ScheduleFreeAdamW::new(lr))
     }
 }

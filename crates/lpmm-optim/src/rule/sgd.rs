@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
 use crate::error::OptimError;
 
 /// SGD's hyperparameters.
@@ -96,8 +96,8 @@ impl Rule for Sgd {
         self.lr = lr;
     }
 
-    fn states(&self) -> usize {
-        usize::from(self.momentum != 0.0)
+    fn states(&self) -> [bool; 3] {
+        [self.momentum != 0.0, false, false]
     }
 
     fn validate(&self) -> Result<(), OptimError> {
@@ -113,7 +113,7 @@ impl Rule for Sgd {
         Ok(())
     }
 
-    fn consts(&self, _t: u64) -> SgdConsts {
+    fn consts(&self, _t: u64, _state: &RuleState) -> SgdConsts {
         SgdConsts {
             neg_lr: -self.lr as f32,
             wd: self.weight_decay as f32,
@@ -125,7 +125,15 @@ impl Rule for Sgd {
     }
 
     #[inline(always)]
-    fn apply(c: &SgdConsts, f: StepFlags, p: f32, g: f32, m: &mut f32, _v: &mut f32) -> Updated {
+    fn apply(
+        c: &SgdConsts,
+        f: StepFlags,
+        p: f32,
+        g: f32,
+        m: &mut f32,
+        _v: &mut f32,
+        _w: &mut f32,
+    ) -> Updated {
         // No penalty while the parameter does not move (optimizer accumulation).
         let wd = if f.has(StepFlags::UPDATE_PARAM) {
             c.wd

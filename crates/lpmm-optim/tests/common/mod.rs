@@ -7,6 +7,8 @@ use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, ParamId};
 use safetensors::SafeTensors;
 
 pub const FILE: &[u8] = include_bytes!("../golden/optim_trajectories.safetensors");
+/// Adafactor, CAME, AdEMAMix and schedule-free AdamW (golden/gen_more_optimizers.py).
+pub const MORE: &[u8] = include_bytes!("../golden/more_optimizers.safetensors");
 pub const TENSORS: [(&str, &[usize]); 4] = [
     ("w1", &[64, 80]),
     ("w2", &[4396]),
@@ -64,7 +66,33 @@ pub fn compare_with(
     last: u64,
     overrides: impl Fn(&str) -> Option<ParamConfig>,
 ) -> Vec<(u64, &'static str, f64, f64)> {
-    let st = load();
+    compare_in(&load(), anchor, config, last, overrides).0
+}
+
+/// The largest absolute difference between `want` and `got`, and that over max |want|.
+pub fn difference(want: &[f32], got: &[f32]) -> (f64, f64) {
+    assert_eq!(want.len(), got.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let diff = want
+        .iter()
+        .zip(got)
+        .map(|(a, b)| f64::from((a - b).abs()))
+        .fold(0.0, f64::max);
+    (diff, diff / scale)
+}
+
+/// Per stored `(step, tensor)`: the largest absolute and relative difference.
+pub type Differences = Vec<(u64, &'static str, f64, f64)>;
+
+/// [`compare_with`] against the golden file `st`; also returns the optimizer after the last
+/// step and its parameters (in [`TENSORS`] order).
+pub fn compare_in(
+    st: &SafeTensors<'_>,
+    anchor: &str,
+    config: ParamConfig,
+    last: u64,
+    overrides: impl Fn(&str) -> Option<ParamConfig>,
+) -> (Differences, Optimizer, Vec<ParamId>) {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let group = opt.add_group(config).unwrap();
     let ids: Vec<ParamId> = TENSORS
@@ -91,16 +119,11 @@ pub fn compare_with(
             if st.tensor(&key).is_err() {
                 continue;
             }
-            let want = f32s(&st, &key);
+            let want = f32s(st, &key);
             let mut got = vec![0f32; shape.iter().product()];
             opt.read_param(id, &mut got).unwrap();
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-            let diff = want
-                .iter()
-                .zip(&got)
-                .map(|(a, b)| f64::from((a - b).abs()))
-                .fold(0.0, f64::max);
-            out.push((t, *name, diff, diff / scale));
+            let (diff, rel) = difference(&want, &got);
+            out.push((t, *name, diff, rel));
         }
     }
     for (name, _) in TENSORS {
@@ -109,5 +132,5 @@ pub fn compare_with(
             "{anchor}.step{last}.{name} missing"
         );
     }
-    out
+    (out, opt, ids)
 }

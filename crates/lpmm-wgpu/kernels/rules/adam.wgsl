@@ -1,7 +1,7 @@
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `fmaf` where the CPU fuses.
 
-fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // Neither decay nor penalty while the parameter does not move (optimizer accumulation).
     let decay_on = (flags & F_UPDATE_PARAM) != 0u;
     var gg = g;
@@ -29,7 +29,7 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) 
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
-fn rule_adam_moment_gradient(c: AdamConsts, flags: u32, p: f32, g: f32) -> f32 {
+fn rule_adam_moment_input(c: AdamConsts, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
     if (c.decoupled == 0u && (flags & F_UPDATE_PARAM) != 0u && c.wd != 0.0) {
         return fmaf(p, c.wd, g);
     }

@@ -1,7 +1,7 @@
 // Lion (lpmm-optim rule/lion.rs), lion-pytorch's order; `fmaf` where the CPU fuses.
 
-fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 1.0;
     var neg_lr_wd = 0.0;

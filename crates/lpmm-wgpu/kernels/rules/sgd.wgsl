@@ -1,7 +1,7 @@
 // SGD with momentum (lpmm-optim rule/sgd.rs), PyTorch's order; `fmaf` where the CPU fuses.
 
-fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32) -> Update {
-    var u = Update(p, 0.0, m0, v0);
+fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
     // No penalty while the parameter does not move (optimizer accumulation).
     var wd = 0.0;
     if ((flags & F_UPDATE_PARAM) != 0u) {

@@ -21,10 +21,13 @@ pub fn backend(options: WgpuOptions) -> Option<Wgpu> {
 }
 
 /// Small segments, pieces and io buffer, so that parameters span pieces and segments and
-/// dispatches are cut into batches (the results must not depend on any of it).
+/// dispatches are cut into batches (the results must not depend on any of it). A segment holds
+/// the largest parameter's tensor-wide statistics (CAME's two factorized states of the suite's
+/// [3, 9000] tensor: 72,026 words) and a piece of 8192 elements in five f32 slots (40,960), not
+/// the suite's largest tensor (28,576 elements in five f32 slots).
 pub fn small() -> WgpuOptions {
     WgpuOptions::default()
-        .with_segment_bytes(160 << 10)
+        .with_segment_bytes(320 << 10)
         .with_piece_elements(8192)
         .with_io_bytes(40 << 10)
 }
