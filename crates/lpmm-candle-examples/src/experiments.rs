@@ -548,6 +548,10 @@ pub struct Preset {
     /// Micro-batches per step (LPMM's microbatching: gradients accumulated in the low-precision
     /// accumulator, one step per batch).
     pub micro_batches: usize,
+    /// Schedule-free: the learning rate stays at its peak (the rule warms up and averages
+    /// itself) and the model is evaluated at the optimizer's evaluation point
+    /// (`LpmmOptimizer::eval`).
+    pub schedule_free: bool,
 }
 
 /// The presets of the comparison, references first.
@@ -559,6 +563,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "f32 SGDM",
@@ -566,6 +571,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: true,
             reference: "f32 SGDM",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "8-bit AdamW, bf16",
@@ -573,6 +579,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "8-bit AdamW, bf16 SR",
@@ -580,6 +587,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "4-bit AdamW, split f32",
@@ -587,6 +595,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "LPMM-SGDM",
@@ -594,6 +603,7 @@ pub fn presets() -> Vec<Preset> {
             sgd: true,
             reference: "f32 SGDM",
             micro_batches: 4,
+            schedule_free: false,
         },
         Preset {
             name: "bf16 AdamW, round to nearest",
@@ -601,22 +611,117 @@ pub fn presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
+        },
+        Preset {
+            name: "f32 Adafactor",
+            config: |lr| {
+                presets::adafactor_f32()
+                    .beta1(0.9)
+                    .lr(lr)
+                    .scale_parameter(false)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+        },
+        Preset {
+            name: "Adafactor, LPMM",
+            config: |lr| {
+                presets::adafactor_lpmm()
+                    .lr(lr)
+                    .scale_parameter(false)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 Adafactor",
+            micro_batches: 4,
+            schedule_free: false,
+        },
+        Preset {
+            name: "f32 CAME",
+            config: |lr| presets::came_f32(lr / 3.0).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+        },
+        Preset {
+            name: "CAME, LPMM",
+            config: |lr| presets::came_lpmm(lr / 3.0).build(),
+            sgd: false,
+            reference: "f32 CAME",
+            micro_batches: 4,
+            schedule_free: false,
+        },
+        Preset {
+            name: "f32 schedule-free AdamW",
+            config: |lr| {
+                presets::schedule_free_adamw_f32(lr)
+                    .warmup_steps(50)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: true,
+        },
+        Preset {
+            name: "8-bit schedule-free AdamW",
+            config: |lr| {
+                presets::schedule_free_adamw_8bit(lr)
+                    .warmup_steps(50)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 schedule-free AdamW",
+            micro_batches: 1,
+            schedule_free: true,
         },
     ]
 }
 
 /// Presets outside the comparison's default run, for [`run_char_lm`] (`examples/char_lm.rs
-/// --preset NAME`): bitsandbytes' `AdamW8bit` and `Lion8bit` equivalents on f32 parameters, the
-/// 4-bit AdamW twin, and the f32 Lion reference. Lion steps at a tenth of the AdamW learning
-/// rate (its authors advise 3 to 10 times smaller).
+/// --preset NAME`): bitsandbytes' `AdamW8bit`, `Lion8bit` and `AdEMAMix8bit` equivalents on f32
+/// parameters, the 4-bit AdamW twin, the f32 Lion and AdEMAMix references, and Adafactor with
+/// transformers' defaults (a step size relative to the step count and the parameters' RMS,
+/// which ignores the schedule). Lion steps at a tenth of the AdamW learning rate (its authors
+/// advise 3 to 10 times smaller).
 pub fn more_presets() -> Vec<Preset> {
     vec![
+        Preset {
+            name: "f32 Adafactor, relative step",
+            config: |_| presets::adafactor_f32().build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+        },
+        Preset {
+            name: "f32 AdEMAMix",
+            config: |lr| presets::ademamix_f32(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+        },
+        Preset {
+            name: "8-bit AdEMAMix, f32",
+            config: |lr| presets::ademamix_8bit(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+        },
         Preset {
             name: "8-bit AdamW, f32",
             config: |lr| presets::adamw_8bit(lr).build(),
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "4-bit AdamW, f32",
@@ -624,6 +729,7 @@ pub fn more_presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 AdamW",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "f32 Lion",
@@ -631,6 +737,7 @@ pub fn more_presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 Lion",
             micro_batches: 1,
+            schedule_free: false,
         },
         Preset {
             name: "8-bit Lion, f32",
@@ -638,6 +745,7 @@ pub fn more_presets() -> Vec<Preset> {
             sgd: false,
             reference: "f32 Lion",
             micro_batches: 1,
+            schedule_free: false,
         },
     ]
 }
@@ -738,7 +846,11 @@ pub fn run_digits(
     let varmap = VarMap::new();
     let model = Mlp::new(seeded_var_builder(&varmap, seed, &dev))?;
     let lr = if preset.sgd { 0.05 } else { 2e-3 };
-    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from((preset.config)(lr)))?;
+    let config = (preset.config)(lr);
+    // The schedule's peak is the rate the preset configures (Lion's and CAME's are a fraction
+    // of the task's).
+    let lr = config.hyper.lr();
+    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from(config))?;
     let n = d.train_y.len();
     let mut order: Vec<usize> = (0..n).collect();
     let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
@@ -746,7 +858,9 @@ pub fn run_digits(
     let start = Instant::now();
     let mut at = n;
     for step in 0..budget.steps {
-        opt.set_learning_rate(schedule(lr, step, budget.steps));
+        if !preset.schedule_free {
+            opt.set_learning_rate(schedule(lr, step, budget.steps));
+        }
         let mut batch = Vec::with_capacity(budget.batch);
         while batch.len() < budget.batch {
             if at == n {
@@ -773,6 +887,9 @@ pub fn run_digits(
         progress(step + 1);
     }
     let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
+    if preset.schedule_free {
+        opt.eval()?;
+    }
     let x = Tensor::from_vec(d.val_x.clone(), (d.val_y.len(), 64), &dev)?;
     let y = Tensor::from_vec(d.val_y.clone(), d.val_y.len(), &dev)?;
     let logits = model.forward(&x)?;
@@ -970,13 +1087,19 @@ pub fn run_char_lm(
     } else {
         recipe.adamw_lr
     };
-    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from((preset.config)(lr)))?;
+    let config = (preset.config)(lr);
+    // The schedule's peak is the rate the preset configures (Lion's and CAME's are a fraction
+    // of the task's).
+    let lr = config.hyper.lr();
+    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from(config))?;
     let budget = recipe.budget;
     let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
     let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
     let start = Instant::now();
     for step in 0..budget.steps {
-        opt.set_learning_rate(recipe.lr(lr, step));
+        if !preset.schedule_free {
+            opt.set_learning_rate(recipe.lr(lr, step));
+        }
         let starts: Vec<usize> = (0..budget.batch)
             .map(|_| data_rng.below(text.train.len() - t - 1))
             .collect();
@@ -990,6 +1113,9 @@ pub fn run_char_lm(
         progress(step + 1);
     }
     let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
+    if preset.schedule_free {
+        opt.eval()?;
+    }
     let (val_loss, accuracy) = evaluate(&model, &text.val, recipe.val_windows)?;
     // The prompt: half a context from the validation split, from its first line start.
     let from = (1..text.val.len() - t / 2)

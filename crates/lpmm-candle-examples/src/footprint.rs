@@ -163,6 +163,30 @@ pub fn arms() -> Vec<Arm> {
             ArmKind::LpmmLayers(|lr| presets::lpmm_sgdm(lr, 0.9).build(), 1e-2),
         ),
         arm(
+            "Adafactor LPMM (lpmm layers)",
+            "candle-nn AdamW",
+            None,
+            ArmKind::LpmmLayers(|lr| presets::adafactor_lpmm().lr(lr).build(), 1e-3),
+        ),
+        arm(
+            "CAME LPMM (lpmm layers)",
+            "candle-nn AdamW",
+            None,
+            ArmKind::LpmmLayers(|lr| presets::came_lpmm(lr).build(), 1e-4),
+        ),
+        arm(
+            "lpmm 8-bit AdEMAMix, f32 params",
+            "candle-nn AdamW",
+            None,
+            ArmKind::Lpmm(|lr| presets::ademamix_8bit(lr).build(), 1e-3),
+        ),
+        arm(
+            "lpmm 8-bit schedule-free AdamW, f32 params",
+            "candle-nn AdamW",
+            None,
+            ArmKind::Lpmm(|lr| presets::schedule_free_adamw_8bit(lr).build(), 1e-3),
+        ),
+        arm(
             "process floor (no model)",
             "candle-nn AdamW",
             None,

@@ -991,6 +991,35 @@ impl LpmmOptimizer {
         })
     }
 
+    /// Moves the `Var`s to the point the optimizer evaluates at (schedule-free AdamW: the average
+    /// `x`, as the `schedulefree` package's `optimizer.eval()`); parameters of other rules do not
+    /// change. Steps are refused until [`LpmmOptimizer::train`]. Call it before evaluating or
+    /// saving the model for inference; a no-op when already there.
+    pub fn eval(&mut self) -> Result<()> {
+        self.switch(true)
+    }
+
+    /// Moves the `Var`s back to the training point ([`LpmmOptimizer::eval`]'s inverse).
+    pub fn train(&mut self) -> Result<()> {
+        self.switch(false)
+    }
+
+    fn switch(&mut self, eval: bool) -> Result<()> {
+        let mut inner = self.shared.lock();
+        let Inner {
+            opt, vars, by_id, ..
+        } = &mut *inner;
+        on_engine!(opt, o => {
+            let mut lender = VarLender::new(o, vars, by_id);
+            if eval {
+                o.eval_lent(&mut lender).map_err(wrap)
+            } else {
+                o.train_lent(&mut lender).map_err(wrap)
+            }
+        })?;
+        inner.sync()
+    }
+
     /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
     /// and storages): the `Var`s take the saved values, the states, counters and random streams
     /// continue exactly.

@@ -44,7 +44,7 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 5], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 13] = [
+    let rows: [(&str, ParamConfig, &str); 23] = [
         ("f32 SGDM", presets::sgdm_f32(lr, 0.9).build(), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
@@ -97,6 +97,56 @@ fn main() {
             "8-bit Lion, f32 param+grad (bitsandbytes Lion8bit)",
             presets::lion_8bit(lr).build(),
             "f32 Lion",
+        ),
+        (
+            "f32 Adafactor (factorized second moment, no first moment)",
+            presets::adafactor_f32().build(),
+            "f32 AdamW",
+        ),
+        (
+            "Adafactor, 8-bit first moment, f32 param+grad",
+            presets::adafactor_8bit().build(),
+            "f32 AdamW",
+        ),
+        (
+            "Adafactor LPMM (8-bit param, grad, first moment; SR)",
+            presets::adafactor_lpmm().build(),
+            "f32 AdamW",
+        ),
+        (
+            "f32 CAME (factorized second moment and instability)",
+            presets::came_f32(lr).build(),
+            "f32 AdamW",
+        ),
+        (
+            "CAME, 8-bit first moment, f32 param+grad",
+            presets::came_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        (
+            "CAME LPMM (8-bit param, grad, first moment; SR)",
+            presets::came_lpmm(lr).build(),
+            "f32 AdamW",
+        ),
+        (
+            "f32 AdEMAMix",
+            presets::ademamix_f32(lr).build(),
+            "f32 AdEMAMix",
+        ),
+        (
+            "8-bit AdEMAMix, f32 param+grad (bitsandbytes AdEMAMix8bit)",
+            presets::ademamix_8bit(lr).build(),
+            "f32 AdEMAMix",
+        ),
+        (
+            "f32 schedule-free AdamW",
+            presets::schedule_free_adamw_f32(lr).build(),
+            "f32 schedule-free AdamW",
+        ),
+        (
+            "schedule-free AdamW, 8-bit second moment, bf16 SR z",
+            presets::schedule_free_adamw_8bit(lr).build(),
+            "f32 schedule-free AdamW",
         ),
     ];
     let reference = |name: &str| {

@@ -562,10 +562,13 @@ fn step_param(
             match phase {
                 FoldTarget::Stats => {
                     let (exp, sum) = stats.split_at(MAX_STATS);
-                    let sums: Vec<f64> = (0..plan.rule.stats())
-                        .map(|k| fixed::total(exp, sum, k, layout.numel))
-                        .collect();
-                    plan.rule.combine_stats(&sums, layout.numel);
+                    // On the stack: the step allocates nothing.
+                    let mut sums = [0f64; MAX_STATS];
+                    let n = plan.rule.stats().min(MAX_STATS);
+                    for (k, s) in sums[..n].iter_mut().enumerate() {
+                        *s = fixed::total(exp, sum, k, layout.numel);
+                    }
+                    plan.rule.combine_stats(&sums[..n], layout.numel);
                 }
                 FoldTarget::Slot(slot) => {
                     let f = layout.format(slot).expect("folds");

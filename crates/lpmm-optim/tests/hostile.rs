@@ -8,8 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use lpmm_optim::{
-    Adam, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy, OptimError, Optimizer,
-    OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage, StoreRounding, presets,
+    Adafactor, Adam, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy, OptimError,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage, StoreRounding,
+    presets,
 };
 
 /// What a case saw.
@@ -353,6 +354,71 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         (
             "no parameter storage",
             presets::adamw_f32(1e-3).with_param(Storage::None).build(),
+        ),
+        (
+            "Adafactor decay_rate = 0 (beta2_t would be 0 forever)",
+            presets::adafactor_f32()
+                .build()
+                .with_hyper(Adafactor::new().decay_rate(0.0)),
+        ),
+        (
+            "Adafactor eps1 = 0 (g / sqrt(0))",
+            presets::adafactor_f32()
+                .build()
+                .with_hyper(Adafactor::new().eps(0.0, 1e-3)),
+        ),
+        (
+            "Adafactor clip_threshold = -1",
+            presets::adafactor_f32()
+                .build()
+                .with_hyper(Adafactor::new().clip_threshold(-1.0)),
+        ),
+        (
+            "Adafactor beta1 = 1",
+            presets::adafactor_8bit().beta1(1.0).build(),
+        ),
+        (
+            "CAME beta3 = 1",
+            presets::came_f32(1e-4).betas(0.9, 0.999, 1.0).build(),
+        ),
+        (
+            "CAME instability not factorized (f32 state 3)",
+            presets::came_f32(1e-4).with_state3(Storage::F32).build(),
+        ),
+        (
+            "factorized state 3 for AdEMAMix (its slow moment is signed)",
+            presets::ademamix_f32(1e-3)
+                .with_state3(Storage::Factorized)
+                .build(),
+        ),
+        (
+            "unsigned 8-bit map for AdEMAMix's slow moment",
+            presets::ademamix_f32(1e-3)
+                .with_state3(Storage::DYNAMIC8_UNSIGNED)
+                .build(),
+        ),
+        (
+            "AdEMAMix alpha = NaN",
+            presets::ademamix_f32(1e-3).alpha(f64::NAN).build(),
+        ),
+        (
+            "AdEMAMix beta3 warmup with beta1 = 0 (ln 0)",
+            presets::ademamix_f32(1e-3)
+                .betas(0.0, 0.999, 0.9999)
+                .warmup(None, Some(10))
+                .build(),
+        ),
+        (
+            "schedule-free beta1 = 0 (the evaluation point divides by beta1)",
+            presets::schedule_free_adamw_f32(1e-3)
+                .betas(0.0, 0.999)
+                .build(),
+        ),
+        (
+            "schedule-free factorized second moment",
+            presets::schedule_free_adamw_f32(1e-3)
+                .with_state2(Storage::Factorized)
+                .build(),
         ),
     ] {
         add("configuration", what, group(c));
@@ -768,6 +834,54 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "state access",
             "read_state(4)",
             refused(opt.read_state(id, 4, &mut out)),
+        );
+        for (what, state) in [
+            ("restore_rule_state(NaN)", [f64::NAN, 0.0]),
+            ("restore_rule_state(-1)", [0.0, -1.0]),
+            ("restore_rule_state(Inf)", [f64::INFINITY, 1.0]),
+        ] {
+            add(
+                "counters",
+                what,
+                refused(opt.restore_rule_state(id, lpmm_optim::RuleState(state))),
+            );
+        }
+        // Schedule-free AdamW at its evaluation point: no step of any kind until train().
+        let (mut sf, sid) = one(presets::schedule_free_adamw_f32(1e-3).build(), 4);
+        sf.accumulate(sid, &[0.1; 4]).unwrap();
+        sf.step().unwrap();
+        sf.eval().unwrap();
+        add(
+            "evaluation mode",
+            "step() at the evaluation point",
+            refused(sf.step()),
+        );
+        add(
+            "evaluation mode",
+            "step_param() at the evaluation point",
+            refused(sf.step_param(sid, &[0.1; 4])),
+        );
+        add(
+            "evaluation mode",
+            "accumulate_states() at the evaluation point",
+            refused(sf.accumulate_states(sid, &[0.1; 4])),
+        );
+        let twice = {
+            let mut v = [0f32; 4];
+            sf.read_param(sid, &mut v).unwrap();
+            sf.eval().unwrap();
+            let mut w = [0f32; 4];
+            sf.read_param(sid, &mut w).unwrap();
+            v == w
+        };
+        add(
+            "evaluation mode",
+            "eval() twice",
+            if twice {
+                Seen::Correct("a no-op: the parameters stay at x".into())
+            } else {
+                Seen::Silent("moved x again".into())
+            },
         );
         add(
             "state access",

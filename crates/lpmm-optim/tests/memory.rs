@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use counting::{CALLS, Counting, LIVE};
 use lpmm_optim::{
-    Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage, StoreRounding,
+    Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage, StoreRounding, presets,
 };
 
 #[global_allocator]
@@ -50,6 +50,11 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
                 fallback: lpmm_quant::BlockSize::B128,
             }),
         ParamConfig::f32(Hyper::adamw(1e-3)).with_state2(Storage::Factorized),
+        // The third state, the rules' tensor-wide sums and host state.
+        presets::adafactor_lpmm().build(),
+        presets::came_lpmm(2e-4).build(),
+        presets::ademamix_8bit(1e-3).build(),
+        presets::schedule_free_adamw_8bit(1e-3).build(),
     ];
     let n = 3 << 20; // three pieces per parameter
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();

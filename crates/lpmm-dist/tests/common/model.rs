@@ -182,5 +182,26 @@ pub fn configs() -> Vec<(&'static str, ParamConfig)> {
                 .with_state2(Storage::Factorized)
                 .build(),
         ),
+        // The rules added with the third state: Adafactor and CAME (tensor-wide sums and
+        // factorized states: each tensor whole on one rank), AdEMAMix (state 3 cut with the
+        // tensor) and schedule-free AdamW (host state kept per shard).
+        (
+            "adafactor lpmm",
+            presets::adafactor_lpmm().weight_decay(0.01).build(),
+        ),
+        ("came 8-bit", presets::came_8bit(2e-4).build()),
+        (
+            "ademamix 8-bit, warmups",
+            presets::ademamix_8bit(1e-3)
+                .warmup(Some(3), Some(3))
+                .build(),
+        ),
+        (
+            "schedule-free 8-bit, bf16-sr params",
+            presets::schedule_free_adamw_8bit(2.5e-3)
+                .warmup_steps(2)
+                .with_param(bf_sr)
+                .build(),
+        ),
     ]
 }
