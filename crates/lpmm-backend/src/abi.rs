@@ -147,16 +147,14 @@ impl Entry {
     }
 }
 
-/// Words per parameter in the flag buffer: word 0 is set when a value is not finite; then the
-/// fold scratch of the rule's sums of squares ([`lpmm_optim::backend::RuleConsts::stats`]):
-/// `MAX_STATS` exponents and `MAX_STATS` 64-bit sums (low word first), the layout of
-/// lpmm-optim's `fixed` folds.
-pub const FLAG_WORDS: u32 = 8;
-/// Where a parameter's exponent words start among its flag words.
-pub const STAT_EXP: u32 = 1;
-/// Where its sum words start.
-pub const STAT_SUM: u32 = STAT_EXP + MAX_STATS as u32;
-const _: () = assert!(STAT_SUM + 2 * MAX_STATS as u32 <= FLAG_WORDS);
+/// Words per parameter of the rule's tensor-wide sums (`RuleConsts::stats`) in the flag buffer,
+/// which holds one non-finite flag per parameter, then for each parameter `i` these words at
+/// `n + STAT_WORDS * i` (`n` parameters): `MAX_STATS` exponents, then `MAX_STATS` 64-bit sums (low
+/// word first), the layout of lpmm-optim's `fixed` folds. A fold pass of the sums (`FOLD_STATS`)
+/// gives the item's block in [`Desc::flag_index`]; a step reads back only the `n` flags.
+pub const STAT_WORDS: u32 = 3 * MAX_STATS as u32;
+/// Where a parameter's sum words start in its block (its exponents start at 0).
+pub const STAT_SUM: u32 = MAX_STATS as u32;
 
 /// [`Desc::mode`] of a fold pass: `phase | target << 8 | input << 16`; `target` is the slot
 /// whose statistics fold (state 2 or 3) or [`FOLD_STATS`], `input` [`FOLD_UPDATED`] or

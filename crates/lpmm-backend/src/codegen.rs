@@ -19,8 +19,8 @@ use lpmm_optim::backend::{
 
 use crate::abi::{
     CONST_WORDS, DESC_FIELDS, Desc, Entry, F_FIRST, F_GIVEN_V, F_GIVEN_W, F_INPUT, F_INPUT_BF16,
-    F_OUTPUT_BF16, F_TRANSFORM, F_UPDATE_PARAM, FLAG_WORDS, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED,
-    MAP_LENS, MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS, SLOTS_OFFSET, STAT_EXP, STAT_SUM, SlotDesc,
+    F_OUTPUT_BF16, F_TRANSFORM, F_UPDATE_PARAM, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED,
+    MAP_LENS, MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS, SLOTS_OFFSET, STAT_SUM, STAT_WORDS, SlotDesc,
     THREADS, TILE,
 };
 
@@ -98,8 +98,7 @@ pub fn abi(lang: Lang) -> String {
         ("S_STATE1".into(), 2),
         ("S_STATE2".into(), 3),
         ("S_STATE3".into(), 4),
-        ("FLAG_WORDS".into(), FLAG_WORDS.into()),
-        ("STAT_EXP".into(), STAT_EXP.into()),
+        ("STAT_WORDS".into(), STAT_WORDS.into()),
         ("STAT_SUM".into(), STAT_SUM.into()),
         ("FOLD_STATS".into(), FOLD_STATS.into()),
         ("FOLD_UPDATED".into(), FOLD_UPDATED.into()),

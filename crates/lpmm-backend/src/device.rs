@@ -15,8 +15,8 @@ use lpmm_optim::backend::{
 use lpmm_optim::{ExactSum, add_squares};
 
 use crate::abi::{
-    Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, FLAG_WORDS,
-    FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_EXP, STAT_SUM, SlotDesc,
+    Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, FOLD_MOMENT,
+    FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_SUM, STAT_WORDS, SlotDesc,
     TILE, map_table,
 };
 use crate::runtime::{Io, Launch, Runtime};
@@ -807,7 +807,7 @@ impl<R: Runtime> Device<R> {
                 let d = &mut it.desc;
                 d.step = plan.t;
                 d.flags |= layout.step_flags(plan.flags).0;
-                d.flag_index = i as u32 * FLAG_WORDS;
+                d.flag_index = i as u32;
                 d.rule = plan.rule.kernel_id();
                 d.clip = plan.clip;
                 d.consts[..n].copy_from_slice(&words[..n]);
@@ -1160,7 +1160,9 @@ impl<R: Runtime> Backend for Device<R> {
             return Ok(());
         }
         let mut state = self.inner.lock();
-        self.ensure_flags(&mut state, params.len() * FLAG_WORDS as usize)?;
+        // One flag per parameter, then each parameter's block of the rule's fold words.
+        let n = params.len();
+        self.ensure_flags(&mut state, n * (1 + STAT_WORDS as usize))?;
         // The plans' constants change as the rule's sums are combined.
         let mut stepping: Vec<(usize, ParamStep)> = plans
             .iter()
@@ -1188,6 +1190,15 @@ impl<R: Runtime> Backend for Device<R> {
             if folding.is_empty() {
                 continue;
             }
+            // Per parameter: its fold passes in this phase (0: none) and its rule's sums.
+            let mut passes_of = vec![0usize; params.len()];
+            for &(i, n) in &folding {
+                passes_of[i] = n;
+            }
+            let mut stats_of = vec![0u32; params.len()];
+            for (i, p) in &stepping {
+                stats_of[*i] = p.rule.stats() as u32;
+            }
             if let Some(slot) = phase {
                 for &(i, _) in &folding {
                     let f = layouts[i].format(slot).expect("folds");
@@ -1202,9 +1213,6 @@ impl<R: Runtime> Backend for Device<R> {
             let passes = folding.iter().map(|&(_, n)| n).max().unwrap_or(0);
             for pass in 0..passes {
                 let mut items = Vec::new();
-                let which: Vec<bool> = (0..params.len())
-                    .map(|i| folding.iter().any(|&(k, n)| k == i && pass < n))
-                    .collect();
                 let ctx = StepCtx {
                     params,
                     layouts,
@@ -1213,20 +1221,18 @@ impl<R: Runtime> Backend for Device<R> {
                     views: &views,
                     seed,
                 };
-                self.step_items(&state, &ctx, &|i| which[i], &mut items);
+                self.step_items(&state, &ctx, &|i| pass < passes_of[i], &mut items);
                 for it in &mut items {
                     // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
-                    let layout = &layouts[(it.desc.flag_index / FLAG_WORDS) as usize];
-                    let (i, numel) = ((it.desc.flag_index / FLAG_WORDS) as usize, layout.numel);
+                    let i = it.desc.flag_index as usize;
+                    let (layout, numel) = (&layouts[i], layouts[i].numel);
                     it.desc.mode = match phase {
                         None => {
                             // The sums' count, as fractional bits, and how many.
-                            let stats = stepping.iter().find(|(k, _)| *k == i).expect("stepping");
                             let frac = lpmm_optim::backend::fixed_frac_bits(numel) as u32;
-                            pass as u32
-                                | FOLD_STATS << 8
-                                | frac << 16
-                                | (stats.1.rule.stats() as u32) << 24
+                            // The fold writes no flag: its words are the parameter's block.
+                            it.desc.flag_index = (n + i * STAT_WORDS as usize) as u32;
+                            pass as u32 | FOLD_STATS << 8 | frac << 16 | stats_of[i] << 24
                         }
                         Some(slot) => {
                             let input = match layout.format(slot).map(|f| f.folds()[pass]) {
@@ -1242,24 +1248,18 @@ impl<R: Runtime> Backend for Device<R> {
             match phase {
                 None => {
                     let flags = state.flags.as_ref().expect("allocated");
-                    let words = self.guard(self.inner.rt.read(
-                        flags,
-                        0,
-                        params.len() * FLAG_WORDS as usize,
-                    ))?;
+                    let stat_words = STAT_WORDS as usize;
+                    let words = self.guard(self.inner.rt.read(flags, n, n * stat_words))?;
                     for (i, plan) in stepping.iter_mut() {
-                        if !folding.iter().any(|&(k, _)| k == *i) {
+                        if passes_of[*i] == 0 {
                             continue;
                         }
-                        let base = *i * FLAG_WORDS as usize;
-                        let scratch: Vec<AtomicU32> = words[base..base + FLAG_WORDS as usize]
+                        let base = *i * stat_words;
+                        let scratch: Vec<AtomicU32> = words[base..base + stat_words]
                             .iter()
                             .map(|&w| AtomicU32::new(w))
                             .collect();
-                        let (exp, sum) = (
-                            &scratch[STAT_EXP as usize..STAT_SUM as usize],
-                            &scratch[STAT_SUM as usize..],
-                        );
+                        let (exp, sum) = scratch.split_at(STAT_SUM as usize);
                         let numel = layouts[*i].numel;
                         let sums: Vec<f64> = (0..plan.rule.stats())
                             .map(|k| lpmm_optim::backend::fixed_total(exp, sum, k, numel))
@@ -1268,8 +1268,11 @@ impl<R: Runtime> Backend for Device<R> {
                     }
                 }
                 Some(slot) => {
-                    for &(i, _) in &folding {
-                        let plan = &stepping.iter().find(|(k, _)| *k == i).expect("stepping").1;
+                    for (i, plan) in &stepping {
+                        let i = *i;
+                        if passes_of[i] == 0 {
+                            continue;
+                        }
                         let f = layouts[i].format(slot).expect("folds");
                         let wide = self.wide_words(&state, &params[i], slot as usize)?;
                         kept[i] |= f.combine(&wide, &layouts[i].shape, &plan.rule, slot);
@@ -1293,13 +1296,9 @@ impl<R: Runtime> Backend for Device<R> {
         self.step_items(&state, &ctx, &|_| true, &mut items);
         self.run(&mut state, Entry::Step, &mut items)?;
         let flags = state.flags.as_ref().expect("allocated");
-        let words = self.guard(self.inner.rt.read(
-            flags,
-            0,
-            params.len().max(1) * FLAG_WORDS as usize,
-        ))?;
-        for (i, (f, k)) in non_finite.iter_mut().zip(kept).enumerate() {
-            *f = words[i * FLAG_WORDS as usize] != 0 || k;
+        let words = self.guard(self.inner.rt.read(flags, 0, n.max(1)))?;
+        for ((f, w), k) in non_finite.iter_mut().zip(words).zip(kept) {
+            *f = w != 0 || k;
         }
         drop(state);
         for (i, plan) in &stepping {

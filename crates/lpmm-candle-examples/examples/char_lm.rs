@@ -52,6 +52,9 @@ struct Args {
     /// Standard deviation of the initial weights (0: candle's own initialisation).
     #[arg(long)]
     init_std: Option<f64>,
+    /// Micro-batches per step instead of the preset's.
+    #[arg(long)]
+    micro_batches: Option<usize>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -75,13 +78,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (text_path, preset_name, seed) = (args.text, args.preset, args.seed);
     let mut presets = experiments::presets();
     presets.extend(experiments::more_presets());
-    let preset = presets
+    let mut preset = *presets
         .iter()
         .find(|p| p.name == preset_name)
         .ok_or_else(|| {
             let names: Vec<&str> = presets.iter().map(|p| p.name).collect();
             format!("no preset {preset_name:?}; presets: {names:?}")
         })?;
+    preset.micro_batches = args.micro_batches.unwrap_or(preset.micro_batches);
     let text = match &text_path {
         Some(path) => experiments::text_file(path, recipe.context)?,
         None => experiments::shakespeare()?,
@@ -97,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         baselines.bigram
     );
     let start = Instant::now();
-    let r = experiments::run_char_lm(&text, preset, seed, &recipe, |s| {
+    let r = experiments::run_char_lm(&text, &preset, seed, &recipe, |s| {
         if s % 100 == 0 {
             eprint!("{s} ");
         }

@@ -763,7 +763,8 @@ pub struct RunResult {
     pub seed: u64,
     /// Parameters trained.
     pub params: usize,
-    /// Model memory lpmm holds (parameters, gradient accumulators, states), bytes per parameter.
+    /// Model memory (parameters in their storage — a `Var` lent to lpmm as the parameter
+    /// included —, gradient accumulators, states), bytes per parameter.
     pub bytes_per_param: f64,
     /// Mean training loss over the last 10% of steps.
     pub final_train_loss: f64,
@@ -1160,7 +1161,8 @@ fn finish(
         reference: preset.reference.to_string(),
         seed,
         params: report.numel(),
-        bytes_per_param: report.bytes_per_param(),
+        // The whole model memory: what lpmm holds and the `Var`s lent to it as its parameters.
+        bytes_per_param: (report.total() + opt.lent_bytes()) as f64 / report.numel().max(1) as f64,
         final_train_loss: final_loss(&losses),
         val_loss,
         val_accuracy,

@@ -940,6 +940,18 @@ impl LpmmOptimizer {
             .sum()
     }
 
+    /// Bytes of the `Var`s lent to lpmm as its parameters (stepped in place): model memory that
+    /// candle holds and [`LpmmOptimizer::memory_report`] does not count.
+    pub fn lent_bytes(&self) -> usize {
+        self.shared
+            .lock()
+            .vars
+            .iter()
+            .filter(|e| e.lent)
+            .map(|e| e.var.elem_count() * e.var.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// The names of the registered `Var`s whose parameter lpmm holds as a second copy.
     pub fn copied_vars(&self) -> Vec<String> {
         self.shared

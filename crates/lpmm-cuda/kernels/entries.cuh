@@ -1,7 +1,7 @@
 // The entry points (abi.rs `Entry`): every tile's descriptor says which operation's fields it
 // fills. Each takes the launch's descriptors, their count, the code-map table and the flag words
-// (FLAG_WORDS per parameter: the non-finite flag, then the rule's fold words); a descriptor's
-// `io` is the address of its element 0's input or output.
+// (one non-finite flag per parameter, then the rule sums' fold words, abi.rs STAT_WORDS); a
+// descriptor's `io` is the address of its element 0's input or output.
 
 #define LPMM_ARGS const Desc *descs, uint32_t ndesc, const uint32_t *maps, uint32_t *flags
 
@@ -128,7 +128,8 @@ __device__ __forceinline__ float gradient(const Tile& t, const uint32_t* maps, u
 // slot (state 2 or 3) whose format folds, per element, its updated value (the rule applied,
 // nothing stored; input `mode >> 16` = FOLD_UPDATED) or the rule's moment input for it
 // (FOLD_MOMENT); or FOLD_STATS: the rule's `mode >> 24` sums of squares, over a tensor whose
-// count has `(mode >> 16) & 255` fractional bits, into the flag words after the item's flag.
+// count has `(mode >> 16) & 255` fractional bits, into its block of flag words at `flag_index`
+// (abi.rs STAT_WORDS: the exponents, then the 64-bit sums).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
     Tile t = tile_of(descs, ndesc);
     if (!t.valid) {
@@ -157,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_fold(LPMM_ARGS) {
                     continue;
                 }
                 if (phase == 0u) {
-                    wide_max(stats + STAT_EXP, k, fixed_exponent(x));
+                    wide_max(stats, k, fixed_exponent(x));
                 } else {
-                    uint32_t stored = rd(stats + STAT_EXP, k);
+                    uint32_t stored = rd(stats, k);
                     wide_add64(stats + STAT_SUM, k, fixed_term(x, stored, frac));
                 }
             }

@@ -119,7 +119,8 @@ fn gradient(t: Tile, i: u32) -> f32 {
 // slot (state 2 or 3) whose format folds, per element, its updated value (the rule applied,
 // nothing stored; input `mode >> 16` = FOLD_UPDATED) or the rule's moment input for it
 // (FOLD_MOMENT); or FOLD_STATS: the rule's `mode >> 24` sums of squares, over a tensor whose
-// count has `(mode >> 16) & 255` fractional bits, into the flag words after the item's flag.
+// count has `(mode >> 16) & 255` fractional bits, into its block of flag words at `flag_index`
+// (abi.rs STAT_WORDS: the exponents, then the 64-bit sums).
 @compute @workgroup_size(256)
 fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lt: u32) {
     let t = tile_of(wid, nwg);
@@ -148,9 +149,9 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
                     continue;
                 }
                 if (phase == 0u) {
-                    atomicMax(&flags[base + STAT_EXP + k], fixed_exponent(x));
+                    atomicMax(&flags[base + k], fixed_exponent(x));
                 } else {
-                    let stored = atomicLoad(&flags[base + STAT_EXP + k]);
+                    let stored = atomicLoad(&flags[base + k]);
                     flag_add64(base + STAT_SUM + 2u * k, fixed_term(x, stored, frac));
                 }
             }

@@ -9,7 +9,7 @@ Anchors, all run on the CPU in float32 with one torch thread:
 See README.md beside this file ("## more_optimizers.safetensors") for the pinned environment, the
 command line, the op sequence each anchor runs and the findings.
 
-The scenario is the one of gen_reference_optimizers.py (copied below, and checked bit for bit
+The scenario is the one of gen_reference_optimizers.py (imported from it, and checked bit for bit
 against init.* / grad1.* of optim_trajectories.safetensors when that file is present):
   tensors, tensor id = index:  0 "w1" [64, 80], 1 "w2" [4396], 2 "b" [33], 3 "w3" [96, 128];
   i = row-major flat index.
@@ -49,17 +49,14 @@ from transformers.optimization import Adafactor
 from came_pytorch import CAME
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.dont_write_bytecode = True  # no __pycache__ beside the golden files
+from gen_reference_optimizers import (TENSORS, NAMES, init_param, gradient,  # noqa: E402
+                                      fma, write_safetensors)
+
 OUT = HERE / "more_optimizers.safetensors"
 SIBLING = HERE / "optim_trajectories.safetensors"
 SIZE_LIMIT = 3_000_000  # bytes
-
-TENSORS = [("w1", (64, 80)), ("w2", (4396,)), ("b", (33,)), ("w3", (96, 128))]
-NAMES = [n for n, _ in TENSORS]
-SHAPES = dict(TENSORS)
-
-M64 = (1 << 64) - 1
-K_TID = 0x9E3779B97F4A7C15
-K_STEP = 0xD1B54A32D192ED03
 
 STEPS = 100
 STORE = (1, 10, 100)
@@ -69,35 +66,8 @@ f64 = np.float64
 
 
 # --------------------------------------------------------------------------- scenario
-# (copied from gen_reference_optimizers.py; the run checks it against optim_trajectories.safetensors)
-
-
-def mix(z):
-    """splitmix64 finalizer on a uint64 array (numpy uint64 arithmetic wraps mod 2^64)."""
-    z = z.copy()
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return z
-
-
-def uniform(tid, t, n):
-    """u(tid, t, i) for i in 0..n, float32 in [-1, 1)."""
-    base = (tid * K_TID + t * K_STEP) & M64
-    h = mix(np.uint64(base) + np.arange(n, dtype=np.uint64))
-    top = (h >> np.uint64(40)).astype(np.float32)  # 24-bit integer, exact in f32
-    return top / f32(2.0**23) - f32(1.0)
-
-
-def init_param(tid, n):
-    return uniform(tid, 0, n) * f32(0.5)
-
-
-def gradient(tid, t, n):
-    scale = f32(0.01) * (f32(1.0) + (np.arange(n) % 7).astype(np.float32))
-    return uniform(tid, t, n) * scale
+# (TENSORS, NAMES, init_param and gradient come from gen_reference_optimizers.py; the run checks
+# them against optim_trajectories.safetensors)
 
 
 class Scenario:
@@ -207,26 +177,9 @@ def run_anchor(cfg, scen, steps=STEPS, store=STORE):
 # --------------------------------------------------------------------------- float32 primitives
 
 
-def fma(a, b, c):
-    """Correctly rounded f32 a*b + c (from gen_reference_optimizers.py: a*b is exact in f64; the
-    f64 sum's rounding error is recovered with TwoSum and breaks an f64 sum that lies exactly on
-    an f32 midpoint)."""
-    a, b, c = (np.asarray(x, dtype=np.float64) for x in (a, b, c))
-    p = a * b
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)
-    r = s.astype(np.float32)
-    r64 = r.astype(np.float64)
-    lo = np.where(r64 <= s, r, np.nextafter(r, f32(-np.inf)))
-    hi = np.nextafter(lo, f32(np.inf))
-    on_mid = (lo.astype(np.float64) + hi.astype(np.float64)) / 2.0 == s
-    fix = on_mid & (err != 0)
-    return np.where(fix, np.where(err > 0, hi, lo), r).astype(np.float32)
-
-
 def lerp(start, end, weight):
-    """torch's f32 lerp_ with a Python-float weight (ATen/native/Lerp.h; the CPU kernel fuses)."""
+    """torch's f32 lerp_ with a Python-float weight (ATen/native/Lerp.h; the CPU kernel fuses).
+    fma() is gen_reference_optimizers.py's correctly rounded f32 a*b + c."""
     w = f32(weight)
     d = (end - start).astype(f32)
     if abs(w) < f32(0.5):
@@ -572,28 +525,6 @@ def try_ademamix8bit(scen, ref_snaps):
 
 
 # --------------------------------------------------------------------------- output
-
-
-def write_safetensors(path, tensors, metadata):
-    """Byte-reproducible safetensors writer (as gen_reference_optimizers.py): "__metadata__" first
-    (sorted keys), then tensors by (descending item size, name), contiguous offsets."""
-    st_dtype = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8"}
-    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
-    header = {"__metadata__": dict(sorted(metadata.items()))}
-    blobs, off = [], 0
-    for k in order:
-        a = np.ascontiguousarray(tensors[k])
-        b = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[k] = {"dtype": st_dtype[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little"))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
 
 
 def main():
