@@ -16,8 +16,8 @@ use lpmm_optim::{ExactSum, add_squares};
 
 use crate::abi::{
     Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, FOLD_MOMENT,
-    FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_SUM, STAT_WORDS, SlotDesc,
-    TILE, map_table,
+    FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_SUM, STAT_WORDS, SlotDesc, TILE,
+    map_table,
 };
 use crate::runtime::{Io, Launch, Runtime};
 
