@@ -236,7 +236,7 @@ pub enum FoldInput {
     /// The pass folds each element's updated state 2 (the rule applied, nothing stored).
     UpdatedState2,
     /// The pass folds each element's moment input for the slot (the rule's
-    /// [`crate::rule::Rule::moment_input`]: for a second moment, the gradient it sees).
+    /// [`RuleConsts::moment_input`](crate::backend::RuleConsts::moment_input): for a second moment, the gradient it sees).
     MomentGradient,
 }
 

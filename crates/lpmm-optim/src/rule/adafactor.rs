@@ -129,7 +129,7 @@ impl Adafactor {
 
 kernel_struct! {
     /// Adafactor's per-step constants. `step`, `neg_step`, `neg_step_wd` and `clip_div` are set
-    /// by [`Rule::combine_stats`] from the tensor-wide sums; the last words are read only there.
+    /// by [`RuleConsts::combine_stats`](crate::backend::RuleConsts::combine_stats) from the tensor-wide sums; the last words are read only there.
     pub struct AdafactorConsts {
         /// `beta2_t = 1 - t^decay_rate`.
         pub beta2t: f32,

@@ -75,7 +75,7 @@ impl Came {
 }
 
 kernel_struct! {
-    /// CAME's per-step constants; `clip_div` is set by [`Rule::combine_stats`].
+    /// CAME's per-step constants; `clip_div` is set by [`RuleConsts::combine_stats`](crate::backend::RuleConsts::combine_stats).
     pub struct CameConsts {
         /// `beta1`.
         pub beta1: f32,

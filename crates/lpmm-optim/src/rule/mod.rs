@@ -48,7 +48,7 @@ impl StepFlags {
     pub const GIVEN_V: u32 = 4;
     /// State 3 is supplied (a factorized state's reconstruction) and not updated.
     pub const GIVEN_W: u32 = 8;
-    /// The step only moves the parameter by the rule's transform ([`Rule::transform`]: e.g.
+    /// The step only moves the parameter by the rule's transform ([`Hyper::transform`]: e.g.
     /// schedule-free AdamW's switch between its training point `y` and its evaluation point
     /// `x`): no gradient is read or consumed and no state changes.
     pub const TRANSFORM: u32 = 16;
@@ -115,7 +115,7 @@ pub(crate) use kernel_struct;
 
 /// The exponential moving average of squares a factorized slot keeps (its row and column
 /// means): `new = beta * old + (1 - beta) * (mean(x^2) + eps)`, all f32, `x` the rule's
-/// [`Rule::moment_input`] for the slot.
+/// [`RuleConsts::moment_input`] for the slot.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Moment {
     /// The decay of the old average.
@@ -504,7 +504,7 @@ macro_rules! rules {
     };
 }
 
-/// The most tensor-wide sums a rule may ask for ([`Rule::stats`]).
+/// The most tensor-wide sums a rule may ask for ([`RuleConsts::stats`]).
 pub const MAX_STATS: usize = 2;
 
 rules! {
