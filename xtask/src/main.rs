@@ -124,6 +124,9 @@ fn clear(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The bench targets of `benches/` (`cargo xtask bench` runs them all).
+const BENCHES: [&str; 5] = ["formats", "quant", "optim", "wgpu", "act"];
+
 fn bench(
     mut quick: bool,
     peers: bool,
@@ -147,14 +150,13 @@ fn bench(
         std::fs::create_dir_all(&cases_dir).map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&cargo);
         cmd.current_dir(&root)
-            .args([
-                "bench",
-                "-p",
-                "lpmm-benches",
-                "--benches",
-                "--features",
-                "burn",
-            ])
+            // `--workspace` (only lpmm-benches has bench targets): features unify as in the
+            // README's `cargo test --workspace --release`, so the bench profile (which inherits
+            // release) reuses that build's dependencies instead of compiling candle, wgpu and
+            // burn a second time.
+            .args(["bench", "--workspace", "--locked"])
+            .args(BENCHES.iter().flat_map(|b| ["--bench", b]))
+            .args(["--features", "lpmm-benches/burn"])
             .arg("--")
             .arg("--noplot")
             .args(quick.then_some("--quick"))
@@ -600,4 +602,29 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
     }
     t += "\nPeer ratios: the peer's time per parameter ÷ this case's (above 1: lpmm is faster), same size, same run.\n";
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo xtask bench` names every bench target of `benches/Cargo.toml`, and only those.
+    #[test]
+    fn every_bench_target_is_run() {
+        let manifest = std::fs::read_to_string(workspace_root().join("benches/Cargo.toml"))
+            .expect("benches/Cargo.toml");
+        let mut declared = Vec::new();
+        let mut in_bench = false;
+        for line in manifest.lines().map(str::trim) {
+            if line.starts_with('[') {
+                in_bench = line == "[[bench]]";
+            } else if in_bench && let Some(name) = line.strip_prefix("name = ") {
+                declared.push(name.trim_matches('"').to_string());
+            }
+        }
+        declared.sort();
+        let mut run: Vec<String> = BENCHES.iter().map(|b| b.to_string()).collect();
+        run.sort();
+        assert_eq!(run, declared, "update BENCHES in xtask/src/main.rs");
+    }
 }
