@@ -61,11 +61,15 @@ pub enum QuantRounding {
     },
 }
 
-/// The block quantizer's stack scratch: unpacked codes (maps narrower than 8 bits) and random
-/// words (stochastic rounding), each present only when used.
+/// Elements a block is quantized in at a time (the whole block when smaller): the stack scratch
+/// holds one span, so a call zeroes 1.25 KiB of scratch, not a largest block's 20 KiB.
+const SPAN: usize = 256;
+
+/// The block quantizer's stack scratch for one span: unpacked codes (maps narrower than 8 bits)
+/// and random words (stochastic rounding), each present only when used.
 struct Scratch {
-    codes: Option<[u8; MAX_BLOCK]>,
-    random: Option<[u32; MAX_BLOCK]>,
+    codes: Option<[u8; SPAN]>,
+    random: Option<[u32; SPAN]>,
 }
 
 /// Block-wise absmax quantization: the input is cut into blocks of `block` consecutive elements
@@ -169,12 +173,12 @@ impl<'m> Blockwise<'m> {
             // Scratch zeroed once per call, and only what this map and rounding use.
             let mut scratch = Scratch {
                 codes: if self.map.bits() < 8 {
-                    Some([0u8; MAX_BLOCK])
+                    Some([0u8; SPAN])
                 } else {
                     None
                 },
                 random: if bits.is_some() {
-                    Some([0u32; MAX_BLOCK])
+                    Some([0u32; SPAN])
                 } else {
                     None
                 },
@@ -217,7 +221,7 @@ impl<'m> Blockwise<'m> {
         &self,
         x: &[f32],
         out: &mut [u8],
-        bits: Option<&mut RandomBits>,
+        mut bits: Option<&mut RandomBits>,
         scratch: &mut Scratch,
     ) -> Option<f32> {
         let max_bits = lpmm_formats::simd::abs_max_bits(x);
@@ -226,25 +230,31 @@ impl<'m> Blockwise<'m> {
         }
         let absmax = f32::from_bits(max_bits);
         let map = self.map;
-        // 8-bit codes are written in place; narrower ones are packed afterwards.
-        let codes = match &mut scratch.codes {
-            Some(buffer) => &mut buffer[..x.len()],
-            None => &mut out[..x.len()],
-        };
-        match (bits, &mut scratch.random) {
-            (Some(bits), Some(random)) => {
-                // Always drawn, also for all-zero blocks, so each element keeps its own bits.
-                bits.fill(&mut random[..x.len()]);
-                map.stochastic_scaled(x, absmax, &random[..x.len()], codes);
+        let width = map.bits();
+        // Spans of a multiple of 8 codes start on a byte boundary of the packed stream.
+        for (k, x) in x.chunks(SPAN).enumerate() {
+            let packed = &mut out[packing::packed_len(k * SPAN, width)..]
+                [..packing::packed_len(x.len(), width)];
+            // 8-bit codes are written in place; narrower ones are packed afterwards.
+            let codes = match &mut scratch.codes {
+                Some(buffer) => &mut buffer[..x.len()],
+                None => &mut packed[..],
+            };
+            match (bits.as_deref_mut(), &mut scratch.random) {
+                (Some(bits), Some(random)) => {
+                    // Always drawn, also for all-zero blocks, so each element keeps its own bits.
+                    bits.fill(&mut random[..x.len()]);
+                    map.stochastic_scaled(x, absmax, &random[..x.len()], codes);
+                }
+                _ => map.nearest_scaled(x, absmax, codes),
             }
-            _ => map.nearest_scaled(x, absmax, codes),
-        }
-        if self.sign_fix && absmax != 0.0 {
-            self.fix_signs(x, absmax, codes);
-        }
-        if let Some(buffer) = &scratch.codes {
-            // Codes come from the map, so they fit its width; lengths match by construction.
-            packing::pack(&buffer[..x.len()], map.bits(), out).ok()?;
+            if self.sign_fix && absmax != 0.0 {
+                self.fix_signs(x, absmax, codes);
+            }
+            if let Some(buffer) = &scratch.codes {
+                // Codes come from the map, so they fit its width; lengths match by construction.
+                packing::pack(&buffer[..x.len()], width, packed).ok()?;
+            }
         }
         Some(absmax)
     }
@@ -281,17 +291,27 @@ impl<'m> Blockwise<'m> {
         let chunk = blocks_per_chunk * block;
         let run = |(out, (codes, absmax)): (&mut [f32], (&[u8], &[f32]))| {
             let block_bytes = packing::packed_len(block, bits);
-            let mut unpacked = [0u8; MAX_BLOCK];
+            let mut unpacked = [0u8; SPAN];
             for ((out, codes), &scale) in out
                 .chunks_mut(block)
                 .zip(codes.chunks(block_bytes))
                 .zip(absmax)
             {
-                let unpacked = &mut unpacked[..out.len()];
-                if packing::unpack(codes, bits, unpacked).is_err() {
-                    return Err(());
+                if bits == 8 {
+                    // 8-bit codes are read in place.
+                    self.map.decode_scaled(codes, scale, out);
+                    continue;
                 }
-                self.map.decode_scaled(unpacked, scale, out);
+                // Spans of a multiple of 8 codes start on a byte boundary of the packed stream.
+                for (k, out) in out.chunks_mut(SPAN).enumerate() {
+                    let packed = &codes[packing::packed_len(k * SPAN, bits)..]
+                        [..packing::packed_len(out.len(), bits)];
+                    let unpacked = &mut unpacked[..out.len()];
+                    if packing::unpack(packed, bits, unpacked).is_err() {
+                        return Err(());
+                    }
+                    self.map.decode_scaled(unpacked, scale, out);
+                }
             }
             Ok(())
         };

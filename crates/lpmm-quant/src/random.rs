@@ -6,10 +6,198 @@
 //! so any thread, chunk or GPU kernel computes the same word for the same element without
 //! generating the words before it ([docs/FORMATS.md], "Random bits").
 //!
+//! On the CPU the words are computed 16 blocks (256 words) at a time, one block per 32-bit vector
+//! lane (AVX-512: one register per state word, then a 16 x 16 transposition into keystream
+//! order); the words are rand_chacha's `ChaCha8Rng` keystream, which a test checks at every SIMD
+//! level.
+//!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
-use rand_chacha::ChaCha8Rng;
-use rand_core::{Rng, SeedableRng};
+/// Blocks one [`chacha8_x16`] call computes (one per 32-bit lane of an AVX-512 register).
+const LANES: usize = 16;
+
+/// Words one [`chacha8_x16`] call computes: 16 blocks of 16 words.
+const BATCH: usize = 16 * LANES;
+
+/// Block counters are taken mod 2^60, so that element indices (16 per block) are mod 2^64.
+const BLOCK_MASK: u64 = (1 << 60) - 1;
+
+/// ChaCha's constant words ("expand 32-byte k").
+const SIGMA: [u32; 4] = [0x6170_7865, 0x3320_646e, 0x7962_2d32, 0x6b20_6574];
+
+/// One ChaCha quarter round on lanes `a`, `b`, `c`, `d` of 16 independent blocks (word-major:
+/// `x[word][block]`), so each operation is one 16-lane vector operation.
+#[inline(always)]
+fn quarter(x: &mut [[u32; LANES]; 16], a: usize, b: usize, c: usize, d: usize) {
+    let (mut va, mut vb, mut vc, mut vd) = (x[a], x[b], x[c], x[d]);
+    for l in 0..LANES {
+        va[l] = va[l].wrapping_add(vb[l]);
+        vd[l] = (vd[l] ^ va[l]).rotate_left(16);
+        vc[l] = vc[l].wrapping_add(vd[l]);
+        vb[l] = (vb[l] ^ vc[l]).rotate_left(12);
+        va[l] = va[l].wrapping_add(vb[l]);
+        vd[l] = (vd[l] ^ va[l]).rotate_left(8);
+        vc[l] = vc[l].wrapping_add(vd[l]);
+        vb[l] = (vb[l] ^ vc[l]).rotate_left(7);
+    }
+    x[a] = va;
+    x[b] = vb;
+    x[c] = vc;
+    x[d] = vd;
+}
+
+/// The 16 blocks' words after the eight rounds and the final addition, word-major:
+/// `x[w][j]` is word `w` of block `block + j` (counters mod 2^60).
+#[inline(always)]
+fn chacha8_rows(key: &[u32; 8], block: u64, nonce: u64) -> [[u32; LANES]; 16] {
+    let mut init = [[0u32; LANES]; 16];
+    for (w, &c) in SIGMA.iter().enumerate() {
+        init[w] = [c; LANES];
+    }
+    for (w, &k) in key.iter().enumerate() {
+        init[4 + w] = [k; LANES];
+    }
+    let counter = |l: usize| block.wrapping_add(l as u64) & BLOCK_MASK;
+    init[12] = std::array::from_fn(|l| counter(l) as u32);
+    init[13] = std::array::from_fn(|l| (counter(l) >> 32) as u32);
+    init[14] = [nonce as u32; LANES];
+    init[15] = [(nonce >> 32) as u32; LANES];
+    let mut x = init;
+    // Eight rounds: four double rounds (a column round, then a diagonal round).
+    for _ in 0..4 {
+        quarter(&mut x, 0, 4, 8, 12);
+        quarter(&mut x, 1, 5, 9, 13);
+        quarter(&mut x, 2, 6, 10, 14);
+        quarter(&mut x, 3, 7, 11, 15);
+        quarter(&mut x, 0, 5, 10, 15);
+        quarter(&mut x, 1, 6, 11, 12);
+        quarter(&mut x, 2, 7, 8, 13);
+        quarter(&mut x, 3, 4, 9, 14);
+    }
+    for w in 0..16 {
+        for l in 0..LANES {
+            x[w][l] = x[w][l].wrapping_add(init[w][l]);
+        }
+    }
+    x
+}
+
+/// The ChaCha8 blocks `block, block + 1, ..., block + 15` (counters mod 2^60: element indices
+/// are taken mod 2^64) of `key` and stream `nonce`, 16 at a time (one per vector lane), in
+/// keystream order: `out[16 * j + w]` is word `w` of block `block + j`.
+fn chacha8_x16(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
+    #[cfg(target_arch = "x86_64")]
+    if lpmm_formats::simd::level() == lpmm_formats::simd::Level::Avx512 {
+        // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL/DQ,
+        // AVX2 and FMA (lpmm_formats::simd), every feature `chacha8_x16_avx512` enables.
+        unsafe { chacha8_x16_avx512(key, block, nonce, out) };
+        return;
+    }
+    chacha8_x16_transposed(key, block, nonce, out);
+}
+
+lpmm_formats::multiversion! {
+    /// [`chacha8_x16`] with the transposition to keystream order left to the compiler (AVX2
+    /// and portable builds).
+    fn chacha8_x16_transposed(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
+        let x = chacha8_rows(key, block, nonce);
+        for w in 0..16 {
+            for l in 0..LANES {
+                out[16 * l + w] = x[w][l];
+            }
+        }
+    }
+}
+
+/// [`chacha8_x16`] with AVX-512: the rounds on 16-lane registers (one block per lane), then a
+/// 16 x 16 transposition of 32-bit words in four shuffle stages (64 shuffles).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+fn chacha8_x16_avx512(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
+    use std::arch::x86_64::*;
+    let counter = |l: usize| block.wrapping_add(l as u64) & BLOCK_MASK;
+    let counters: [[u32; LANES]; 2] = [
+        std::array::from_fn(|l| counter(l) as u32),
+        std::array::from_fn(|l| (counter(l) >> 32) as u32),
+    ];
+    let splat = |w: u32| _mm512_set1_epi32(w as i32);
+    // SAFETY: each `counters[k]` is 16 u32, the 64 bytes an unaligned 512-bit load reads.
+    let [lo, hi] = counters.map(|c| unsafe { _mm512_loadu_si512(c.as_ptr().cast()) });
+    let init: [__m512i; 16] = [
+        splat(SIGMA[0]),
+        splat(SIGMA[1]),
+        splat(SIGMA[2]),
+        splat(SIGMA[3]),
+        splat(key[0]),
+        splat(key[1]),
+        splat(key[2]),
+        splat(key[3]),
+        splat(key[4]),
+        splat(key[5]),
+        splat(key[6]),
+        splat(key[7]),
+        lo,
+        hi,
+        splat(nonce as u32),
+        splat((nonce >> 32) as u32),
+    ];
+    let mut x = init;
+    let quarter = |x: &mut [__m512i; 16], a: usize, b: usize, c: usize, d: usize| {
+        x[a] = _mm512_add_epi32(x[a], x[b]);
+        x[d] = _mm512_rol_epi32::<16>(_mm512_xor_si512(x[d], x[a]));
+        x[c] = _mm512_add_epi32(x[c], x[d]);
+        x[b] = _mm512_rol_epi32::<12>(_mm512_xor_si512(x[b], x[c]));
+        x[a] = _mm512_add_epi32(x[a], x[b]);
+        x[d] = _mm512_rol_epi32::<8>(_mm512_xor_si512(x[d], x[a]));
+        x[c] = _mm512_add_epi32(x[c], x[d]);
+        x[b] = _mm512_rol_epi32::<7>(_mm512_xor_si512(x[b], x[c]));
+    };
+    for _ in 0..4 {
+        quarter(&mut x, 0, 4, 8, 12);
+        quarter(&mut x, 1, 5, 9, 13);
+        quarter(&mut x, 2, 6, 10, 14);
+        quarter(&mut x, 3, 7, 11, 15);
+        quarter(&mut x, 0, 5, 10, 15);
+        quarter(&mut x, 1, 6, 11, 12);
+        quarter(&mut x, 2, 7, 8, 13);
+        quarter(&mut x, 3, 4, 9, 14);
+    }
+    let r: [__m512i; 16] = std::array::from_fn(|w| _mm512_add_epi32(x[w], init[w]));
+    // Stage 1 and 2, per group g of four rows: `s[g][j]`'s 128-bit lane k holds column 4k + j
+    // of rows 4g .. 4g + 3.
+    let s: [[__m512i; 4]; 4] = std::array::from_fn(|g| {
+        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let (t0, t1) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+        let (t2, t3) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+        [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ]
+    });
+    // Stage 3 and 4: column 4k + j (block 4k + j, keystream words 16 (4k + j) ..) is lane k of
+    // s[0][j], s[1][j], s[2][j], s[3][j].
+    #[allow(clippy::needless_range_loop)] // `j` picks the same register of all four groups
+    for j in 0..4 {
+        let (a, b, c, d) = (s[0][j], s[1][j], s[2][j], s[3][j]);
+        let p = _mm512_shuffle_i32x4::<0x44>(a, b); // a0 a1 b0 b1
+        let q = _mm512_shuffle_i32x4::<0x44>(c, d); // c0 c1 d0 d1
+        let r = _mm512_shuffle_i32x4::<0xEE>(a, b); // a2 a3 b2 b3
+        let t = _mm512_shuffle_i32x4::<0xEE>(c, d); // c2 c3 d2 d3
+        let columns = [
+            _mm512_shuffle_i32x4::<0x88>(p, q), // a0 b0 c0 d0
+            _mm512_shuffle_i32x4::<0xDD>(p, q), // a1 b1 c1 d1
+            _mm512_shuffle_i32x4::<0x88>(r, t), // a2 b2 c2 d2
+            _mm512_shuffle_i32x4::<0xDD>(r, t), // a3 b3 c3 d3
+        ];
+        for (k, column) in columns.into_iter().enumerate() {
+            let at = 16 * (4 * k + j);
+            // SAFETY: `at + 16 <= BATCH` (k, j < 4); the store is unaligned.
+            unsafe { _mm512_storeu_si512(out[at..at + 16].as_mut_ptr().cast(), column) };
+        }
+    }
+}
 
 /// Identifies one stream of random bits: a user seed, a tensor id and a step counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -36,17 +224,32 @@ impl RandomStream {
         key
     }
 
-    /// A generator positioned at element `index`: successive `next_u32` calls give the bits of
-    /// elements `index`, `index + 1`, ...
+    /// A generator positioned at element `index`: successive `next` calls give the bits of
+    /// elements `index`, `index + 1`, ... (mod 2^64). It computes 16 ChaCha8 blocks at a time.
     pub fn at(&self, index: u64) -> RandomBits {
-        let mut rng = ChaCha8Rng::from_seed(self.key());
-        rng.set_stream(self.step);
-        rng.set_word_pos(u128::from(index));
-        RandomBits { rng }
+        let key = [
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            self.tensor as u32,
+            (self.tensor >> 32) as u32,
+            0,
+            0,
+            0,
+            0,
+        ];
+        let mut bits = RandomBits {
+            key,
+            nonce: self.step,
+            block: index >> 4,
+            words: [0; BATCH],
+            pos: (index & 15) as usize,
+        };
+        chacha8_x16(&bits.key, bits.block, bits.nonce, &mut bits.words);
+        bits
     }
 
-    /// The bits of element `index` alone (slow: sets up a generator; use [`RandomStream::at`] or
-    /// [`RandomStream::fill`] for runs of elements).
+    /// The bits of element `index` alone (slow: computes a batch of blocks; use
+    /// [`RandomStream::at`] or [`RandomStream::fill`] for runs of elements).
     pub fn bits(&self, index: u64) -> u32 {
         self.at(index).next()
     }
@@ -58,24 +261,76 @@ impl RandomStream {
 }
 
 /// A positioned generator of per-element random bits (see [`RandomStream::at`]).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RandomBits {
-    rng: ChaCha8Rng,
+    /// The key as words (seed, tensor, zeros).
+    key: [u32; 8],
+    /// The stream: the step.
+    nonce: u64,
+    /// The first of the 16 blocks `words` holds.
+    block: u64,
+    /// Words of blocks `block .. block + 16`.
+    words: [u32; BATCH],
+    /// The next word of `words` to hand out (`BATCH`: all handed out).
+    pos: usize,
+}
+
+impl std::fmt::Debug for RandomBits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is the user's seed and the words follow from it: neither is printed.
+        f.debug_struct("RandomBits")
+            .field("nonce", &self.nonce)
+            .field(
+                "next_index",
+                &((self.block << 4).wrapping_add(self.pos as u64)),
+            )
+            .finish_non_exhaustive()
+    }
 }
 
 impl RandomBits {
+    /// Moves to the next 16 blocks.
+    fn advance(&mut self) {
+        self.block = self.block.wrapping_add(LANES as u64) & BLOCK_MASK;
+    }
+
     /// The bits of the next element.
     #[inline]
     #[allow(clippy::should_implement_trait)] // an infinite stream: Iterator would only add noise
     pub fn next(&mut self) -> u32 {
-        self.rng.next_u32()
+        if self.pos == BATCH {
+            self.advance();
+            chacha8_x16(&self.key, self.block, self.nonce, &mut self.words);
+            self.pos = 0;
+        }
+        let word = self.words[self.pos];
+        self.pos += 1;
+        word
     }
 
     /// The bits of the next `out.len()` elements.
-    #[inline]
-    pub fn fill(&mut self, out: &mut [u32]) {
-        for word in out {
-            *word = self.rng.next_u32();
+    pub fn fill(&mut self, mut out: &mut [u32]) {
+        while !out.is_empty() {
+            if self.pos == BATCH {
+                self.advance();
+                if out.len() >= BATCH {
+                    // Straight into the output; the buffer stays spent (and `block` names the
+                    // blocks just written, so the next refill moves past them).
+                    let (whole, rest) = std::mem::take(&mut out).split_at_mut(BATCH);
+                    if let Ok(whole) = <&mut [u32; BATCH]>::try_from(whole) {
+                        chacha8_x16(&self.key, self.block, self.nonce, whole);
+                    }
+                    out = rest;
+                    continue;
+                }
+                chacha8_x16(&self.key, self.block, self.nonce, &mut self.words);
+                self.pos = 0;
+            }
+            let n = out.len().min(BATCH - self.pos);
+            let (head, rest) = out.split_at_mut(n);
+            head.copy_from_slice(&self.words[self.pos..self.pos + n]);
+            self.pos += n;
+            out = rest;
         }
     }
 }
@@ -136,6 +391,63 @@ mod tests {
                 "index {index}"
             );
         }
+    }
+
+    /// The 16-wide generator gives rand_chacha's `ChaCha8Rng` keystream word for word (the
+    /// generator lpmm used before, and the one GPU kernels were checked against), at every SIMD
+    /// level, from any start and for any length, through `next` and `fill`.
+    #[test]
+    fn words_equal_rand_chacha_at_every_level() {
+        use lpmm_formats::simd::{Level, force};
+        use rand_chacha::ChaCha8Rng;
+        use rand_core::{Rng, SeedableRng};
+        let stream = RandomStream::new(0xDEAD_BEEF_0123_4567, u64::MAX - 3, 1 << 40);
+        let mut rng = ChaCha8Rng::from_seed(stream.key());
+        rng.set_stream(stream.step);
+        rng.set_word_pos(1000 * 16 - 37);
+        let want: Vec<u32> = (0..3000).map(|_| rng.next_u32()).collect();
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            for (skip, len) in [
+                (0usize, 3000usize),
+                (1, 1),
+                (37, 300),
+                (37, 256),
+                (293, 2707),
+                (5, 520),
+            ] {
+                let start = 1000 * 16 - 37 + skip as u64;
+                let mut got = vec![0u32; len];
+                stream.fill(start, &mut got);
+                assert_eq!(got, want[skip..skip + len], "{level:?} fill {skip} {len}");
+                let mut bits = stream.at(start);
+                let one: Vec<u32> = (0..len).map(|_| bits.next()).collect();
+                assert_eq!(one, got, "{level:?} next {skip} {len}");
+            }
+            // Mixed calls continue the same keystream.
+            let mut bits = stream.at(1000 * 16 - 37);
+            let mut got = vec![0u32; 3000];
+            let (a, rest) = got.split_at_mut(300);
+            bits.fill(a);
+            let (b, c) = rest.split_at_mut(1);
+            b[0] = bits.next();
+            bits.fill(c);
+            assert_eq!(got, want, "{level:?} mixed");
+        }
+        force(None);
+    }
+
+    /// Element indices are taken mod 2^64: the words after element 2^64 - 1 are those of
+    /// elements 0, 1, ... (blocks mod 2^60), as the quantizers' `offset.wrapping_add` says.
+    #[test]
+    fn indices_wrap_mod_2_64() {
+        let stream = RandomStream::new(3, 4, 5);
+        let mut across = vec![0u32; 40];
+        stream.fill(u64::MAX - 19, &mut across);
+        let mut low = vec![0u32; 20];
+        stream.fill(0, &mut low);
+        assert_eq!(across[20..], low[..]);
+        assert_eq!(across[19], stream.bits(u64::MAX));
     }
 
     #[test]

@@ -87,6 +87,43 @@ proptest! {
         }
     }
 
+    /// Every code is the map's own rounding of `x / absmax` (f32 division) with element `i`'s
+    /// random word, packed as one stream, and dequantizing reads back `map[code] * absmax`:
+    /// however the quantizer cuts blocks into spans, chunks and threads.
+    #[test]
+    fn codes_are_the_elementwise_definition(
+        n in 1usize..9000, seed in any::<u64>(), block in block_sizes(), which in 0usize..8,
+        stochastic in any::<bool>(), offset in any::<u64>(),
+    ) {
+        let map = &maps()[which];
+        let x = data(n, seed);
+        let q = Blockwise::new(map, block);
+        let stream = RandomStream::new(seed, 7, 3);
+        let rounding = if stochastic {
+            QuantRounding::Stochastic { stream, offset }
+        } else {
+            QuantRounding::Nearest
+        };
+        let mut codes = vec![0u8; q.codes_len(n)];
+        let mut absmax = vec![0f32; q.scales_len(n)];
+        q.quantize(&x, &mut codes, &mut absmax, rounding).unwrap();
+        let mut words = vec![0u32; n];
+        stream.fill(offset, &mut words);
+        let want: Vec<u8> = x.iter().enumerate().map(|(i, &v)| {
+            let a = absmax[i / block.get()];
+            let y = if a == 0.0 { 0.0 } else { v / a };
+            if stochastic { map.stochastic(y, words[i]) } else { map.nearest(y) }
+        }).collect();
+        let mut packed = vec![0u8; q.codes_len(n)];
+        packing::pack(&want, map.bits(), &mut packed).unwrap();
+        prop_assert_eq!(&codes, &packed);
+        let mut back = vec![0f32; n];
+        q.dequantize(&codes, &absmax, &mut back).unwrap();
+        for (i, (&c, &b)) in want.iter().zip(&back).enumerate() {
+            prop_assert_eq!(b.to_bits(), (map.value(c) * absmax[i / block.get()]).to_bits());
+        }
+    }
+
     #[test]
     fn packing_round_trips(bits in 1u32..=8, codes in prop::collection::vec(any::<u8>(), 0..300)) {
         let codes: Vec<u8> = codes.iter().map(|c| ((u32::from(*c)) & ((1 << bits) - 1)) as u8).collect();
