@@ -24,6 +24,10 @@ pub struct CodeMap {
     /// `thresholds` followed by `scan` NaNs, so the steps never leave the table (`NaN <= y` is
     /// false for every `y`).
     padded: Box<[f32]>,
+    /// The values' bytes as four planes of 256 entries (byte `p` of entry `c` at `256 p + c`;
+    /// entries past the end repeat the last value, as [`CodeMap::value`] reads them): the
+    /// AVX-512 VBMI decoder looks values up from registers instead of gathering them.
+    planes: Box<[u8]>,
 }
 
 /// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the
@@ -156,6 +160,13 @@ impl CodeMap {
             .copied()
             .chain(std::iter::repeat_n(f32::NAN, scan))
             .collect();
+        let planes = (0..4)
+            .flat_map(|p| {
+                (0..256).map(move |c: usize| {
+                    (values[c.min(values.len() - 1)].to_bits() >> (8 * p)) as u8
+                })
+            })
+            .collect();
         Ok(Self {
             bits,
             values: values.into(),
@@ -163,6 +174,7 @@ impl CodeMap {
             start,
             scan,
             padded,
+            planes,
         })
     }
 
@@ -345,13 +357,15 @@ impl CodeMap {
             let lo = _mm512_max_epi32(_mm512_mask_sub_epi32(c, below, c, one), zero);
             let top = _mm512_cmpeq_epi32_mask(lo, last);
             let hi = _mm512_min_epi32(_mm512_add_epi32(lo, one), last);
+            // `lo` or `hi` is `c` (whose value is `vc`) unless both are: one more gather, of
+            // the other one, gives both values.
+            let lo_is_c = _mm512_cmpeq_epi32_mask(lo, c);
+            let hi_is_c = _mm512_cmpeq_epi32_mask(hi, c);
+            let other = _mm512_mask_mov_epi32(lo, lo_is_c, hi);
             // SAFETY: `lo` and `hi` are clamped to 0..values.len().
-            let (lo_v, hi_v) = unsafe {
-                (
-                    _mm512_i32gather_ps::<4>(lo, values),
-                    _mm512_i32gather_ps::<4>(hi, values),
-                )
-            };
+            let ov = unsafe { _mm512_i32gather_ps::<4>(other, values) };
+            let lo_v = _mm512_mask_mov_ps(ov, lo_is_c, vc);
+            let hi_v = _mm512_mask_mov_ps(ov, hi_is_c, vc);
             let frac = _mm512_div_ps(_mm512_sub_ps(y, lo_v), _mm512_sub_ps(hi_v, lo_v));
             // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
             let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
@@ -390,6 +404,21 @@ impl CodeMap {
     fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
+        let mut done = 0;
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done = unsafe { self.decode_scaled_vbmi(&codes[..n], scale, &mut out[..n]) };
+        }
+        self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::decode_scaled`] 16 codes at a time, gathering the values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn decode_scaled_gather(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = codes.len().min(out.len());
         let whole = n - n % 16;
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
         let s = _mm512_set1_ps(scale);
@@ -403,6 +432,64 @@ impl CodeMap {
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
         }
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
+    }
+
+    /// [`CodeMap::decode_scaled`] 64 codes at a time without gathers: each byte of the 64
+    /// values is looked up from two 128-entry byte tables held in registers (`vpermi2b`), and
+    /// the four byte planes are interleaved back into f32 lanes. Returns how many leading codes
+    /// it decoded (a multiple of 64); the caller decodes the rest.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    fn decode_scaled_vbmi(&self, codes: &[u8], scale: f32, out: &mut [f32]) -> usize {
+        use std::arch::x86_64::*;
+        let n = codes.len().min(out.len());
+        let whole = n - n % 64;
+        // SAFETY: `planes` holds 4 * 256 bytes; each load reads 64 of them.
+        let table: [[__m512i; 4]; 4] = std::array::from_fn(|p| {
+            std::array::from_fn(|q| unsafe {
+                _mm512_loadu_si512(self.planes[256 * p + 64 * q..].as_ptr().cast())
+            })
+        });
+        // The unpacks below interleave within 128-bit lanes: reorder the codes first so that
+        // f32 register m holds values 16 m .. 16 m + 15 in order (byte 16 k + 4 m + i of the
+        // reordered codes is code 16 m + 4 k + i).
+        let order: [u8; 64] =
+            std::array::from_fn(|j| (16 * ((j % 16) / 4) + 4 * (j / 16) + j % 4) as u8);
+        // SAFETY: `order` is 64 bytes.
+        let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
+        let s = _mm512_set1_ps(scale);
+        for i in (0..whole).step_by(64) {
+            // SAFETY: `i + 64 <= codes.len()`; the load is unaligned.
+            let c = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
+            let c = _mm512_permutexvar_epi8(order, c);
+            let upper = _mm512_movepi8_mask(c);
+            let b: [__m512i; 4] = std::array::from_fn(|p| {
+                let [t0, t1, t2, t3] = table[p];
+                let lo = _mm512_permutex2var_epi8(t0, c, t1);
+                let hi = _mm512_permutex2var_epi8(t2, c, t3);
+                _mm512_mask_blend_epi8(upper, lo, hi)
+            });
+            let w01 = [
+                _mm512_unpacklo_epi8(b[0], b[1]),
+                _mm512_unpackhi_epi8(b[0], b[1]),
+            ];
+            let w23 = [
+                _mm512_unpacklo_epi8(b[2], b[3]),
+                _mm512_unpackhi_epi8(b[2], b[3]),
+            ];
+            let d = [
+                _mm512_unpacklo_epi16(w01[0], w23[0]),
+                _mm512_unpackhi_epi16(w01[0], w23[0]),
+                _mm512_unpacklo_epi16(w01[1], w23[1]),
+                _mm512_unpackhi_epi16(w01[1], w23[1]),
+            ];
+            for (m, d) in d.into_iter().enumerate() {
+                let v = _mm512_mul_ps(_mm512_castsi512_ps(d), s);
+                // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i + 16 * m), v) };
+            }
+        }
+        whole
     }
 
     /// Rounds `y` to a code with the given rounding.
@@ -718,6 +805,20 @@ mod tests {
                     assert_eq!(sa, sb, "stochastic, {m:?}, absmax {absmax}");
                     let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits_of(&da), bits_of(&db), "decode, absmax {absmax}");
+                    // Both AVX-512 decoders on their own: gathers, and byte tables (VBMI).
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    unsafe { m.decode_scaled_gather(&codes, absmax, &mut db) };
+                    assert_eq!(bits_of(&da), bits_of(&db), "gather decode, absmax {absmax}");
+                    if std::is_x86_feature_detected!("avx512vbmi") {
+                        db.fill(f32::NAN);
+                        // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+                        let done = unsafe { m.decode_scaled_vbmi(&codes, absmax, &mut db) };
+                        assert_eq!(done, codes.len() / 64 * 64);
+                        assert!(done > 0);
+                        assert_eq!(bits_of(&da[..done]), bits_of(&db[..done]), "VBMI decode");
+                    } else {
+                        eprintln!("no AVX-512 VBMI on this CPU: its decoder did not run");
+                    }
                 }
                 let _ = (&mut b, &mut sb, &mut db);
             }

@@ -63,6 +63,27 @@ fn detect() -> u8 {
     PORTABLE
 }
 
+static VBMI: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+/// Whether the AVX-512 kernels may also use AVX-512 VBMI (byte permutes: table lookups from
+/// registers): the level in use is [`Level::Avx512`] and the CPU has VBMI (detected once).
+#[inline]
+pub fn vbmi() -> bool {
+    if level() != Level::Avx512 {
+        return false;
+    }
+    let mut v = VBMI.load(Ordering::Relaxed);
+    if v == UNKNOWN {
+        #[cfg(target_arch = "x86_64")]
+        let has = std::is_x86_feature_detected!("avx512vbmi");
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = false;
+        v = if has { AVX512 } else { PORTABLE };
+        VBMI.store(v, Ordering::Relaxed);
+    }
+    v == AVX512
+}
+
 /// The kernels in use: [`detected`], unless lowered by [`force`] or by the environment variable
 /// `LPMM_SIMD` (`portable` or `avx2`) read the first time.
 #[inline]
@@ -177,6 +198,25 @@ multiversion! {
 }
 
 multiversion! {
+    /// f32 to bf16 with stochastic rounding, element `j` with the random word `bits[j]`: the same
+    /// bits as [`crate::float::bf16_stochastic`] for every input, written without branches so
+    /// it vectorizes. Writes `min(xs.len(), bits.len(), out.len())` values.
+    pub fn f32_to_bf16_stochastic(xs: &[f32], bits: &[u32], out: &mut [half::bf16]) {
+        out.iter_mut().zip(xs).zip(bits).for_each(|((o, &x), &r)| {
+            let b = x.to_bits();
+            let nearest = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+            let quiet_nan = ((b >> 16) | 0x40) as u16;
+            let nearest = if b & 0x7FFF_FFFF > 0x7F80_0000 { quiet_nan } else { nearest };
+            let up = u32::from((r >> 16) < (b & 0xFFFF));
+            let rounded = (b >> 16) + up;
+            // NaN and ±Inf, and a finite value rounded up past bf16::MAX, take the nearest.
+            let keep = b & 0x7FFF_FFFF >= 0x7F80_0000 || rounded & 0x7FFF == 0x7F80;
+            *o = half::bf16::from_bits(if keep { nearest } else { rounded as u16 });
+        });
+    }
+}
+
+multiversion! {
     /// The largest `|x|` of `xs` as a bit pattern (0 for an empty slice): NaN and ±Inf patterns
     /// exceed every finite one, so a result `>= 0x7F80_0000` means a non-finite input.
     pub fn abs_max_bits(xs: &[f32]) -> u32 {
@@ -208,6 +248,40 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn bf16_stochastic_slices_equal_the_scalar_rounding() {
+        use crate::float::bf16_stochastic;
+        // Every sign and exponent with low bits that exercise rounding up, plus the specials;
+        // each with random words below, at and above the cut.
+        let mut xs = Vec::new();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for high in 0..=0xFFFFu32 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            xs.push(f32::from_bits(high << 16 | (state as u32 & 0xFFFF)));
+            xs.push(f32::from_bits(high << 16 | 0xFFFF));
+        }
+        let bits: Vec<u32> = (0..xs.len() as u32)
+            .map(|i| i.wrapping_mul(0x9E37_79B9).rotate_left(7))
+            .chain([0, u32::MAX])
+            .collect();
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            let mut out = vec![half::bf16::ZERO; xs.len()];
+            f32_to_bf16_stochastic(&xs, &bits, &mut out);
+            for ((x, r), o) in xs.iter().zip(&bits).zip(&out) {
+                assert_eq!(
+                    o.to_bits(),
+                    bf16_stochastic(*x, *r).to_bits(),
+                    "{level:?} {:#x} {r:#x}",
+                    x.to_bits()
+                );
+            }
+        }
+        force(None);
     }
 
     #[test]

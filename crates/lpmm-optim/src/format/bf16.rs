@@ -2,7 +2,7 @@
 //!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
-use lpmm_formats::{bf16, float, simd};
+use lpmm_formats::{bf16, simd};
 
 use super::{
     Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
@@ -81,9 +81,12 @@ impl Codec for Bf16 {
         match self.rounding {
             StoreRounding::Stochastic => {
                 let mut bits = random.stream.at(random.index);
-                out.iter_mut()
-                    .zip(values)
-                    .for_each(|(o, &x)| *o = float::bf16_stochastic(x, bits.next()));
+                let mut words = [0u32; 256];
+                for (xs, out) in values.chunks(words.len()).zip(out.chunks_mut(words.len())) {
+                    let words = &mut words[..xs.len()];
+                    bits.fill(words);
+                    simd::f32_to_bf16_stochastic(xs, words, out);
+                }
             }
             StoreRounding::Nearest => simd::f32_to_bf16_nearest(values, out),
         }
