@@ -402,7 +402,6 @@ impl CodeMap {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
-        use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
         let mut done = 0;
         if crate::simd::vbmi() {
@@ -444,10 +443,12 @@ impl CodeMap {
         use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
         let whole = n - n % 64;
-        // SAFETY: `planes` holds 4 * 256 bytes; each load reads 64 of them.
         let table: [[__m512i; 4]; 4] = std::array::from_fn(|p| {
-            std::array::from_fn(|q| unsafe {
-                _mm512_loadu_si512(self.planes[256 * p + 64 * q..].as_ptr().cast())
+            std::array::from_fn(|q| {
+                let at = 256 * p + 64 * q;
+                // SAFETY: `planes` holds 4 * 256 bytes, so `at + 64 <= planes.len()`; the
+                // load is unaligned.
+                unsafe { _mm512_loadu_si512(self.planes[at..at + 64].as_ptr().cast()) }
             })
         });
         // The unpacks below interleave within 128-bit lanes: reorder the codes first so that
