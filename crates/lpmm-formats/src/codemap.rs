@@ -28,6 +28,23 @@ pub struct CodeMap {
     /// entries past the end repeat the last value, as [`CodeMap::value`] reads them): the
     /// AVX-512 VBMI decoder looks values up from registers instead of gathering them.
     planes: Box<[u8]>,
+    /// `padded` as four byte planes of 256 entries (entries past it are NaN), when it fits
+    /// (every map whose buckets hold at most one threshold): the VBMI stochastic rounding
+    /// looks thresholds up from registers. Empty otherwise.
+    threshold_planes: Box<[u8]>,
+}
+
+/// Four byte planes of 256 entries of `table` (`f32` bit patterns; entries past the end read
+/// `fill`): byte `p` of entry `c` at `256 p + c`.
+fn byte_planes(table: &[f32], fill: f32) -> Box<[u8]> {
+    (0..4)
+        .flat_map(|p| {
+            (0..256).map(move |c: usize| {
+                let v = table.get(c).copied().unwrap_or(fill);
+                (v.to_bits() >> (8 * p)) as u8
+            })
+        })
+        .collect()
 }
 
 /// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the
@@ -77,6 +94,79 @@ fn quotient_lanes(
     // SAFETY: `xs` holds at least 16 values (asserted); the load is unaligned.
     let x = unsafe { _mm512_loadu_ps(xs.as_ptr()) };
     _mm512_div_ps(x, divisor)
+}
+
+/// The 16 registers of a 256-entry byte-plane table (`planes`: 4 x 256 bytes, see
+/// `CodeMap::planes`): `[p][q]` holds entries `64 q .. 64 q + 64` of plane `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn load_planes(planes: &[u8]) -> [[std::arch::x86_64::__m512i; 4]; 4] {
+    use std::arch::x86_64::*;
+    assert!(planes.len() >= 1024, "four planes of 256 entries");
+    std::array::from_fn(|p| {
+        std::array::from_fn(|q| {
+            let at = 256 * p + 64 * q;
+            // SAFETY: `at + 64 <= 1024 <= planes.len()` (asserted); the load is unaligned.
+            unsafe { _mm512_loadu_si512(planes[at..at + 64].as_ptr().cast()) }
+        })
+    })
+}
+
+/// The 64 codes of four registers of 16 (each below 256) as the bytes of one, in order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn pack_codes(c: [std::arch::x86_64::__m512i; 4]) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let z = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(c[0]));
+    let z = _mm512_inserti32x4::<1>(z, _mm512_cvtepi32_epi8(c[1]));
+    let z = _mm512_inserti32x4::<2>(z, _mm512_cvtepi32_epi8(c[2]));
+    _mm512_inserti32x4::<3>(z, _mm512_cvtepi32_epi8(c[3]))
+}
+
+/// Entries `codes[j]` (64 byte indices) of a 256-entry table of 32-bit patterns held as byte
+/// planes in registers ([`load_planes`]), without gathers: each byte plane is looked up from two
+/// 128-entry halves (`vpermi2b`) chosen by the code's top bit, and the four planes are
+/// interleaved back into 32-bit lanes. Register `m` of the result holds entries for codes
+/// `16 m .. 16 m + 16`, in order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+#[inline]
+fn lookup64(
+    table: &[[std::arch::x86_64::__m512i; 4]; 4],
+    codes: std::arch::x86_64::__m512i,
+) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::*;
+    // The unpacks below interleave within 128-bit lanes: reorder the codes first so that
+    // register m holds entries 16 m .. 16 m + 15 in order (byte 16 k + 4 m + i of the reordered
+    // codes is code 16 m + 4 k + i).
+    let order: [u8; 64] =
+        std::array::from_fn(|j| (16 * ((j % 16) / 4) + 4 * (j / 16) + j % 4) as u8);
+    // SAFETY: `order` is 64 bytes; the load is unaligned.
+    let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
+    let c = _mm512_permutexvar_epi8(order, codes);
+    let upper = _mm512_movepi8_mask(c);
+    let b: [__m512i; 4] = std::array::from_fn(|p| {
+        let [t0, t1, t2, t3] = table[p];
+        let lo = _mm512_permutex2var_epi8(t0, c, t1);
+        let hi = _mm512_permutex2var_epi8(t2, c, t3);
+        _mm512_mask_blend_epi8(upper, lo, hi)
+    });
+    let w01 = [
+        _mm512_unpacklo_epi8(b[0], b[1]),
+        _mm512_unpackhi_epi8(b[0], b[1]),
+    ];
+    let w23 = [
+        _mm512_unpacklo_epi8(b[2], b[3]),
+        _mm512_unpackhi_epi8(b[2], b[3]),
+    ];
+    [
+        _mm512_unpacklo_epi16(w01[0], w23[0]),
+        _mm512_unpackhi_epi16(w01[0], w23[0]),
+        _mm512_unpacklo_epi16(w01[1], w23[1]),
+        _mm512_unpackhi_epi16(w01[1], w23[1]),
+    ]
 }
 
 /// Two maps are equal when they have the same width and the same value bit patterns (everything
@@ -155,18 +245,18 @@ impl CodeMap {
             // Three bytes of padding: the AVX-512 kernel gathers 4 bytes at each entry.
             .chain([0; 3])
             .collect();
-        let padded = thresholds
+        let padded: Box<[f32]> = thresholds
             .iter()
             .copied()
             .chain(std::iter::repeat_n(f32::NAN, scan))
             .collect();
-        let planes = (0..4)
-            .flat_map(|p| {
-                (0..256).map(move |c: usize| {
-                    (values[c.min(values.len() - 1)].to_bits() >> (8 * p)) as u8
-                })
-            })
-            .collect();
+        let last = values[values.len() - 1];
+        let planes = byte_planes(values, last);
+        let threshold_planes = if padded.len() <= 256 {
+            byte_planes(&padded, f32::NAN)
+        } else {
+            Box::default()
+        };
         Ok(Self {
             bits,
             values: values.into(),
@@ -175,6 +265,7 @@ impl CodeMap {
             scan,
             padded,
             planes,
+            threshold_planes,
         })
     }
 
@@ -334,10 +425,26 @@ impl CodeMap {
         }
     }
 
-    /// [`CodeMap::stochastic`] sixteen lanes at a time, step for step.
+    /// [`CodeMap::stochastic`] with AVX-512: 64 lanes at a time from register tables where the
+    /// CPU has VBMI and the map allows it, the rest 16 lanes at a time with gathers.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn stochastic_scaled_avx512(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
+        let n = xs.len().min(out.len()).min(bits.len());
+        let mut done = 0;
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done =
+                unsafe { self.stochastic_scaled_vbmi(&xs[..n], absmax, &bits[..n], &mut out[..n]) };
+        }
+        self.stochastic_scaled_gather(&xs[done..n], absmax, &bits[done..n], &mut out[done..n]);
+    }
+
+    /// [`CodeMap::stochastic`] sixteen lanes at a time, step for step, gathering from the tables.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn stochastic_scaled_gather(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
         use std::arch::x86_64::*;
         let n = xs.len().min(out.len()).min(bits.len());
         let whole = n - n % 16;
@@ -433,61 +540,118 @@ impl CodeMap {
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
 
-    /// [`CodeMap::decode_scaled`] 64 codes at a time without gathers: each byte of the 64
-    /// values is looked up from two 128-entry byte tables held in registers (`vpermi2b`), and
-    /// the four byte planes are interleaved back into f32 lanes. Returns how many leading codes
-    /// it decoded (a multiple of 64); the caller decodes the rest.
+    /// [`CodeMap::decode_scaled`] 64 codes at a time without gathers ([`lookup64`]). Returns
+    /// how many leading codes it decoded (a multiple of 64); the caller decodes the rest.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
     fn decode_scaled_vbmi(&self, codes: &[u8], scale: f32, out: &mut [f32]) -> usize {
         use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
         let whole = n - n % 64;
-        let table: [[__m512i; 4]; 4] = std::array::from_fn(|p| {
-            std::array::from_fn(|q| {
-                let at = 256 * p + 64 * q;
-                // SAFETY: `planes` holds 4 * 256 bytes, so `at + 64 <= planes.len()`; the
-                // load is unaligned.
-                unsafe { _mm512_loadu_si512(self.planes[at..at + 64].as_ptr().cast()) }
-            })
-        });
-        // The unpacks below interleave within 128-bit lanes: reorder the codes first so that
-        // f32 register m holds values 16 m .. 16 m + 15 in order (byte 16 k + 4 m + i of the
-        // reordered codes is code 16 m + 4 k + i).
-        let order: [u8; 64] =
-            std::array::from_fn(|j| (16 * ((j % 16) / 4) + 4 * (j / 16) + j % 4) as u8);
-        // SAFETY: `order` is 64 bytes.
-        let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
+        let table = load_planes(&self.planes);
         let s = _mm512_set1_ps(scale);
         for i in (0..whole).step_by(64) {
             // SAFETY: `i + 64 <= codes.len()`; the load is unaligned.
             let c = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
-            let c = _mm512_permutexvar_epi8(order, c);
-            let upper = _mm512_movepi8_mask(c);
-            let b: [__m512i; 4] = std::array::from_fn(|p| {
-                let [t0, t1, t2, t3] = table[p];
-                let lo = _mm512_permutex2var_epi8(t0, c, t1);
-                let hi = _mm512_permutex2var_epi8(t2, c, t3);
-                _mm512_mask_blend_epi8(upper, lo, hi)
-            });
-            let w01 = [
-                _mm512_unpacklo_epi8(b[0], b[1]),
-                _mm512_unpackhi_epi8(b[0], b[1]),
-            ];
-            let w23 = [
-                _mm512_unpacklo_epi8(b[2], b[3]),
-                _mm512_unpackhi_epi8(b[2], b[3]),
-            ];
-            let d = [
-                _mm512_unpacklo_epi16(w01[0], w23[0]),
-                _mm512_unpackhi_epi16(w01[0], w23[0]),
-                _mm512_unpacklo_epi16(w01[1], w23[1]),
-                _mm512_unpackhi_epi16(w01[1], w23[1]),
-            ];
-            for (m, d) in d.into_iter().enumerate() {
+            for (m, d) in lookup64(&table, c).into_iter().enumerate() {
                 let v = _mm512_mul_ps(_mm512_castsi512_ps(d), s);
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i + 16 * m), v) };
+            }
+        }
+        whole
+    }
+
+    /// [`CodeMap::stochastic`] 64 lanes at a time, step for step as in
+    /// [`CodeMap::stochastic_scaled_gather`], with the threshold and the two value lookups from
+    /// register tables ([`lookup64`]); only the bucket table (64 KiB) is gathered. Returns how
+    /// many leading elements it rounded (a multiple of 64; none unless every bucket holds at
+    /// most one threshold).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    fn stochastic_scaled_vbmi(
+        &self,
+        xs: &[f32],
+        absmax: f32,
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        if self.scan != 1 || self.threshold_planes.is_empty() {
+            return 0;
+        }
+        let n = xs.len().min(out.len()).min(bits.len());
+        let whole = n - n % 64;
+        let values = load_planes(&self.planes);
+        let thresholds = load_planes(&self.threshold_planes);
+        let zero = _mm512_setzero_si512();
+        let one = _mm512_set1_epi32(1);
+        let low_byte = _mm512_set1_epi32(0xFF);
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let divisor = _mm512_set1_ps(absmax);
+        let two_32 = _mm512_set1_ps(4_294_967_296.0);
+        let as_ps = _mm512_castsi512_ps;
+        for i in (0..whole).step_by(64) {
+            let y: [__m512; 4] = std::array::from_fn(|m| {
+                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], absmax, divisor)
+            });
+            let nan: [__mmask16; 4] =
+                std::array::from_fn(|m| _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]));
+            // The nearest code: the bucket's start, then one threshold step (`nearest_lanes`).
+            let start: [__m512i; 4] = std::array::from_fn(|m| {
+                let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y[m]));
+                // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of
+                // padding, so each 4-byte read stays inside it.
+                let g = unsafe { _mm512_i32gather_epi32::<1>(bucket, self.start.as_ptr().cast()) };
+                _mm512_and_si512(g, low_byte)
+            });
+            let t = lookup64(&thresholds, pack_codes(start));
+            let c: [__m512i; 4] = std::array::from_fn(|m| {
+                let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(as_ps(t[m]), y[m]);
+                let c = _mm512_mask_add_epi32(start[m], le, start[m], one);
+                _mm512_mask_mov_epi32(c, nan[m], zero)
+            });
+            let vc = lookup64(&values, pack_codes(c));
+            let mut lo = [zero; 4];
+            let mut hi = [zero; 4];
+            let mut other = [zero; 4];
+            let mut under = [0; 4];
+            for m in 0..4 {
+                let below = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(as_ps(vc[m]), y[m]);
+                under[m] = below & _mm512_cmpeq_epi32_mask(c[m], zero);
+                lo[m] = _mm512_max_epi32(_mm512_mask_sub_epi32(c[m], below, c[m], one), zero);
+                hi[m] = _mm512_min_epi32(_mm512_add_epi32(lo[m], one), last);
+                let lo_is_c = _mm512_cmpeq_epi32_mask(lo[m], c[m]);
+                other[m] = _mm512_mask_mov_epi32(lo[m], lo_is_c, hi[m]);
+            }
+            let ov = lookup64(&values, pack_codes(other));
+            for m in 0..4 {
+                let lo_v = _mm512_mask_mov_ps(
+                    as_ps(ov[m]),
+                    _mm512_cmpeq_epi32_mask(lo[m], c[m]),
+                    as_ps(vc[m]),
+                );
+                let hi_v = _mm512_mask_mov_ps(
+                    as_ps(ov[m]),
+                    _mm512_cmpeq_epi32_mask(hi[m], c[m]),
+                    as_ps(vc[m]),
+                );
+                let top = _mm512_cmpeq_epi32_mask(lo[m], last);
+                let frac = _mm512_div_ps(_mm512_sub_ps(y[m], lo_v), _mm512_sub_ps(hi_v, lo_v));
+                // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
+                let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
+                // SAFETY: `i + 16 m + 16 <= bits.len()`; the load is unaligned.
+                let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(i + 16 * m).cast()) };
+                let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
+                let code = _mm512_mask_add_epi32(lo[m], up, lo[m], one);
+                let code = _mm512_mask_mov_epi32(code, under[m] | nan[m], zero);
+                // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
+                unsafe {
+                    _mm_storeu_si128(
+                        out.as_mut_ptr().add(i + 16 * m).cast(),
+                        _mm512_cvtepi32_epi8(code),
+                    )
+                };
             }
         }
         whole
@@ -810,7 +974,15 @@ mod tests {
                     // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
                     unsafe { m.decode_scaled_gather(&codes, absmax, &mut db) };
                     assert_eq!(bits_of(&da), bits_of(&db), "gather decode, absmax {absmax}");
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    unsafe { m.stochastic_scaled_gather(&xs, absmax, &bits, &mut sb) };
+                    assert_eq!(sa, sb, "gather stochastic, {m:?}, absmax {absmax}");
                     if std::is_x86_feature_detected!("avx512vbmi") {
+                        sb.fill(0xAA);
+                        // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+                        let done = unsafe { m.stochastic_scaled_vbmi(&xs, absmax, &bits, &mut sb) };
+                        assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
+                        assert_eq!(sa[..done], sb[..done], "VBMI stochastic, {m:?}");
                         db.fill(f32::NAN);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
                         let done = unsafe { m.decode_scaled_vbmi(&codes, absmax, &mut db) };
