@@ -369,6 +369,20 @@ impl CodeMap {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn nearest_scaled_avx512(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        let n = xs.len().min(out.len());
+        let mut done = 0;
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, &mut out[..n]) };
+        }
+        self.nearest_scaled_gather(&xs[done..n], absmax, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::nearest_scaled`] sixteen elements at a time with gathers.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn nearest_scaled_gather(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         use std::arch::x86_64::*;
         let n = xs.len().min(out.len());
         let whole = n - n % 16;
@@ -562,6 +576,65 @@ impl CodeMap {
         whole
     }
 
+    /// [`CodeMap::nearest`] of 64 lanes (four registers), as `nearest_lanes` computes it with
+    /// `scan == 1`: the bucket's start code (gathered from the 64 KiB table), then one threshold
+    /// step with the threshold from register tables ([`lookup64`]); NaN gives code 0.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    #[inline]
+    fn nearest_vbmi(
+        &self,
+        thresholds: &[[std::arch::x86_64::__m512i; 4]; 4],
+        y: [std::arch::x86_64::__m512; 4],
+    ) -> [std::arch::x86_64::__m512i; 4] {
+        use std::arch::x86_64::*;
+        let start: [__m512i; 4] = std::array::from_fn(|m| {
+            let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y[m]));
+            // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
+            // so each 4-byte read stays inside it.
+            let g = unsafe { _mm512_i32gather_epi32::<1>(bucket, self.start.as_ptr().cast()) };
+            _mm512_and_si512(g, _mm512_set1_epi32(0xFF))
+        });
+        let t = lookup64(thresholds, pack_codes(start));
+        std::array::from_fn(|m| {
+            let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(_mm512_castsi512_ps(t[m]), y[m]);
+            let c = _mm512_mask_add_epi32(start[m], le, start[m], _mm512_set1_epi32(1));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]);
+            _mm512_mask_mov_epi32(c, nan, _mm512_setzero_si512())
+        })
+    }
+
+    /// [`CodeMap::nearest_scaled`] 64 elements at a time ([`CodeMap::nearest_vbmi`]). Returns
+    /// how many leading elements it rounded (a multiple of 64; none unless every bucket holds
+    /// at most one threshold).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    fn nearest_scaled_vbmi(&self, xs: &[f32], absmax: f32, out: &mut [u8]) -> usize {
+        use std::arch::x86_64::*;
+        if self.scan != 1 || self.threshold_planes.is_empty() {
+            return 0;
+        }
+        let n = xs.len().min(out.len());
+        let whole = n - n % 64;
+        let thresholds = load_planes(&self.threshold_planes);
+        let divisor = _mm512_set1_ps(absmax);
+        for i in (0..whole).step_by(64) {
+            let y: [__m512; 4] = std::array::from_fn(|m| {
+                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], absmax, divisor)
+            });
+            for (m, c) in self.nearest_vbmi(&thresholds, y).into_iter().enumerate() {
+                // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
+                unsafe {
+                    _mm_storeu_si128(
+                        out.as_mut_ptr().add(i + 16 * m).cast(),
+                        _mm512_cvtepi32_epi8(c),
+                    )
+                };
+            }
+        }
+        whole
+    }
+
     /// [`CodeMap::stochastic`] 64 lanes at a time, step for step as in
     /// [`CodeMap::stochastic_scaled_gather`], with the threshold and the two value lookups from
     /// register tables ([`lookup64`]); only the bucket table (64 KiB) is gathered. Returns how
@@ -586,7 +659,6 @@ impl CodeMap {
         let thresholds = load_planes(&self.threshold_planes);
         let zero = _mm512_setzero_si512();
         let one = _mm512_set1_epi32(1);
-        let low_byte = _mm512_set1_epi32(0xFF);
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
         let divisor = _mm512_set1_ps(absmax);
         let two_32 = _mm512_set1_ps(4_294_967_296.0);
@@ -597,20 +669,7 @@ impl CodeMap {
             });
             let nan: [__mmask16; 4] =
                 std::array::from_fn(|m| _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]));
-            // The nearest code: the bucket's start, then one threshold step (`nearest_lanes`).
-            let start: [__m512i; 4] = std::array::from_fn(|m| {
-                let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y[m]));
-                // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of
-                // padding, so each 4-byte read stays inside it.
-                let g = unsafe { _mm512_i32gather_epi32::<1>(bucket, self.start.as_ptr().cast()) };
-                _mm512_and_si512(g, low_byte)
-            });
-            let t = lookup64(&thresholds, pack_codes(start));
-            let c: [__m512i; 4] = std::array::from_fn(|m| {
-                let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(as_ps(t[m]), y[m]);
-                let c = _mm512_mask_add_epi32(start[m], le, start[m], one);
-                _mm512_mask_mov_epi32(c, nan[m], zero)
-            });
+            let c = self.nearest_vbmi(&thresholds, y);
             let vc = lookup64(&values, pack_codes(c));
             let mut lo = [zero; 4];
             let mut hi = [zero; 4];
@@ -975,6 +1034,9 @@ mod tests {
                     unsafe { m.decode_scaled_gather(&codes, absmax, &mut db) };
                     assert_eq!(bits_of(&da), bits_of(&db), "gather decode, absmax {absmax}");
                     // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    unsafe { m.nearest_scaled_gather(&xs, absmax, &mut b) };
+                    assert_eq!(a, b, "gather nearest, {m:?}, absmax {absmax}");
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
                     unsafe { m.stochastic_scaled_gather(&xs, absmax, &bits, &mut sb) };
                     assert_eq!(sa, sb, "gather stochastic, {m:?}, absmax {absmax}");
                     if std::is_x86_feature_detected!("avx512vbmi") {
@@ -983,6 +1045,11 @@ mod tests {
                         let done = unsafe { m.stochastic_scaled_vbmi(&xs, absmax, &bits, &mut sb) };
                         assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
                         assert_eq!(sa[..done], sb[..done], "VBMI stochastic, {m:?}");
+                        b.fill(0xAA);
+                        // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+                        let done = unsafe { m.nearest_scaled_vbmi(&xs, absmax, &mut b) };
+                        assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
+                        assert_eq!(a[..done], b[..done], "VBMI nearest, {m:?}");
                         db.fill(f32::NAN);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
                         let done = unsafe { m.decode_scaled_vbmi(&codes, absmax, &mut db) };

@@ -47,6 +47,10 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<(), FormatError> 
         out.copy_from_slice(codes);
         return Ok(());
     }
+    if bits == 4 {
+        pack_nibbles(codes, out);
+        return Ok(());
+    }
     out.fill(0);
     let mut acc: u32 = 0;
     let mut filled = 0u32;
@@ -82,6 +86,10 @@ pub fn unpack(packed: &[u8], bits: u32, codes: &mut [u8]) -> Result<(), FormatEr
         codes.copy_from_slice(packed);
         return Ok(());
     }
+    if bits == 4 {
+        unpack_nibbles(packed, codes);
+        return Ok(());
+    }
     let mask = (1u32 << bits) - 1;
     let mut acc: u32 = 0;
     let mut filled = 0u32;
@@ -97,6 +105,37 @@ pub fn unpack(packed: &[u8], bits: u32, codes: &mut [u8]) -> Result<(), FormatEr
         filled -= bits;
     }
     Ok(())
+}
+
+crate::multiversion! {
+    /// 4-bit codes (each `< 16`) two to a byte, element `2k` in the low nibble of byte `k`: the
+    /// stream order of [`pack`], written so that it vectorizes. `out` holds
+    /// `codes.len().div_ceil(2)` bytes.
+    fn pack_nibbles(codes: &[u8], out: &mut [u8]) {
+        let pairs = codes.chunks_exact(2);
+        let tail = pairs.remainder();
+        for (o, pair) in out.iter_mut().zip(pairs) {
+            *o = pair[0] | pair[1] << 4;
+        }
+        if let (Some(&last), Some(o)) = (tail.first(), out.last_mut()) {
+            *o = last;
+        }
+    }
+}
+
+crate::multiversion! {
+    /// The inverse of [`pack_nibbles`]: `codes.len()` 4-bit codes from
+    /// `codes.len().div_ceil(2)` bytes.
+    fn unpack_nibbles(packed: &[u8], codes: &mut [u8]) {
+        let mut pairs = codes.chunks_exact_mut(2);
+        for (pair, &b) in (&mut pairs).zip(packed) {
+            pair[0] = b & 0x0F;
+            pair[1] = b >> 4;
+        }
+        if let (Some(last), Some(&b)) = (pairs.into_remainder().first_mut(), packed.last()) {
+            *last = b & 0x0F;
+        }
+    }
 }
 
 /// Reads code `i` from a packed stream of `bits`-bit codes; `None` if `bits` is not 1..=8 or the
@@ -133,6 +172,30 @@ mod tests {
         assert_eq!(get(&out, 3, 2), Some(0b110));
         assert_eq!(get(&out, 3, 6), None);
         assert_eq!(get(&out, 9, 0), None);
+    }
+
+    /// The 4-bit fast paths give the bit stream of the generic loop (written out here), at
+    /// every SIMD level and every length parity.
+    #[test]
+    fn nibbles_are_the_generic_bit_stream() {
+        use crate::simd::{Level, force};
+        for n in [0usize, 1, 2, 3, 31, 64, 65, 1001] {
+            let codes: Vec<u8> = (0..n).map(|i| ((i * 7 + i / 16) % 16) as u8).collect();
+            let mut want = vec![0u8; packed_len(n, 4)];
+            for (i, &c) in codes.iter().enumerate() {
+                want[i * 4 / 8] |= c << (i * 4 % 8);
+            }
+            for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+                force(Some(level));
+                let mut out = vec![0xFFu8; packed_len(n, 4)];
+                pack(&codes, 4, &mut out).unwrap();
+                assert_eq!(out, want, "pack n={n} {level:?}");
+                let mut back = vec![0xFFu8; n];
+                unpack(&out, 4, &mut back).unwrap();
+                assert_eq!(back, codes, "unpack n={n} {level:?}");
+            }
+        }
+        force(None);
     }
 
     #[test]
