@@ -96,6 +96,17 @@ fn quotient_lanes(
     _mm512_div_ps(x, divisor)
 }
 
+/// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
+/// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
+/// (`block` a multiple of 16, or a single scale); `None` otherwise.
+#[cfg(target_arch = "x86_64")]
+fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usize> {
+    if block == 0 || !(block.is_multiple_of(16) || scales.len() == 1) {
+        return None;
+    }
+    Some(len.min(scales.len().saturating_mul(block)))
+}
+
 /// The 16 registers of a 256-entry byte-plane table (`planes`: 4 x 256 bytes, see
 /// `CodeMap::planes`): `[p][q]` holds entries `64 q .. 64 q + 64` of plane `p`.
 #[cfg(target_arch = "x86_64")]
@@ -374,7 +385,7 @@ impl CodeMap {
         if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
-            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, &mut out[..n]) };
+            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], &[absmax], n, &mut out[..n]) };
         }
         self.nearest_scaled_gather(&xs[done..n], absmax, &mut out[done..n]);
     }
@@ -449,8 +460,9 @@ impl CodeMap {
         if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
-            done =
-                unsafe { self.stochastic_scaled_vbmi(&xs[..n], absmax, &bits[..n], &mut out[..n]) };
+            done = unsafe {
+                self.stochastic_scaled_vbmi(&xs[..n], &[absmax], n, &bits[..n], &mut out[..n])
+            };
         }
         self.stochastic_scaled_gather(&xs[done..n], absmax, &bits[done..n], &mut out[done..n]);
     }
@@ -528,7 +540,7 @@ impl CodeMap {
         if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
-            done = unsafe { self.decode_scaled_vbmi(&codes[..n], scale, &mut out[..n]) };
+            done = unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) };
         }
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
     }
@@ -558,16 +570,24 @@ impl CodeMap {
     /// how many leading codes it decoded (a multiple of 64); the caller decodes the rest.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-    fn decode_scaled_vbmi(&self, codes: &[u8], scale: f32, out: &mut [f32]) -> usize {
+    fn decode_scaled_vbmi(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        block: usize,
+        out: &mut [f32],
+    ) -> usize {
         use std::arch::x86_64::*;
-        let n = codes.len().min(out.len());
+        let Some(n) = lanes_for(codes.len().min(out.len()), scales, block) else {
+            return 0;
+        };
         let whole = n - n % 64;
         let table = load_planes(&self.planes);
-        let s = _mm512_set1_ps(scale);
         for i in (0..whole).step_by(64) {
             // SAFETY: `i + 64 <= codes.len()`; the load is unaligned.
             let c = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
             for (m, d) in lookup64(&table, c).into_iter().enumerate() {
+                let s = _mm512_set1_ps(scales[(i + 16 * m) / block]);
                 let v = _mm512_mul_ps(_mm512_castsi512_ps(d), s);
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i + 16 * m), v) };
@@ -609,18 +629,26 @@ impl CodeMap {
     /// at most one threshold).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-    fn nearest_scaled_vbmi(&self, xs: &[f32], absmax: f32, out: &mut [u8]) -> usize {
+    fn nearest_scaled_vbmi(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        out: &mut [u8],
+    ) -> usize {
         use std::arch::x86_64::*;
+        let Some(n) = lanes_for(xs.len().min(out.len()), scales, block) else {
+            return 0;
+        };
         if self.scan != 1 || self.threshold_planes.is_empty() {
             return 0;
         }
-        let n = xs.len().min(out.len());
         let whole = n - n % 64;
         let thresholds = load_planes(&self.threshold_planes);
-        let divisor = _mm512_set1_ps(absmax);
         for i in (0..whole).step_by(64) {
             let y: [__m512; 4] = std::array::from_fn(|m| {
-                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], absmax, divisor)
+                let a = scales[(i + 16 * m) / block];
+                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
             });
             for (m, c) in self.nearest_vbmi(&thresholds, y).into_iter().enumerate() {
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
@@ -645,27 +673,30 @@ impl CodeMap {
     fn stochastic_scaled_vbmi(
         &self,
         xs: &[f32],
-        absmax: f32,
+        scales: &[f32],
+        block: usize,
         bits: &[u32],
         out: &mut [u8],
     ) -> usize {
         use std::arch::x86_64::*;
+        let Some(n) = lanes_for(xs.len().min(out.len()).min(bits.len()), scales, block) else {
+            return 0;
+        };
         if self.scan != 1 || self.threshold_planes.is_empty() {
             return 0;
         }
-        let n = xs.len().min(out.len()).min(bits.len());
         let whole = n - n % 64;
         let values = load_planes(&self.planes);
         let thresholds = load_planes(&self.threshold_planes);
         let zero = _mm512_setzero_si512();
         let one = _mm512_set1_epi32(1);
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
-        let divisor = _mm512_set1_ps(absmax);
         let two_32 = _mm512_set1_ps(4_294_967_296.0);
         let as_ps = _mm512_castsi512_ps;
         for i in (0..whole).step_by(64) {
             let y: [__m512; 4] = std::array::from_fn(|m| {
-                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], absmax, divisor)
+                let a = scales[(i + 16 * m) / block];
+                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
             });
             let nan: [__mmask16; 4] =
                 std::array::from_fn(|m| _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]));
@@ -714,6 +745,92 @@ impl CodeMap {
             }
         }
         whole
+    }
+
+    /// [`CodeMap::nearest_scaled`] over a run of blocks: element `j` is divided by
+    /// `absmax[j / block]`. Writes `min(xs.len(), out.len(), absmax.len() * block)` codes; the
+    /// codes are those of [`CodeMap::nearest_scaled`] block by block (one call instead of one
+    /// per block: the vector kernels keep their tables loaded across blocks).
+    pub fn nearest_blocks(&self, xs: &[f32], absmax: &[f32], block: usize, out: &mut [u8]) {
+        let block = block.max(1);
+        let n = xs
+            .len()
+            .min(out.len())
+            .min(absmax.len().saturating_mul(block));
+        #[allow(unused_mut)] // assigned only on x86-64
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
+            // AVX-512 level) and VBMI.
+            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, block, &mut out[..n]) };
+        }
+        for (k, &a) in absmax.iter().enumerate() {
+            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
+            if from < to {
+                self.nearest_scaled(&xs[from..to], a, &mut out[from..to]);
+            }
+        }
+    }
+
+    /// [`CodeMap::stochastic_scaled`] over a run of blocks: element `j` is divided by
+    /// `absmax[j / block]` and uses `bits[j]`. Writes
+    /// `min(xs.len(), bits.len(), out.len(), absmax.len() * block)` codes, those of
+    /// [`CodeMap::stochastic_scaled`] block by block.
+    pub fn stochastic_blocks(
+        &self,
+        xs: &[f32],
+        absmax: &[f32],
+        block: usize,
+        bits: &[u32],
+        out: &mut [u8],
+    ) {
+        let block = block.max(1);
+        let n = xs
+            .len()
+            .min(out.len())
+            .min(bits.len())
+            .min(absmax.len().saturating_mul(block));
+        #[allow(unused_mut)] // assigned only on x86-64
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
+            // AVX-512 level) and VBMI.
+            done = unsafe {
+                self.stochastic_scaled_vbmi(&xs[..n], absmax, block, &bits[..n], &mut out[..n])
+            };
+        }
+        for (k, &a) in absmax.iter().enumerate() {
+            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
+            if from < to {
+                self.stochastic_scaled(&xs[from..to], a, &bits[from..to], &mut out[from..to]);
+            }
+        }
+    }
+
+    /// [`CodeMap::decode_scaled`] over a run of blocks: code `j` is scaled by
+    /// `scales[j / block]`. Writes `min(codes.len(), out.len(), scales.len() * block)` values.
+    pub fn decode_blocks(&self, codes: &[u8], scales: &[f32], block: usize, out: &mut [f32]) {
+        let block = block.max(1);
+        let n = codes
+            .len()
+            .min(out.len())
+            .min(scales.len().saturating_mul(block));
+        #[allow(unused_mut)] // assigned only on x86-64
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
+            // AVX-512 level) and VBMI.
+            done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
+        }
+        for (k, &s) in scales.iter().enumerate() {
+            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
+            if from < to {
+                self.decode_scaled(&codes[from..to], s, &mut out[from..to]);
+            }
+        }
     }
 
     /// Rounds `y` to a code with the given rounding.
@@ -1042,17 +1159,22 @@ mod tests {
                     if std::is_x86_feature_detected!("avx512vbmi") {
                         sb.fill(0xAA);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
-                        let done = unsafe { m.stochastic_scaled_vbmi(&xs, absmax, &bits, &mut sb) };
+                        let done = unsafe {
+                            m.stochastic_scaled_vbmi(&xs, &[absmax], xs.len(), &bits, &mut sb)
+                        };
                         assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
                         assert_eq!(sa[..done], sb[..done], "VBMI stochastic, {m:?}");
                         b.fill(0xAA);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
-                        let done = unsafe { m.nearest_scaled_vbmi(&xs, absmax, &mut b) };
+                        let done =
+                            unsafe { m.nearest_scaled_vbmi(&xs, &[absmax], xs.len(), &mut b) };
                         assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
                         assert_eq!(a[..done], b[..done], "VBMI nearest, {m:?}");
                         db.fill(f32::NAN);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
-                        let done = unsafe { m.decode_scaled_vbmi(&codes, absmax, &mut db) };
+                        let done = unsafe {
+                            m.decode_scaled_vbmi(&codes, &[absmax], codes.len(), &mut db)
+                        };
                         assert_eq!(done, codes.len() / 64 * 64);
                         assert!(done > 0);
                         assert_eq!(bits_of(&da[..done]), bits_of(&db[..done]), "VBMI decode");
@@ -1063,6 +1185,63 @@ mod tests {
                 let _ = (&mut b, &mut sb, &mut db);
             }
         }
+    }
+
+    /// The run-of-blocks kernels give, at every SIMD level, the codes and values of the
+    /// one-block kernels called block by block (blocks of 7 to 256, partial last blocks,
+    /// all-zero blocks).
+    #[test]
+    fn run_of_blocks_kernels_equal_block_by_block() {
+        use crate::simd::{Level, force};
+        let maps = [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::dynamic(true, 4).unwrap(),
+            CodeMap::from_values(8, &[-1.0, 0.5]).unwrap(),
+        ];
+        let n = 1000;
+        let xs: Vec<f32> = (0..n)
+            .map(|k| ((k as f32 * 0.618).fract() - 0.5) * (1.0 + (k % 7) as f32))
+            .collect();
+        let bits: Vec<u32> = (0..n as u32).map(|k| k.wrapping_mul(0x9E37_79B9)).collect();
+        let codes: Vec<u8> = (0..n).map(|k| (k * 37 % 256) as u8).collect();
+        let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for m in &maps {
+            for block in [16usize, 32, 48, 64, 256, 7] {
+                let scales: Vec<f32> = xs
+                    .chunks(block)
+                    .enumerate()
+                    .map(|(k, c)| {
+                        let a = c.iter().fold(0f32, |a, v| a.max(v.abs()));
+                        if k % 5 == 3 { 0.0 } else { a }
+                    })
+                    .collect();
+                let mut want = (vec![0u8; n], vec![0u8; n], vec![0f32; n]);
+                for (k, &a) in scales.iter().enumerate() {
+                    let r = k * block..((k + 1) * block).min(n);
+                    m.nearest_scaled_portable(&xs[r.clone()], a, &mut want.0[r.clone()]);
+                    let (x, b) = (&xs[r.clone()], &bits[r.clone()]);
+                    m.stochastic_scaled_portable(x, a, b, &mut want.1[r.clone()]);
+                    m.decode_scaled_portable(&codes[r.clone()], a, &mut want.2[r]);
+                }
+                for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+                    force(Some(level));
+                    let mut got = (vec![0xAAu8; n], vec![0xAAu8; n], vec![f32::NAN; n]);
+                    m.nearest_blocks(&xs, &scales, block, &mut got.0);
+                    m.stochastic_blocks(&xs, &scales, block, &bits, &mut got.1);
+                    m.decode_blocks(&codes, &scales, block, &mut got.2);
+                    assert_eq!(got.0, want.0, "nearest {m:?} block {block} {level:?}");
+                    assert_eq!(got.1, want.1, "stochastic {m:?} block {block} {level:?}");
+                    assert_eq!(
+                        bits_of(&got.2),
+                        bits_of(&want.2),
+                        "decode {block} {level:?}"
+                    );
+                }
+            }
+        }
+        force(None);
     }
 
     #[test]

@@ -183,14 +183,15 @@ impl<'m> Blockwise<'m> {
                     None
                 },
             };
-            let block_bytes = packing::packed_len(block, self.map.bits());
+            // Blocks smaller than a span are quantized a span (several blocks) at a time.
+            let group = (SPAN / block).max(1);
+            let group_bytes = packing::packed_len(group * block, self.map.bits());
             for ((x, codes), absmax) in x
-                .chunks(block)
-                .zip(codes.chunks_mut(block_bytes))
-                .zip(absmax.iter_mut())
+                .chunks(group * block)
+                .zip(codes.chunks_mut(group_bytes))
+                .zip(absmax.chunks_mut(group))
             {
-                *absmax = self
-                    .quantize_block(x, codes, bits.as_mut(), &mut scratch)
+                self.quantize_blocks(x, codes, absmax, bits.as_mut(), &mut scratch)
                     .ok_or(())?;
             }
             Ok::<(), ()>(())
@@ -216,24 +217,37 @@ impl<'m> Blockwise<'m> {
         })
     }
 
-    /// Quantizes one block; `None` if it holds a non-finite value.
-    fn quantize_block(
+    /// Quantizes a run of whole blocks (the last one may be partial) into `out` and their scales
+    /// into `absmax`; `None` if a block holds a non-finite value.
+    fn quantize_blocks(
         &self,
         x: &[f32],
         out: &mut [u8],
+        absmax: &mut [f32],
         mut bits: Option<&mut RandomBits>,
         scratch: &mut Scratch,
-    ) -> Option<f32> {
-        let max_bits = lpmm_formats::simd::abs_max_bits(x);
-        if max_bits >= 0x7F80_0000 {
-            return None;
+    ) -> Option<()> {
+        let block = self.block.get();
+        for (x, a) in x.chunks(block).zip(absmax.iter_mut()) {
+            let max_bits = lpmm_formats::simd::abs_max_bits(x);
+            if max_bits >= 0x7F80_0000 {
+                return None;
+            }
+            *a = f32::from_bits(max_bits);
         }
-        let absmax = f32::from_bits(max_bits);
+        let absmax = &*absmax;
         let map = self.map;
         let width = map.bits();
-        // Spans of a multiple of 8 codes start on a byte boundary of the packed stream.
+        // Spans of a multiple of 8 codes start on a byte boundary of the packed stream. A span
+        // is one block, part of one, or (blocks under SPAN elements) several whole blocks.
         for (k, x) in x.chunks(SPAN).enumerate() {
-            let packed = &mut out[packing::packed_len(k * SPAN, width)..]
+            let start = k * SPAN;
+            let (scales, span_block) = if block >= SPAN {
+                (&absmax[start / block..][..1], x.len())
+            } else {
+                (&absmax[start / block..], block)
+            };
+            let packed = &mut out[packing::packed_len(start, width)..]
                 [..packing::packed_len(x.len(), width)];
             // 8-bit codes are written in place; narrower ones are packed afterwards.
             let codes = match &mut scratch.codes {
@@ -244,19 +258,27 @@ impl<'m> Blockwise<'m> {
                 (Some(bits), Some(random)) => {
                     // Always drawn, also for all-zero blocks, so each element keeps its own bits.
                     bits.fill(&mut random[..x.len()]);
-                    map.stochastic_scaled(x, absmax, &random[..x.len()], codes);
+                    map.stochastic_blocks(x, scales, span_block, &random[..x.len()], codes);
                 }
-                _ => map.nearest_scaled(x, absmax, codes),
+                _ => map.nearest_blocks(x, scales, span_block, codes),
             }
-            if self.sign_fix && absmax != 0.0 {
-                self.fix_signs(x, absmax, codes);
+            if self.sign_fix {
+                for ((x, codes), &a) in x
+                    .chunks(span_block)
+                    .zip(codes.chunks_mut(span_block))
+                    .zip(scales)
+                {
+                    if a != 0.0 {
+                        self.fix_signs(x, a, codes);
+                    }
+                }
             }
             if let Some(buffer) = &scratch.codes {
                 // Codes come from the map, so they fit its width; lengths match by construction.
                 packing::pack(&buffer[..x.len()], width, packed).ok()?;
             }
         }
-        Some(absmax)
+        Some(())
     }
 
     /// The sign fix: a code whose value's sign differs from a non-zero input's moves one code
@@ -290,28 +312,28 @@ impl<'m> Blockwise<'m> {
         let blocks_per_chunk = (CHUNK_ELEMENTS / block).max(1);
         let chunk = blocks_per_chunk * block;
         let run = |(out, (codes, absmax)): (&mut [f32], (&[u8], &[f32]))| {
-            let block_bytes = packing::packed_len(block, bits);
+            if bits == 8 {
+                // 8-bit codes are read in place, every block of the chunk in one call.
+                self.map.decode_blocks(codes, absmax, block, out);
+                return Ok(());
+            }
             let mut unpacked = [0u8; SPAN];
-            for ((out, codes), &scale) in out
-                .chunks_mut(block)
-                .zip(codes.chunks(block_bytes))
-                .zip(absmax)
-            {
-                if bits == 8 {
-                    // 8-bit codes are read in place.
-                    self.map.decode_scaled(codes, scale, out);
-                    continue;
+            // Spans of a multiple of 8 codes start on a byte boundary of the packed stream. A
+            // span is one block, part of one, or (blocks under SPAN elements) several.
+            for (k, out) in out.chunks_mut(SPAN).enumerate() {
+                let start = k * SPAN;
+                let (scales, span_block) = if block >= SPAN {
+                    (&absmax[start / block..][..1], out.len())
+                } else {
+                    (&absmax[start / block..], block)
+                };
+                let packed = &codes[packing::packed_len(start, bits)..]
+                    [..packing::packed_len(out.len(), bits)];
+                let unpacked = &mut unpacked[..out.len()];
+                if packing::unpack(packed, bits, unpacked).is_err() {
+                    return Err(());
                 }
-                // Spans of a multiple of 8 codes start on a byte boundary of the packed stream.
-                for (k, out) in out.chunks_mut(SPAN).enumerate() {
-                    let packed = &codes[packing::packed_len(k * SPAN, bits)..]
-                        [..packing::packed_len(out.len(), bits)];
-                    let unpacked = &mut unpacked[..out.len()];
-                    if packing::unpack(packed, bits, unpacked).is_err() {
-                        return Err(());
-                    }
-                    self.map.decode_scaled(unpacked, scale, out);
-                }
+                self.map.decode_blocks(unpacked, scales, span_block, out);
             }
             Ok(())
         };

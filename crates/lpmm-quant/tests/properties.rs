@@ -93,11 +93,11 @@ proptest! {
     #[test]
     fn codes_are_the_elementwise_definition(
         n in 1usize..9000, seed in any::<u64>(), block in block_sizes(), which in 0usize..8,
-        stochastic in any::<bool>(), offset in any::<u64>(),
+        stochastic in any::<bool>(), offset in any::<u64>(), sign_fix in any::<bool>(),
     ) {
         let map = &maps()[which];
         let x = data(n, seed);
-        let q = Blockwise::new(map, block);
+        let q = Blockwise::new(map, block).with_sign_fix(sign_fix);
         let stream = RandomStream::new(seed, 7, 3);
         let rounding = if stochastic {
             QuantRounding::Stochastic { stream, offset }
@@ -112,7 +112,13 @@ proptest! {
         let want: Vec<u8> = x.iter().enumerate().map(|(i, &v)| {
             let a = absmax[i / block.get()];
             let y = if a == 0.0 { 0.0 } else { v / a };
-            if stochastic { map.stochastic(y, words[i]) } else { map.nearest(y) }
+            let c = if stochastic { map.stochastic(y, words[i]) } else { map.nearest(y) };
+            // bitsandbytes' sign fix (Blockwise::with_sign_fix): one code toward the value.
+            if sign_fix && a != 0.0 && y != 0.0 && map.value(c).is_sign_negative() != y.is_sign_negative() {
+                if y > 0.0 { (c + 1).min((map.len() - 1) as u8) } else { c.saturating_sub(1) }
+            } else {
+                c
+            }
         }).collect();
         let mut packed = vec![0u8; q.codes_len(n)];
         packing::pack(&want, map.bits(), &mut packed).unwrap();
