@@ -1244,6 +1244,50 @@ mod tests {
         force(None);
     }
 
+    /// Why the quantizers divide by the absmax instead of multiplying by its reciprocal
+    /// (bitsandbytes' CUDA kernel multiplies by `1 / absmax` once per block): `x * (1 / a)`
+    /// differs from `x / a` by an ulp for some inputs, and where the quotient lands on a
+    /// decision threshold that moves the nearest code. The search below finds such inputs for
+    /// bitsandbytes' own 8-bit maps, so the reciprocal would not keep the exact-nearest
+    /// guarantee (docs/FORMATS.md §4): every backend keeps one IEEE division per element.
+    #[test]
+    fn a_reciprocal_would_move_codes_across_thresholds() {
+        for map in [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+        ] {
+            let mut moved = 0;
+            'search: for &t in map.thresholds() {
+                if t <= 0.0 {
+                    continue;
+                }
+                for a in [3.0f32, 0.7, 1.1e-3, 0.123_456_7, 5e-6, 77.7] {
+                    let r = 1.0 / a;
+                    // Inputs whose exact quotient lies within a few ulps of the threshold.
+                    let x0 = t * a;
+                    let mut x = x0;
+                    for _ in 0..8 {
+                        x = x.next_down();
+                    }
+                    for _ in 0..16 {
+                        let (exact, fast) = (map.nearest(x / a), map.nearest(x * r));
+                        if exact != fast {
+                            moved += 1;
+                            if moved >= 3 {
+                                break 'search;
+                            }
+                        }
+                        x = x.next_up();
+                    }
+                }
+            }
+            assert!(
+                moved >= 3,
+                "{map:?}: the reciprocal gave the same codes ({moved} moved)"
+            );
+        }
+    }
+
     #[test]
     fn accelerated_search_equals_a_plain_binary_search() {
         let maps = [
