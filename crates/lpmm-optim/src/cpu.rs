@@ -360,9 +360,10 @@ fn fold_piece(
                 for k in 0..rule.stats() {
                     for j in 0..n {
                         let g = s.g[j] * clip;
-                        let x = rule.stat_input(flags, k, s.p[j], g, s.m[j], s.v[j], s.w[j]);
-                        fixed::fold(exp, sum, k, layout.numel, pass, x);
+                        s.d[j] = rule.stat_input(flags, k, s.p[j], g, s.m[j], s.v[j], s.w[j]);
                     }
+                    // One atomic operation per chunk and sum (the sums are order-free).
+                    fixed::fold_many(exp, sum, k, layout.numel, pass, s.d[..n].iter().copied());
                 }
             }
             FoldTarget::Slot(slot) => {

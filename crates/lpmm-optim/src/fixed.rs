@@ -66,6 +66,32 @@ pub fn fold(exp: &[AtomicU32], sum: &[AtomicU32], k: usize, count: usize, phase:
     }
 }
 
+/// [`fold`] of every value of `xs` into sum `k`, accumulated locally and applied with one atomic
+/// operation (a max of the exponents; a wrapping 64-bit sum of the terms, which is the same
+/// integer in any grouping), so a chunk pays one atomic per sum instead of one per element.
+pub fn fold_many(
+    exp: &[AtomicU32],
+    sum: &[AtomicU32],
+    k: usize,
+    count: usize,
+    phase: usize,
+    xs: impl Iterator<Item = f32>,
+) {
+    let xs = xs.filter(|x| x.is_finite() && *x != 0.0);
+    if phase == 0 {
+        if let Some(m) = xs.map(|x| (exponent(x) + EXP_BIAS) as u32).max() {
+            exp[k].fetch_max(m, Ordering::Relaxed);
+        }
+    } else {
+        let e = exp[k].load(Ordering::Relaxed) as i32 - EXP_BIAS;
+        let frac = frac_bits(count);
+        let t = xs.fold(0u64, |a, x| a.wrapping_add(term(x, e, frac)));
+        if t != 0 {
+            add64(sum, k, t);
+        }
+    }
+}
+
 /// The sum of squares `k` as an f64, after both folds.
 pub fn total(exp: &[AtomicU32], sum: &[AtomicU32], k: usize, count: usize) -> f64 {
     let e = exp[k].load(Ordering::Relaxed) as i32;
@@ -114,6 +140,33 @@ mod tests {
         // Below 2^-F * max/mean relative (F = 62 - 13 here).
         assert!((a - exact).abs() <= exact * 1e-12, "{a} vs {exact}");
         assert!(a <= exact, "terms are truncated, never rounded up");
+    }
+
+    /// Folding runs of values at once gives the words of folding them one by one.
+    #[test]
+    fn folding_runs_equals_folding_elements() {
+        let values: Vec<f32> = (0..5000)
+            .map(|i| (i as f32 * 0.377).sin() * 10f32.powi(i % 9 - 4))
+            .chain([0.0, f32::NAN, f32::INFINITY, 1e-45, 3e38])
+            .collect();
+        let words = || (0..4).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
+        let (e1, s1, e2, s2) = (words(), words(), words(), words());
+        for phase in 0..2 {
+            for &x in &values {
+                fold(&e1, &s1, 1, values.len(), phase, x);
+            }
+            for run in values.chunks(333) {
+                fold_many(&e2, &s2, 1, values.len(), phase, run.iter().copied());
+            }
+        }
+        let read = |w: &[AtomicU32]| {
+            w.iter()
+                .map(|a| a.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(read(&e1), read(&e2));
+        assert_eq!(read(&s1), read(&s2));
+        assert_ne!(read(&s1), vec![0; 4]);
     }
 
     #[test]

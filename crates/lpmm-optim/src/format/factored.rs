@@ -122,13 +122,22 @@ impl Codec for Factored {
         let (_, cols) = dims(r.shape);
         let mean = wide_f32(&r.wide[MEAN], 0);
         let first = r.global + at;
-        for (j, o) in out.iter_mut().enumerate() {
-            let e = first + j;
-            *o = if mean > 0.0 {
-                wide_f32(&r.wide[ROW], e / cols) / mean * wide_f32(&r.wide[COL], e % cols)
-            } else {
-                0.0
-            };
+        if mean <= 0.0 {
+            out.fill(0.0);
+            return;
+        }
+        // `(row / mean) * col` element by element, the row's quotient computed once per run of
+        // the row's elements (the same f32 operations in the same order).
+        let mut j = 0;
+        while j < out.len() {
+            let row = (first + j) / cols;
+            let end = ((row + 1) * cols - first).min(out.len());
+            let scale = wide_f32(&r.wide[ROW], row) / mean;
+            let col0 = (first + j) % cols;
+            for (k, o) in out[j..end].iter_mut().enumerate() {
+                *o = scale * wide_f32(&r.wide[COL], col0 + k);
+            }
+            j = end;
         }
     }
 
@@ -152,10 +161,20 @@ impl Codec for Factored {
     fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32]) {
         let (rows, cols) = dims(r.shape);
         let first = r.global + at;
-        for (j, &x) in values.iter().enumerate() {
-            let e = first + j;
-            fixed::fold(&r.wide[EXP], &r.wide[SUM], e / cols, cols, pass, x);
-            fixed::fold(&r.wide[EXP], &r.wide[SUM], rows + e % cols, rows, pass, x);
+        let (exp, sum) = (&r.wide[EXP], &r.wide[SUM]);
+        // Row sums: each run of one row's elements in one atomic operation.
+        let mut j = 0;
+        while j < values.len() {
+            let row = (first + j) / cols;
+            let end = ((row + 1) * cols - first).min(values.len());
+            fixed::fold_many(exp, sum, row, cols, pass, values[j..end].iter().copied());
+            j = end;
+        }
+        // Column sums: each column's elements of these values (every `cols`-th) at once.
+        for j in 0..cols.min(values.len()) {
+            let col = (first + j) % cols;
+            let column = values[j..].iter().step_by(cols).copied();
+            fixed::fold_many(exp, sum, rows + col, rows, pass, column);
         }
     }
 
