@@ -1,6 +1,6 @@
 //! The CPU backend: the reference implementation of every [`Backend`] operation.
 //!
-//! A parameter is held as pieces of at most 2^20 elements (a multiple of every block size); the
+//! A parameter is held as pieces of at most 2^18 elements (a multiple of every block size); the
 //! step runs the pieces of all stepping parameters in parallel (rayon), so one big tensor uses
 //! every thread and thousands of small ones are batched into a few tasks. Each piece is
 //! processed in chunks of 4096 elements with f32 scratch on the stack: nothing is allocated
@@ -21,8 +21,10 @@ use crate::fixed;
 use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
 use crate::rule::{Chunk, apply_chunk};
 
-/// Elements per piece.
-pub(crate) const PIECE: usize = 1 << 20;
+/// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
+/// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
+/// the per-piece dispatch is noise.
+pub(crate) const PIECE: usize = 1 << 18;
 
 /// Elements the fused step handles at a time: a multiple of every block size (all are powers of
 /// two up to 4096), so every slot's blocks fall whole inside a chunk.
