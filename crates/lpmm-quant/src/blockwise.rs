@@ -65,6 +65,17 @@ pub enum QuantRounding {
 /// holds one span, so a call zeroes 1.25 KiB of scratch, not a largest block's 20 KiB.
 const SPAN: usize = 256;
 
+/// The scales of the span of `len` elements at `start` (a multiple of SPAN) of a run of blocks
+/// of `block` elements, and the block size to read them with: the one block it lies in, or the
+/// whole blocks it holds (blocks under SPAN elements).
+fn span_scales(absmax: &[f32], block: usize, start: usize, len: usize) -> (&[f32], usize) {
+    if block >= SPAN {
+        (&absmax[start / block..][..1], len)
+    } else {
+        (&absmax[start / block..], block)
+    }
+}
+
 /// The block quantizer's stack scratch for one span: unpacked codes (maps narrower than 8 bits)
 /// and random words (stochastic rounding), each present only when used.
 struct Scratch {
@@ -242,11 +253,7 @@ impl<'m> Blockwise<'m> {
         // is one block, part of one, or (blocks under SPAN elements) several whole blocks.
         for (k, x) in x.chunks(SPAN).enumerate() {
             let start = k * SPAN;
-            let (scales, span_block) = if block >= SPAN {
-                (&absmax[start / block..][..1], x.len())
-            } else {
-                (&absmax[start / block..], block)
-            };
+            let (scales, span_block) = span_scales(absmax, block, start, x.len());
             let packed = &mut out[packing::packed_len(start, width)..]
                 [..packing::packed_len(x.len(), width)];
             // 8-bit codes are written in place; narrower ones are packed afterwards.
@@ -322,11 +329,7 @@ impl<'m> Blockwise<'m> {
             // span is one block, part of one, or (blocks under SPAN elements) several.
             for (k, out) in out.chunks_mut(SPAN).enumerate() {
                 let start = k * SPAN;
-                let (scales, span_block) = if block >= SPAN {
-                    (&absmax[start / block..][..1], out.len())
-                } else {
-                    (&absmax[start / block..], block)
-                };
+                let (scales, span_block) = span_scales(absmax, block, start, out.len());
                 let packed = &codes[packing::packed_len(start, bits)..]
                     [..packing::packed_len(out.len(), bits)];
                 let unpacked = &mut unpacked[..out.len()];
