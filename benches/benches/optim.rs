@@ -130,36 +130,38 @@ fn step(c: &mut Criterion) {
                         timed
                     })
                 });
-                let mut ceiling = RmwCeiling::new(&slots, &[]);
-                describe(&CaseInfo {
-                    id: &ceiling_id,
-                    params: n,
-                    bytes_per_param: ceiling.bytes() as f64 / n as f64,
-                    kind: Kind::Ceiling,
-                    ceiling: None,
-                    preset: Some(name),
-                });
-                group.bench_function(BenchmarkId::new(format!("ceiling_{acc}"), label(n)), |b| {
-                    b.iter(|| ceiling.run())
-                });
+                ceiling(&mut group, &acc, n, name, &slots, &[]);
             }
             drop(opt);
-            let mut ceiling = RmwCeiling::new(&slots, &[read_only]);
-            describe(&CaseInfo {
-                id: &ceiling_id,
-                params: n,
-                bytes_per_param: ceiling.bytes() as f64 / n as f64,
-                kind: Kind::Ceiling,
-                ceiling: None,
-                preset: Some(name),
-            });
-            group.bench_function(BenchmarkId::new(format!("ceiling_{name}"), label(n)), |b| {
-                b.iter(|| ceiling.run())
-            });
+            ceiling(&mut group, name, n, name, &slots, &[read_only]);
         }
         peers(&mut group, n, &init, &grad);
         group.finish();
     }
+}
+
+/// The bandwidth ceiling `step/ceiling_<case>/<size>` of a case of `preset`: one in-place pass
+/// over buffers of the `rmw` slot sizes and a read of the `read` ones.
+fn ceiling(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    case: &str,
+    n: usize,
+    preset: &str,
+    rmw: &[usize],
+    read: &[usize],
+) {
+    let mut ceiling = RmwCeiling::new(rmw, read);
+    describe(&CaseInfo {
+        id: &format!("step/ceiling_{case}/{}", label(n)),
+        params: n,
+        bytes_per_param: ceiling.bytes() as f64 / n as f64,
+        kind: Kind::Ceiling,
+        ceiling: None,
+        preset: Some(preset),
+    });
+    group.bench_function(BenchmarkId::new(format!("ceiling_{case}"), label(n)), |b| {
+        b.iter(|| ceiling.run())
+    });
 }
 
 /// candle-nn's and burn's AdamW (f32) at the same size: nominally 28 bytes per parameter
