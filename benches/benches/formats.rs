@@ -17,6 +17,7 @@ fn conversions(c: &mut Criterion) {
         ("bf16_nearest", 6.0),
         ("bf16_stochastic", 6.0),
         ("e4m3_nearest", 5.0),
+        ("e4m3_nearest_slice", 5.0),
         ("split_f32", 8.0),
     ] {
         describe("formats", id, bytes);
@@ -39,6 +40,13 @@ fn conversions(c: &mut Criterion) {
             for (o, &v) in out8.iter_mut().zip(black_box(&x)) {
                 *o = Fp8::E4M3Fn.encode(v, Rounding::NearestEven, Overflow::Saturate);
             }
+        })
+    });
+    group.bench_function("e4m3_nearest_slice", |b| {
+        b.iter(|| {
+            Fp8::E4M3Fn
+                .encode_nearest_slice(black_box(&x), Overflow::Saturate, &mut out8)
+                .expect("equal lengths")
         })
     });
     let mut split = vec![SplitF32::default(); N];

@@ -2,6 +2,7 @@
 //! TransformerEngine): E4M3FN (no infinities, NaN = S.1111.111, max 448) and E5M2 (IEEE-like, max
 //! 57344).
 
+use crate::FormatError;
 use crate::float::{Grid, Rounding, pow2, round_to_grid};
 
 /// An 8-bit floating-point format.
@@ -141,6 +142,58 @@ impl Fp8 {
         sign | self.encode_grid_magnitude(magnitude)
     }
 
+    /// Encodes `values` into `out` rounding to nearest, ties to even: the same code as
+    /// [`Fp8::encode`] with [`Rounding::NearestEven`] for every input (NaN, ±Inf, ±0, overflow
+    /// and subnormals included), computed without branches so that it vectorizes (AVX-512 or
+    /// AVX2 + FMA where the CPU has them, see [`crate::simd`]). Stochastic rounding stays element
+    /// by element ([`Fp8::encode`]).
+    ///
+    /// ```
+    /// use lpmm_formats::{Fp8, Overflow};
+    /// let mut codes = [0u8; 3];
+    /// Fp8::E4M3Fn.encode_nearest_slice(&[1.0, -1000.0, 0.3], Overflow::Saturate, &mut codes)?;
+    /// assert_eq!(codes, [0x38, 0xFE, 0x2A]); // 1, -448 (saturated), 0.3 -> 0.3125
+    /// # Ok::<(), lpmm_formats::FormatError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`FormatError::LengthMismatch`] unless `out` holds one code per value (nothing written).
+    pub fn encode_nearest_slice(
+        self,
+        values: &[f32],
+        overflow: Overflow,
+        out: &mut [u8],
+    ) -> Result<(), FormatError> {
+        if out.len() != values.len() {
+            return Err(FormatError::LengthMismatch {
+                what: "fp8 codes",
+                expected: values.len(),
+                actual: out.len(),
+            });
+        }
+        let Grid {
+            mantissa_bits: p,
+            min_normal_exp: emin,
+        } = self.grid();
+        let overflow_code = match (overflow, self) {
+            (Overflow::Saturate, _) => self.max_code(),
+            (Overflow::NonSaturating, Fp8::E5M2) => 0x7C,
+            (Overflow::NonSaturating, Fp8::E4M3Fn) => self.nan_code(),
+        };
+        let k = NearestConsts {
+            shift: 23 - p,
+            offset: ((127 - self.bias()) as u32) << p,
+            min_normal: pow2(emin).to_bits(),
+            // Its f32 ulp is the format's subnormal step 2^(emin - p).
+            magic: pow2(emin - p as i32 + 23),
+            max_code: u32::from(self.max_code()),
+            overflow_code: u32::from(overflow_code),
+            nan_code: u32::from(self.nan_code()),
+        };
+        encode_nearest(values, k, out);
+        Ok(())
+    }
+
     /// The code of a non-negative value that lies exactly on this format's finite grid.
     fn encode_grid_magnitude(self, magnitude: f32) -> u8 {
         if magnitude == 0.0 {
@@ -160,6 +213,45 @@ impl Fp8 {
         } else {
             (significand >> (23 - p as i32 + (emin - e)) as u32) as u8
         }
+    }
+}
+
+/// What the branch-free nearest encoder needs of a format ([`Fp8::encode_nearest_slice`]).
+#[derive(Debug, Clone, Copy)]
+struct NearestConsts {
+    /// f32 mantissa bits dropped: 23 - p.
+    shift: u32,
+    /// The difference of the exponent biases, in code units: (127 - bias) << p.
+    offset: u32,
+    /// The bits of the smallest normal value 2^emin.
+    min_normal: u32,
+    /// 2^(emin - p + 23): adding it rounds a value below 2^emin to the subnormal step.
+    magic: f32,
+    max_code: u32,
+    overflow_code: u32,
+    nan_code: u32,
+}
+
+crate::multiversion! {
+    /// Nearest-even fp8 codes of `values` (equal lengths): at or above 2^emin the f32 mantissa is
+    /// rounded to p bits with the carry into the exponent (integer arithmetic) and rebiased;
+    /// below it one f32 addition rounds to the subnormal step; codes above the largest finite one
+    /// (±Inf included) take the overflow code, NaN the NaN code, and the sign is kept.
+    fn encode_nearest(values: &[f32], k: NearestConsts, out: &mut [u8]) {
+        out.iter_mut().zip(values).for_each(|(o, &x)| {
+            let bits = x.to_bits();
+            let abs = bits & 0x7FFF_FFFF;
+            // abs <= 0x7FFF_FFFF, so the sum stays below 2^32.
+            let half = (1u32 << (k.shift - 1)) - 1 + ((abs >> k.shift) & 1);
+            let normal = ((abs + half) >> k.shift).wrapping_sub(k.offset);
+            let subnormal = (f32::from_bits(abs) + k.magic)
+                .to_bits()
+                .wrapping_sub(k.magic.to_bits());
+            let code = if abs < k.min_normal { subnormal } else { normal };
+            let code = if code > k.max_code { k.overflow_code } else { code };
+            let code = if abs > 0x7F80_0000 { k.nan_code } else { code };
+            *o = ((bits >> 24) & 0x80) as u8 | code as u8;
+        });
     }
 }
 
@@ -187,6 +279,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The vectorized nearest encoder against [`Fp8::encode`], on every level this CPU has: every
+    /// pattern of the top 19 bits (sign, exponent, the mantissa bits that decide the rounding)
+    /// with low bits that make ties, just-below and just-above cases and random ones.
+    #[test]
+    fn the_nearest_slice_encoder_equals_encode() {
+        use crate::simd::{Level, force};
+        let mut xs = Vec::with_capacity(7 << 19);
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for high in 0..1u32 << 19 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            for low in [0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, state as u32 & 0x1FFF] {
+                xs.push(f32::from_bits(high << 13 | low));
+            }
+        }
+        let mut out = vec![0u8; xs.len()];
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            for fmt in Fp8::ALL {
+                for overflow in [Overflow::Saturate, Overflow::NonSaturating] {
+                    fmt.encode_nearest_slice(&xs, overflow, &mut out).unwrap();
+                    for (x, o) in xs.iter().zip(&out) {
+                        let want = fmt.encode(*x, Rounding::NearestEven, overflow);
+                        assert_eq!(
+                            *o,
+                            want,
+                            "{level:?} {fmt:?} {overflow:?} {:#x}",
+                            x.to_bits()
+                        );
+                    }
+                }
+            }
+        }
+        force(None);
+        let e = Fp8::E5M2.encode_nearest_slice(&[1.0; 3], Overflow::Saturate, &mut [0; 2]);
+        assert!(
+            matches!(e, Err(FormatError::LengthMismatch { .. })),
+            "{e:?}"
+        );
     }
 
     #[test]
