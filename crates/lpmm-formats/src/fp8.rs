@@ -122,11 +122,7 @@ impl Fp8 {
         if abs > 0x7F80_0000 {
             return sign | self.nan_code();
         }
-        let overflowed = || match (overflow, self) {
-            (Overflow::Saturate, _) => sign | self.max_code(),
-            (Overflow::NonSaturating, Fp8::E5M2) => sign | 0x7C,
-            (Overflow::NonSaturating, Fp8::E4M3Fn) => sign | self.nan_code(),
-        };
+        let overflowed = || sign | self.overflow_code(overflow);
         if abs == 0x7F80_0000 {
             return overflowed();
         }
@@ -175,11 +171,6 @@ impl Fp8 {
             mantissa_bits: p,
             min_normal_exp: emin,
         } = self.grid();
-        let overflow_code = match (overflow, self) {
-            (Overflow::Saturate, _) => self.max_code(),
-            (Overflow::NonSaturating, Fp8::E5M2) => 0x7C,
-            (Overflow::NonSaturating, Fp8::E4M3Fn) => self.nan_code(),
-        };
         let k = NearestConsts {
             shift: 23 - p,
             offset: ((127 - self.bias()) as u32) << p,
@@ -187,11 +178,21 @@ impl Fp8 {
             // Its f32 ulp is the format's subnormal step 2^(emin - p).
             magic: pow2(emin - p as i32 + 23),
             max_code: u32::from(self.max_code()),
-            overflow_code: u32::from(overflow_code),
+            overflow_code: u32::from(self.overflow_code(overflow)),
             nan_code: u32::from(self.nan_code()),
         };
         encode_nearest(values, k, out);
         Ok(())
+    }
+
+    /// The (unsigned) code a finite value beyond the largest finite code, or ±Inf, becomes:
+    /// ±max when saturating, else ±Inf (E5M2) or NaN (E4M3FN, which has no infinity).
+    const fn overflow_code(self, overflow: Overflow) -> u8 {
+        match (overflow, self) {
+            (Overflow::Saturate, _) => self.max_code(),
+            (Overflow::NonSaturating, Fp8::E5M2) => 0x7C,
+            (Overflow::NonSaturating, Fp8::E4M3Fn) => self.nan_code(),
+        }
     }
 
     /// The code of a non-negative value that lies exactly on this format's finite grid.
