@@ -143,9 +143,9 @@ pub struct WgpuRuntime {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
-    pub(crate) layout: wgpu::BindGroupLayout,
-    pipelines: Vec<wgpu::ComputePipeline>,
-    pub(crate) arith: wgpu::ComputePipeline,
+    /// The compiled program, shared by every backend on this device made from this one
+    /// ([`Wgpu::on_same_device`]).
+    pub(crate) kernels: Arc<Kernels>,
     behaviour: FloatBehaviour,
     pub(crate) dummy: wgpu::Buffer,
     /// Bound where a read-only binding is unused (a buffer may not be bound both ways).
@@ -153,7 +153,6 @@ pub struct WgpuRuntime {
     work: Mutex<Option<wgpu::Buffer>>,
     segment_words: usize,
     align: u64,
-    lost: Arc<AtomicBool>,
     buffers: AtomicU64,
     reads: AtomicU64,
     read_bytes: AtomicU64,
@@ -219,12 +218,6 @@ impl Wgpu {
         queue: wgpu::Queue,
         options: WgpuOptions,
     ) -> Result<Self, WgpuError> {
-        let limits = device.limits();
-        let cap = limits
-            .max_storage_buffer_binding_size
-            .min(limits.max_buffer_size)
-            & !3;
-        let io_floats = (options.io_bytes.min(cap) / 4) as usize;
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some("lpmm.wgsl"),
             source: wgpu::ShaderSource::Wgsl(include_str!("lpmm.wgsl").into()),
@@ -250,41 +243,19 @@ impl Wgpu {
             bind_group_layouts: &[Some(&layout)],
             immediate_size: 0,
         });
-        let pipeline = |name: &str, fma_native: bool| {
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(name),
-                layout: Some(&pipeline_layout),
-                module: &module,
-                entry_point: Some(name),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &[("FMA_NATIVE", if fma_native { 1.0 } else { 0.0 })],
-                    zero_initialize_workgroup_memory: true,
-                },
-                cache: None,
-            })
-        };
         let lost = Arc::new(AtomicBool::new(false));
         let flag = lost.clone();
         device.set_device_lost_callback(move |_, _| flag.store(true, Ordering::Relaxed));
-        let arith = pipeline("arith_main", false);
-        let mut rt = WgpuRuntime {
-            dummy: storage(&device, "lpmm unused binding", 4),
-            dummy_ro: storage(&device, "lpmm unused read-only binding", 4),
-            device: device.clone(),
-            queue,
-            info,
+        let arith = build_pipeline(&device, &module, &pipeline_layout, "arith_main", false);
+        let kernels = Arc::new(Kernels {
+            module,
             layout,
-            pipelines: Vec::new(),
+            pipeline_layout,
             arith,
-            behaviour: FloatBehaviour::default(),
-            work: Mutex::new(None),
-            segment_words: (options.segment_bytes.min(cap) / 4) as usize,
-            align: u64::from(limits.min_storage_buffer_offset_alignment),
+            pipelines: Mutex::new(Default::default()),
             lost,
-            buffers: AtomicU64::new(0),
-            reads: AtomicU64::new(0),
-            read_bytes: AtomicU64::new(0),
-        };
+        });
+        let mut rt = WgpuRuntime::new(info, device, queue, kernels, &options);
         rt.behaviour = probe(&rt).map_err(|e| WgpuError::Device(e.to_string()))?;
         if !rt.behaviour.fma_soft_exact {
             return Err(WgpuError::Device(format!(
@@ -292,11 +263,33 @@ impl Wgpu {
                 rt.behaviour
             )));
         }
-        let fused = rt.behaviour.fma_fused;
-        rt.pipelines = Entry::ALL
-            .iter()
-            .map(|e| pipeline(e.name(), fused))
-            .collect();
+        Self::finish(rt, &options)
+    }
+
+    /// Another backend on this one's device and queue: its own memory (none of this backend's
+    /// parameters, states or counters), the same compiled kernels and probe results, so that no
+    /// shader is compiled again (a driver such as lavapipe takes seconds per entry point).
+    /// `options` lays out the new backend's memory.
+    pub fn on_same_device(&self, options: WgpuOptions) -> Result<Self, WgpuError> {
+        let rt = self.runtime();
+        let mut fresh = WgpuRuntime::new(
+            rt.info.clone(),
+            rt.device.clone(),
+            rt.queue.clone(),
+            rt.kernels.clone(),
+            &options,
+        );
+        fresh.behaviour = rt.behaviour;
+        Self::finish(fresh, &options)
+    }
+
+    fn finish(rt: WgpuRuntime, options: &WgpuOptions) -> Result<Self, WgpuError> {
+        let limits = rt.device.limits();
+        let cap = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size)
+            & !3;
+        let io_floats = (options.io_bytes.min(cap) / 4) as usize;
         let device_options = DeviceOptions::default()
             .with_piece_elements(options.piece_elements)
             .with_io_floats(io_floats);
@@ -364,9 +357,89 @@ impl Wgpu {
     }
 }
 
+/// The compiled program: what every backend made from one ([`Wgpu::on_same_device`]) shares.
+pub(crate) struct Kernels {
+    module: wgpu::ShaderModule,
+    pub(crate) layout: wgpu::BindGroupLayout,
+    pipeline_layout: wgpu::PipelineLayout,
+    /// The probe's pipeline.
+    pub(crate) arith: wgpu::ComputePipeline,
+    /// The entries' pipelines, in [`Entry`] id order, each built on first use (a backend that
+    /// never folds never compiles `lpmm_fold`).
+    pipelines: Mutex<[Option<wgpu::ComputePipeline>; Entry::ALL.len()]>,
+    /// Set by the device-lost callback.
+    lost: Arc<AtomicBool>,
+}
+
+fn build_pipeline(
+    device: &wgpu::Device,
+    module: &wgpu::ShaderModule,
+    layout: &wgpu::PipelineLayout,
+    name: &str,
+    fma_native: bool,
+) -> wgpu::ComputePipeline {
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: Some(layout),
+        module,
+        entry_point: Some(name),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants: &[("FMA_NATIVE", if fma_native { 1.0 } else { 0.0 })],
+            zero_initialize_workgroup_memory: true,
+        },
+        cache: None,
+    })
+}
+
 impl WgpuRuntime {
+    fn new(
+        info: wgpu::AdapterInfo,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        kernels: Arc<Kernels>,
+        options: &WgpuOptions,
+    ) -> Self {
+        let limits = device.limits();
+        let cap = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size)
+            & !3;
+        WgpuRuntime {
+            dummy: storage(&device, "lpmm unused binding", 4),
+            dummy_ro: storage(&device, "lpmm unused read-only binding", 4),
+            segment_words: (options.segment_bytes.min(cap) / 4) as usize,
+            align: u64::from(limits.min_storage_buffer_offset_alignment),
+            device,
+            queue,
+            info,
+            kernels,
+            behaviour: FloatBehaviour::default(),
+            work: Mutex::new(None),
+            buffers: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// The pipeline of `entry` (built on its first launch; `FMA_NATIVE` from the probe).
+    fn pipeline(&self, entry: Entry) -> wgpu::ComputePipeline {
+        let k = &self.kernels;
+        let mut pipelines = k.pipelines.lock().unwrap_or_else(|e| e.into_inner());
+        pipelines[entry as usize]
+            .get_or_insert_with(|| {
+                build_pipeline(
+                    &self.device,
+                    &k.module,
+                    &k.pipeline_layout,
+                    entry.name(),
+                    self.behaviour.fma_fused,
+                )
+            })
+            .clone()
+    }
+
     fn check(&self) -> Result<(), BackendError> {
-        if self.lost.load(Ordering::Relaxed) {
+        if self.kernels.lost.load(Ordering::Relaxed) {
             return Err(BackendError::DeviceLost {
                 backend: NAME,
                 reason: "wgpu reported the device lost".into(),
@@ -583,13 +656,14 @@ impl Runtime for WgpuRuntime {
             .collect();
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("lpmm"),
-            layout: &self.layout,
+            layout: &self.kernels.layout,
             entries: &entries,
         });
+        let pipeline = self.pipeline(entry);
         let mut encoder = self.device.create_command_encoder(&Default::default());
         {
             let mut pass = encoder.begin_compute_pass(&Default::default());
-            pass.set_pipeline(&self.pipelines[entry as usize]);
+            pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &bind, &[]);
             let x = launch.tiles.min(MAX_GROUPS_X);
             pass.dispatch_workgroups(x, launch.tiles.div_ceil(x), 1);

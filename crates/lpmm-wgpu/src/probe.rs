@@ -142,13 +142,13 @@ pub(crate) fn run_arith(
         .collect();
     let bind = rt.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("lpmm probe"),
-        layout: &rt.layout,
+        layout: &rt.kernels.layout,
         entries: &entries,
     });
     let mut encoder = rt.device.create_command_encoder(&Default::default());
     {
         let mut pass = encoder.begin_compute_pass(&Default::default());
-        pass.set_pipeline(&rt.arith);
+        pass.set_pipeline(&rt.kernels.arith);
         pass.set_bind_group(0, &bind, &[]);
         pass.dispatch_workgroups((triples.len() as u32).div_ceil(64), 1, 1);
     }

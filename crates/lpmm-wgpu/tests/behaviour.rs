@@ -68,3 +68,43 @@ fn a_tensor_larger_than_a_segment_is_cut_into_pieces() {
     assert!(gpu.segments() >= 2);
     assert_same(&cpu, &dev, &[a], "a tensor over several segments");
 }
+
+#[test]
+fn backends_on_one_device_keep_their_own_memory_and_step_the_same_bits() {
+    let Some(first) = backend(small()) else {
+        return;
+    };
+    let second = first.on_same_device(small()).unwrap();
+    let config = presets::lpmm_sgdm(1e-2, 0.9);
+    let mut a = Optimizer::with_backend(first.clone(), OptimizerOptions::default()).unwrap();
+    a.add_group(config).unwrap();
+    let mut rng = Rng::new(12);
+    let init = rng.spread(20_000, 0.5);
+    let w = a.add_param("w", &[20_000], &init, 0).unwrap();
+    let segments = first.segments();
+    assert!(segments >= 1);
+    // The second backend starts empty: no segment, no buffer of the first one's.
+    assert_eq!(second.segments(), 0);
+    assert_eq!(second.dispatches(), 0);
+    let mut b = Optimizer::with_backend(second.clone(), OptimizerOptions::default()).unwrap();
+    b.add_group(config).unwrap();
+    assert_eq!(b.add_param("w", &[20_000], &init, 0).unwrap(), w);
+    let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
+    cpu.add_group(config).unwrap();
+    cpu.add_param("w", &[20_000], &init, 0).unwrap();
+    for _ in 0..3 {
+        let g = rng.spread(20_000, 1.0);
+        for opt in [&mut a, &mut b] {
+            opt.accumulate(w, &g).unwrap();
+            opt.step().unwrap();
+        }
+        cpu.accumulate(w, &g).unwrap();
+        cpu.step().unwrap();
+    }
+    // Each steps its own tensors: the first's memory grew by no segment of the second's.
+    assert_eq!(first.segments(), segments);
+    assert!(second.segments() >= 1);
+    assert_same(&cpu, &a, &[w], "the first backend on the device");
+    assert_same(&cpu, &b, &[w], "the second backend on the device");
+    assert_eq!(first.float_behaviour(), second.float_behaviour());
+}

@@ -3,13 +3,22 @@
 
 #![allow(dead_code)]
 
+use std::sync::OnceLock;
+
 use lpmm_wgpu::{Wgpu, WgpuOptions};
 
-/// The backend, or `None` with a message when no adapter exists. With `LPMM_REQUIRE_WGPU=1`
-/// (as `.ci/run` sets it) a missing adapter fails the test instead.
+/// A fresh backend (its own memory) with `options`, or `None` with a message when no adapter
+/// exists. With `LPMM_REQUIRE_WGPU=1` (as `.ci/run` sets it) a missing adapter fails the test
+/// instead. Every backend of a test binary is made on one device ([`Wgpu::on_same_device`]), so
+/// the kernels compile once per binary, not once per test (lavapipe takes seconds per entry).
 pub fn backend(options: WgpuOptions) -> Option<Wgpu> {
-    match Wgpu::new(options) {
-        Ok(b) => Some(b),
+    static BASE: OnceLock<Result<Wgpu, String>> = OnceLock::new();
+    let base = BASE.get_or_init(|| Wgpu::new(WgpuOptions::default()).map_err(|e| e.to_string()));
+    match base {
+        Ok(b) => Some(
+            b.on_same_device(options)
+                .expect("a backend on the device the first one made"),
+        ),
         Err(e) => {
             if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
                 panic!("LPMM_REQUIRE_WGPU=1 but {e}");
