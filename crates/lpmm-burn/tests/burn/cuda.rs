@@ -6,10 +6,8 @@
 
 #![cfg(feature = "cuda")]
 
-mod common;
-
+use crate::common::{Mlp, grads, host_grads, read, reference, reference_step, values};
 use burn_core::tensor::Device;
-use common::{Mlp, grads, host_grads, read, reference, reference_step, values};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizerConfig};
 use lpmm_optim::{NonFinitePolicy, presets};
 

@@ -1,14 +1,12 @@
 //! `LpmmLinear`: a layer whose weight lives only in lpmm's storage, decoded for the forward pass
 //! and again in the backward pass, its gradient added straight into lpmm's accumulator.
 
-mod common;
-
 use burn_core as burn;
 
+use crate::common::{D_IN, D_OUT, HIDDEN, batch, uniform};
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData, activation::relu};
 use burn_optim::GradientsParams;
-use common::{D_IN, D_OUT, HIDDEN, batch, uniform};
 use lpmm_burn::{LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
 use lpmm_optim::presets;
 use lpmm_optim::testing::Rng;

@@ -4,14 +4,12 @@
 //! equals the uninterrupted run bit for bit (the optimizer state is matched to the tensors by the
 //! `ParamId`s the module record restores).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::common::{Mlp, grads};
 use burn_core::module::Module;
 use burn_core::tensor::Device;
-use common::{Mlp, grads};
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizerConfig};
 use lpmm_optim::presets;
 
@@ -104,7 +102,13 @@ fn child() {
 
 fn run_child(mode: &str, dir: &Path) {
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            "processes::child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env("LPMM_BURN_CHILD", format!("{mode}@{}", dir.display()))
         .output()
         .unwrap();

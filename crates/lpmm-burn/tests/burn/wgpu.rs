@@ -3,14 +3,12 @@
 //! where burn wrote them. A step maps nothing back to the host but lpmm's 4-byte non-finite
 //! flags when no gradient norm is needed, and its results equal lpmm's CPU reference bit for bit.
 
-mod common;
-
 use std::sync::OnceLock;
 
-use burn_core::tensor::Device;
-use common::{
+use crate::common::{
     D_IN, D_OUT, HIDDEN, Mlp, grads, host_grads, read, reference, reference_step, values,
 };
+use burn_core::tensor::Device;
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizerConfig};
 use lpmm_optim::{NonFinitePolicy, presets};
 
