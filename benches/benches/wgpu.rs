@@ -39,6 +39,9 @@ fn case<B: Backend>(
         ceiling: None,
         preset: Some("adamw_8bit_bf16"),
     });
+    // One step before timing: lpmm-wgpu compiles each kernel on its first dispatch (seconds on
+    // lavapipe), and `--quick` runs would otherwise time that compilation.
+    opt.step_param(id, &grad).expect("step");
     group.bench_function(BenchmarkId::new(name, label(n)), |b| {
         b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))
     });
