@@ -284,12 +284,7 @@ impl Wgpu {
     }
 
     fn finish(rt: WgpuRuntime, options: &WgpuOptions) -> Result<Self, WgpuError> {
-        let limits = rt.device.limits();
-        let cap = limits
-            .max_storage_buffer_binding_size
-            .min(limits.max_buffer_size)
-            & !3;
-        let io_floats = (options.io_bytes.min(cap) / 4) as usize;
+        let io_floats = (options.io_bytes.min(binding_cap(&rt.device)) / 4) as usize;
         let device_options = DeviceOptions::default()
             .with_piece_elements(options.piece_elements)
             .with_io_floats(io_floats);
@@ -371,6 +366,15 @@ pub(crate) struct Kernels {
     lost: Arc<AtomicBool>,
 }
 
+/// The most bytes one storage binding may cover on `device` (whole words).
+fn binding_cap(device: &wgpu::Device) -> u64 {
+    let limits = device.limits();
+    limits
+        .max_storage_buffer_binding_size
+        .min(limits.max_buffer_size)
+        & !3
+}
+
 fn build_pipeline(
     device: &wgpu::Device,
     module: &wgpu::ShaderModule,
@@ -399,16 +403,12 @@ impl WgpuRuntime {
         kernels: Arc<Kernels>,
         options: &WgpuOptions,
     ) -> Self {
-        let limits = device.limits();
-        let cap = limits
-            .max_storage_buffer_binding_size
-            .min(limits.max_buffer_size)
-            & !3;
+        let cap = binding_cap(&device);
         WgpuRuntime {
             dummy: storage(&device, "lpmm unused binding", 4),
             dummy_ro: storage(&device, "lpmm unused read-only binding", 4),
             segment_words: (options.segment_bytes.min(cap) / 4) as usize,
-            align: u64::from(limits.min_storage_buffer_offset_alignment),
+            align: u64::from(device.limits().min_storage_buffer_offset_alignment),
             device,
             queue,
             info,
@@ -421,21 +421,31 @@ impl WgpuRuntime {
         }
     }
 
-    /// The pipeline of `entry` (built on its first launch; `FMA_NATIVE` from the probe).
-    fn pipeline(&self, entry: Entry) -> wgpu::ComputePipeline {
+    /// The pipeline of `entry` (built on its first launch; `FMA_NATIVE` from the probe). A
+    /// driver that refuses to build it gives a typed error, not wgpu's uncaptured-error panic.
+    fn pipeline(&self, entry: Entry) -> Result<wgpu::ComputePipeline, BackendError> {
         let k = &self.kernels;
         let mut pipelines = k.pipelines.lock().unwrap_or_else(|e| e.into_inner());
-        pipelines[entry as usize]
-            .get_or_insert_with(|| {
-                build_pipeline(
-                    &self.device,
-                    &k.module,
-                    &k.pipeline_layout,
-                    entry.name(),
-                    self.behaviour.fma_fused,
-                )
-            })
-            .clone()
+        let slot = &mut pipelines[entry as usize];
+        if let Some(p) = slot {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let built = build_pipeline(
+            &self.device,
+            &k.module,
+            &k.pipeline_layout,
+            entry.name(),
+            self.behaviour.fma_fused,
+        );
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(BackendError::Driver {
+                backend: NAME,
+                what: format!("building the {} pipeline: {e}", entry.name()),
+                source: Some(Arc::new(e)),
+            });
+        }
+        Ok(slot.insert(built).clone())
     }
 
     fn check(&self) -> Result<(), BackendError> {
@@ -659,7 +669,7 @@ impl Runtime for WgpuRuntime {
             layout: &self.kernels.layout,
             entries: &entries,
         });
-        let pipeline = self.pipeline(entry);
+        let pipeline = self.pipeline(entry)?;
         let mut encoder = self.device.create_command_encoder(&Default::default());
         {
             let mut pass = encoder.begin_compute_pass(&Default::default());

@@ -4,7 +4,8 @@
 //! exactly.
 
 use crate::common::{
-    Mlp, grads, host_grads, read, reference, reference_accumulated_step, reference_step, values,
+    D_IN, D_OUT, HIDDEN, Mlp, grads, host_grads, read, reference, reference_accumulated_step,
+    reference_step, values,
 };
 use burn_core::module::Module;
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
@@ -121,11 +122,10 @@ fn parameters_are_stepped_in_the_modules_own_buffers() {
     let report = optim.memory_report();
     assert_eq!(report.slot_totals()[0], 0, "{report:?}");
     assert_eq!(report.slot_totals()[1], 0, "{report:?}");
-    let n1 = crate::common::D_IN * crate::common::HIDDEN;
+    let n1 = D_IN * HIDDEN;
     assert_eq!(report.params[0].bytes[2], n1 + 4 * n1.div_ceil(256));
     assert_eq!(report.params[0].bytes[3], n1 + 4 * n1.div_ceil(256));
-    let small =
-        crate::common::HIDDEN + crate::common::HIDDEN * crate::common::D_OUT + crate::common::D_OUT;
+    let small = HIDDEN + HIDDEN * D_OUT + D_OUT;
     assert_eq!(
         report.total(),
         2 * (n1 + 4 * n1.div_ceil(256)) + 2 * 4 * small
@@ -155,14 +155,11 @@ fn a_non_finite_gradient_skips_the_whole_step_or_only_its_elements() {
         model = optim.step(1e-3, model, g).unwrap();
         let before = model.bits();
         let mut g = grads(&model, 1, &device);
-        let mut bad = vec![0.5f32; crate::common::D_OUT];
+        let mut bad = vec![0.5f32; D_OUT];
         bad[3] = f32::NAN;
         g.register(
             model.b2.id,
-            Tensor::<1>::from_data(
-                TensorData::new(bad, [crate::common::D_OUT]),
-                &device.clone().inner(),
-            ),
+            Tensor::<1>::from_data(TensorData::new(bad, [D_OUT]), &device.clone().inner()),
         );
         model = optim.step(1e-3, model, g).unwrap();
         let after = model.bits();
