@@ -96,6 +96,20 @@ fn quotient_lanes(
     _mm512_div_ps(x, divisor)
 }
 
+/// The blocks of `block` elements that hold elements `done..n`, each as its index and the part
+/// of that range it holds: what a run-of-blocks kernel leaves to the one-block kernels after its
+/// vector part. Visits only those blocks (callers pass every scale of a chunk, while a vector
+/// part usually leaves none or a tail).
+fn blocks_from(
+    done: usize,
+    n: usize,
+    block: usize,
+) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> {
+    (done / block..n.div_ceil(block))
+        .map(move |k| (k, (k * block).max(done)..((k + 1) * block).min(n)))
+        .filter(|(_, r)| !r.is_empty())
+}
+
 /// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
 /// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
 /// (`block` a multiple of 16, or a single scale); `None` otherwise.
@@ -765,11 +779,8 @@ impl CodeMap {
             // AVX-512 level) and VBMI.
             done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, block, &mut out[..n]) };
         }
-        for (k, &a) in absmax.iter().enumerate() {
-            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
-            if from < to {
-                self.nearest_scaled(&xs[from..to], a, &mut out[from..to]);
-            }
+        for (k, r) in blocks_from(done, n, block) {
+            self.nearest_scaled(&xs[r.clone()], absmax[k], &mut out[r]);
         }
     }
 
@@ -801,11 +812,9 @@ impl CodeMap {
                 self.stochastic_scaled_vbmi(&xs[..n], absmax, block, &bits[..n], &mut out[..n])
             };
         }
-        for (k, &a) in absmax.iter().enumerate() {
-            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
-            if from < to {
-                self.stochastic_scaled(&xs[from..to], a, &bits[from..to], &mut out[from..to]);
-            }
+        for (k, r) in blocks_from(done, n, block) {
+            let (x, b) = (&xs[r.clone()], &bits[r.clone()]);
+            self.stochastic_scaled(x, absmax[k], b, &mut out[r]);
         }
     }
 
@@ -825,11 +834,8 @@ impl CodeMap {
             // AVX-512 level) and VBMI.
             done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
         }
-        for (k, &s) in scales.iter().enumerate() {
-            let (from, to) = ((k * block).max(done), ((k + 1) * block).min(n));
-            if from < to {
-                self.decode_scaled(&codes[from..to], s, &mut out[from..to]);
-            }
+        for (k, r) in blocks_from(done, n, block) {
+            self.decode_scaled(&codes[r.clone()], scales[k], &mut out[r]);
         }
     }
 

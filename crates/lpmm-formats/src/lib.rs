@@ -50,4 +50,4 @@ pub use error::FormatError;
 pub use float::Rounding;
 pub use fp8::{Fp8, Overflow};
 pub use half::{bf16, f16};
-pub use split::{SplitF32, kahan_add};
+pub use split::{SplitF32, join_f32_slice, kahan_add, split_f32_slice};

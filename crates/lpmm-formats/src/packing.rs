@@ -36,11 +36,7 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<(), FormatError> 
             actual: out.len(),
         });
     }
-    if let Some((index, &code)) = codes
-        .iter()
-        .enumerate()
-        .find(|(_, c)| u32::from(**c) >> bits != 0)
-    {
+    if let Some((index, &code)) = first_too_wide(codes, bits) {
         return Err(FormatError::CodeTooWide { index, code, bits });
     }
     if bits == 8 {
@@ -69,6 +65,21 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<(), FormatError> 
         out[byte] = acc as u8;
     }
     Ok(())
+}
+
+/// The first code of `codes` that does not fit `bits` bits, with its index. The common case,
+/// every code fits, is one OR over the codes (a loop that vectorizes; the search element by
+/// element was a fifth of a 4-bit optimizer step); the index is searched only when one is too
+/// wide.
+fn first_too_wide(codes: &[u8], bits: u32) -> Option<(usize, &u8)> {
+    let any = codes.iter().fold(0u8, |acc, &c| acc | c);
+    if u32::from(any) >> bits == 0 {
+        return None;
+    }
+    codes
+        .iter()
+        .enumerate()
+        .find(|(_, c)| u32::from(**c) >> bits != 0)
 }
 
 /// Unpacks `codes.len()` codes of `bits` bits from `packed`.
@@ -217,6 +228,27 @@ mod tests {
             pack(&[1], 0, &mut out),
             Err(FormatError::BitWidth { bits: 0 })
         );
+        // The first code that is too wide, far into a long run of codes that fit.
+        let mut codes = vec![0b101u8; 4096];
+        codes[777] = 0b1000;
+        codes[900] = 0xFF;
+        let mut out3 = vec![0u8; packed_len(codes.len(), 3)];
+        assert_eq!(
+            pack(&codes, 3, &mut out3),
+            Err(FormatError::CodeTooWide {
+                index: 777,
+                code: 0b1000,
+                bits: 3
+            })
+        );
+        codes[777] = 0b111;
+        assert!(matches!(
+            pack(&codes, 3, &mut out3),
+            Err(FormatError::CodeTooWide { index: 900, .. })
+        ));
+        let mut out8 = vec![0u8; codes.len()];
+        pack(&codes, 8, &mut out8).unwrap();
+        assert_eq!(out8, codes);
         let mut codes = [0u8; 3];
         assert!(matches!(
             unpack(&out, 4, &mut codes),

@@ -50,6 +50,33 @@ impl SplitF32 {
     }
 }
 
+crate::multiversion! {
+    /// [`SplitF32::from_f32`] of each value: the visible halves' bf16 bit patterns into `hi`,
+    /// the remainders into `rem`. Writes `min(values.len(), hi.len(), rem.len())` pairs.
+    /// Branch-free (the NaN case is a select), so that it vectorizes.
+    pub fn split_f32_slice(values: &[f32], hi: &mut [u16], rem: &mut [u16]) {
+        for ((h, r), &x) in hi.iter_mut().zip(rem.iter_mut()).zip(values) {
+            let bits = x.to_bits();
+            let nan = bits & 0x7FFF_FFFF > 0x7F80_0000;
+            let bits = if nan { bits & 0x8000_0000 | 0x7FC0_0000 } else { bits };
+            let low = bits as u16;
+            *r = low;
+            *h = ((bits >> 16) as u16).wrapping_add(low >> 15);
+        }
+    }
+}
+
+crate::multiversion! {
+    /// [`SplitF32::to_f32`] of each pair (`hi` as bf16 bit patterns) into `out`. Writes
+    /// `min(hi.len(), rem.len(), out.len())` values.
+    pub fn join_f32_slice(hi: &[u16], rem: &[u16], out: &mut [f32]) {
+        for ((o, &h), &r) in out.iter_mut().zip(hi).zip(rem) {
+            let h = h.wrapping_sub(r >> 15);
+            *o = f32::from_bits(u32::from(h) << 16 | u32::from(r));
+        }
+    }
+}
+
 /// Adds `delta` to a bf16 value with a bf16 Kahan compensation term (optimi's `kahan_sum`):
 /// `c = compensation + delta; new = bf16(value + c); compensation = bf16(c + (value - new))`,
 /// all in f32 with round-to-nearest-even to bf16. The compensation carries the part of the sum
@@ -81,6 +108,55 @@ mod tests {
                 assert_eq!(s.hi.to_bits(), bf16_nearest(x).to_bits(), "{bits:#x}");
             }
         }
+    }
+
+    /// The slice functions are the scalar split and join, bit for bit, at every SIMD level: a
+    /// sweep over f32 bit patterns (NaNs of both signs and any payload, infinities, subnormals,
+    /// remainders on both sides of the carry) and every 16-bit pair.
+    #[test]
+    fn slices_equal_the_scalar_split_and_join() {
+        use crate::simd::{Level, force};
+        let mut values: Vec<f32> = (0..=u32::MAX).step_by(4_099).map(f32::from_bits).collect();
+        values.extend(
+            [
+                0x7F80_0001,
+                0xFFFF_FFFF,
+                0x7FFF_8000,
+                0x3F80_8000,
+                0x3F80_7FFF,
+            ]
+            .map(f32::from_bits),
+        );
+        let pairs: Vec<(u16, u16)> = (0..=u32::MAX)
+            .step_by(257)
+            .map(|b| ((b >> 16) as u16, b as u16))
+            .collect();
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            let (mut hi, mut rem) = (vec![0u16; values.len()], vec![0u16; values.len()]);
+            split_f32_slice(&values, &mut hi, &mut rem);
+            for (k, &x) in values.iter().enumerate() {
+                let s = SplitF32::from_f32(x);
+                assert_eq!(
+                    (hi[k], rem[k]),
+                    (s.hi.to_bits(), s.rem),
+                    "{:#x} {level:?}",
+                    x.to_bits()
+                );
+            }
+            let (h, r): (Vec<u16>, Vec<u16>) = pairs.iter().copied().unzip();
+            let mut out = vec![0f32; pairs.len()];
+            join_f32_slice(&h, &r, &mut out);
+            for (k, &(h, r)) in pairs.iter().enumerate() {
+                let want = SplitF32 {
+                    hi: bf16::from_bits(h),
+                    rem: r,
+                }
+                .to_f32();
+                assert_eq!(out[k].to_bits(), want.to_bits(), "{h:#x} {r:#x} {level:?}");
+            }
+        }
+        force(None);
     }
 
     #[test]

@@ -61,22 +61,17 @@ impl Codec for SplitF32 {
 
     fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
         let n = out.len();
-        let hi: &[bf16] = bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]);
+        let hi: &[u16] = bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]);
         let rem: &[u16] = bytemuck::cast_slice(&r.elem[1][2 * at..2 * (at + n)]);
-        for ((o, &hi), &rem) in out.iter_mut().zip(hi).zip(rem) {
-            *o = Split { hi, rem }.to_f32();
-        }
+        lpmm_formats::join_f32_slice(hi, rem, out);
     }
 
     fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], _random: Random) {
         let n = values.len();
         let [hi, rem, _] = &mut r.elem;
-        let hi: &mut [bf16] = bytemuck::cast_slice_mut(&mut hi[2 * at..2 * (at + n)]);
+        let hi: &mut [u16] = bytemuck::cast_slice_mut(&mut hi[2 * at..2 * (at + n)]);
         let rem: &mut [u16] = bytemuck::cast_slice_mut(&mut rem[2 * at..2 * (at + n)]);
-        for ((h, m), &x) in hi.iter_mut().zip(rem.iter_mut()).zip(values) {
-            let s = Split::from_f32(x);
-            (*h, *m) = (s.hi, s.rem);
-        }
+        lpmm_formats::split_f32_slice(values, hi, rem);
     }
 
     fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
