@@ -19,7 +19,7 @@ use crate::backend::{
 use crate::exact::{ExactSum, add_squares};
 use crate::fixed;
 use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
-use crate::rule::{Chunk, apply_chunk};
+use crate::rule::{Chunk, apply_chunk, moment_inputs, stat_inputs};
 
 /// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
 /// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
@@ -352,6 +352,7 @@ fn fold_piece(
     let flags = layout.step_flags(plan.flags);
     let rule = &plan.rule;
     let mut s = Scratch::new();
+    let mut local = fixed::Local::default();
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
         decode_chunk(&mut s, layout, piece, wide, released, lent, start, n, false);
@@ -360,12 +361,9 @@ fn fold_piece(
             FoldTarget::Stats => {
                 let (exp, sum) = stats.split_at(MAX_STATS);
                 for k in 0..rule.stats() {
-                    for j in 0..n {
-                        let g = s.g[j] * clip;
-                        s.d[j] = rule.stat_input(flags, k, s.p[j], g, s.m[j], s.v[j], s.w[j]);
-                    }
+                    stat_inputs(*rule, flags, k, clip, &mut s.chunk(n));
                     // One atomic operation per chunk and sum (the sums are order-free).
-                    fixed::fold_many(exp, sum, k, layout.numel, pass, s.d[..n].iter().copied());
+                    fixed::fold_many(exp, sum, k, layout.numel, pass, &s.d[..n]);
                 }
             }
             FoldTarget::Slot(slot) => {
@@ -381,19 +379,21 @@ fn fold_piece(
                         let limits = layout.limits(flags);
                         apply_chunk(*rule, flags, plan.clip, limits, &mut s.chunk(n));
                         let values = if slot == SlotKind::State3 { &s.w } else { &s.v };
-                        format.fold(&view, pass, start, &values[..n]);
+                        format.fold(&view, pass, start, &values[..n], &mut local);
                     }
                     FoldInput::MomentGradient => {
-                        for j in 0..n {
-                            let g = s.g[j] * clip;
-                            s.d[j] =
-                                rule.moment_input(flags, slot, s.p[j], g, s.m[j], s.v[j], s.w[j]);
-                        }
-                        format.fold(&view, pass, start, &s.d[..n]);
+                        moment_inputs(*rule, flags, slot, clip, &mut s.chunk(n));
+                        format.fold(&view, pass, start, &s.d[..n], &mut local);
                     }
                 }
             }
         }
+    }
+    if let FoldTarget::Slot(slot) = target
+        && let Some(format) = layout.format(slot)
+    {
+        let view = piece.view(slot, &wide[slot as usize], &layout.shape, None);
+        format.fold_flush(&view, pass, &local);
     }
 }
 

@@ -75,19 +75,181 @@ pub fn fold_many(
     k: usize,
     count: usize,
     phase: usize,
-    xs: impl Iterator<Item = f32>,
+    xs: &[f32],
 ) {
-    let xs = xs.filter(|x| x.is_finite() && *x != 0.0);
     if phase == 0 {
-        if let Some(m) = xs.map(|x| (exponent(x) + EXP_BIAS) as u32).max() {
-            exp[k].fetch_max(m, Ordering::Relaxed);
+        let m = max_biased_exponent(xs);
+        if m != 0 {
+            exp[k].fetch_max(m as u32, Ordering::Relaxed);
         }
     } else {
         let e = exp[k].load(Ordering::Relaxed) as i32 - EXP_BIAS;
-        let frac = frac_bits(count);
-        let t = xs.fold(0u64, |a, x| a.wrapping_add(term(x, e, frac)));
+        let t = sum_of_terms(xs, e, frac_bits(count));
         if t != 0 {
             add64(sum, k, t);
+        }
+    }
+}
+
+/// `exponent(x) + EXP_BIAS` of a finite non-zero `x`, 0 otherwise; branch-free. `x^2` is a
+/// normal f64 for every finite non-zero f32 (between 2^-298 and 2^256), so its exponent field is
+/// neither 0 (zero) nor 2047 (Inf and NaN) exactly when `x` counts.
+#[inline(always)]
+fn biased_exponent(x: f32) -> u64 {
+    let q = f64::from(x) * f64::from(x);
+    let field = (q.to_bits() >> 52) & 0x7FF;
+    // 1..=0x7FE (`field - 1` below 0x7FE) exactly when x counts; the mask keeps the loops over
+    // it free of selects on the accumulator, so they vectorize.
+    let counts = u64::from(field.wrapping_sub(1) < 0x7FE);
+    // exponent(x) + EXP_BIAS = field - 1023 + 1024
+    (field + 1) & counts.wrapping_neg()
+}
+
+/// [`term`] of a finite non-zero `x`, 0 otherwise; branch-free (shift amounts clamped, the
+/// choices selects), so that loops over it vectorize.
+#[inline(always)]
+fn term_or_zero(x: f32, e: i32, frac: i32) -> u64 {
+    let q = f64::from(x) * f64::from(x);
+    let bits = q.to_bits();
+    let field = (bits >> 52) & 0x7FF;
+    let mantissa = bits & ((1 << 52) - 1) | 1 << 52;
+    let shift = field as i64 - 1023 - 52 + i64::from(frac - e);
+    let left = mantissa << shift.clamp(0, 63);
+    let right = mantissa >> (-shift).clamp(0, 63);
+    let t = if shift >= 0 {
+        left
+    } else if shift > -64 {
+        right
+    } else {
+        0
+    };
+    let counts = field != 0 && field != 0x7FF;
+    if counts { t } else { 0 }
+}
+
+lpmm_formats::multiversion! {
+    /// The largest [`biased_exponent`] of `xs` (0 if none counts).
+    fn max_biased_exponent(xs: &[f32]) -> u64 {
+        // Sixteen running maxima (a vector's lanes: written as a fold over single values, the
+        // compiler keeps one scalar maximum with conditional moves).
+        let mut lanes = [0u64; 16];
+        let whole = xs.chunks_exact(16);
+        let tail = whole.remainder();
+        for chunk in whole {
+            for (m, &x) in lanes.iter_mut().zip(chunk) {
+                *m = (*m).max(biased_exponent(x));
+            }
+        }
+        let m = tail.iter().fold(0, |m, &x| m.max(biased_exponent(x)));
+        lanes.into_iter().fold(m, u64::max)
+    }
+}
+
+lpmm_formats::multiversion! {
+    /// The wrapping sum of [`term_or_zero`] over `xs`.
+    fn sum_of_terms(xs: &[f32], e: i32, frac: i32) -> u64 {
+        xs.iter().fold(0u64, |a, &x| a.wrapping_add(term_or_zero(x, e, frac)))
+    }
+}
+
+lpmm_formats::multiversion! {
+    /// `words[i] = max(words[i], biased_exponent(xs[i]))`.
+    fn max_exponents_into(words: &mut [u64], xs: &[f32]) {
+        for (w, &x) in words.iter_mut().zip(xs) {
+            *w = (*w).max(biased_exponent(x));
+        }
+    }
+}
+
+lpmm_formats::multiversion! {
+    /// `words[i] += term_or_zero(xs[i], exps[i], frac)` (wrapping).
+    fn add_terms_into(words: &mut [u64], xs: &[f32], exps: &[i32], frac: i32) {
+        for ((w, &x), &e) in words.iter_mut().zip(xs).zip(exps) {
+            *w = w.wrapping_add(term_or_zero(x, e, frac));
+        }
+    }
+}
+
+/// The most sums a [`Local`] holds (the columns of a factored state it serves).
+pub const LOCAL_SUMS: usize = 8192;
+
+/// Sums of squares `base .. base + n` folded by one thread into local words and applied to the
+/// shared ones with one atomic operation per sum ([`Local::flush`]): the same bits as folding
+/// every element atomically, since a max and a wrapping 64-bit sum do not depend on the grouping.
+/// For sums whose elements are spread over a piece (the column sums of a factored state: each
+/// chunk holds a few elements of every column) instead of one atomic operation per sum and chunk.
+/// Fixed-size (on the stack: the step allocates nothing), at most [`LOCAL_SUMS`] sums.
+pub struct Local {
+    /// How many sums are ready; 0 before [`Local::ready`].
+    n: usize,
+    /// Per sum: fold 0 the largest biased exponent so far (0: none), fold 1 the wrapping sum of
+    /// the terms.
+    words: [u64; LOCAL_SUMS],
+    /// Fold 1: each sum's exponent (from fold 0, read once).
+    exps: [i32; LOCAL_SUMS],
+}
+
+impl std::fmt::Debug for Local {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Local").field("n", &self.n).finish()
+    }
+}
+
+impl Default for Local {
+    fn default() -> Self {
+        Self {
+            n: 0,
+            words: [0; LOCAL_SUMS],
+            exps: [0; LOCAL_SUMS],
+        }
+    }
+}
+
+impl Local {
+    /// Readies the words for sums `base .. base + n` in fold `phase` (a no-op once ready); false
+    /// if `n` is more than [`LOCAL_SUMS`] (fold those sums directly).
+    pub fn ready(&mut self, exp: &[AtomicU32], base: usize, n: usize, phase: usize) -> bool {
+        if n > LOCAL_SUMS {
+            return false;
+        }
+        if self.n != n {
+            self.n = n;
+            self.words[..n].fill(0);
+            if phase != 0 {
+                for (e, w) in self.exps[..n].iter_mut().zip(&exp[base..base + n]) {
+                    *e = w.load(Ordering::Relaxed) as i32 - EXP_BIAS;
+                }
+            }
+        }
+        true
+    }
+
+    /// [`fold`] of `xs[i]` into local sum `from + i` (of `count` terms) for every `i`.
+    pub fn fold_run(&mut self, from: usize, count: usize, phase: usize, xs: &[f32]) {
+        let words = &mut self.words[from..from + xs.len()];
+        if phase == 0 {
+            max_exponents_into(words, xs);
+        } else {
+            add_terms_into(
+                words,
+                xs,
+                &self.exps[from..from + xs.len()],
+                frac_bits(count),
+            );
+        }
+    }
+
+    /// Applies the local words to shared sums `base ..` (as [`Local::ready`] was given them).
+    pub fn flush(&self, exp: &[AtomicU32], sum: &[AtomicU32], base: usize, phase: usize) {
+        for (i, &w) in self.words[..self.n].iter().enumerate() {
+            if w == 0 {
+                continue;
+            }
+            if phase == 0 {
+                exp[base + i].fetch_max(w as u32, Ordering::Relaxed);
+            } else {
+                add64(sum, base + i, w);
+            }
         }
     }
 }
@@ -142,31 +304,65 @@ mod tests {
         assert!(a <= exact, "terms are truncated, never rounded up");
     }
 
-    /// Folding runs of values at once gives the words of folding them one by one.
+    /// Folding runs of values at once (`fold_many`), or into local words flushed once
+    /// (`Local`), gives the words of folding them one by one, at every SIMD level: zeros, NaN,
+    /// infinities, subnormals, and magnitudes far enough apart that small terms shift out.
     #[test]
     fn folding_runs_equals_folding_elements() {
+        use lpmm_formats::simd::{Level, force};
         let values: Vec<f32> = (0..5000)
             .map(|i| (i as f32 * 0.377).sin() * 10f32.powi(i % 9 - 4))
-            .chain([0.0, f32::NAN, f32::INFINITY, 1e-45, 3e38])
+            .chain([
+                0.0,
+                -0.0,
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                1e-45,
+                -3e38,
+                3e38,
+            ])
+            .chain((0..64).map(|i| {
+                f32::from_bits(0x0000_0001 << (i % 23)) * if i % 2 == 0 { 1.0 } else { -1.0 }
+            }))
             .collect();
-        let words = || (0..4).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
-        let (e1, s1, e2, s2) = (words(), words(), words(), words());
-        for phase in 0..2 {
-            for &x in &values {
-                fold(&e1, &s1, 1, values.len(), phase, x);
-            }
-            for run in values.chunks(333) {
-                fold_many(&e2, &s2, 1, values.len(), phase, run.iter().copied());
-            }
-        }
+        let words = |n: usize| (0..n).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
         let read = |w: &[AtomicU32]| {
             w.iter()
                 .map(|a| a.load(Ordering::Relaxed))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(read(&e1), read(&e2));
-        assert_eq!(read(&s1), read(&s2));
-        assert_ne!(read(&s1), vec![0; 4]);
+        // Columns: element i of each row of 4 goes to sum 1 + i (of `rows` terms).
+        let rows = values.len().div_ceil(4);
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            let (e1, s1, e2, s2) = (words(4), words(8), words(4), words(8));
+            let (ec, sc, el, sl) = (words(5), words(10), words(5), words(10));
+            for phase in 0..2 {
+                for &x in &values {
+                    fold(&e1, &s1, 1, values.len(), phase, x);
+                }
+                for run in values.chunks(333) {
+                    fold_many(&e2, &s2, 1, values.len(), phase, run);
+                }
+                for (i, &x) in values.iter().enumerate() {
+                    fold(&ec, &sc, 1 + i % 4, rows, phase, x);
+                }
+                let mut local = Local::default();
+                for row in values.chunks(4) {
+                    local.ready(&el, 1, 4, phase);
+                    local.fold_run(0, rows, phase, row);
+                }
+                local.flush(&el, &sl, 1, phase);
+            }
+            assert_eq!(read(&e1), read(&e2), "{level:?}");
+            assert_eq!(read(&s1), read(&s2), "{level:?}");
+            assert_ne!(read(&s1), vec![0; 8]);
+            assert_eq!(read(&ec), read(&el), "{level:?}");
+            assert_eq!(read(&sc), read(&sl), "{level:?}");
+            assert!(read(&sc)[2..].iter().all(|&w| w != 0));
+        }
+        force(None);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::{
     Codec, Dtype, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut, check_scales,
@@ -134,8 +134,9 @@ impl Codec for Factored {
             let end = ((row + 1) * cols - first).min(out.len());
             let scale = wide_f32(&r.wide[ROW], row) / mean;
             let col0 = (first + j) % cols;
-            for (k, o) in out[j..end].iter_mut().enumerate() {
-                *o = scale * wide_f32(&r.wide[COL], col0 + k);
+            let col = &r.wide[COL][col0..col0 + (end - j)];
+            for (o, c) in out[j..end].iter_mut().zip(col) {
+                *o = scale * f32::from_bits(c.load(Ordering::Relaxed));
             }
             j = end;
         }
@@ -158,27 +159,109 @@ impl Codec for Factored {
         combine(wide, shape, rule, slot)
     }
 
-    fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32]) {
+    fn fold(
+        &self,
+        r: &Regions<'_>,
+        pass: usize,
+        at: usize,
+        values: &[f32],
+        local: &mut fixed::Local,
+    ) {
         let (rows, cols) = dims(r.shape);
         let first = r.global + at;
         let (exp, sum) = (&r.wide[EXP], &r.wide[SUM]);
+        // Column sums: each chunk holds a few elements of every column, so they are summed in
+        // `local` over the whole piece and applied once (`fold_flush`). A matrix with more
+        // columns than `local` holds has at most one element of a column in a chunk: those fold
+        // one by one.
+        let held = local.ready(exp, rows, cols, pass);
         // Row sums: each run of one row's elements in one atomic operation.
         let mut j = 0;
         while j < values.len() {
             let row = (first + j) / cols;
             let end = ((row + 1) * cols - first).min(values.len());
-            fixed::fold_many(exp, sum, row, cols, pass, values[j..end].iter().copied());
+            let run = &values[j..end];
+            fixed::fold_many(exp, sum, row, cols, pass, run);
+            let col = (first + j) % cols;
+            if held {
+                local.fold_run(col, rows, pass, run);
+            } else {
+                for (k, &x) in run.iter().enumerate() {
+                    fixed::fold(exp, sum, rows + col + k, rows, pass, x);
+                }
+            }
             j = end;
         }
-        // Column sums: each column's elements of these values (every `cols`-th) at once.
-        for j in 0..cols.min(values.len()) {
-            let col = (first + j) % cols;
-            let column = values[j..].iter().step_by(cols).copied();
-            fixed::fold_many(exp, sum, rows + col, rows, pass, column);
-        }
+    }
+
+    fn fold_flush(&self, r: &Regions<'_>, pass: usize, local: &fixed::Local) {
+        let (rows, _) = dims(r.shape);
+        local.flush(&r.wide[EXP], &r.wide[SUM], rows, pass);
     }
 
     fn loaded(&self, wide: &[Box<[AtomicU32]>], shape: &[usize]) {
         mean_rows(wide, dims(shape).0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row and column sums of squares the CPU folds (runs of a row at once, columns in a
+    /// piece's local words, or one by one for matrices wider than those) are the words of
+    /// folding every element atomically, for pieces and chunks that cut rows anywhere.
+    #[test]
+    fn folded_sums_equal_folding_each_element() {
+        for (rows, cols) in [(7, 1000), (3, fixed::LOCAL_SUMS + 3)] {
+            let shape = [rows, cols];
+            let n = rows * cols;
+            let values: Vec<f32> = (0..n)
+                .map(|i| match i % 97 {
+                    0 => 0.0,
+                    1 => f32::NAN,
+                    2 => 1e-45,
+                    3 => -3e38,
+                    _ => (i as f32 * 0.377).sin() * 10f32.powi((i % 11) as i32 - 5),
+                })
+                .collect();
+            let words = |k: usize| (0..k).map(|_| AtomicU32::new(0)).collect::<Box<[_]>>();
+            let wide = || -> Vec<Box<[AtomicU32]>> {
+                vec![
+                    words(rows),
+                    words(cols),
+                    words(1),
+                    words(rows + cols),
+                    words(2 * (rows + cols)),
+                ]
+            };
+            let (folded, each) = (wide(), wide());
+            let (piece, chunk) = (2500, 600);
+            for pass in 0..2 {
+                for (p, part) in values.chunks(piece).enumerate() {
+                    let r = Regions {
+                        elem: [&[]; 3],
+                        wide: &folded,
+                        global: p * piece,
+                        shape: &shape,
+                    };
+                    let mut local = fixed::Local::default();
+                    for (c, values) in part.chunks(chunk).enumerate() {
+                        Factored.fold(&r, pass, c * chunk, values, &mut local);
+                    }
+                    Factored.fold_flush(&r, pass, &local);
+                }
+                for (i, &x) in values.iter().enumerate() {
+                    let (e, s) = (&each[EXP], &each[SUM]);
+                    fixed::fold(e, s, i / cols, cols, pass, x);
+                    fixed::fold(e, s, rows + i % cols, rows, pass, x);
+                }
+            }
+            let read = |w: &[AtomicU32]| w.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+            let read: fn(&[AtomicU32]) -> Vec<u32> = read;
+            assert_eq!(read(&folded[EXP]), read(&each[EXP]), "{rows}x{cols}");
+            assert_eq!(read(&folded[SUM]), read(&each[SUM]), "{rows}x{cols}");
+            assert!(read(&each[SUM]).iter().any(|&w| w != 0));
+        }
     }
 }

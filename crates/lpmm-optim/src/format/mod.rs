@@ -325,8 +325,20 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
         false
     }
     /// Folds `values` (elements `at ..` of the piece) into the tensor-wide scratch in pass
-    /// `pass`, by atomic max or add only, so that the result does not depend on the order.
-    fn fold(&self, _r: &Regions<'_>, _pass: usize, _at: usize, _values: &[f32]) {}
+    /// `pass`, by atomic max or add only, so that the result does not depend on the order; or
+    /// into `local`, this piece's own words for the pass, which [`Codec::fold_flush`] applies
+    /// after the piece's last chunk.
+    fn fold(
+        &self,
+        _r: &Regions<'_>,
+        _pass: usize,
+        _at: usize,
+        _values: &[f32],
+        _local: &mut crate::fixed::Local,
+    ) {
+    }
+    /// After a piece's folds in pass `pass`: applies what they left in `local`.
+    fn fold_flush(&self, _r: &Regions<'_>, _pass: usize, _local: &crate::fixed::Local) {}
     /// The tensor-wide regions the folds accumulate into (zeroed before the first fold).
     fn fold_targets(&self) -> &'static [usize] {
         &[]
@@ -553,8 +565,11 @@ macro_rules! formats {
             pub(crate) fn add(&self, r: &mut RegionsMut<'_>, at: usize, d: &[f32]) -> bool {
                 match &self.0 { $(Inner::$variant(c) => c.add(r, at, d),)* }
             }
-            pub(crate) fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32]) {
-                match &self.0 { $(Inner::$variant(c) => c.fold(r, pass, at, values),)* }
+            pub(crate) fn fold(&self, r: &Regions<'_>, pass: usize, at: usize, values: &[f32], local: &mut crate::fixed::Local) {
+                match &self.0 { $(Inner::$variant(c) => c.fold(r, pass, at, values, local),)* }
+            }
+            pub(crate) fn fold_flush(&self, r: &Regions<'_>, pass: usize, local: &crate::fixed::Local) {
+                match &self.0 { $(Inner::$variant(c) => c.fold_flush(r, pass, local),)* }
             }
             /// The tensor-wide regions (indices among the tensor-wide ones) the folds accumulate
             /// into: zero them before the first fold.

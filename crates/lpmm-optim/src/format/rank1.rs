@@ -151,7 +151,14 @@ impl Codec for Rank1 {
         &[NEXT]
     }
 
-    fn fold(&self, r: &Regions<'_>, _pass: usize, at: usize, values: &[f32]) {
+    fn fold(
+        &self,
+        r: &Regions<'_>,
+        _pass: usize,
+        at: usize,
+        values: &[f32],
+        _local: &mut crate::fixed::Local,
+    ) {
         let Some(q) = self.quantizer(r.shape) else {
             return;
         };

@@ -501,6 +501,35 @@ macro_rules! rules {
                 match rule { $(RuleConsts::$variant(k) => apply_rule::<$config>(&k, f, clip, limits, c),)* }
             }
         }
+
+        lpmm_formats::multiversion! {
+            /// `c.d[j]` = the moment input of `slot` ([`RuleConsts::moment_input`], the gradient
+            /// times `clip`) of every element of a chunk: a fold pass's inputs, compiled per SIMD
+            /// level and per rule (the rules' `mul_add`s are FMA instructions, not library calls).
+            pub(crate) fn moment_inputs(rule: RuleConsts, f: StepFlags, slot: SlotKind, clip: f32, c: &mut Chunk<'_>) {
+                match rule {
+                    $(RuleConsts::$variant(k) => {
+                        for (j, d) in c.d.iter_mut().enumerate() {
+                            *d = <$config as Rule>::moment_input(&k, f, slot, c.p[j], c.g[j] * clip, c.m[j], c.v[j], c.w[j]);
+                        }
+                    })*
+                }
+            }
+        }
+
+        lpmm_formats::multiversion! {
+            /// `c.d[j]` = the input of sum `k` ([`RuleConsts::stat_input`], the gradient times
+            /// `clip`) of every element of a chunk, compiled as [`moment_inputs`] is.
+            pub(crate) fn stat_inputs(rule: RuleConsts, f: StepFlags, k: usize, clip: f32, c: &mut Chunk<'_>) {
+                match rule {
+                    $(RuleConsts::$variant(r) => {
+                        for (j, d) in c.d.iter_mut().enumerate() {
+                            *d = <$config as Rule>::stat_input(&r, f, k, c.p[j], c.g[j] * clip, c.m[j], c.v[j], c.w[j]);
+                        }
+                    })*
+                }
+            }
+        }
     };
 }
 
