@@ -335,7 +335,7 @@ fn decode_chunk(
 }
 
 /// One fold pass over a piece: the folded values of every chunk — for a slot's statistics (see
-/// [`Format::folds`]) its updated value or the rule's moment input, for the rule's sums its stat
+/// [`Format::folds`](crate::format::Format::folds)) its updated value or the rule's moment input, for the rule's sums its stat
 /// inputs.
 #[allow(clippy::too_many_arguments)]
 fn fold_piece(
