@@ -19,7 +19,7 @@ use crate::backend::{
 use crate::exact::{ExactSum, add_squares};
 use crate::fixed;
 use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
-use crate::rule::{Chunk, apply_chunk, moment_inputs, stat_inputs};
+use crate::rule::{Chunk, FoldValue, apply_chunk, fold_inputs};
 
 /// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
 /// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
@@ -361,7 +361,7 @@ fn fold_piece(
             FoldTarget::Stats => {
                 let (exp, sum) = stats.split_at(MAX_STATS);
                 for k in 0..rule.stats() {
-                    stat_inputs(*rule, flags, k, clip, &mut s.chunk(n));
+                    fold_inputs(*rule, flags, FoldValue::Stat(k), clip, &mut s.chunk(n));
                     // One atomic operation per chunk and sum (the sums are order-free).
                     fixed::fold_many(exp, sum, k, layout.numel, pass, &s.d[..n]);
                 }
@@ -382,7 +382,7 @@ fn fold_piece(
                         format.fold(&view, pass, start, &values[..n], &mut local);
                     }
                     FoldInput::MomentGradient => {
-                        moment_inputs(*rule, flags, slot, clip, &mut s.chunk(n));
+                        fold_inputs(*rule, flags, FoldValue::Moment(slot), clip, &mut s.chunk(n));
                         format.fold(&view, pass, start, &s.d[..n], &mut local);
                     }
                 }

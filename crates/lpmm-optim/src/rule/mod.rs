@@ -503,34 +503,34 @@ macro_rules! rules {
         }
 
         lpmm_formats::multiversion! {
-            /// `c.d[j]` = the moment input of `slot` ([`RuleConsts::moment_input`], the gradient
-            /// times `clip`) of every element of a chunk: a fold pass's inputs, compiled per SIMD
-            /// level and per rule (the rules' `mul_add`s are FMA instructions, not library calls).
-            pub(crate) fn moment_inputs(rule: RuleConsts, f: StepFlags, slot: SlotKind, clip: f32, c: &mut Chunk<'_>) {
+            /// `c.d[j]` = the fold input `of` ([`RuleConsts::moment_input`] or
+            /// [`RuleConsts::stat_input`], the gradient times `clip`) of every element of a
+            /// chunk: a fold pass's inputs, compiled per SIMD level and per rule (the rules'
+            /// `mul_add`s are FMA instructions, not library calls).
+            pub(crate) fn fold_inputs(rule: RuleConsts, f: StepFlags, of: FoldValue, clip: f32, c: &mut Chunk<'_>) {
                 match rule {
                     $(RuleConsts::$variant(k) => {
                         for (j, d) in c.d.iter_mut().enumerate() {
-                            *d = <$config as Rule>::moment_input(&k, f, slot, c.p[j], c.g[j] * clip, c.m[j], c.v[j], c.w[j]);
-                        }
-                    })*
-                }
-            }
-        }
-
-        lpmm_formats::multiversion! {
-            /// `c.d[j]` = the input of sum `k` ([`RuleConsts::stat_input`], the gradient times
-            /// `clip`) of every element of a chunk, compiled as [`moment_inputs`] is.
-            pub(crate) fn stat_inputs(rule: RuleConsts, f: StepFlags, k: usize, clip: f32, c: &mut Chunk<'_>) {
-                match rule {
-                    $(RuleConsts::$variant(r) => {
-                        for (j, d) in c.d.iter_mut().enumerate() {
-                            *d = <$config as Rule>::stat_input(&r, f, k, c.p[j], c.g[j] * clip, c.m[j], c.v[j], c.w[j]);
+                            let (p, g, m, v, w) = (c.p[j], c.g[j] * clip, c.m[j], c.v[j], c.w[j]);
+                            *d = match of {
+                                FoldValue::Moment(slot) => <$config as Rule>::moment_input(&k, f, slot, p, g, m, v, w),
+                                FoldValue::Stat(s) => <$config as Rule>::stat_input(&k, f, s, p, g, m, v, w),
+                            };
                         }
                     })*
                 }
             }
         }
     };
+}
+
+/// What a fold pass sums the squares of, element by element ([`fold_inputs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FoldValue {
+    /// The moment input of a slot ([`RuleConsts::moment_input`]).
+    Moment(SlotKind),
+    /// The input of the rule's sum `k` ([`RuleConsts::stat_input`]).
+    Stat(usize),
 }
 
 /// The most tensor-wide sums a rule may ask for ([`RuleConsts::stats`]).
