@@ -36,12 +36,13 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<(), FormatError> 
             actual: out.len(),
         });
     }
-    if let Some((index, &code)) = first_too_wide(codes, bits) {
-        return Err(FormatError::CodeTooWide { index, code, bits });
-    }
     if bits == 8 {
+        // Every byte is an 8-bit code.
         out.copy_from_slice(codes);
         return Ok(());
+    }
+    if let Some((index, &code)) = first_too_wide(codes, bits) {
+        return Err(FormatError::CodeTooWide { index, code, bits });
     }
     if bits == 4 {
         pack_nibbles(codes, out);
