@@ -526,15 +526,27 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
     }
 }
 
-// The random words of the 16 elements thread `lt` owns, from slot `slot`'s stream at `counter`
-// (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key + its index).
+// The stochastic-rounding draws of the 16 elements thread `lt` owns, from slot `slot`'s stream
+// at `counter` (ParamLayout::stream: tensor id = stream << 2 | slot; element = the item's key +
+// its index). Element g's draw is half of word g / 2 (the low half for even g, the high half for
+// odd g) in the high 16 bits: the thread's 16 elements take words 0-7 or 8-15 of block g / 32
+// (lpmm-quant `RandomStream::draws_at`).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
     // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
     uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).
     uint64_t key = t.d->key + t.start + PER * lt;
-    chacha8(t.d->seed, tensor, key >> 4, counter, r);
+    uint32_t words[16];
+    chacha8(t.d->seed, tensor, key >> 5, counter, words);
+    // Selected with constant indices, so `words` stays in registers.
+    bool upper = ((key >> 4) & 1u) != 0u;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        uint32_t w = upper ? words[8 + j] : words[j];
+        r[2 * j] = w << 16u;
+        r[2 * j + 1] = w & 0xFFFF0000u;
+    }
 }
 
 // ---- kernels/maps.cuh ----

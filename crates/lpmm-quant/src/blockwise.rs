@@ -5,7 +5,7 @@ use lpmm_formats::{CodeMap, packing};
 use rayon::prelude::*;
 
 use crate::error::QuantError;
-use crate::random::{RandomBits, RandomStream};
+use crate::random::{RandomDraws, RandomStream};
 
 /// Elements handed to one rayon task; also the size below which work stays on the calling thread.
 const CHUNK_ELEMENTS: usize = 1 << 16;
@@ -51,7 +51,8 @@ pub enum QuantRounding {
     /// The exact nearest code ([`CodeMap::nearest`]: ties to the code of lower magnitude).
     Nearest,
     /// Stochastic rounding between neighbouring codes ([`CodeMap::stochastic`]), element `j` of
-    /// the input using the bits of element `offset + j` (mod 2^64) of `stream`. `offset` is the input's
+    /// the input using the draw of element `offset + j` (mod 2^64) of `stream`
+    /// ([`RandomStream::draws_at`]: 16 random bits, two elements per ChaCha8 word). `offset` is the input's
     /// position in the whole tensor, so a shard or chunk draws the same bits as the whole.
     Stochastic {
         /// Where the random bits come from.
@@ -77,7 +78,7 @@ fn span_scales(absmax: &[f32], block: usize, start: usize, len: usize) -> (&[f32
 }
 
 /// The block quantizer's stack scratch for one span: unpacked codes (maps narrower than 8 bits)
-/// and random words (stochastic rounding), each present only when used.
+/// and random draws (stochastic rounding), each present only when used.
 struct Scratch {
     codes: Option<[u8; SPAN]>,
     random: Option<[u32; SPAN]>,
@@ -178,7 +179,7 @@ impl<'m> Blockwise<'m> {
             let mut bits = match rounding {
                 QuantRounding::Nearest => None,
                 QuantRounding::Stochastic { stream, offset } => {
-                    Some(stream.at(offset.wrapping_add(start as u64)))
+                    Some(stream.draws_at(offset.wrapping_add(start as u64)))
                 }
             };
             // Scratch zeroed once per call, and only what this map and rounding use.
@@ -235,7 +236,7 @@ impl<'m> Blockwise<'m> {
         x: &[f32],
         out: &mut [u8],
         absmax: &mut [f32],
-        mut bits: Option<&mut RandomBits>,
+        mut bits: Option<&mut RandomDraws>,
         scratch: &mut Scratch,
     ) -> Option<()> {
         let block = self.block.get();

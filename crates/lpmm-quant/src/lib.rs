@@ -40,5 +40,5 @@ mod rank1;
 pub use blockwise::{BlockSize, Blockwise, MAX_BLOCK, QuantRounding};
 pub use error::QuantError;
 pub use group::LinearGroup;
-pub use random::{RandomBits, RandomStream};
+pub use random::{RandomBits, RandomDraws, RandomStream};
 pub use rank1::{MAX_DIMS as RANK1_MAX_DIMS, Rank1, Rank1OrBlock};

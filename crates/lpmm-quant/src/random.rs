@@ -11,6 +11,11 @@
 //! order); the words are rand_chacha's `ChaCha8Rng` keystream, which a test checks at every SIMD
 //! level.
 //!
+//! Stochastic rounding needs only 16 of those bits, so lpmm's quantizers and formats round with
+//! *draws*: element `i`'s draw is one half of word `floor(i / 2)` (the low half for even `i`, the
+//! high half for odd `i`), handed to the rounding as the high half of a `u32` whose low half is
+//! zero ([`RandomStream::draws_at`]). One ChaCha8 block serves 32 elements.
+//!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 /// Blocks one [`chacha8_x16`] call computes (one per 32-bit lane of an AVX-512 register).
@@ -21,6 +26,10 @@ const BATCH: usize = 16 * LANES;
 
 /// Block counters are taken mod 2^60, so that element indices (16 per block) are mod 2^64.
 const BLOCK_MASK: u64 = (1 << 60) - 1;
+
+/// Draws (two per word, 32 per block) take block counters mod 2^59, so that their element
+/// indices are mod 2^64 as well.
+const DRAW_BLOCK_MASK: u64 = BLOCK_MASK >> 1;
 
 /// ChaCha's constant words ("expand 32-byte k").
 const SIGMA: [u32; 4] = [0x6170_7865, 0x3320_646e, 0x7962_2d32, 0x6b20_6574];
@@ -47,9 +56,9 @@ fn quarter(x: &mut [[u32; LANES]; 16], a: usize, b: usize, c: usize, d: usize) {
 }
 
 /// The 16 blocks' words after the eight rounds and the final addition, word-major:
-/// `x[w][j]` is word `w` of block `block + j` (counters mod 2^60).
+/// `x[w][j]` is word `w` of block `block + j` (counters `& mask`).
 #[inline(always)]
-fn chacha8_rows(key: &[u32; 8], block: u64, nonce: u64) -> [[u32; LANES]; 16] {
+fn chacha8_rows(key: &[u32; 8], block: u64, mask: u64, nonce: u64) -> [[u32; LANES]; 16] {
     let mut init = [[0u32; LANES]; 16];
     for (w, &c) in SIGMA.iter().enumerate() {
         init[w] = [c; LANES];
@@ -57,7 +66,7 @@ fn chacha8_rows(key: &[u32; 8], block: u64, nonce: u64) -> [[u32; LANES]; 16] {
     for (w, &k) in key.iter().enumerate() {
         init[4 + w] = [k; LANES];
     }
-    let counter = |l: usize| block.wrapping_add(l as u64) & BLOCK_MASK;
+    let counter = |l: usize| block.wrapping_add(l as u64) & mask;
     init[12] = std::array::from_fn(|l| counter(l) as u32);
     init[13] = std::array::from_fn(|l| (counter(l) >> 32) as u32);
     init[14] = [nonce as u32; LANES];
@@ -82,25 +91,25 @@ fn chacha8_rows(key: &[u32; 8], block: u64, nonce: u64) -> [[u32; LANES]; 16] {
     x
 }
 
-/// The ChaCha8 blocks `block, block + 1, ..., block + 15` (counters mod 2^60: element indices
-/// are taken mod 2^64) of `key` and stream `nonce`, 16 at a time (one per vector lane), in
+/// The ChaCha8 blocks `block, block + 1, ..., block + 15` (counters `& mask`: `BLOCK_MASK` for
+/// words, `DRAW_BLOCK_MASK` for draws, so element indices are taken mod 2^64) of `key` and stream `nonce`, 16 at a time (one per vector lane), in
 /// keystream order: `out[16 * j + w]` is word `w` of block `block + j`.
-fn chacha8_x16(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
+fn chacha8_x16(key: &[u32; 8], block: u64, mask: u64, nonce: u64, out: &mut [u32; BATCH]) {
     #[cfg(target_arch = "x86_64")]
     if lpmm_formats::simd::level() == lpmm_formats::simd::Level::Avx512 {
         // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL/DQ,
         // AVX2 and FMA (lpmm_formats::simd), every feature `chacha8_x16_avx512` enables.
-        unsafe { chacha8_x16_avx512(key, block, nonce, out) };
+        unsafe { chacha8_x16_avx512(key, block, mask, nonce, out) };
         return;
     }
-    chacha8_x16_transposed(key, block, nonce, out);
+    chacha8_x16_transposed(key, block, mask, nonce, out);
 }
 
 lpmm_formats::multiversion! {
     /// [`chacha8_x16`] with the transposition to keystream order left to the compiler (AVX2
     /// and portable builds).
-    fn chacha8_x16_transposed(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
-        let x = chacha8_rows(key, block, nonce);
+    fn chacha8_x16_transposed(key: &[u32; 8], block: u64, mask: u64, nonce: u64, out: &mut [u32; BATCH]) {
+        let x = chacha8_rows(key, block, mask, nonce);
         for w in 0..16 {
             for l in 0..LANES {
                 out[16 * l + w] = x[w][l];
@@ -113,9 +122,9 @@ lpmm_formats::multiversion! {
 /// 16 x 16 transposition of 32-bit words in four shuffle stages (64 shuffles).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-fn chacha8_x16_avx512(key: &[u32; 8], block: u64, nonce: u64, out: &mut [u32; BATCH]) {
+fn chacha8_x16_avx512(key: &[u32; 8], block: u64, mask: u64, nonce: u64, out: &mut [u32; BATCH]) {
     use std::arch::x86_64::*;
-    let counter = |l: usize| block.wrapping_add(l as u64) & BLOCK_MASK;
+    let counter = |l: usize| block.wrapping_add(l as u64) & mask;
     let counters: [[u32; LANES]; 2] = [
         std::array::from_fn(|l| counter(l) as u32),
         std::array::from_fn(|l| (counter(l) >> 32) as u32),
@@ -227,6 +236,11 @@ impl RandomStream {
     /// A generator positioned at element `index`: successive `next` calls give the bits of
     /// elements `index`, `index + 1`, ... (mod 2^64). It computes 16 ChaCha8 blocks at a time.
     pub fn at(&self, index: u64) -> RandomBits {
+        self.words_at(index, BLOCK_MASK)
+    }
+
+    /// A generator positioned at word `index`, with block counters `& mask`.
+    fn words_at(&self, index: u64, mask: u64) -> RandomBits {
         let key = [
             self.seed as u32,
             (self.seed >> 32) as u32,
@@ -240,11 +254,18 @@ impl RandomStream {
         let mut bits = RandomBits {
             key,
             nonce: self.step,
-            block: index >> 4,
+            block: (index >> 4) & mask,
+            mask,
             words: [0; BATCH],
             pos: (index & 15) as usize,
         };
-        chacha8_x16(&bits.key, bits.block, bits.nonce, &mut bits.words);
+        chacha8_x16(
+            &bits.key,
+            bits.block,
+            bits.mask,
+            bits.nonce,
+            &mut bits.words,
+        );
         bits
     }
 
@@ -258,6 +279,31 @@ impl RandomStream {
     pub fn fill(&self, start: u64, out: &mut [u32]) {
         self.at(start).fill(out);
     }
+
+    /// A generator of stochastic-rounding draws positioned at element `index`: successive
+    /// `next` calls give the draws of elements `index`, `index + 1`, ... (mod 2^64). Element
+    /// `i`'s draw is the low half of word `floor(i / 2)` if `i` is even, its high half if `i` is
+    /// odd, returned in the high half of the `u32` (the low 16 bits are zero), so one word serves
+    /// two elements ([docs/FORMATS.md] §9, "Draws").
+    ///
+    /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
+    pub fn draws_at(&self, index: u64) -> RandomDraws {
+        RandomDraws {
+            bits: self.words_at(index >> 1, DRAW_BLOCK_MASK),
+            high: index & 1 == 1,
+        }
+    }
+
+    /// The draw of element `index` alone (slow: computes a batch of blocks; use
+    /// [`RandomStream::draws_at`] or [`RandomStream::fill_draws`] for runs of elements).
+    pub fn draw(&self, index: u64) -> u32 {
+        self.draws_at(index).next()
+    }
+
+    /// Fills `out` with the draws of elements `start .. start + out.len()`.
+    pub fn fill_draws(&self, start: u64, out: &mut [u32]) {
+        self.draws_at(start).fill(out);
+    }
 }
 
 /// A positioned generator of per-element random bits (see [`RandomStream::at`]).
@@ -269,6 +315,8 @@ pub struct RandomBits {
     nonce: u64,
     /// The first of the 16 blocks `words` holds.
     block: u64,
+    /// Block counters are taken `& mask` (`BLOCK_MASK`, or `DRAW_BLOCK_MASK` for draws).
+    mask: u64,
     /// Words of blocks `block .. block + 16`.
     words: [u32; BATCH],
     /// The next word of `words` to hand out (`BATCH`: all handed out).
@@ -291,7 +339,7 @@ impl std::fmt::Debug for RandomBits {
 impl RandomBits {
     /// Moves to the next 16 blocks.
     fn advance(&mut self) {
-        self.block = self.block.wrapping_add(LANES as u64) & BLOCK_MASK;
+        self.block = self.block.wrapping_add(LANES as u64) & self.mask;
     }
 
     /// The bits of the next element.
@@ -300,7 +348,13 @@ impl RandomBits {
     pub fn next(&mut self) -> u32 {
         if self.pos == BATCH {
             self.advance();
-            chacha8_x16(&self.key, self.block, self.nonce, &mut self.words);
+            chacha8_x16(
+                &self.key,
+                self.block,
+                self.mask,
+                self.nonce,
+                &mut self.words,
+            );
             self.pos = 0;
         }
         let word = self.words[self.pos];
@@ -318,12 +372,18 @@ impl RandomBits {
                     // blocks just written, so the next refill moves past them).
                     let (whole, rest) = std::mem::take(&mut out).split_at_mut(BATCH);
                     if let Ok(whole) = <&mut [u32; BATCH]>::try_from(whole) {
-                        chacha8_x16(&self.key, self.block, self.nonce, whole);
+                        chacha8_x16(&self.key, self.block, self.mask, self.nonce, whole);
                     }
                     out = rest;
                     continue;
                 }
-                chacha8_x16(&self.key, self.block, self.nonce, &mut self.words);
+                chacha8_x16(
+                    &self.key,
+                    self.block,
+                    self.mask,
+                    self.nonce,
+                    &mut self.words,
+                );
                 self.pos = 0;
             }
             let n = out.len().min(BATCH - self.pos);
@@ -331,6 +391,101 @@ impl RandomBits {
             head.copy_from_slice(&self.words[self.pos..self.pos + n]);
             self.pos += n;
             out = rest;
+        }
+    }
+}
+
+/// A positioned generator of stochastic-rounding draws, 16 bits per element (see
+/// [`RandomStream::draws_at`]).
+#[derive(Clone)]
+pub struct RandomDraws {
+    /// The words, positioned at the word that holds the next draw.
+    bits: RandomBits,
+    /// Whether the next draw is the high half of that word (the low half was handed out).
+    high: bool,
+}
+
+impl std::fmt::Debug for RandomDraws {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let word = (self.bits.block << 4).wrapping_add(self.bits.pos as u64);
+        f.debug_struct("RandomDraws")
+            .field("nonce", &self.bits.nonce)
+            .field("next_index", &(word << 1 | u64::from(self.high)))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The draw of an even element: the low half of its word, moved to the high half.
+#[inline(always)]
+fn low_draw(word: u32) -> u32 {
+    word << 16
+}
+
+/// The draw of an odd element: the high half of its word.
+#[inline(always)]
+fn high_draw(word: u32) -> u32 {
+    word & 0xFFFF_0000
+}
+
+impl RandomDraws {
+    /// Makes sure the buffer holds the next word (computes the next 16 blocks if it is spent).
+    #[inline]
+    fn refill(&mut self) {
+        let bits = &mut self.bits;
+        if bits.pos == BATCH {
+            bits.advance();
+            chacha8_x16(
+                &bits.key,
+                bits.block,
+                bits.mask,
+                bits.nonce,
+                &mut bits.words,
+            );
+            bits.pos = 0;
+        }
+    }
+
+    /// The draw of the next element.
+    #[inline]
+    #[allow(clippy::should_implement_trait)] // an infinite stream: Iterator would only add noise
+    pub fn next(&mut self) -> u32 {
+        self.refill();
+        let word = self.bits.words[self.bits.pos];
+        if self.high {
+            self.bits.pos += 1;
+            self.high = false;
+            high_draw(word)
+        } else {
+            self.high = true;
+            low_draw(word)
+        }
+    }
+
+    /// The draws of the next `out.len()` elements.
+    pub fn fill(&mut self, mut out: &mut [u32]) {
+        if self.high && !out.is_empty() {
+            let (first, rest) = std::mem::take(&mut out).split_at_mut(1);
+            first[0] = self.next();
+            out = rest;
+        }
+        // Now at a word boundary: whole words give two draws each.
+        while out.len() >= 2 {
+            self.refill();
+            let bits = &mut self.bits;
+            let pairs = (out.len() / 2).min(BATCH - bits.pos);
+            let (head, rest) = std::mem::take(&mut out).split_at_mut(2 * pairs);
+            for (pair, &word) in head
+                .chunks_exact_mut(2)
+                .zip(&bits.words[bits.pos..bits.pos + pairs])
+            {
+                pair[0] = low_draw(word);
+                pair[1] = high_draw(word);
+            }
+            bits.pos += pairs;
+            out = rest;
+        }
+        if let [last] = out {
+            *last = self.next();
         }
     }
 }
@@ -448,6 +603,85 @@ mod tests {
         stream.fill(0, &mut low);
         assert_eq!(across[20..], low[..]);
         assert_eq!(across[19], stream.bits(u64::MAX));
+    }
+
+    /// Element `i`'s draw is the low half of word `i / 2` (even `i`) or its high half (odd `i`),
+    /// in the high half of the result: the definition GPU kernels implement.
+    #[test]
+    fn draws_are_the_documented_halves_of_the_words() {
+        let stream = RandomStream::new(0x0123_4567_89AB_CDEF, 42, 7);
+        for index in [
+            0u64,
+            1,
+            2,
+            31,
+            32,
+            33,
+            1000,
+            (1 << 33) + 5,
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            let block = chacha_block(&stream.key(), (index >> 1) / 16, stream.step, 8);
+            let word = block[((index >> 1) % 16) as usize];
+            let half = if index % 2 == 0 {
+                word & 0xFFFF
+            } else {
+                word >> 16
+            };
+            assert_eq!(stream.draw(index), half << 16, "index {index}");
+        }
+    }
+
+    /// Runs of draws equal the draws one element at a time, at every SIMD level, from odd and
+    /// even starts, for any length, across batches, through `next` and `fill` mixed.
+    #[test]
+    fn draws_do_not_depend_on_how_the_range_is_cut() {
+        use lpmm_formats::simd::{Level, force};
+        let stream = RandomStream::new(5, 6, 7);
+        let base = 2 * BATCH as u64 * 3 - 41;
+        let want: Vec<u32> = (0..2000).map(|i| stream.draw(base + i)).collect();
+        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            force(Some(level));
+            for (skip, len) in [
+                (0usize, 2000usize),
+                (1, 1),
+                (1, 2),
+                (2, 1),
+                (3, 600),
+                (4, 513),
+                (41, 1959),
+            ] {
+                let mut got = vec![0u32; len];
+                stream.fill_draws(base + skip as u64, &mut got);
+                assert_eq!(got, want[skip..skip + len], "{level:?} fill {skip} {len}");
+            }
+            let mut draws = stream.draws_at(base);
+            let mut got = vec![0u32; 2000];
+            let (a, rest) = got.split_at_mut(3);
+            draws.fill(a);
+            let (b, rest) = rest.split_at_mut(1);
+            b[0] = draws.next();
+            let (c, d) = rest.split_at_mut(777);
+            draws.fill(c);
+            draws.fill(d);
+            assert_eq!(got, want, "{level:?} mixed");
+        }
+        force(None);
+    }
+
+    /// Draws' element indices wrap mod 2^64 too: after element 2^64 - 1 (the high half of word
+    /// 2^63 - 1) come elements 0, 1, ... (word 0).
+    #[test]
+    fn draw_indices_wrap_mod_2_64() {
+        let stream = RandomStream::new(3, 4, 5);
+        let mut across = vec![0u32; 1000];
+        stream.fill_draws(u64::MAX - 599, &mut across);
+        let mut low = vec![0u32; 400];
+        stream.fill_draws(0, &mut low);
+        assert_eq!(across[600..], low[..]);
+        assert_eq!(across[599], stream.draw(u64::MAX));
+        assert_eq!(across[599] >> 16, stream.bits((1 << 63) - 1) >> 16);
     }
 
     #[test]

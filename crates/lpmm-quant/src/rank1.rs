@@ -256,7 +256,7 @@ impl<'m> Rank1<'m> {
                 let mut random = match rounding {
                     QuantRounding::Nearest => None,
                     QuantRounding::Stochastic { stream, offset } => {
-                        Some(stream.at(offset.wrapping_add(start as u64)))
+                        Some(stream.draws_at(offset.wrapping_add(start as u64)))
                     }
                 };
                 let mut buf = [0u8; MAX_BLOCK];

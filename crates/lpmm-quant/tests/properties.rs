@@ -88,7 +88,7 @@ proptest! {
     }
 
     /// Every code is the map's own rounding of `x / absmax` (f32 division) with element `i`'s
-    /// random word, packed as one stream, and dequantizing reads back `map[code] * absmax`:
+    /// draw (16 bits: half of word `i / 2`), packed as one stream, and dequantizing reads back `map[code] * absmax`:
     /// however the quantizer cuts blocks into spans, chunks and threads.
     #[test]
     fn codes_are_the_elementwise_definition(
@@ -108,7 +108,7 @@ proptest! {
         let mut absmax = vec![0f32; q.scales_len(n)];
         q.quantize(&x, &mut codes, &mut absmax, rounding).unwrap();
         let mut words = vec![0u32; n];
-        stream.fill(offset, &mut words);
+        stream.fill_draws(offset, &mut words);
         let want: Vec<u8> = x.iter().enumerate().map(|(i, &v)| {
             let a = absmax[i / block.get()];
             let y = if a == 0.0 { 0.0 } else { v / a };
@@ -442,6 +442,17 @@ fn rank1_stochastic_rounding_is_thread_independent_and_unbiased() {
         .install(|| run(stream));
     assert_eq!(whole.0, single.0);
     assert_eq!(whole.1, single.1);
+    // Each code is the map's stochastic rounding of x / s with the element's draw.
+    let mut draws = vec![0u32; n];
+    stream.fill_draws(0, &mut draws);
+    let mut codes = vec![0u8; n];
+    packing::unpack(&whole.0, map.bits(), &mut codes).unwrap();
+    for (i, (&c, &r)) in codes.iter().zip(&draws).enumerate() {
+        let (i0, i1, i2) = (i / (7 * 90), i / 90 % 7, i % 90);
+        let s = whole.1[i0].min(whole.1[300 + i1]).min(whole.1[307 + i2]);
+        let y = if s == 0.0 { 0.0 } else { x[i] / s };
+        assert_eq!(c, map.stochastic(y, r), "element {i}");
+    }
     // Mean over 200 draws of a few elements stays within 4 sigma of x.
     let picks = [0usize, 1234, 99_999, n - 1];
     let draws = 200u32;

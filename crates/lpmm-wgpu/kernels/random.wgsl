@@ -54,9 +54,11 @@ fn chacha8(seed: vec2<u32>, tensor: vec2<u32>, counter: vec2<u32>, nonce: vec2<u
     return x;
 }
 
-// The random words of the 16 elements thread `lt` owns, from slot `slot`'s stream at `counter`
-// (backend `stream_tensor`: tensor id = stream << 2 | slot, state 3's 2^63 | stream << 2;
-// element = the item's key + its index).
+// The stochastic-rounding draws of the 16 elements thread `lt` owns, from slot `slot`'s stream
+// at `counter` (backend `stream_tensor`: tensor id = stream << 2 | slot, state 3's
+// 2^63 | stream << 2; element = the item's key + its index). Element g's draw is half of word
+// g / 2 (the low half for even g, the high half for odd g) in the high 16 bits: the thread's 16
+// elements take words 0-7 or 8-15 of block g / 32 (lpmm-quant `RandomStream::draws_at`).
 fn thread_bits(t: Tile, lt: u32, slot: u32, counter: vec2<u32>) -> array<u32, 16> {
     let id = pair(t, D_STREAM);
     var tensor = vec2<u32>((id.x << 2u) | slot, (id.y << 2u) | (id.x >> 30u));
@@ -68,6 +70,14 @@ fn thread_bits(t: Tile, lt: u32, slot: u32, counter: vec2<u32>) -> array<u32, 16
     let add = t.start + PER * lt;
     let g_lo = key.x + add;
     let g_hi = key.y + select(0u, 1u, g_lo < key.x);
-    let block = vec2<u32>((g_lo >> 4u) | (g_hi << 28u), g_hi >> 4u);
-    return chacha8(pair(t, D_SEED), tensor, block, counter);
+    let block = vec2<u32>((g_lo >> 5u) | (g_hi << 27u), g_hi >> 5u);
+    let words = chacha8(pair(t, D_SEED), tensor, block, counter);
+    let upper = ((g_lo >> 4u) & 1u) != 0u;
+    var r: array<u32, 16>;
+    for (var j = 0u; j < 8u; j = j + 1u) {
+        let w = select(words[j], words[8u + j], upper);
+        r[2u * j] = w << 16u;
+        r[2u * j + 1u] = w & 0xFFFF0000u;
+    }
+    return r;
 }

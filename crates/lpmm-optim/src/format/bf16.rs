@@ -80,11 +80,11 @@ impl Codec for Bf16 {
         let out: &mut [bf16] = bytemuck::cast_slice_mut(&mut r.elem[0][2 * at..2 * (at + n)]);
         match self.rounding {
             StoreRounding::Stochastic => {
-                let mut bits = random.stream.at(random.index);
+                let mut draws = random.stream.draws_at(random.index);
                 let mut words = [0u32; 256];
                 for (xs, out) in values.chunks(words.len()).zip(out.chunks_mut(words.len())) {
                     let words = &mut words[..xs.len()];
-                    bits.fill(words);
+                    draws.fill(words);
                     simd::f32_to_bf16_stochastic(xs, words, out);
                 }
             }

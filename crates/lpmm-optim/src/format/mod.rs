@@ -222,8 +222,9 @@ pub(crate) struct RegionsMut<'a> {
 /// Element regions a format may have.
 pub(crate) const MAX_REGIONS: usize = 3;
 
-/// The random bits of a stochastic store: element `j` of the values uses word `index + j` of
-/// `stream` (`index`: the element's logical index in the whole tensor).
+/// The random bits of a stochastic store: element `j` of the values uses the draw of element
+/// `index + j` of `stream` ([`RandomStream::draws_at`]; `index`: the element's logical index in
+/// the whole tensor).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Random {
     pub stream: RandomStream,
