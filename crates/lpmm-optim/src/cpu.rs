@@ -218,19 +218,28 @@ fn load_gradient(
     released: Option<HostValues<'_>>,
     g: &mut [f32],
 ) {
-    match layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
-        Some(f) => f.decode(
-            &piece.view(SlotKind::Grad, wide, &layout.shape, None),
-            start,
-            g,
-        ),
-        None => g.fill(0.0),
-    }
-    if let Some(extra) = released {
-        let mut e = [0f32; CHUNK];
-        let e = &mut e[..g.len()];
-        extra.read_f32(piece.offset + start, e);
-        g.iter_mut().zip(e.iter()).for_each(|(a, &b)| *a += b);
+    let held = layout.format(SlotKind::Grad).filter(|_| piece.grad_held);
+    match (held, released) {
+        (Some(f), extra) => {
+            f.decode(
+                &piece.view(SlotKind::Grad, wide, &layout.shape, None),
+                start,
+                g,
+            );
+            if let Some(extra) = extra {
+                let mut e = [0f32; CHUNK];
+                let e = &mut e[..g.len()];
+                extra.read_f32(piece.offset + start, e);
+                g.iter_mut().zip(e.iter()).for_each(|(a, &b)| *a += b);
+            }
+        }
+        // The released gradient alone is `0.0 + g`, as if added to an empty accumulator: the
+        // same bits (`-0.0` becomes `+0.0`), read straight into the chunk.
+        (None, Some(extra)) => {
+            extra.read_f32(piece.offset + start, g);
+            g.iter_mut().for_each(|a| *a += 0.0);
+        }
+        (None, None) => g.fill(0.0),
     }
 }
 

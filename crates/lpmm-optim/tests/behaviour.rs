@@ -195,6 +195,37 @@ fn gradient_release_equals_accumulate_then_step() {
     assert_eq!(a, b);
 }
 
+/// A released gradient is added to an empty accumulator (`0.0 + g`), so a `-0.0` in it steps as
+/// `+0.0` does, as it would after `accumulate`: a zero parameter keeps its sign either way.
+#[test]
+fn a_released_negative_zero_gradient_steps_like_an_accumulated_one() {
+    let init = [-0.0f32, 0.0, -0.0, 0.0, 1.0, -1.0];
+    let grad = [-0.0f32, -0.0, 0.0, 0.0, -0.0, -0.0];
+    let options = OptimizerOptions::default().with_seed(3);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut results = Vec::new();
+    for release in [false, true] {
+        let mut opt = Optimizer::new(options).unwrap();
+        let group = opt.add_group(ParamConfig::f32(sgd(1.0))).unwrap();
+        let id = opt.add_param("z", &[6], &init, group).unwrap();
+        if release {
+            opt.step_param(id, &grad).unwrap();
+        } else {
+            opt.accumulate(id, &grad).unwrap();
+            opt.step().unwrap();
+        }
+        let mut out = [0f32; 6];
+        opt.read_param(id, &mut out).unwrap();
+        results.push(bits(&out));
+    }
+    assert_eq!(results[0], results[1]);
+    assert_eq!(
+        results[1],
+        bits(&init),
+        "a zero gradient moves nothing, zero signs included"
+    );
+}
+
 #[test]
 fn bad_input_gets_typed_errors() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
