@@ -26,6 +26,29 @@ fn blockwise(c: &mut Criterion) {
     group.bench_function("random_bits", |b| {
         b.iter(|| RandomStream::new(1, 2, 3).fill(0, black_box(&mut words)))
     });
+    // The draws stochastic rounding uses (16 bits each, two per word), a span of 256 elements
+    // at a time into one cache-resident buffer, as the quantizers and the optimizer's stores
+    // take them; beside it whole words the same way (the rounding's random bits before draws).
+    describe("quant", "random_draws_span", 4.0);
+    group.bench_function("random_draws_span", |b| {
+        b.iter(|| {
+            let mut draws = RandomStream::new(1, 2, 3).draws_at(0);
+            let mut span = [0u32; 256];
+            for _ in 0..N / 256 {
+                draws.fill(black_box(&mut span));
+            }
+        })
+    });
+    describe("quant", "random_words_span", 4.0);
+    group.bench_function("random_words_span", |b| {
+        b.iter(|| {
+            let mut bits = RandomStream::new(1, 2, 3).at(0);
+            let mut span = [0u32; 256];
+            for _ in 0..N / 256 {
+                bits.fill(black_box(&mut span));
+            }
+        })
+    });
     for (name, map) in &maps {
         for block in [64usize, 256, 2048] {
             let q = Blockwise::new(map, BlockSize::new(block).unwrap());

@@ -427,6 +427,16 @@ fn high_draw(word: u32) -> u32 {
     word & 0xFFFF_0000
 }
 
+lpmm_formats::multiversion! {
+    /// The two draws of each word: `out[2k]` and `out[2k + 1]` from `words[k]`.
+    fn split_words(words: &[u32], out: &mut [u32]) {
+        for (pair, &word) in out.chunks_exact_mut(2).zip(words) {
+            pair[0] = low_draw(word);
+            pair[1] = high_draw(word);
+        }
+    }
+}
+
 impl RandomDraws {
     /// Makes sure the buffer holds the next word (computes the next 16 blocks if it is spent).
     #[inline]
@@ -474,13 +484,7 @@ impl RandomDraws {
             let bits = &mut self.bits;
             let pairs = (out.len() / 2).min(BATCH - bits.pos);
             let (head, rest) = std::mem::take(&mut out).split_at_mut(2 * pairs);
-            for (pair, &word) in head
-                .chunks_exact_mut(2)
-                .zip(&bits.words[bits.pos..bits.pos + pairs])
-            {
-                pair[0] = low_draw(word);
-                pair[1] = high_draw(word);
-            }
+            split_words(&bits.words[bits.pos..bits.pos + pairs], head);
             bits.pos += pairs;
             out = rest;
         }
