@@ -32,6 +32,12 @@ pub struct CodeMap {
     /// (every map whose buckets hold at most one threshold): the VBMI stochastic rounding
     /// looks thresholds up from registers. Empty otherwise.
     threshold_planes: Box<[u8]>,
+    /// `Some((o, l))` when the map is a uniform grid: `values[c] == f32(c - o) / f32(l)` (one
+    /// f32 division) for every code, as [`CodeMap::linear_signed`] (`o = l`) and
+    /// [`CodeMap::linear_unsigned`] (`o = 0`) build them. The VBMI stochastic rounding then
+    /// estimates the lower code as `floor(y * l) + o`, checks it against the two values around
+    /// it and searches only the 64 lanes where the estimate is off.
+    grid: Option<(i32, f32)>,
 }
 
 /// Four byte planes of 256 entries of `table` (`f32` bit patterns; entries past the end read
@@ -45,6 +51,22 @@ fn byte_planes(table: &[f32], fill: f32) -> Box<[u8]> {
             })
         })
         .collect()
+}
+
+/// `Some((o, l))` if `values[c] == f32(c - o) / f32(l)` for every code `c`, with `l` the
+/// number of steps from the origin code `o` (the code of 0) to the last (see `CodeMap::grid`).
+fn uniform_grid(values: &[f32]) -> Option<(i32, f32)> {
+    let origin = values.iter().position(|&v| v == 0.0)?;
+    let steps = values.len() - 1 - origin;
+    if steps == 0 {
+        return None;
+    }
+    let (o, l) = (i32::try_from(origin).ok()?, steps as f32);
+    let on_grid = values
+        .iter()
+        .enumerate()
+        .all(|(c, &v)| v.to_bits() == ((c as i32 - o) as f32 / l).to_bits());
+    on_grid.then_some((o, l))
 }
 
 /// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the
@@ -284,6 +306,7 @@ impl CodeMap {
         };
         Ok(Self {
             bits,
+            grid: uniform_grid(values),
             values: values.into(),
             thresholds,
             start,
@@ -696,6 +719,9 @@ impl CodeMap {
         let Some(n) = lanes_for(xs.len().min(out.len()).min(bits.len()), scales, block) else {
             return 0;
         };
+        if let Some((origin, steps)) = self.grid {
+            return self.stochastic_grid_vbmi(&xs[..n], scales, block, bits, out, origin, steps);
+        }
         if self.scan != 1 || self.threshold_planes.is_empty() {
             return 0;
         }
@@ -759,6 +785,116 @@ impl CodeMap {
             }
         }
         whole
+    }
+
+    /// [`CodeMap::stochastic_scaled_vbmi`] on a uniform grid (`CodeMap::grid`): 64 lanes at a
+    /// time without a search ([`CodeMap::stochastic_grid64`]); the rare groups it hands over
+    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Only the
+    /// value table is held in registers. Returns how many leading elements it rounded (a
+    /// multiple of 64); `xs` holds at most what `lanes_for` allows.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    #[allow(clippy::too_many_arguments)]
+    fn stochastic_grid_vbmi(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        bits: &[u32],
+        out: &mut [u8],
+        origin: i32,
+        steps: f32,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let whole = xs.len() - xs.len() % 64;
+        let values = load_planes(&self.planes);
+        for i in (0..whole).step_by(64) {
+            let y: [__m512; 4] = std::array::from_fn(|m| {
+                let a = scales[(i + 16 * m) / block];
+                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
+            });
+            // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
+            if !self.stochastic_grid64(&values, origin, steps, y, &bits[i..], &mut out[i..]) {
+                let mut lanes = [0f32; 64];
+                for (m, y) in y.into_iter().enumerate() {
+                    // SAFETY: `16 m + 16 <= 64`; the store is unaligned.
+                    unsafe { _mm512_storeu_ps(lanes[16 * m..].as_mut_ptr(), y) };
+                }
+                for (j, &y) in lanes.iter().enumerate() {
+                    out[i + j] = self.stochastic(y, bits[i + j]);
+                }
+            }
+        }
+        whole
+    }
+
+    /// [`CodeMap::stochastic`] of 64 lanes `y` with draws `bits[..64]` into `out[..64]` on a
+    /// uniform grid (`CodeMap::grid`), without a search: the lower code is estimated as
+    /// `floor(y * steps) + origin` (clamped to the codes) and kept only if its value is `<= y`
+    /// and the next value (if any) is `> y`, which makes it the largest code whose value is
+    /// `<= y`, the `lo` of [`CodeMap::stochastic`]. Writes nothing and returns false if that
+    /// check fails in any lane (NaN, values off the grid's range, or a product `y * steps`
+    /// rounded across an integer); the caller then searches.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    #[inline]
+    fn stochastic_grid64(
+        &self,
+        values: &[[std::arch::x86_64::__m512i; 4]; 4],
+        origin: i32,
+        steps: f32,
+        y: [std::arch::x86_64::__m512; 4],
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> bool {
+        use std::arch::x86_64::*;
+        assert!(bits.len() >= 64 && out.len() >= 64, "64 lanes");
+        let zero = _mm512_setzero_si512();
+        let one = _mm512_set1_epi32(1);
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let as_ps = _mm512_castsi512_ps;
+        let lo: [__m512i; 4] = std::array::from_fn(|m| {
+            let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(y[m], _mm512_set1_ps(steps)),
+            );
+            // Out-of-range products convert to i32::MIN; the clamp and the check catch them.
+            let c = _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(origin));
+            _mm512_min_epi32(_mm512_max_epi32(c, zero), last)
+        });
+        let hi: [__m512i; 4] =
+            std::array::from_fn(|m| _mm512_min_epi32(_mm512_add_epi32(lo[m], one), last));
+        let lo_v = lookup64(values, pack_codes(lo));
+        let hi_v = lookup64(values, pack_codes(hi));
+        let mut ok = true;
+        let mut top = [0; 4];
+        for m in 0..4 {
+            top[m] = _mm512_cmpeq_epi32_mask(lo[m], last);
+            let at_or_above = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(as_ps(lo_v[m]), y[m]);
+            let below_next = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y[m], as_ps(hi_v[m]));
+            ok &= at_or_above & (below_next | top[m]) == 0xFFFF;
+        }
+        if !ok {
+            return false;
+        }
+        let two_32 = _mm512_set1_ps(4_294_967_296.0);
+        for m in 0..4 {
+            let (lo_v, hi_v) = (as_ps(lo_v[m]), as_ps(hi_v[m]));
+            let frac = _mm512_div_ps(_mm512_sub_ps(y[m], lo_v), _mm512_sub_ps(hi_v, lo_v));
+            // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
+            let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
+            // SAFETY: `16 m + 16 <= 64 <= bits.len()` (asserted); the load is unaligned.
+            let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(16 * m).cast()) };
+            let up = _mm512_cmplt_epu32_mask(r, cut) & !top[m];
+            let code = _mm512_mask_add_epi32(lo[m], up, lo[m], one);
+            // SAFETY: `16 m + 16 <= 64 <= out.len()` (asserted); the store is unaligned.
+            unsafe {
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(16 * m).cast(),
+                    _mm512_cvtepi32_epi8(code),
+                )
+            };
+        }
+        true
     }
 
     /// [`CodeMap::nearest_scaled`] over a run of blocks: element `j` is divided by
@@ -1168,7 +1304,8 @@ mod tests {
                         let done = unsafe {
                             m.stochastic_scaled_vbmi(&xs, &[absmax], xs.len(), &bits, &mut sb)
                         };
-                        assert_eq!(done, if m.scan == 1 { xs.len() / 64 * 64 } else { 0 });
+                        let runs = m.scan == 1 || m.grid.is_some();
+                        assert_eq!(done, if runs { xs.len() / 64 * 64 } else { 0 });
                         assert_eq!(sa[..done], sb[..done], "VBMI stochastic, {m:?}");
                         b.fill(0xAA);
                         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
@@ -1189,6 +1326,94 @@ mod tests {
                     }
                 }
                 let _ = (&mut b, &mut sb, &mut db);
+            }
+        }
+    }
+
+    /// Uniform grids are recognised, and the VBMI stochastic rounding's search-free path for
+    /// them gives the codes of [`CodeMap::stochastic`]: on values in range (where it runs), on
+    /// the grid's values and their neighbours, and on NaN and out-of-range lanes (which it hands
+    /// over to the search).
+    #[test]
+    fn uniform_grids_round_stochastically_without_a_search() {
+        let cases = [
+            (CodeMap::linear_signed(8).unwrap(), Some((127, 127.0))),
+            (CodeMap::linear_signed(2).unwrap(), Some((1, 1.0))),
+            (CodeMap::linear_unsigned(8).unwrap(), Some((0, 255.0))),
+            (CodeMap::linear_unsigned(3).unwrap(), Some((0, 7.0))),
+            (CodeMap::dynamic(true, 8).unwrap(), None),
+            (CodeMap::linear_without_zero(4).unwrap(), None),
+            (
+                CodeMap::from_values(2, &[-1.0, 0.0, 0.5, 1.0]).unwrap(),
+                None,
+            ),
+        ];
+        for (map, grid) in &cases {
+            assert_eq!(map.grid, *grid, "{map:?}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !(crate::simd::detected() == crate::simd::Level::Avx512
+                && std::is_x86_feature_detected!("avx512vbmi"))
+            {
+                eprintln!("no AVX-512 VBMI on this CPU: the grid path did not run");
+                return;
+            }
+            let mut state = 0x2545_F491_4F6C_DD1Du64;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            for (map, grid) in &cases {
+                let Some((_, steps)) = *grid else { continue };
+                let low = map.values()[0];
+                // 64-lane groups: uniform in the map's range; the grid's values and their
+                // neighbours; then a group with one NaN, one below the range and one above.
+                let mut xs: Vec<f32> = (0..64 * 40)
+                    .map(|_| low + (1.0 - low) * (next() >> 40) as f32 / (1u64 << 24) as f32)
+                    .collect();
+                for &v in map.values() {
+                    xs.extend([v.next_down(), v, v.next_up()]);
+                }
+                xs.resize(xs.len().next_multiple_of(64), 0.5);
+                xs.extend([f32::NAN, low - 0.25, 1.5]);
+                xs.resize(xs.len().next_multiple_of(64), -0.0);
+                let bits: Vec<u32> = xs.iter().map(|_| next() as u32).collect();
+                for absmax in [1.0f32, 1.0 / steps, 3.0] {
+                    let mut want = vec![0u8; xs.len()];
+                    map.stochastic_scaled_portable(&xs, absmax, &bits, &mut want);
+                    let mut got = vec![0xAAu8; xs.len()];
+                    // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+                    let done = unsafe {
+                        map.stochastic_scaled_vbmi(&xs, &[absmax], xs.len(), &bits, &mut got)
+                    };
+                    assert_eq!(done, xs.len());
+                    assert_eq!(got, want, "{map:?}, absmax {absmax}");
+                }
+                // The search-free path itself: it takes a group of values in range and hands a
+                // group with a NaN, or with an estimate rounded across an integer, to the search.
+                // SAFETY: AVX-512 F was detected on this CPU.
+                let values = unsafe { load_planes(&map.planes) };
+                let (o, steps) = grid.unwrap();
+                let take = |lanes: &[f32]| {
+                    let y = std::array::from_fn(|m| {
+                        // SAFETY: AVX-512 F was detected; 16 values per register.
+                        unsafe { std::arch::x86_64::_mm512_loadu_ps(lanes[16 * m..].as_ptr()) }
+                    });
+                    let mut out = [0u8; 64];
+                    // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+                    unsafe { map.stochastic_grid64(&values, o, steps, y, &bits[..64], &mut out) }
+                };
+                assert!(take(&xs[..64]), "{map:?}: values in range");
+                let mut nan = xs[..64].to_vec();
+                nan[17] = f32::NAN;
+                assert!(!take(&nan), "{map:?}: NaN");
+                // A lane below the map's range: the clamped estimate's value is above it.
+                let mut under = xs[..64].to_vec();
+                under[40] = low - 0.25;
+                assert!(!take(&under), "{map:?}: below the range");
             }
         }
     }
