@@ -419,12 +419,57 @@ impl CodeMap {
     fn nearest_scaled_avx512(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         let n = xs.len().min(out.len());
         let mut done = 0;
-        if crate::simd::vbmi() {
+        if self.values.len() <= 16 {
+            done = self.nearest_small_avx512(&xs[..n], &[absmax], n, &mut out[..n]);
+        } else if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
             done = unsafe { self.nearest_scaled_vbmi(&xs[..n], &[absmax], n, &mut out[..n]) };
         }
         self.nearest_scaled_gather(&xs[done..n], absmax, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::nearest_scaled`] over a run of blocks for maps of at most 16 values (4 bits and
+    /// narrower), 16 lanes at a time without gathers: `#{ j : threshold_j <= y }` by a
+    /// branch-free binary search of four steps over the thresholds held in one register
+    /// (`vpermps`; NaN pads the table, and `NaN <= y` is false, so NaN gives code 0 as in
+    /// [`CodeMap::nearest`]). Returns how many leading elements it rounded (a multiple of 16;
+    /// none for a larger map).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn nearest_small_avx512(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        out: &mut [u8],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let Some(n) = lanes_for(xs.len().min(out.len()), scales, block) else {
+            return 0;
+        };
+        if self.thresholds.len() > 15 {
+            return 0;
+        }
+        let mut table = [f32::NAN; 16];
+        table[..self.thresholds.len()].copy_from_slice(&self.thresholds);
+        // SAFETY: `table` holds 16 f32; the load is unaligned.
+        let table = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let whole = n - n % 16;
+        for i in (0..whole).step_by(16) {
+            let a = scales[i / block];
+            let y = quotient_lanes(&xs[i..i + 16], a, _mm512_set1_ps(a));
+            let mut c = _mm512_setzero_si512();
+            for step in [8, 4, 2, 1] {
+                let probe = _mm512_add_epi32(c, _mm512_set1_epi32(step - 1));
+                let t = _mm512_permutexvar_ps(probe, table);
+                let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, y);
+                c = _mm512_mask_add_epi32(c, le, c, _mm512_set1_epi32(step));
+            }
+            // SAFETY: `i + 16 <= whole <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c)) };
+        }
+        whole
     }
 
     /// [`CodeMap::nearest_scaled`] sixteen elements at a time with gathers.
@@ -910,7 +955,10 @@ impl CodeMap {
         #[allow(unused_mut)] // assigned only on x86-64
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::vbmi() {
+        if self.values.len() <= 16 && crate::simd::level() == crate::simd::Level::Avx512 {
+            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+            done = unsafe { self.nearest_small_avx512(&xs[..n], absmax, block, &mut out[..n]) };
+        } else if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
             // AVX-512 level) and VBMI.
             done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, block, &mut out[..n]) };
@@ -1295,6 +1343,12 @@ mod tests {
                     // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
                     unsafe { m.nearest_scaled_gather(&xs, absmax, &mut b) };
                     assert_eq!(a, b, "gather nearest, {m:?}, absmax {absmax}");
+                    b.fill(0xAA);
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    let done = unsafe { m.nearest_small_avx512(&xs, &[absmax], xs.len(), &mut b) };
+                    let small = m.values.len() <= 16;
+                    assert_eq!(done, if small { xs.len() / 16 * 16 } else { 0 });
+                    assert_eq!(a[..done], b[..done], "register-table nearest, {m:?}");
                     // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
                     unsafe { m.stochastic_scaled_gather(&xs, absmax, &bits, &mut sb) };
                     assert_eq!(sa, sb, "gather stochastic, {m:?}, absmax {absmax}");
