@@ -92,8 +92,9 @@ fn chacha8_rows(key: &[u32; 8], block: u64, mask: u64, nonce: u64) -> [[u32; LAN
 }
 
 /// The ChaCha8 blocks `block, block + 1, ..., block + 15` (counters `& mask`: `BLOCK_MASK` for
-/// words, `DRAW_BLOCK_MASK` for draws, so element indices are taken mod 2^64) of `key` and stream `nonce`, 16 at a time (one per vector lane), in
-/// keystream order: `out[16 * j + w]` is word `w` of block `block + j`.
+/// words, `DRAW_BLOCK_MASK` for draws, so element indices are taken mod 2^64) of `key` and
+/// stream `nonce`, 16 at a time (one per vector lane), in keystream order: `out[16 * j + w]` is
+/// word `w` of block `block + j`.
 fn chacha8_x16(key: &[u32; 8], block: u64, mask: u64, nonce: u64, out: &mut [u32; BATCH]) {
     #[cfg(target_arch = "x86_64")]
     if lpmm_formats::simd::level() == lpmm_formats::simd::Level::Avx512 {
