@@ -132,6 +132,25 @@ fn blocks_from(
         .filter(|(_, r)| !r.is_empty())
 }
 
+/// The quotients `x / scale` of the 64 elements `xs` (at most 64 of them are read), which start
+/// at element `start` of a run whose element `j` uses `scales[j / block]` (16 lanes share one
+/// scale: see `lanes_for`), as four registers of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn quotients64(
+    xs: &[f32],
+    scales: &[f32],
+    start: usize,
+    block: usize,
+) -> [std::arch::x86_64::__m512; 4] {
+    use std::arch::x86_64::*;
+    std::array::from_fn(|m| {
+        let a = scales[(start + 16 * m) / block];
+        quotient_lanes(&xs[16 * m..16 * m + 16], a, _mm512_set1_ps(a))
+    })
+}
+
 /// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
 /// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
 /// (`block` a multiple of 16, or a single scale); `None` otherwise.
@@ -728,10 +747,7 @@ impl CodeMap {
         let whole = n - n % 64;
         let thresholds = load_planes(&self.threshold_planes);
         for i in (0..whole).step_by(64) {
-            let y: [__m512; 4] = std::array::from_fn(|m| {
-                let a = scales[(i + 16 * m) / block];
-                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
-            });
+            let y = quotients64(&xs[i..i + 64], scales, i, block);
             for (m, c) in self.nearest_vbmi(&thresholds, y).into_iter().enumerate() {
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe {
@@ -779,10 +795,7 @@ impl CodeMap {
         let two_32 = _mm512_set1_ps(4_294_967_296.0);
         let as_ps = _mm512_castsi512_ps;
         for i in (0..whole).step_by(64) {
-            let y: [__m512; 4] = std::array::from_fn(|m| {
-                let a = scales[(i + 16 * m) / block];
-                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
-            });
+            let y = quotients64(&xs[i..i + 64], scales, i, block);
             let nan: [__mmask16; 4] =
                 std::array::from_fn(|m| _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]));
             let c = self.nearest_vbmi(&thresholds, y);
@@ -854,10 +867,7 @@ impl CodeMap {
         let whole = xs.len() - xs.len() % 64;
         let values = load_planes(&self.planes);
         for i in (0..whole).step_by(64) {
-            let y: [__m512; 4] = std::array::from_fn(|m| {
-                let a = scales[(i + 16 * m) / block];
-                quotient_lanes(&xs[i + 16 * m..i + 16 * m + 16], a, _mm512_set1_ps(a))
-            });
+            let y = quotients64(&xs[i..i + 64], scales, i, block);
             // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
             if !self.stochastic_grid64(&values, origin, steps, y, &bits[i..], &mut out[i..]) {
                 let mut lanes = [0f32; 64];
