@@ -38,7 +38,8 @@ fn map(bits: u32) -> Result<&'static CodeMap, ActError> {
 
 impl Compressed {
     /// `x` at `bits` (2, 4 or 8) per element in blocks of `block`, rounded stochastically with
-    /// the words of `stream` (element `i` uses word `i`). Non-finite inputs are an error.
+    /// the draws of `stream` (element `i` uses draw `i`: 16 bits, half of word `i / 2`,
+    /// [`RandomStream::draws_at`]). Non-finite inputs are an error.
     pub fn new(
         x: &[f32],
         bits: u32,

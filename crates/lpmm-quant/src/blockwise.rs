@@ -52,8 +52,9 @@ pub enum QuantRounding {
     Nearest,
     /// Stochastic rounding between neighbouring codes ([`CodeMap::stochastic`]), element `j` of
     /// the input using the draw of element `offset + j` (mod 2^64) of `stream`
-    /// ([`RandomStream::draws_at`]: 16 random bits, two elements per ChaCha8 word). `offset` is the input's
-    /// position in the whole tensor, so a shard or chunk draws the same bits as the whole.
+    /// ([`RandomStream::draws_at`]: 16 random bits, two elements per ChaCha8 word). `offset` is
+    /// the input's position in the whole tensor, so a shard or chunk draws the same bits as the
+    /// whole.
     Stochastic {
         /// Where the random bits come from.
         stream: RandomStream,
