@@ -151,6 +151,28 @@ fn quotients64(
     })
 }
 
+/// [`CodeMap::stochastic`]'s last step on 16 lanes: `lo + (r < F)` with `F =
+/// u32_saturating(frac * 2^32)`, `frac = (y - lo_v) / (hi_v - lo_v)` in f32, and never above `lo`
+/// in the lanes of `top` (`lo` is the last code there).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn stochastic_step(
+    y: std::arch::x86_64::__m512,
+    lo: std::arch::x86_64::__m512i,
+    lo_v: std::arch::x86_64::__m512,
+    hi_v: std::arch::x86_64::__m512,
+    top: std::arch::x86_64::__mmask16,
+    r: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let frac = _mm512_div_ps(_mm512_sub_ps(y, lo_v), _mm512_sub_ps(hi_v, lo_v));
+    // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
+    let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, _mm512_set1_ps(4_294_967_296.0)));
+    let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
+    _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1))
+}
+
 /// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
 /// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
 /// (`block` a multiple of 16, or a single scale); `None` otherwise.
@@ -580,7 +602,6 @@ impl CodeMap {
         let one = _mm512_set1_epi32(1);
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
         let divisor = _mm512_set1_ps(absmax);
-        let two_32 = _mm512_set1_ps(4_294_967_296.0);
         for i in (0..whole).step_by(16) {
             let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
             let c = self.nearest_lanes(y);
@@ -600,13 +621,9 @@ impl CodeMap {
             let ov = unsafe { _mm512_i32gather_ps::<4>(other, values) };
             let lo_v = _mm512_mask_mov_ps(ov, lo_is_c, vc);
             let hi_v = _mm512_mask_mov_ps(ov, hi_is_c, vc);
-            let frac = _mm512_div_ps(_mm512_sub_ps(y, lo_v), _mm512_sub_ps(hi_v, lo_v));
-            // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
-            let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
             // SAFETY: `i + 16 <= bits.len()`; the load is unaligned.
             let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(i).cast()) };
-            let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
-            let mut code = _mm512_mask_add_epi32(lo, up, lo, one);
+            let mut code = stochastic_step(y, lo, lo_v, hi_v, top, r);
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
             code = _mm512_mask_mov_epi32(code, under | nan, zero);
             // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
@@ -792,7 +809,6 @@ impl CodeMap {
         let zero = _mm512_setzero_si512();
         let one = _mm512_set1_epi32(1);
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
-        let two_32 = _mm512_set1_ps(4_294_967_296.0);
         let as_ps = _mm512_castsi512_ps;
         for i in (0..whole).step_by(64) {
             let y = quotients64(&xs[i..i + 64], scales, i, block);
@@ -825,13 +841,9 @@ impl CodeMap {
                     as_ps(vc[m]),
                 );
                 let top = _mm512_cmpeq_epi32_mask(lo[m], last);
-                let frac = _mm512_div_ps(_mm512_sub_ps(y[m], lo_v), _mm512_sub_ps(hi_v, lo_v));
-                // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
-                let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
                 // SAFETY: `i + 16 m + 16 <= bits.len()`; the load is unaligned.
                 let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(i + 16 * m).cast()) };
-                let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
-                let code = _mm512_mask_add_epi32(lo[m], up, lo[m], one);
+                let code = stochastic_step(y[m], lo[m], lo_v, hi_v, top, r);
                 let code = _mm512_mask_mov_epi32(code, under[m] | nan[m], zero);
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe {
@@ -931,16 +943,11 @@ impl CodeMap {
         if !ok {
             return false;
         }
-        let two_32 = _mm512_set1_ps(4_294_967_296.0);
         for m in 0..4 {
             let (lo_v, hi_v) = (as_ps(lo_v[m]), as_ps(hi_v[m]));
-            let frac = _mm512_div_ps(_mm512_sub_ps(y[m], lo_v), _mm512_sub_ps(hi_v, lo_v));
-            // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
-            let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, two_32));
             // SAFETY: `16 m + 16 <= 64 <= bits.len()` (asserted); the load is unaligned.
             let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(16 * m).cast()) };
-            let up = _mm512_cmplt_epu32_mask(r, cut) & !top[m];
-            let code = _mm512_mask_add_epi32(lo[m], up, lo[m], one);
+            let code = stochastic_step(y[m], lo[m], lo_v, hi_v, top[m], r);
             // SAFETY: `16 m + 16 <= 64 <= out.len()` (asserted); the store is unaligned.
             unsafe {
                 _mm_storeu_si128(
