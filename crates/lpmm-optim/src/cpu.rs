@@ -306,7 +306,8 @@ impl Scratch {
     }
 }
 
-/// Decodes a chunk's gradient (`g`, unless `transform`), parameter and states into `s`.
+/// Decodes a chunk's gradient (`g`, unless `transform`), parameter and states into `s`, except
+/// the slots stepped `in_place` (indexed by [`SlotKind`]).
 #[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     s: &mut Scratch,
@@ -318,29 +319,57 @@ fn decode_chunk(
     start: usize,
     n: usize,
     transform: bool,
+    in_place: [bool; SLOTS],
 ) {
     if transform {
         s.g[..n].fill(0.0);
     } else {
         load_gradient(layout, piece, &wide[1], start, released, &mut s.g[..n]);
     }
-    decode_slot(
-        layout,
-        piece,
-        &wide[0],
-        SlotKind::Param,
-        lent,
-        start,
-        &mut s.p[..n],
-    );
     for (slot, out) in [
+        (SlotKind::Param, &mut s.p),
         (SlotKind::State1, &mut s.m),
         (SlotKind::State2, &mut s.v),
         (SlotKind::State3, &mut s.w),
     ] {
         let k = slot as usize;
-        decode_slot(layout, piece, &wide[k], slot, None, start, &mut out[..n]);
+        if !in_place[k] {
+            let lent = lent.filter(|_| slot == SlotKind::Param);
+            decode_slot(layout, piece, &wide[k], slot, lent, start, &mut out[..n]);
+        }
     }
+}
+
+/// Which slots of a piece the fused step updates where they are stored (indexed by
+/// [`SlotKind`]): those whose format holds plain f32 values ([`Format::plain_f32`]: decoding and
+/// encoding would be copies), the parameter only when the step stores it (and, lent, only when
+/// the caller's buffer is f32-aligned), the states only when it stores them (not under
+/// [`StepFlags::TRANSFORM`]). The gradient is always read into the scratch.
+///
+/// [`Format::plain_f32`]: crate::format::Format::plain_f32
+fn in_place_slots(
+    layout: &ParamLayout,
+    piece: &Piece,
+    flags: StepFlags,
+    lent: Option<&[u8]>,
+) -> [bool; SLOTS] {
+    let plain =
+        |slot: SlotKind| piece.holds(slot) && layout.format(slot).is_some_and(|f| f.plain_f32());
+    let mut in_place = [false; SLOTS];
+    in_place[SlotKind::Param as usize] = flags.has(StepFlags::UPDATE_PARAM)
+        && plain(SlotKind::Param)
+        && lent.is_none_or(|l| l.as_ptr().align_offset(4) == 0);
+    if !flags.has(StepFlags::TRANSFORM) {
+        for slot in [SlotKind::State1, SlotKind::State2, SlotKind::State3] {
+            in_place[slot as usize] = plain(slot);
+        }
+    }
+    in_place
+}
+
+/// Elements `start..start + n` of a plain-f32 primary region, as f32.
+fn f32_values(words: &mut [u32], start: usize, n: usize) -> &mut [f32] {
+    bytemuck::cast_slice_mut(&mut words[start..start + n])
 }
 
 /// One fold pass over a piece: the folded values of every chunk — for a slot's statistics (see
@@ -364,7 +393,18 @@ fn fold_piece(
     let mut local = fixed::Local::default();
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
-        decode_chunk(&mut s, layout, piece, wide, released, lent, start, n, false);
+        decode_chunk(
+            &mut s,
+            layout,
+            piece,
+            wide,
+            released,
+            lent,
+            start,
+            n,
+            false,
+            [false; SLOTS],
+        );
         let clip = plan.clip;
         match target {
             FoldTarget::Stats => {
@@ -427,6 +467,7 @@ fn fused_step(
     let mut s = Scratch::new();
     let shape = &layout.shape[..];
     let mut saw_non_finite = false;
+    let in_place = in_place_slots(layout, piece, flags, lent.as_deref());
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
         let at = piece.offset + start;
@@ -440,8 +481,39 @@ fn fused_step(
             start,
             n,
             transform,
+            in_place,
         );
-        saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut s.chunk(n));
+        {
+            // The rule's operands: the stored values of the slots stepped in place, the scratch
+            // for the others.
+            let [rp, _, r1, r2, r3] = &mut piece.regions;
+            let Scratch { g, p, m, v, w, d } = &mut s;
+            let p = match (in_place[SlotKind::Param as usize], lent.as_deref_mut()) {
+                // `in_place_slots` checked the alignment; the length is the piece's (4 bytes per
+                // element), as `decode` reads it.
+                (true, Some(l)) => bytemuck::cast_slice_mut(&mut l[4 * start..4 * (start + n)]),
+                (true, None) => f32_values(&mut rp[0], start, n),
+                (false, _) => &mut p[..n],
+            };
+            let [m, v, w] = [
+                (SlotKind::State1, r1, m),
+                (SlotKind::State2, r2, v),
+                (SlotKind::State3, r3, w),
+            ]
+            .map(|(slot, r, scratch)| match r.first_mut() {
+                Some(words) if in_place[slot as usize] => f32_values(words, start, n),
+                _ => &mut scratch[..n],
+            });
+            let mut chunk = Chunk {
+                g: &g[..n],
+                p,
+                m,
+                v,
+                w,
+                d: &mut d[..n],
+            };
+            saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut chunk);
+        }
         let [rp, rg, r1, r2, r3] = &mut piece.regions;
         let [bp, bg, b1, b2, b3] = &piece.bytes;
         if !transform {
@@ -450,6 +522,9 @@ fn fused_step(
                 (SlotKind::State2, r2, b2, &s.v),
                 (SlotKind::State3, r3, b3, &s.w),
             ] {
+                if in_place[slot as usize] {
+                    continue;
+                }
                 if let Some(f) = layout.format(slot) {
                     let w = &wide[slot as usize];
                     let mut r = view_mut(regions, bytes, w, piece.offset, shape, None);
@@ -463,6 +538,7 @@ fn fused_step(
             }
         }
         if flags.has(StepFlags::UPDATE_PARAM)
+            && !in_place[SlotKind::Param as usize]
             && let Some(f) = layout.format(SlotKind::Param)
         {
             let mut r = view_mut(rp, bp, &wide[0], piece.offset, shape, lent.as_deref_mut());

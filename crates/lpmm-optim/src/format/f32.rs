@@ -37,6 +37,10 @@ impl Codec for F32 {
         true
     }
 
+    fn plain_f32(&self) -> bool {
+        true
+    }
+
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {
         if values && !f32s(&host.regions[0].bytes).all(f32::is_finite) {
             return Err("holds a non-finite value".into());

@@ -294,6 +294,12 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
     fn holds_non_finite(&self) -> bool {
         false
     }
+    /// Whether its primary region is the f32 values themselves, element `j` at bytes
+    /// `4 j .. 4 j + 4`, so that `decode` and `encode` are copies: the CPU step then updates
+    /// them in place instead of copying them into its scratch and back.
+    fn plain_f32(&self) -> bool {
+        false
+    }
     /// The format's parameters as its kernels read them.
     fn kernel_aux(&self) -> u32 {
         0
@@ -517,6 +523,12 @@ macro_rules! formats {
             /// refuses a micro-batch whose sum would not fit it.
             pub fn holds_non_finite(&self) -> bool {
                 match &self.0 { $(Inner::$variant(c) => c.holds_non_finite(),)* }
+            }
+
+            /// Whether its primary region holds the f32 values themselves (see
+            /// `Codec::plain_f32`).
+            pub(crate) fn plain_f32(&self) -> bool {
+                match &self.0 { $(Inner::$variant(c) => c.plain_f32(),)* }
             }
 
             /// The fold passes of a two-phase step.
