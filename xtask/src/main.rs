@@ -5,7 +5,9 @@
 //! bytes moved per parameter, its bandwidth ceiling), and writes `target/lpmm-report/bench.json`
 //! and `bench.md` (the table of docs/BENCHMARKS.md).
 //!
-//! - `--quick`: a smoke run (1M and 4M parameters, short measurements), what CI runs.
+//! - `--quick`: a smoke run (1M and 4M parameters, short measurements), what CI runs. It builds
+//!   with the release profile, as the tests do, where burn's stack is unoptimised: its burn peer
+//!   figure is not burn's speed.
 //! - `--report-only`: no measuring; rebuilds the report from the last run's criterion results,
 //!   sidecars and (with `--peers`) `peers.json`.
 //! - `--peers`: also torch's fused AdamW and bitsandbytes' AdamW8bit at the same sizes and thread
@@ -152,9 +154,19 @@ fn bench(
         cmd.current_dir(&root)
             // `--workspace` (only lpmm-benches has bench targets): features unify as in the
             // README's `cargo test --workspace --release`, so the bench profile (which inherits
-            // release) reuses that build's dependencies instead of compiling candle, wgpu and
-            // burn a second time.
+            // release) reuses that build's dependencies instead of compiling candle and wgpu a
+            // second time. burn's stack is the exception: the bench profile builds it at
+            // opt-level 3 (the release profile leaves it unoptimised for the tests; see the
+            // workspace's Cargo.toml) so that burn's peer is measured as burn users build it. The
+            // smoke run measures nothing and benches with the release profile, reusing the test
+            // build whole.
             .args(["bench", "--workspace", "--locked"])
+            .args(
+                quick
+                    .then_some(["--profile", "release"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(BENCHES.iter().flat_map(|b| ["--bench", b]))
             .args(["--features", "lpmm-benches/burn"])
             .arg("--")
@@ -607,6 +619,55 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every crate the release profile leaves unoptimised (burn's stack, for the tests' build
+    /// time), the bench profile optimises again, so that benches and measured examples run burn as
+    /// burn users build it; and no other crate's optimisation is changed.
+    #[test]
+    fn burn_stack_is_optimised_for_benches() {
+        let manifest =
+            std::fs::read_to_string(workspace_root().join("Cargo.toml")).expect("Cargo.toml");
+        let mut levels: BTreeMap<(String, String), String> = BTreeMap::new();
+        let mut table: Option<(String, String)> = None;
+        for line in manifest.lines().map(str::trim) {
+            if let Some(header) = line.strip_prefix('[') {
+                table = header
+                    .trim_end_matches(']')
+                    .strip_prefix("profile.")
+                    .and_then(|rest| rest.split_once(".package."))
+                    .map(|(profile, package)| (profile.to_string(), package.to_string()));
+            } else if let (Some(t), Some(level)) = (&table, line.strip_prefix("opt-level = ")) {
+                levels.insert(t.clone(), level.to_string());
+            }
+        }
+        let of = |profile: &str, level: &str| -> Vec<String> {
+            levels
+                .iter()
+                .filter(|((p, _), l)| p == profile && l.as_str() == level)
+                .map(|((_, package), _)| package.clone())
+                .collect()
+        };
+        let lowered = of("release", "0");
+        assert!(
+            lowered.iter().any(|p| p == "burn-ndarray"),
+            "expected burn's stack at opt-level 0 in the release profile: {lowered:?}"
+        );
+        assert_eq!(
+            lowered,
+            of("bench", "3"),
+            "the bench profile must restore opt-level 3 for exactly the crates release lowers"
+        );
+        let others: Vec<_> = levels
+            .iter()
+            .filter(|((p, _), l)| {
+                !matches!((p.as_str(), l.as_str()), ("release", "0") | ("bench", "3"))
+            })
+            .collect();
+        assert!(
+            others.is_empty(),
+            "only burn's stack has a package opt-level: {others:?}"
+        );
+    }
 
     /// `cargo xtask bench` names every bench target of `benches/Cargo.toml`, and only those.
     #[test]

@@ -3,7 +3,7 @@
 //! with lpmm-act's operators (`lpmm_act_burn::block`), measured with a counting global allocator
 //! in the same run.
 //!
-//! `cargo run --release -p lpmm-act-burn --example block_memory [-- --steps N]`
+//! `cargo run --profile bench -p lpmm-act-burn --example block_memory [-- --steps N]`
 //!
 //! Prints a markdown table and writes `target/lpmm-report/act_memory.json`.
 
@@ -90,7 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let report = serde_json::json!({
-        "command": "cargo run --release -p lpmm-act-burn --example block_memory",
+        "command": "cargo run --profile bench -p lpmm-act-burn --example block_memory",
         "backend": "burn 0.22.1 Autodiff<Flex> (CPU)",
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "config": {

@@ -6,10 +6,10 @@
 //! validation accuracy it reached.
 //!
 //! ```sh
-//! cargo run --release -p lpmm-burn --example memory                # H = 2048 (4.3M parameters), 30 steps
-//! cargo run --release -p lpmm-burn --example memory -- --backends ndarray --repeat 3
-//! cargo run --release -p lpmm-burn --example memory -- --backends wgpu --repeat 2 --lpmm-segment-mib 16
-//! cargo run --release -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
+//! cargo run --profile bench -p lpmm-burn --example memory                # H = 2048 (4.3M parameters), 30 steps
+//! cargo run --profile bench -p lpmm-burn --example memory -- --backends ndarray --repeat 3
+//! cargo run --profile bench -p lpmm-burn --example memory -- --backends wgpu --repeat 2 --lpmm-segment-mib 16
+//! cargo run --profile bench -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
 //! ```
 
 use std::io::Read;
