@@ -35,6 +35,16 @@ pub fn describe(group: &str, id: &str, bytes: f64) {
     });
 }
 
+/// Ten samples; in a smoke run (`LPMM_BENCH_QUICK=1`, CI's `cargo xtask bench --quick`, whose
+/// figures nothing reports) a short warm-up and measurement instead of criterion's 3 s and 5 s.
+pub fn configure(group: &mut BenchmarkGroup<'_, WallTime>) {
+    group.sample_size(10);
+    if lpmm_benches::quick() {
+        group.warm_up_time(std::time::Duration::from_millis(200));
+        group.measurement_time(std::time::Duration::from_millis(500));
+    }
+}
+
 /// The reference every figure is read against: copying `N` f32 with all threads (rayon, as the
 /// quantizers run), measured in the same run. Throughput counts the bytes copied (each read once
 /// and written once; the sidecar counts both, 8 bytes per element).

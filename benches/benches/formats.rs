@@ -11,7 +11,7 @@ use common::{N, data, describe, memcpy_reference};
 fn conversions(c: &mut Criterion) {
     let x = data(N);
     let mut group = c.benchmark_group("formats");
-    group.sample_size(10);
+    common::configure(&mut group);
     memcpy_reference(&mut group, "formats");
     for (id, bytes) in [
         ("bf16_nearest", 6.0),

@@ -17,7 +17,7 @@ fn blockwise(c: &mut Criterion) {
         ("dynamic4", CodeMap::dynamic(true, 4).unwrap()),
     ];
     let mut group = c.benchmark_group("quant");
-    group.sample_size(10);
+    common::configure(&mut group);
     memcpy_reference(&mut group, "quant");
     describe("quant", "random_bits", 4.0);
     group.throughput(Throughput::Elements(N as u64));
