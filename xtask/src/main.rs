@@ -620,8 +620,8 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
 mod tests {
     use super::*;
 
-    /// Every crate the release profile leaves unoptimised (burn's stack, for the tests' build
-    /// time), the bench profile optimises again, so that benches and measured examples run burn as
+    /// Every crate the release profile optimises less for the tests' build time (burn's stack at
+    /// opt-level 0, lpmm's burn integrations at 1), the bench profile optimises again, so that benches and measured examples run burn as
     /// burn users build it; and no other crate's optimisation is changed.
     #[test]
     fn burn_stack_is_optimised_for_benches() {
@@ -652,20 +652,32 @@ mod tests {
             lowered.iter().any(|p| p == "burn-ndarray"),
             "expected burn's stack at opt-level 0 in the release profile: {lowered:?}"
         );
+        let glue = of("release", "1");
         assert_eq!(
-            lowered,
+            glue,
+            ["lpmm-act-burn", "lpmm-burn"],
+            "lpmm's burn integrations, and only they, at opt-level 1 in release"
+        );
+        let mut restored = lowered.clone();
+        restored.extend(glue);
+        restored.sort();
+        assert_eq!(
+            restored,
             of("bench", "3"),
             "the bench profile must restore opt-level 3 for exactly the crates release lowers"
         );
         let others: Vec<_> = levels
             .iter()
             .filter(|((p, _), l)| {
-                !matches!((p.as_str(), l.as_str()), ("release", "0") | ("bench", "3"))
+                !matches!(
+                    (p.as_str(), l.as_str()),
+                    ("release", "0" | "1") | ("bench", "3")
+                )
             })
             .collect();
         assert!(
             others.is_empty(),
-            "only burn's stack has a package opt-level: {others:?}"
+            "only burn's stack and lpmm's burn integrations have a package opt-level: {others:?}"
         );
     }
 
