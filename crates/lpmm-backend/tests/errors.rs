@@ -137,8 +137,11 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     assert!(lost(&opt.step_param(w, &vec![0.01; 5000]).unwrap_err()));
     assert!(lost(&opt.canonical().unwrap_err()));
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
-    let dir = std::env::temp_dir().join(format!("lpmm-backend-errors-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-backend-errors-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     assert!(lost(&opt.save(dir.join("c.safetensors")).unwrap_err()));
     assert!(
         !dir.join("c.safetensors").exists(),

@@ -32,8 +32,11 @@ fn sharded_optimizer_over_mpi_is_bit_identical_to_unsharded() {
     let Some(mpirun) = mpirun::Mpirun::find_or_skip("sharded_optimizer_over_mpi") else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("lpmm-dist-mpi-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-dist-mpi-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let d = dir.to_str().unwrap();
     let program = env!("CARGO_BIN_EXE_lpmm-dist-mpi-sharded");
     for world in 1..=4 {

@@ -31,8 +31,11 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
     let shard = ShardOptions::default()
         .with_zero(zero)
         .with_reduction(Reduction::FixedOrder);
-    let dir = std::env::temp_dir().join(format!("lpmm-dist-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-dist-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let path = dir.join(format!(
         "{}-{world}-{zero:?}.safetensors",
         name.replace(' ', "_")
@@ -186,8 +189,11 @@ fn results_do_not_depend_on_the_world_size() {
         .with_seed(3)
         .with_max_grad_norm(Some(10.0))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    let dir = std::env::temp_dir().join(format!("lpmm-dist-w-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-dist-w-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let mut canon = Vec::new();
     for world in 1..=4 {
         for (zero, reduction) in [
@@ -231,8 +237,11 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         .with_seed(9)
         .with_max_grad_norm(Some(5.0))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    let dir = std::env::temp_dir().join(format!("lpmm-dist-ck-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-dist-ck-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let shard = ShardOptions::default();
     // The unsharded run: 2 steps, save, 2 more.
     let (mut refopt, ids) = reference(options, config.build());

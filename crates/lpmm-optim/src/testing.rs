@@ -428,16 +428,16 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     assert_eq!(cpu.memory_report().numel(), dev.memory_report().numel());
 }
 
-fn temp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("lpmm-conformance-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
 /// Checkpoints saved on the CPU (with a pending micro-batch) load on `gpu`, and back, and both
 /// resume bit-identically.
 pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B) {
     let options = OptimizerOptions::default().with_seed(99);
+    // Removed with its files when the check ends.
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-conformance-")
+        .tempdir()
+        .unwrap();
+    let temp = |name: &str| tmp.path().join(name);
     for (name, config) in [
         ("8bit", presets::adamw_8bit_bf16_sr(1e-3).build()),
         ("lpmm", presets::lpmm_sgdm(0.05, 0.9).build()),

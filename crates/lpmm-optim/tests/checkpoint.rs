@@ -98,7 +98,8 @@ fn snapshot(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<u32> {
 
 #[test]
 fn resume_is_exact_with_stochastic_rounding() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let (mut first, ids2) = build();
     train(&mut first, &ids2, 1..4);
     // A pending micro-batch at the save point must survive too.
@@ -129,7 +130,8 @@ fn resume_is_exact_with_stochastic_rounding() {
 
 #[test]
 fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
     let path = dir.join("good.safetensors");
@@ -198,7 +200,8 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
 
 #[test]
 fn saving_is_atomic() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let (mut opt, ids) = build();
     let path = dir.join("ckpt.safetensors");
     opt.save(&path).unwrap();
@@ -211,7 +214,7 @@ fn saving_is_atomic() {
     let new = std::fs::read(&path).unwrap();
     assert_ne!(old, new);
     assert!(Optimizer::load(&path).is_ok());
-    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
@@ -219,16 +222,12 @@ fn saving_is_atomic() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
-fn tempdir() -> std::path::PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "lpmm-ckpt-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh directory, removed with everything in it when the returned guard drops.
+fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("lpmm-ckpt-")
+        .tempdir()
+        .unwrap()
 }
 
 type MetaEdit = Box<dyn Fn(&mut serde_json::Value)>;
@@ -282,7 +281,8 @@ fn forge(
 
 #[test]
 fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
     let good = dir.join("good.safetensors");
@@ -387,7 +387,8 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
 /// loaded optimizer saves the same bytes.
 #[test]
 fn learning_rates_survive_save_and_load_bit_for_bit() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let path = dir.join("lr.safetensors");
     let mut rng = lpmm_optim::testing::Rng::new(0x22);
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -426,7 +427,8 @@ fn learning_rates_survive_save_and_load_bit_for_bit() {
 /// the step's policy, the file saves and loads.
 #[test]
 fn a_state_after_overflow_saves_and_loads() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let path = dir.join("overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
@@ -469,7 +471,8 @@ fn a_state_after_overflow_saves_and_loads() {
 /// changes), and taken whole with `LoadPolicy::ReplaceConfiguration`.
 #[test]
 fn load_state_replaces_the_configuration_only_when_asked() {
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let path = dir.join("other.safetensors");
     let mut other = Optimizer::new(OptimizerOptions::default().with_seed(9)).unwrap();
     let g = other
@@ -520,7 +523,8 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
 #[test]
 fn the_newer_rules_resume_exactly() {
     use lpmm_optim::presets;
-    let dir = tempdir();
+    let tmp = tempdir();
+    let dir = tmp.path();
     let configs: [(&str, ParamConfig); 4] = [
         (
             "adafactor",

@@ -13,10 +13,12 @@ fn bf(r: StoreRounding) -> Storage {
     Storage::Bf16(r)
 }
 
-fn dir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lpmm-defects-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory, removed with everything in it when the returned guard drops.
+fn dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("lpmm-defects-")
+        .tempdir()
+        .unwrap()
 }
 
 #[test]
@@ -71,7 +73,8 @@ fn item2_accumulated_overflow_in_8bit_is_not_silent() {
 
 #[test]
 fn item3_parameter_named_maps_round_trips() {
-    let path = dir().join("maps.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("maps.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
     opt.add_param("maps", &[4], &[0.0; 4], g).unwrap();
@@ -110,7 +113,8 @@ fn item4_read_state_4_is_refused() {
 
 #[test]
 fn item4_load_state_with_other_configuration_is_refused() {
-    let path = dir().join("other-config.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("other-config.safetensors");
     let mut a = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = a.add_group(presets::adamw_f32(1e-3)).unwrap();
     a.add_param("w", &[4], &[0.0; 4], g).unwrap();
@@ -131,12 +135,14 @@ fn item5_long_file_name_saves() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    opt.save(dir().join(name)).unwrap();
+    let tmp = dir();
+    opt.save(tmp.path().join(name)).unwrap();
 }
 
 #[test]
 fn item5_stale_temp_is_cleaned_by_the_next_save() {
-    let d = dir();
+    let tmp = dir();
+    let d = tmp.path();
     let path = d.join("stale.safetensors");
     let stale = d.join(".stale.safetensors.tmp-999999-0");
     std::fs::write(&stale, vec![0u8; 1000]).unwrap();
@@ -149,7 +155,8 @@ fn item5_stale_temp_is_cleaned_by_the_next_save() {
 
 #[test]
 fn item6_lr_round_trips_bit_exactly() {
-    let path = dir().join("lr.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("lr.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
@@ -164,7 +171,8 @@ fn item6_lr_round_trips_bit_exactly() {
 #[test]
 fn item6_errors_of_bad_files_are_checkpoint_errors() {
     // A group index past the groups: the error must be OptimError::Checkpoint.
-    let path = dir().join("group.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("group.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
@@ -206,7 +214,8 @@ fn item1_adamw_bf16_second_moment_overflow_is_reported() {
 
 #[test]
 fn item3_a_save_after_overflow_loads() {
-    let path = dir().join("after-overflow.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("after-overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
         .add_group(
@@ -231,7 +240,8 @@ fn item4_set_steps_u64_max_is_refused() {
 
 #[test]
 fn item5_stale_temp_is_cleaned_by_the_next_load() {
-    let d = dir();
+    let tmp = dir();
+    let d = tmp.path();
     let path = d.join("stale-load.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();

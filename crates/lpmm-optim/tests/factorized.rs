@@ -97,8 +97,11 @@ fn it_stores_rows_plus_columns_not_the_whole_tensor() {
 
 #[test]
 fn it_resumes_exactly_from_a_checkpoint() {
-    let dir = std::env::temp_dir().join(format!("lpmm-factored-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-factored-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let mut straight = fresh();
     run(&mut straight, 1..7);
     let mut first = fresh();

@@ -90,8 +90,11 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
         .install(|| run(1..5, &mut one));
     assert_eq!(read(&one), read(&two));
 
-    let dir = std::env::temp_dir().join(format!("lpmm-rank1-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("lpmm-rank1-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let mut first = fresh();
     run(1..3, &mut first);
     first.save(dir.join("r.safetensors")).unwrap();
