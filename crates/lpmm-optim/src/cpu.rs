@@ -297,6 +297,7 @@ impl Scratch {
     fn chunk(&mut self, n: usize) -> Chunk<'_> {
         Chunk {
             g: &self.g[..n],
+            g_plus: -0.0,
             p: &mut self.p[..n],
             m: &mut self.m[..n],
             v: &mut self.v[..n],
@@ -306,8 +307,9 @@ impl Scratch {
     }
 }
 
-/// Decodes a chunk's gradient (`g`, unless `transform`), parameter and states into `s`, except
-/// the slots stepped `in_place` (indexed by [`SlotKind`]).
+/// Decodes a chunk's gradient into `s.g` (zeros with `transform`; nothing with `g_direct`, where
+/// the step reads a released gradient where the caller holds it), parameter and states into `s`,
+/// except the slots stepped `in_place` (indexed by [`SlotKind`]).
 #[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     s: &mut Scratch,
@@ -319,11 +321,12 @@ fn decode_chunk(
     start: usize,
     n: usize,
     transform: bool,
+    g_direct: bool,
     in_place: [bool; SLOTS],
 ) {
     if transform {
         s.g[..n].fill(0.0);
-    } else {
+    } else if !g_direct {
         load_gradient(layout, piece, &wide[1], start, released, &mut s.g[..n]);
     }
     for (slot, out) in [
@@ -403,6 +406,7 @@ fn fold_piece(
             start,
             n,
             false,
+            false,
             [false; SLOTS],
         );
         let clip = plan.clip;
@@ -468,6 +472,15 @@ fn fused_step(
     let shape = &layout.shape[..];
     let mut saw_non_finite = false;
     let in_place = in_place_slots(layout, piece, flags, lent.as_deref());
+    // A released f32 gradient with no accumulator is read where the caller holds it (the rule
+    // adds the `0.0` of `0.0 + g`), not copied into the scratch.
+    let direct = match (
+        layout.format(SlotKind::Grad).filter(|_| piece.grad_held),
+        released,
+    ) {
+        (None, Some(HostValues::F32(v))) if !transform => Some(&v[piece.offset..][..piece.len]),
+        _ => None,
+    };
     for start in (0..piece.len).step_by(CHUNK) {
         let n = CHUNK.min(piece.len - start);
         let at = piece.offset + start;
@@ -481,6 +494,7 @@ fn fused_step(
             start,
             n,
             transform,
+            direct.is_some(),
             in_place,
         );
         {
@@ -504,8 +518,13 @@ fn fused_step(
                 Some(words) if in_place[slot as usize] => f32_values(words, start, n),
                 _ => &mut scratch[..n],
             });
+            let (g, g_plus) = match direct {
+                Some(v) => (&v[start..start + n], 0.0),
+                None => (&g[..n], -0.0),
+            };
             let mut chunk = Chunk {
-                g: &g[..n],
+                g,
+                g_plus,
                 p,
                 m,
                 v,

@@ -277,6 +277,10 @@ pub(crate) mod check {
 #[derive(Debug)]
 pub(crate) struct Chunk<'a> {
     pub g: &'a [f32],
+    /// Added to each gradient before clipping: `+0.0` when `g` is a released gradient read where
+    /// the caller holds it (the step's gradient is then `0.0 + g`: `-0.0` becomes `+0.0`, as
+    /// after `accumulate`), `-0.0` otherwise (`x + -0.0` is `x`, bit for bit).
+    pub g_plus: f32,
     pub p: &'a mut [f32],
     pub m: &'a mut [f32],
     pub v: &'a mut [f32],
@@ -322,9 +326,10 @@ fn apply_rule<R: Rule>(
         &mut chunk.w[..n],
         &mut chunk.d[..n],
     );
+    let g_plus = chunk.g_plus;
     let mut bad = false;
     for i in 0..n {
-        let gi = g[i] * clip;
+        let gi = (g[i] + g_plus) * clip;
         let (p0, m0, v0, w0) = (p[i], m[i], v[i], w[i]);
         let (mut mi, mut vi, mut wi) = (m0, v0, w0);
         let u = R::apply(c, f, p0, gi, &mut mi, &mut vi, &mut wi);
