@@ -621,8 +621,9 @@ mod tests {
     use super::*;
 
     /// Every crate the release profile optimises less for the tests' build time (burn's stack at
-    /// opt-level 0, lpmm's burn integrations at 1), the bench profile optimises again, so that benches and measured examples run burn as
-    /// burn users build it; and no other crate's optimisation is changed.
+    /// opt-level 0, lpmm's burn integrations at 1), the bench profile optimises again, so that
+    /// benches and measured examples run burn as burn users build it; and no other crate's
+    /// optimisation is changed.
     #[test]
     fn burn_stack_is_optimised_for_benches() {
         let manifest =
@@ -658,7 +659,7 @@ mod tests {
             ["lpmm-act-burn", "lpmm-burn"],
             "lpmm's burn integrations, and only they, at opt-level 1 in release"
         );
-        let mut restored = lowered.clone();
+        let mut restored = lowered;
         restored.extend(glue);
         restored.sort();
         assert_eq!(
