@@ -137,10 +137,7 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     assert!(lost(&opt.step_param(w, &vec![0.01; 5000]).unwrap_err()));
     assert!(lost(&opt.canonical().unwrap_err()));
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-backend-errors-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-backend-errors-");
     let dir = tmp.path();
     assert!(lost(&opt.save(dir.join("c.safetensors")).unwrap_err()));
     assert!(

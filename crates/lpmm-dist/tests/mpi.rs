@@ -32,10 +32,7 @@ fn sharded_optimizer_over_mpi_is_bit_identical_to_unsharded() {
     let Some(mpirun) = mpirun::Mpirun::find_or_skip("sharded_optimizer_over_mpi") else {
         return;
     };
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-dist-mpi-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-dist-mpi-");
     let dir = tmp.path();
     let d = dir.to_str().unwrap();
     let program = env!("CARGO_BIN_EXE_lpmm-dist-mpi-sharded");

@@ -31,10 +31,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
     let shard = ShardOptions::default()
         .with_zero(zero)
         .with_reduction(Reduction::FixedOrder);
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-dist-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-dist-");
     let dir = tmp.path();
     let path = dir.join(format!(
         "{}-{world}-{zero:?}.safetensors",
@@ -189,10 +186,7 @@ fn results_do_not_depend_on_the_world_size() {
         .with_seed(3)
         .with_max_grad_norm(Some(10.0))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-dist-w-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-dist-w-");
     let dir = tmp.path();
     let mut canon = Vec::new();
     for world in 1..=4 {
@@ -237,10 +231,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         .with_seed(9)
         .with_max_grad_norm(Some(5.0))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-dist-ck-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-dist-ck-");
     let dir = tmp.path();
     let shard = ShardOptions::default();
     // The unsharded run: 2 steps, save, 2 more.

@@ -181,6 +181,15 @@ fn state3_for(hyper: &Hyper, state1: Storage) -> Storage {
     }
 }
 
+/// A fresh directory named `<prefix><random>` in the system's temporary directory, removed with
+/// everything in it when the returned guard drops: where tests write their checkpoints.
+pub fn temp_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .expect("a directory in the system's temporary directory")
+}
+
 /// Runs the same training on the CPU and on `gpu` (any backend) and compares every slot after registration
 /// and after every step.
 pub fn compare<B: Backend>(
@@ -433,10 +442,7 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
 pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B) {
     let options = OptimizerOptions::default().with_seed(99);
     // Removed with its files when the check ends.
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-conformance-")
-        .tempdir()
-        .unwrap();
+    let tmp = temp_dir("lpmm-conformance-");
     let temp = |name: &str| tmp.path().join(name);
     for (name, config) in [
         ("8bit", presets::adamw_8bit_bf16_sr(1e-3).build()),

@@ -98,7 +98,7 @@ fn snapshot(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<u32> {
 
 #[test]
 fn resume_is_exact_with_stochastic_rounding() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let (mut first, ids2) = build();
     train(&mut first, &ids2, 1..4);
@@ -130,7 +130,7 @@ fn resume_is_exact_with_stochastic_rounding() {
 
 #[test]
 fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
@@ -200,7 +200,7 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
 
 #[test]
 fn saving_is_atomic() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let (mut opt, ids) = build();
     let path = dir.join("ckpt.safetensors");
@@ -220,14 +220,6 @@ fn saving_is_atomic() {
         .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
-}
-
-/// A fresh directory, removed with everything in it when the returned guard drops.
-fn tempdir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("lpmm-ckpt-")
-        .tempdir()
-        .unwrap()
 }
 
 type MetaEdit = Box<dyn Fn(&mut serde_json::Value)>;
@@ -281,7 +273,7 @@ fn forge(
 
 #[test]
 fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
@@ -387,7 +379,7 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
 /// loaded optimizer saves the same bytes.
 #[test]
 fn learning_rates_survive_save_and_load_bit_for_bit() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let path = dir.join("lr.safetensors");
     let mut rng = lpmm_optim::testing::Rng::new(0x22);
@@ -427,7 +419,7 @@ fn learning_rates_survive_save_and_load_bit_for_bit() {
 /// the step's policy, the file saves and loads.
 #[test]
 fn a_state_after_overflow_saves_and_loads() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let path = dir.join("overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -471,7 +463,7 @@ fn a_state_after_overflow_saves_and_loads() {
 /// changes), and taken whole with `LoadPolicy::ReplaceConfiguration`.
 #[test]
 fn load_state_replaces_the_configuration_only_when_asked() {
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let path = dir.join("other.safetensors");
     let mut other = Optimizer::new(OptimizerOptions::default().with_seed(9)).unwrap();
@@ -523,7 +515,7 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
 #[test]
 fn the_newer_rules_resume_exactly() {
     use lpmm_optim::presets;
-    let tmp = tempdir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
     let configs: [(&str, ParamConfig); 4] = [
         (

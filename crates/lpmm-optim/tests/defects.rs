@@ -13,14 +13,6 @@ fn bf(r: StoreRounding) -> Storage {
     Storage::Bf16(r)
 }
 
-/// A fresh directory, removed with everything in it when the returned guard drops.
-fn dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("lpmm-defects-")
-        .tempdir()
-        .unwrap()
-}
-
 #[test]
 fn item1_init_above_bf16_max_is_refused() {
     for p in [
@@ -73,7 +65,7 @@ fn item2_accumulated_overflow_in_8bit_is_not_silent() {
 
 #[test]
 fn item3_parameter_named_maps_round_trips() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let path = tmp.path().join("maps.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
@@ -113,7 +105,7 @@ fn item4_read_state_4_is_refused() {
 
 #[test]
 fn item4_load_state_with_other_configuration_is_refused() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let path = tmp.path().join("other-config.safetensors");
     let mut a = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = a.add_group(presets::adamw_f32(1e-3)).unwrap();
@@ -135,13 +127,13 @@ fn item5_long_file_name_saves() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     opt.save(tmp.path().join(name)).unwrap();
 }
 
 #[test]
 fn item5_stale_temp_is_cleaned_by_the_next_save() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let d = tmp.path();
     let path = d.join("stale.safetensors");
     let stale = d.join(".stale.safetensors.tmp-999999-0");
@@ -155,7 +147,7 @@ fn item5_stale_temp_is_cleaned_by_the_next_save() {
 
 #[test]
 fn item6_lr_round_trips_bit_exactly() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let path = tmp.path().join("lr.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
@@ -171,7 +163,7 @@ fn item6_lr_round_trips_bit_exactly() {
 #[test]
 fn item6_errors_of_bad_files_are_checkpoint_errors() {
     // A group index past the groups: the error must be OptimError::Checkpoint.
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let path = tmp.path().join("group.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
@@ -214,7 +206,7 @@ fn item1_adamw_bf16_second_moment_overflow_is_reported() {
 
 #[test]
 fn item3_a_save_after_overflow_loads() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let path = tmp.path().join("after-overflow.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt
@@ -240,7 +232,7 @@ fn item4_set_steps_u64_max_is_refused() {
 
 #[test]
 fn item5_stale_temp_is_cleaned_by_the_next_load() {
-    let tmp = dir();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
     let d = tmp.path();
     let path = d.join("stale-load.safetensors");
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();

@@ -97,10 +97,7 @@ fn it_stores_rows_plus_columns_not_the_whole_tensor() {
 
 #[test]
 fn it_resumes_exactly_from_a_checkpoint() {
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-factored-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-factored-");
     let dir = tmp.path();
     let mut straight = fresh();
     run(&mut straight, 1..7);

@@ -90,10 +90,7 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
         .install(|| run(1..5, &mut one));
     assert_eq!(read(&one), read(&two));
 
-    let tmp = tempfile::Builder::new()
-        .prefix("lpmm-rank1-")
-        .tempdir()
-        .unwrap();
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-rank1-");
     let dir = tmp.path();
     let mut first = fresh();
     run(1..3, &mut first);
