@@ -240,8 +240,10 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 fn configure(group: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
     group.sample_size(10);
     group.sampling_mode(SamplingMode::Flat);
-    group.warm_up_time(Duration::from_millis(500));
-    group.measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+    let (warm_up, measurement) =
+        lpmm_benches::times((Duration::from_millis(500), Duration::from_secs(3)));
+    group.warm_up_time(warm_up);
+    group.measurement_time(measurement);
     group.throughput(Throughput::Elements(n as u64));
 }
 

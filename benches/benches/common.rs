@@ -2,6 +2,7 @@
 
 use criterion::{BenchmarkGroup, Throughput, measurement::WallTime};
 use std::hint::black_box;
+use std::time::Duration;
 
 /// Elements per bench input: 16M f32 = 64 MiB, large enough that copies leave the L2 caches.
 /// (This machine's shared L3 may still hold part of it; issue 5's benches go to 256M.)
@@ -35,14 +36,15 @@ pub fn describe(group: &str, id: &str, bytes: f64) {
     });
 }
 
-/// Ten samples; in a smoke run (`LPMM_BENCH_QUICK=1`, CI's `cargo xtask bench --quick`, whose
-/// figures nothing reports) a short warm-up and measurement instead of criterion's 3 s and 5 s.
+/// Ten samples, criterion's 3 s warm-up and 5 s measurement; in a smoke run (`LPMM_BENCH_QUICK=1`,
+/// CI's `cargo xtask bench --quick`, whose figures nothing reports) the short ones of
+/// [`lpmm_benches::times`].
 pub fn configure(group: &mut BenchmarkGroup<'_, WallTime>) {
     group.sample_size(10);
-    if lpmm_benches::quick() {
-        group.warm_up_time(std::time::Duration::from_millis(200));
-        group.measurement_time(std::time::Duration::from_millis(500));
-    }
+    let (warm_up, measurement) =
+        lpmm_benches::times((Duration::from_secs(3), Duration::from_secs(5)));
+    group.warm_up_time(warm_up);
+    group.measurement_time(measurement);
 }
 
 /// The reference every figure is read against: copying `N` f32 with all threads (rayon, as the

@@ -66,8 +66,10 @@ fn shape(name: &str, n: usize) -> Vec<usize> {
 fn configure(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
     group.sample_size(10);
     group.sampling_mode(SamplingMode::Flat);
-    group.warm_up_time(Duration::from_millis(500));
-    group.measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+    let (warm_up, measurement) =
+        lpmm_benches::times((Duration::from_millis(500), Duration::from_secs(3)));
+    group.warm_up_time(warm_up);
+    group.measurement_time(measurement);
 }
 
 fn step(c: &mut Criterion) {

@@ -68,8 +68,10 @@ fn step(c: &mut Criterion) {
         let mut group = c.benchmark_group("wgpu_step");
         group.sample_size(10);
         group.sampling_mode(SamplingMode::Flat);
-        group.warm_up_time(Duration::from_millis(500));
-        group.measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+        let (warm_up, measurement) =
+            lpmm_benches::times((Duration::from_millis(500), Duration::from_secs(3)));
+        group.warm_up_time(warm_up);
+        group.measurement_time(measurement);
         group.throughput(Throughput::Elements(n as u64));
         case(&mut group, gpu.clone(), "wgpu_adamw_8bit_bf16", n);
         case(&mut group, Cpu, "cpu_adamw_8bit_bf16", n);

@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 use std::hint::black_box;
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[cfg(feature = "burn")]
 pub mod burn_peer;
@@ -21,6 +22,17 @@ pub const M: usize = 1 << 20;
 /// Whether this is a smoke run (`LPMM_BENCH_QUICK=1`, set by `cargo xtask bench --quick`).
 pub fn quick() -> bool {
     std::env::var("LPMM_BENCH_QUICK").is_ok_and(|v| v == "1")
+}
+
+/// Criterion's warm-up and measurement times for a group: `full` in a measuring run; in a smoke
+/// run 50 ms and 100 ms, whatever `full` is (criterion still takes each group's samples, however
+/// long they take; a smoke run's figures are not reported).
+pub fn times(full: (Duration, Duration)) -> (Duration, Duration) {
+    if quick() {
+        (Duration::from_millis(50), Duration::from_millis(100))
+    } else {
+        full
+    }
 }
 
 /// Parameter counts of the step cases: 1M, 16M, 64M and 256M (well past this machine's L3),
