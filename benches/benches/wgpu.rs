@@ -9,7 +9,7 @@
 use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
-use lpmm_benches::{CaseInfo, Kind, M, data, describe, label, quick, sizes};
+use lpmm_benches::{CaseInfo, Kind, M, data, describe, label, sizes};
 use lpmm_optim::{Backend, Cpu, Optimizer, OptimizerOptions, presets};
 use lpmm_wgpu::Wgpu;
 use std::hint::black_box;
