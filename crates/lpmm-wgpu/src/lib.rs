@@ -263,6 +263,9 @@ impl Wgpu {
                 rt.behaviour
             )));
         }
+        if let Some(warning) = rt.behaviour.inexact_warning() {
+            tracing::warn!(adapter = %rt.info.name, "lpmm-wgpu: {warning}");
+        }
         Self::finish(rt, &options)
     }
 

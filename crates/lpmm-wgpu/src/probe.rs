@@ -31,6 +31,35 @@ impl FloatBehaviour {
     pub fn bit_exact(&self) -> bool {
         self.fma_soft_exact && self.div_exact && self.sqrt_exact && self.subnormals_kept
     }
+
+    /// What a user is told (a `tracing` warning when the backend is created) where results will
+    /// not equal the CPU backend's bit for bit; `None` where they will.
+    pub fn inexact_warning(&self) -> Option<String> {
+        if self.bit_exact() {
+            return None;
+        }
+        let mut what = Vec::new();
+        if !self.div_exact {
+            what.push("division is not correctly rounded");
+        }
+        if !self.sqrt_exact {
+            what.push("sqrt is not correctly rounded");
+        }
+        if !self.subnormals_kept {
+            what.push("subnormal results are flushed to zero");
+        }
+        if !self.fma_soft_exact {
+            what.push("the software fma is not exact");
+        }
+        Some(format!(
+            "this adapter's f32 arithmetic differs from IEEE's ({}): steps of the rules that \
+             divide or take square roots (Adam and AdamW, AdEMAMix, Adafactor, CAME, \
+             schedule-free) and block-wise or rank-1 quantization can differ from the CPU \
+             backend's in the last bits (docs/BACKENDS.md, \"Bit-exactness\"); SGD and Lion \
+             with unquantized states give the CPU's bits unless values are subnormal",
+            what.join(", ")
+        ))
+    }
 }
 
 /// The probe's inputs: products that need a fused rounding, cancellations, results that are
@@ -158,4 +187,38 @@ pub(crate) fn run_arith(
     Ok((0..triples.len())
         .map(|k| [0, 1, 2, 3, 4].map(|j| f32::from_bits(words[8 * k + 3 + j])))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FloatBehaviour;
+
+    #[test]
+    fn users_are_warned_exactly_when_results_can_differ_from_the_cpus() {
+        let exact = FloatBehaviour {
+            fma_fused: false,
+            fma_soft_exact: true,
+            div_exact: true,
+            sqrt_exact: true,
+            subnormals_kept: true,
+        };
+        assert_eq!(exact.inexact_warning(), None);
+        // What NVIDIA's Vulkan driver reported on an H200 (docs/BACKENDS.md).
+        let nvidia = FloatBehaviour {
+            div_exact: false,
+            sqrt_exact: false,
+            subnormals_kept: false,
+            ..exact
+        };
+        let w = nvidia.inexact_warning().expect("a warning");
+        assert!(w.contains("division is not correctly rounded"), "{w}");
+        assert!(w.contains("sqrt is not correctly rounded"), "{w}");
+        assert!(w.contains("subnormal results are flushed"), "{w}");
+        let only_sqrt = FloatBehaviour {
+            sqrt_exact: false,
+            ..exact
+        };
+        let w = only_sqrt.inexact_warning().expect("a warning");
+        assert!(w.contains("(sqrt is not correctly rounded)"), "{w}");
+    }
 }
