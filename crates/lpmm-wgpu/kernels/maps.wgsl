@@ -45,7 +45,7 @@ fn map_stochastic(map: u32, y: f32, r: u32) -> u32 {
     }
     let lo_v = map_value(map, lo);
     let hi_v = map_value(map, lo + 1u);
-    let frac = (y - lo_v) / (hi_v - lo_v);
+    let frac = divf(y - lo_v, hi_v - lo_v);
     let scaled = frac * 4294967296.0;
     // Rust's saturating `as u32`.
     var cut = 0xFFFFFFFFu;

@@ -674,22 +674,184 @@ fn fma_soft(a: f32, b: f32, c: f32) -> f32 {
     return bitcast<f32>((sign << 31u) | ((u32(e) << 23u) + mant));
 }
 
-// The backend's probe of the driver's arithmetic: for each (a, b, c) in `io` (8 floats apart),
-// writes fma(a, b, c), fma_soft(a, b, c), a * b + c, a / b, sqrt(|a|).
+// ---------------------------------------------------------------------------------------------
+// Division and square root. WGSL allows `a / b` an error of 2.5 ulp and `sqrt` the accuracy it
+// inherits from `inverseSqrt`, so unless the backend's probe found the driver's correctly rounded
+// (DIV_NATIVE, SQRT_NATIVE), `divf` and `sqrtf` compute round-to-nearest-even of the exact result
+// in integer arithmetic: the significands' quotient or root digit by digit (26 bits), a sticky
+// bit from the remainder, one rounding, subnormal operands and results included. Every f32
+// division and square root of the program goes through them (tests/codegen.rs checks that in
+// the program's IR). Ties (a quotient can fall halfway between two subnormals) go to even.
+
+override DIV_NATIVE: bool = false;
+override SQRT_NATIVE: bool = false;
+
+fn divf(a: f32, b: f32) -> f32 {
+    if (DIV_NATIVE) {
+        return a / b;
+    }
+    return div_soft(a, b);
+}
+
+fn sqrtf(x: f32) -> f32 {
+    if (SQRT_NATIVE) {
+        return sqrt(x);
+    }
+    return sqrt_soft(x);
+}
+
+// The significand of a finite non-zero f32 with its leading bit at bit 23, and the exponent
+// field that goes with it (below 1 for a subnormal).
+struct Unpacked {
+    m: u32,
+    e: i32,
+}
+
+fn unpack(u: u32) -> Unpacked {
+    var out: Unpacked;
+    let e = i32((u >> 23u) & 0xFFu);
+    let m = u & 0x7FFFFFu;
+    if (e == 0) {
+        let s = countLeadingZeros(m) - 8u;
+        out.m = m << s;
+        out.e = 1 - i32(s);
+    } else {
+        out.m = m | 0x800000u;
+        out.e = e;
+    }
+    return out;
+}
+
+// q * 2^(e - 152) (q a 26-bit quotient or root, its leading bit at bit 25; `sticky`: a non-zero
+// remainder) rounded to nearest even, with `sign`; e is the biased exponent of the leading bit.
+fn round_packed(q: u32, sticky: bool, e: i32, sign: u32) -> f32 {
+    if (e >= 255) {
+        return bitcast<f32>(sign | 0x7F800000u);
+    }
+    // Two bits below the 24 of a normal result; more down to the subnormal grid (2^-149).
+    var drop = 2u;
+    if (e < 1) {
+        if (3 - e > 26) {
+            return bitcast<f32>(sign);
+        }
+        drop = u32(3 - e);
+    }
+    var mant = q >> drop;
+    let half = (q >> (drop - 1u)) & 1u;
+    let rest = sticky || (q & ((1u << (drop - 1u)) - 1u)) != 0u;
+    if (half == 1u && (rest || (mant & 1u) == 1u)) {
+        mant = mant + 1u;
+    }
+    // A normal result's significand carries its leading bit, which adds 1 to the exponent field
+    // e - 1 (a carry out of rounding moves it once more, up to Inf at the top); a subnormal's
+    // field is 0 (rounding up to 2^23 gives the smallest normal).
+    var field = 0u;
+    if (e >= 1) {
+        field = u32(e - 1);
+    }
+    return bitcast<f32>(sign | ((field << 23u) + mant));
+}
+
+fn div_soft(a: f32, b: f32) -> f32 {
+    let ua = bitcast<u32>(a);
+    let ub = bitcast<u32>(b);
+    let sign = (ua ^ ub) & 0x80000000u;
+    let fa = ua & 0x7FFFFFFFu;
+    let fb = ub & 0x7FFFFFFFu;
+    // NaN, Inf and zero operands: the IEEE results, built from bits.
+    if (fa > 0x7F800000u || fb > 0x7F800000u || (fa == 0u && fb == 0u)
+        || (fa == 0x7F800000u && fb == 0x7F800000u)) {
+        return bitcast<f32>(0x7FC00000u);
+    }
+    if (fa == 0x7F800000u || fb == 0u) {
+        return bitcast<f32>(sign | 0x7F800000u);
+    }
+    if (fa == 0u || fb == 0x7F800000u) {
+        return bitcast<f32>(sign);
+    }
+    let x = unpack(ua);
+    let y = unpack(ub);
+    var r = x.m;
+    var e = x.e - y.e + 127;
+    if (r < y.m) {
+        r = r << 1u;
+        e = e - 1;
+    }
+    // r / y.m in [1, 2): 26 bits of it, restoring division (r stays below 2^25).
+    var q = 0u;
+    for (var i = 0u; i < 26u; i = i + 1u) {
+        q = q << 1u;
+        if (r >= y.m) {
+            r = r - y.m;
+            q = q | 1u;
+        }
+        r = r << 1u;
+    }
+    return round_packed(q, r != 0u, e, sign);
+}
+
+fn sqrt_soft(x: f32) -> f32 {
+    let u = bitcast<u32>(x);
+    if ((u & 0x7FFFFFFFu) == 0u || u == 0x7F800000u) {
+        // sqrt(+-0) = +-0, sqrt(+Inf) = +Inf.
+        return x;
+    }
+    if (u > 0x7F800000u) {
+        // NaN and negative operands.
+        return bitcast<f32>(0x7FC00000u);
+    }
+    let v = unpack(u);
+    var m = v.m;
+    // x = m 2^(k - 23) with k even, m in [2^23, 2^25).
+    var k = v.e - 127;
+    if ((k & 1) != 0) {
+        m = m << 1u;
+        k = k - 1;
+    }
+    // floor(sqrt(m 2^27)) (26 bits), two radicand bits at a time from the top of the 52-bit
+    // m 2^27; the remainder stays below 2^27.
+    var root = 0u;
+    var rem = 0u;
+    for (var i = 0u; i < 26u; i = i + 1u) {
+        let lo = 50u - 2u * i;
+        var pair = 0u;
+        if (lo >= 27u) {
+            pair = (m >> (lo - 27u)) & 3u;
+        } else if (lo == 26u) {
+            pair = (m & 1u) << 1u;
+        }
+        rem = (rem << 2u) | pair;
+        let trial = (root << 2u) | 1u;
+        if (rem >= trial) {
+            rem = rem - trial;
+            root = (root << 1u) | 1u;
+        } else {
+            root = root << 1u;
+        }
+    }
+    return round_packed(root, rem != 0u, k / 2 + 127, 0u);
+}
+
+// The backend's probe of the driver's arithmetic: for each (a, b, c) in `io` (10 floats apart),
+// writes fma(a, b, c), fma_soft(a, b, c), a * b + c, a / b, sqrt(|a|), div_soft(a, b),
+// sqrt_soft(|a|).
 @compute @workgroup_size(64)
 fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
-    let i = 8u * id.x;
-    if (i + 8u > arrayLength(&io) || i / 8u >= work[0]) {
+    let i = 10u * id.x;
+    if (i + 10u > arrayLength(&io) || i / 10u >= work[0]) {
         return;
     }
     let a = bitcast<f32>(io[i]);
     let b = bitcast<f32>(io[i + 1u]);
     let c = bitcast<f32>(io[i + 2u]);
+    let abs_a = bitcast<f32>(io[i] & 0x7FFFFFFFu);
     io[i + 3u] = bitcast<u32>(fma(a, b, c));
     io[i + 4u] = bitcast<u32>(fma_soft(a, b, c));
     io[i + 5u] = bitcast<u32>(a * b + c);
     io[i + 6u] = bitcast<u32>(a / b);
-    io[i + 7u] = bitcast<u32>(sqrt(abs(a)));
+    io[i + 7u] = bitcast<u32>(sqrt(abs_a));
+    io[i + 8u] = bitcast<u32>(div_soft(a, b));
+    io[i + 9u] = bitcast<u32>(sqrt_soft(abs_a));
 }
 
 // Order-free sums of squares (lpmm-optim fixed.rs): x = m 2^e0 with an integer significand
@@ -892,7 +1054,7 @@ fn map_stochastic(map: u32, y: f32, r: u32) -> u32 {
     }
     let lo_v = map_value(map, lo);
     let hi_v = map_value(map, lo + 1u);
-    let frac = (y - lo_v) / (hi_v - lo_v);
+    let frac = divf(y - lo_v, hi_v - lo_v);
     let scaled = frac * 4294967296.0;
     // Rust's saturating `as u32`.
     var cut = 0xFFFFFFFFu;
@@ -1126,7 +1288,7 @@ fn fmt_blockwise_store(t: Tile, lt: u32, s: u32, v: array<f32, 16>, count: u32, 
     for (var j = 0u; j < count; j = j + 1u) {
         var y = 0.0;
         if (absmax != 0.0) {
-            y = v[j] / absmax;
+            y = divf(v[j], absmax);
         }
         var code: u32;
         if (stochastic) {
@@ -1226,7 +1388,7 @@ fn fmt_rank1_store(t: Tile, lt: u32, s: u32, v: array<f32, 16>, count: u32, r: a
         let sc = rank1_scale(t, region(t, s, 2u), global_index(t, first + j));
         var y = 0.0;
         if (sc != 0.0) {
-            y = v[j] / sc;
+            y = divf(v[j], sc);
         }
         let at = j * bits;
         words[at / 32u] = words[at / 32u] | (map_nearest(map, y) << (at % 32u));
@@ -1272,7 +1434,7 @@ fn fmt_factored_load(t: Tile, s: u32, i: u32) -> f32 {
     if (mean > 0.0) {
         let r = bitcast<f32>(rd(region(t, s, 0u), e / dims.y));
         let c = bitcast<f32>(rd(region(t, s, 1u), e % dims.y));
-        return r / mean * c;
+        return divf(r, mean) * c;
     }
     return 0.0;
 }
@@ -1354,8 +1516,8 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     if ((flags & F_GIVEN_V) == 0u) {
         u.v = fmaf(c.one_minus_beta2 * gg, gg, v0 * c.beta2);
     }
-    let denom = sqrt(u.v) / c.bias_correction2_sqrt + c.eps;
-    let step = c.neg_step_size * u.m / denom;
+    let denom = divf(sqrtf(u.v), c.bias_correction2_sqrt) + c.eps;
+    let step = divf(c.neg_step_size * u.m, denom);
     u.p = decayed + step;
     u.d = decay_delta + step;
     return u;
@@ -1406,14 +1568,14 @@ fn adafactor_unscaled(c: AdafactorConsts, flags: u32, g: f32, v0: f32) -> vec2<f
     if ((flags & F_GIVEN_V) == 0u) {
         v = fmaf(g * g + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
     }
-    return vec2<f32>(g / sqrt(v), v);
+    return vec2<f32>(divf(g, sqrtf(v)), v);
 }
 
 fn rule_adafactor_apply(c: AdafactorConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
     var u = Update(p, 0.0, m0, v0, w0);
     let r = adafactor_unscaled(c, flags, g, v0);
     u.v = r.y;
-    var x = r.x / c.clip_div * c.step;
+    var x = divf(r.x, c.clip_div) * c.step;
     if ((c.mode & 1u) != 0u) {
         u.m = fmaf(x, c.one_minus_beta1, m0 * c.beta1);
         x = u.m;
@@ -1446,13 +1608,13 @@ fn came_unscaled(c: CameConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     if ((flags & F_GIVEN_V) == 0u) {
         v = fmaf(g * g + c.eps1, c.one_minus_beta2, v0 * c.beta2);
     }
-    return vec2<f32>(g / sqrt(v), v);
+    return vec2<f32>(divf(g, sqrtf(v)), v);
 }
 
 // (the clipped update, the new first moment, the new second moment).
 fn came_moments(c: CameConsts, flags: u32, g: f32, m0: f32, v0: f32) -> vec3<f32> {
     let r = came_unscaled(c, flags, g, v0);
-    let u = r.x / c.clip_div;
+    let u = divf(r.x, c.clip_div);
     return vec3<f32>(u, fmaf(u, c.one_minus_beta1, m0 * c.beta1), r.y);
 }
 
@@ -1464,7 +1626,7 @@ fn rule_came_apply(c: CameConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     // Factorized instability (given): exp_avg / sqrt(S); else exp_avg.
     var x = r.y;
     if ((flags & F_GIVEN_W) != 0u) {
-        x = r.y / sqrt(w0);
+        x = divf(r.y, sqrtf(w0));
     }
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 0.0;
@@ -1501,8 +1663,8 @@ fn rule_ademamix_apply(c: AdEMAMixConsts, flags: u32, p: f32, g: f32, m0: f32, v
     u.m = fmaf(g, c.one_minus_beta1, m0 * c.beta1);
     u.w = fmaf(g, c.one_minus_beta3, w0 * c.beta3);
     u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
-    let denom = sqrt(u.v) / c.bias_correction2_sqrt + c.eps;
-    let update = (u.m / c.bias_correction1 + c.alpha * u.w) / denom;
+    let denom = divf(sqrtf(u.v), c.bias_correction2_sqrt) + c.eps;
+    let update = divf(divf(u.m, c.bias_correction1) + c.alpha * u.w, denom);
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 1.0;
     var neg_lr_wd = 0.0;
@@ -1544,7 +1706,7 @@ fn rule_schedule_free_apply(c: ScheduleFreeConsts, flags: u32, p: f32, g: f32, m
     }
     u.m = z;
     u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
-    var gn = g / (sqrt(u.v / c.bias_correction2) + c.eps);
+    var gn = divf(g, sqrtf(divf(u.v, c.bias_correction2)) + c.eps);
     if ((flags & F_UPDATE_PARAM) == 0u) {
         return u;
     }

@@ -50,7 +50,7 @@ fn fmt_blockwise_store(t: Tile, lt: u32, s: u32, v: array<f32, 16>, count: u32, 
     for (var j = 0u; j < count; j = j + 1u) {
         var y = 0.0;
         if (absmax != 0.0) {
-            y = v[j] / absmax;
+            y = divf(v[j], absmax);
         }
         var code: u32;
         if (stochastic) {

@@ -56,7 +56,7 @@ fn fmt_rank1_store(t: Tile, lt: u32, s: u32, v: array<f32, 16>, count: u32, r: a
         let sc = rank1_scale(t, region(t, s, 2u), global_index(t, first + j));
         var y = 0.0;
         if (sc != 0.0) {
-            y = v[j] / sc;
+            y = divf(v[j], sc);
         }
         let at = j * bits;
         words[at / 32u] = words[at / 32u] | (map_nearest(map, y) << (at % 32u));

@@ -6,14 +6,14 @@ fn adafactor_unscaled(c: AdafactorConsts, flags: u32, g: f32, v0: f32) -> vec2<f
     if ((flags & F_GIVEN_V) == 0u) {
         v = fmaf(g * g + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
     }
-    return vec2<f32>(g / sqrt(v), v);
+    return vec2<f32>(divf(g, sqrtf(v)), v);
 }
 
 fn rule_adafactor_apply(c: AdafactorConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
     var u = Update(p, 0.0, m0, v0, w0);
     let r = adafactor_unscaled(c, flags, g, v0);
     u.v = r.y;
-    var x = r.x / c.clip_div * c.step;
+    var x = divf(r.x, c.clip_div) * c.step;
     if ((c.mode & 1u) != 0u) {
         u.m = fmaf(x, c.one_minus_beta1, m0 * c.beta1);
         x = u.m;

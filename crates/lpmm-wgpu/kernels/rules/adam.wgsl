@@ -21,8 +21,8 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     if ((flags & F_GIVEN_V) == 0u) {
         u.v = fmaf(c.one_minus_beta2 * gg, gg, v0 * c.beta2);
     }
-    let denom = sqrt(u.v) / c.bias_correction2_sqrt + c.eps;
-    let step = c.neg_step_size * u.m / denom;
+    let denom = divf(sqrtf(u.v), c.bias_correction2_sqrt) + c.eps;
+    let step = divf(c.neg_step_size * u.m, denom);
     u.p = decayed + step;
     u.d = decay_delta + step;
     return u;

@@ -6,13 +6,13 @@ fn came_unscaled(c: CameConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     if ((flags & F_GIVEN_V) == 0u) {
         v = fmaf(g * g + c.eps1, c.one_minus_beta2, v0 * c.beta2);
     }
-    return vec2<f32>(g / sqrt(v), v);
+    return vec2<f32>(divf(g, sqrtf(v)), v);
 }
 
 // (the clipped update, the new first moment, the new second moment).
 fn came_moments(c: CameConsts, flags: u32, g: f32, m0: f32, v0: f32) -> vec3<f32> {
     let r = came_unscaled(c, flags, g, v0);
-    let u = r.x / c.clip_div;
+    let u = divf(r.x, c.clip_div);
     return vec3<f32>(u, fmaf(u, c.one_minus_beta1, m0 * c.beta1), r.y);
 }
 
@@ -24,7 +24,7 @@ fn rule_came_apply(c: CameConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     // Factorized instability (given): exp_avg / sqrt(S); else exp_avg.
     var x = r.y;
     if ((flags & F_GIVEN_W) != 0u) {
-        x = r.y / sqrt(w0);
+        x = divf(r.y, sqrtf(w0));
     }
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 0.0;

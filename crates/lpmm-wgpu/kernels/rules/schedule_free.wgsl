@@ -25,7 +25,7 @@ fn rule_schedule_free_apply(c: ScheduleFreeConsts, flags: u32, p: f32, g: f32, m
     }
     u.m = z;
     u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
-    var gn = g / (sqrt(u.v / c.bias_correction2) + c.eps);
+    var gn = divf(g, sqrtf(divf(u.v, c.bias_correction2)) + c.eps);
     if ((flags & F_UPDATE_PARAM) == 0u) {
         return u;
     }
