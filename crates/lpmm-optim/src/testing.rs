@@ -247,10 +247,11 @@ pub fn compare<B: Backend>(
     }
 }
 
-/// The presets (SGDM f32, LPMM-SGDM, AdamW f32 / 8-bit / 8-bit SR / 4-bit split, bf16 Lion, 4-bit
-/// released), 4 steps of 2 micro-batches each.
-pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
-    let cases = [
+/// The presets every backend is compared on, by name: SGDM f32, LPMM-SGDM, AdamW f32 / 8-bit /
+/// 8-bit SR / 4-bit split, bf16 Lion, 4-bit released, Adafactor x3, CAME x2, AdEMAMix 8-bit,
+/// schedule-free 8-bit.
+pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
+    vec![
         ("sgdm f32", presets::sgdm_f32(0.05, 0.9).build()),
         ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
         ("adamw f32", presets::adamw_f32(1e-3).build()),
@@ -283,8 +284,12 @@ pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
             "schedule-free 8-bit",
             presets::schedule_free_adamw_8bit(1e-3).build(),
         ),
-    ];
-    for (name, config) in cases {
+    ]
+}
+
+/// [`preset_cases`], 4 steps of 2 micro-batches each.
+pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
+    for (name, config) in preset_cases() {
         compare(gpu, name, config, OptimizerOptions::default(), 4);
     }
 }

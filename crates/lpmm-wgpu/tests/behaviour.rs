@@ -126,22 +126,19 @@ fn software_arithmetic_steps_the_cpus_bits() {
             return;
         }
     };
-    let cases = [
-        ("adamw 8-bit bf16", presets::adamw_8bit_bf16(1e-3).build()),
-        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
-        ("adafactor lpmm", presets::adafactor_lpmm().build()),
-        ("came f32", presets::came_f32(2e-4).build()),
-        (
-            "ademamix 8-bit",
-            presets::ademamix_8bit(1e-3)
-                .warmup(Some(3), Some(3))
-                .build(),
-        ),
-        (
-            "schedule-free 8-bit",
-            presets::schedule_free_adamw_8bit(1e-3).build(),
-        ),
+    let dividing = [
+        "adamw 8-bit bf16",
+        "lpmm sgdm",
+        "adafactor lpmm",
+        "came f32",
+        "ademamix 8-bit",
+        "schedule-free 8-bit",
     ];
+    let cases: Vec<_> = testing::preset_cases()
+        .into_iter()
+        .filter(|(name, _)| dividing.contains(name))
+        .collect();
+    assert_eq!(cases.len(), dividing.len(), "every named preset is a case");
     for (name, config) in cases {
         testing::compare(&gpu, name, config, OptimizerOptions::default(), 2);
     }
