@@ -68,9 +68,8 @@ impl FloatBehaviour {
             }
         }
         Some(format!(
-            "this adapter's f32 arithmetic differs from the CPU's ({}): values that pass \
-             through a subnormal can step to results that differ from the CPU backend's in the \
-             last bits (docs/BACKENDS.md, \"Bit-exactness\")",
+            "this adapter's f32 arithmetic differs from the CPU's ({}): steps can differ from \
+             the CPU backend's in the last bits (docs/BACKENDS.md, \"Bit-exactness\")",
             what.join(", ")
         ))
     }
