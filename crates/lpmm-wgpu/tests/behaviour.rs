@@ -115,16 +115,8 @@ fn backends_on_one_device_keep_their_own_memory_and_step_the_same_bits() {
 /// this driver: every preset that divides or takes square roots steps the CPU's bits.
 #[test]
 fn software_arithmetic_steps_the_cpus_bits() {
-    let options = small().with_software_arithmetic(true);
-    let gpu = match lpmm_wgpu::Wgpu::new(options) {
-        Ok(g) => g,
-        Err(e) => {
-            if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
-                panic!("LPMM_REQUIRE_WGPU=1 but {e}");
-            }
-            eprintln!("skipping the wgpu test: {e}");
-            return;
-        }
+    let Some(gpu) = common::own_backend(small().with_software_arithmetic(true)) else {
+        return;
     };
     let dividing = [
         "adamw 8-bit bf16",

@@ -14,11 +14,24 @@ use lpmm_wgpu::{Wgpu, WgpuOptions};
 pub fn backend(options: WgpuOptions) -> Option<Wgpu> {
     static BASE: OnceLock<Result<Wgpu, String>> = OnceLock::new();
     let base = BASE.get_or_init(|| Wgpu::new(WgpuOptions::default()).map_err(|e| e.to_string()));
-    match base {
-        Ok(b) => Some(
-            b.on_same_device(options)
-                .expect("a backend on the device the first one made"),
-        ),
+    let base = or_skip(base.as_ref().map_err(Clone::clone))?;
+    Some(
+        base.on_same_device(options)
+            .expect("a backend on the device the first one made"),
+    )
+}
+
+/// A backend on a device of its own (its kernels compiled for it: for options that change the
+/// kernels, such as `software_arithmetic`), or `None` as [`backend`] gives it.
+pub fn own_backend(options: WgpuOptions) -> Option<Wgpu> {
+    or_skip(Wgpu::new(options).map_err(|e| e.to_string()))
+}
+
+/// The value, or `None` with a message that the test is skipped (a failure with
+/// `LPMM_REQUIRE_WGPU=1`).
+fn or_skip<T>(made: Result<T, String>) -> Option<T> {
+    match made {
+        Ok(v) => Some(v),
         Err(e) => {
             if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
                 panic!("LPMM_REQUIRE_WGPU=1 but {e}");
