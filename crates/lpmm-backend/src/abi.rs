@@ -183,9 +183,22 @@ pub const MAP_STRIDE: u32 = 512;
 /// Where the maps' lengths start in the table.
 pub const MAP_LENS: u32 = MAP_STRIDE * MapKind::ALL.len() as u32;
 
-/// The table (see [`MAP_STRIDE`]).
+/// Where the maps' search scans start: map `k`'s [`CodeMap::bucket_scan`] at `MAP_SCANS + k`.
+///
+/// [`CodeMap::bucket_scan`]: lpmm_formats::CodeMap::bucket_scan
+pub const MAP_SCANS: u32 = MAP_LENS + MapKind::ALL.len() as u32;
+/// Where the maps' search buckets start: map `k`'s [`CodeMap::bucket_starts`] (2^16 bytes, four
+/// to a word, little-endian) at `MAP_BUCKETS + k * MAP_BUCKET_WORDS`.
+///
+/// [`CodeMap::bucket_starts`]: lpmm_formats::CodeMap::bucket_starts
+pub const MAP_BUCKETS: u32 = MAP_SCANS + MapKind::ALL.len() as u32;
+/// Words of one map's search buckets.
+pub const MAP_BUCKET_WORDS: u32 = 1 << (32 - lpmm_formats::CodeMap::BUCKET_SHIFT - 2);
+
+/// The table (see [`MAP_STRIDE`], [`MAP_SCANS`], [`MAP_BUCKETS`]).
 pub fn map_table() -> Vec<u32> {
-    let mut table = vec![0u32; MAP_LENS as usize + MapKind::ALL.len()];
+    let kinds = MapKind::ALL.len();
+    let mut table = vec![0u32; MAP_BUCKETS as usize + kinds * MAP_BUCKET_WORDS as usize];
     for kind in MapKind::ALL {
         let k = kind.id() as usize;
         let map = kind.shared();
@@ -197,6 +210,11 @@ pub fn map_table() -> Vec<u32> {
             table[base + 256 + j] = t.to_bits();
         }
         table[MAP_LENS as usize + k] = map.len() as u32;
+        table[MAP_SCANS as usize + k] = map.bucket_scan() as u32;
+        let buckets = MAP_BUCKETS as usize + k * MAP_BUCKET_WORDS as usize;
+        for (j, w) in map.bucket_starts().chunks_exact(4).enumerate() {
+            table[buckets + j] = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        }
     }
     table
 }

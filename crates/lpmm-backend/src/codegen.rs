@@ -19,9 +19,9 @@ use lpmm_optim::backend::{
 
 use crate::abi::{
     CONST_WORDS, DESC_FIELDS, Desc, Entry, F_FIRST, F_GIVEN_V, F_GIVEN_W, F_INPUT, F_INPUT_BF16,
-    F_OUTPUT_BF16, F_TRANSFORM, F_UPDATE_PARAM, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED, MAP_LENS,
-    MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS, SLOTS_OFFSET, STAT_SUM, STAT_WORDS, SlotDesc, THREADS,
-    TILE,
+    F_OUTPUT_BF16, F_TRANSFORM, F_UPDATE_PARAM, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED,
+    MAP_BUCKET_WORDS, MAP_BUCKETS, MAP_LENS, MAP_SCANS, MAP_STRIDE, MAX_DIMS, PER, SLOT_REGIONS,
+    SLOTS_OFFSET, STAT_SUM, STAT_WORDS, SlotDesc, THREADS, TILE,
 };
 
 /// A kernel language.
@@ -105,6 +105,13 @@ pub fn abi(lang: Lang) -> String {
         ("FOLD_MOMENT".into(), FOLD_MOMENT.into()),
         ("MAP_STRIDE".into(), MAP_STRIDE.into()),
         ("MAP_LENS".into(), MAP_LENS.into()),
+        ("MAP_SCANS".into(), MAP_SCANS.into()),
+        ("MAP_BUCKETS".into(), MAP_BUCKETS.into()),
+        ("MAP_BUCKET_WORDS".into(), MAP_BUCKET_WORDS.into()),
+        (
+            "MAP_BUCKET_SHIFT".into(),
+            lpmm_formats::CodeMap::BUCKET_SHIFT.into(),
+        ),
         ("FMT_NONE".into(), 0),
         ("LIMIT_F32".into(), F32_MAX_BITS.into()),
     ];

@@ -11,23 +11,25 @@ __device__ __forceinline__ float map_value(const uint32_t* maps, uint32_t map, u
     return u2f(maps[MAP_STRIDE * map + (code < last ? code : last)]);
 }
 
-// CodeMap::nearest: the number of thresholds <= y (NaN gives 0).
+// CodeMap::nearest: the number of thresholds <= y (NaN gives 0), searched as the CPU does: the
+// count at the lowest value of y's bucket (abi.rs MAP_BUCKETS), then one step over each of the
+// few thresholds the bucket may hold (MAP_SCANS; past the last threshold nothing is counted).
 __device__ __forceinline__ uint32_t map_nearest(const uint32_t* maps, uint32_t map, float y) {
     if (!(y == y)) {
         return 0u;
     }
-    uint32_t lo = 0u;
-    uint32_t hi = map_len(maps, map) - 1u;
+    uint32_t b = f2u(y) >> MAP_BUCKET_SHIFT;
+    uint32_t word = maps[MAP_BUCKETS + MAP_BUCKET_WORDS * map + b / 4u];
+    uint32_t c = (word >> (8u * (b % 4u))) & 0xFFu;
+    uint32_t last = map_len(maps, map) - 1u;
     uint32_t base = MAP_STRIDE * map + 256u;
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2u;
-        if (u2f(maps[base + mid]) <= y) {
-            lo = mid + 1u;
-        } else {
-            hi = mid;
+    uint32_t scan = maps[MAP_SCANS + map];
+    for (uint32_t k = 0u; k < scan; k++) {
+        if (c < last && u2f(maps[base + c]) <= y) {
+            c = c + 1u;
         }
     }
-    return lo;
+    return c;
 }
 
 // CodeMap::stochastic.

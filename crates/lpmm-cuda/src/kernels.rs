@@ -259,6 +259,17 @@ pub fn nvrtc_version() -> Result<(i32, i32), NvrtcError> {
 /// found, and with [`NvrtcError::Version`] if it is not the pinned [`NVRTC_VERSION`].
 #[cfg(feature = "nvrtc")]
 pub fn compile(arch: &str, include_dirs: &[std::path::PathBuf]) -> Result<String, NvrtcError> {
+    compile_source(SOURCE, arch, include_dirs)
+}
+
+/// [`compile`] of another program (a variant of [`SOURCE`], as the tests build to check what
+/// the compiler does with it), with the same options and checks.
+#[cfg(feature = "nvrtc")]
+pub fn compile_source(
+    source: &str,
+    arch: &str,
+    include_dirs: &[std::path::PathBuf],
+) -> Result<String, NvrtcError> {
     use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
     let found = nvrtc_version()?;
     if found != NVRTC_VERSION {
@@ -271,7 +282,7 @@ pub fn compile(arch: &str, include_dirs: &[std::path::PathBuf]) -> Result<String
         name: Some("lpmm.generated.cu".into()),
         ..Default::default()
     };
-    match compile_ptx_with_opts(SOURCE, opts) {
+    match compile_ptx_with_opts(source, opts) {
         Ok(ptx) => Ok(ptx.to_src()),
         Err(CompileError::CompileError { nvrtc, log, .. }) => Err(NvrtcError::Compile {
             arch: arch.to_string(),

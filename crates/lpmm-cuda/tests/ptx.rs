@@ -139,8 +139,10 @@ fn inlined_fmas(fns: &[(String, usize, Vec<String>)], name: &str) -> usize {
 /// The float instructions of the committed PTX are the IEEE ones the CPU reference computes:
 /// division and square root correctly rounded (`.rn`, not `.approx` / `.full`), no flush to zero,
 /// and every f32 multiply and add with an explicit `.rn`, which ptxas never contracts into an fma
-/// (so the only fmas are the kernels' own `__fmaf_rn`, all in the rules' files, and each entry has
-/// exactly one per `__fmaf_rn` it inlines). Needs no NVRTC.
+/// (so the only fmas are the kernels' own `__fmaf_rn`, all in the rules' files, and an entry has
+/// fmas exactly where it inlines a `__fmaf_rn`: the compiler may duplicate or merge the inlined
+/// code, so the counts need not match; `no_fma_but_the_kernels_own` proves with NVRTC that none is
+/// a contraction). Needs no NVRTC.
 #[test]
 fn committed_ptx_uses_only_ieee_float_operations() {
     let fns = functions(kernels::SOURCE);
@@ -205,10 +207,61 @@ fn committed_ptx_uses_only_ieee_float_operations() {
             .iter()
             .map(|e| (e.name(), inlined_fmas(&fns, e.name())))
             .collect();
+        let has = |m: &std::collections::BTreeMap<&str, usize>| {
+            m.iter()
+                .map(|(e, n)| (e.to_string(), *n > 0))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(
-            fmas, want,
-            "{arch}: fma instructions per entry vs __fmaf_rn calls"
+            has(&fmas),
+            has(&want),
+            "{arch}: entries with fma instructions vs entries that inline __fmaf_rn \
+             (instructions {fmas:?}, calls {want:?})"
         );
+    }
+}
+
+/// Every fma of the PTX is one of the kernels' own `__fmaf_rn`: the program built with the
+/// committed options, but with each `__fmaf_rn` behind a function that is never inlined, has no
+/// fma in any entry and exactly one, that function's, in the whole PTX. (An option that lets the
+/// compiler contract `a * b + c` puts fmas back into the entries; so would a contraction in a
+/// later compiler.) With `committed_ptx_is_what_nvrtc_builds`, the committed PTX's fmas are the
+/// kernels' own. Needs NVRTC.
+#[test]
+fn no_fma_but_the_kernels_own() {
+    let Some(wheels) = wheels(true) else {
+        return;
+    };
+    let opaque = "__device__ __noinline__ float lpmm_test_fma(float a, float b, float c) {\n    \
+                  return __fmaf_rn(a, b, c);\n}\n";
+    let source = format!(
+        "{opaque}{}",
+        kernels::SOURCE.replace("__fmaf_rn(", "lpmm_test_fma(")
+    );
+    for (arch, _) in ARCHS {
+        let ptx = kernels::compile_source(&source, arch, &wheels.include_dirs())
+            .unwrap_or_else(|e| panic!("compiling the opaque-fma program for {arch}: {e}"));
+        let mut entry = None;
+        let mut in_entries = Vec::new();
+        let mut total = 0;
+        for line in ptx.lines().map(str::trim) {
+            if let Some(rest) = line.strip_prefix(".visible .entry ") {
+                entry = Some(rest.split('(').next().unwrap_or(rest).to_string());
+            } else if line.starts_with(".visible .func") || line.starts_with(".func") {
+                entry = None;
+            }
+            if line.starts_with("fma.") {
+                total += 1;
+                if let Some(e) = &entry {
+                    in_entries.push(format!("{e}: `{line}`"));
+                }
+            }
+        }
+        assert!(
+            in_entries.is_empty(),
+            "{arch}: fmas the kernels did not write: {in_entries:?}"
+        );
+        assert_eq!(total, 1, "{arch}: the opaque function's fma, and no other");
     }
 }
 

@@ -408,6 +408,23 @@ impl CodeMap {
         c as u8
     }
 
+    /// The search accelerator [`CodeMap::nearest`] starts from, for kernels that search the same
+    /// way: entry `y.to_bits() >> CodeMap::BUCKET_SHIFT` is the number of thresholds at or below
+    /// the lowest value whose bits fall in that bucket (2^16 entries), and at most
+    /// [`CodeMap::bucket_scan`] thresholds lie inside any one bucket. So `nearest(y)` is that
+    /// entry plus one for each of the next `bucket_scan()` thresholds that is `<= y` (NaN: 0).
+    pub fn bucket_starts(&self) -> &[u8] {
+        &self.start[..1 << (32 - BUCKET_SHIFT)]
+    }
+
+    /// The most thresholds any bucket of [`CodeMap::bucket_starts`] holds.
+    pub fn bucket_scan(&self) -> usize {
+        self.scan
+    }
+
+    /// How far an f32's bits are shifted right to give its bucket ([`CodeMap::bucket_starts`]).
+    pub const BUCKET_SHIFT: u32 = BUCKET_SHIFT;
+
     /// Stochastic rounding of `y` between its neighbours `lo <= y < hi`: `hi` iff
     /// `bits < floor(frac * 2^32)` with `frac = (y - lo) / (hi - lo)` evaluated in f32. Values at
     /// or outside the ends clamp to the end codes; NaN gives code 0.

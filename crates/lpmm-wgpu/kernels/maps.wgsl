@@ -10,23 +10,25 @@ fn map_value(map: u32, code: u32) -> f32 {
     return bitcast<f32>(maps[MAP_STRIDE * map + min(code, map_len(map) - 1u)]);
 }
 
-// CodeMap::nearest: the number of thresholds <= y (NaN gives 0).
+// CodeMap::nearest: the number of thresholds <= y (NaN gives 0), searched as the CPU does: the
+// count at the lowest value of y's bucket (abi.rs MAP_BUCKETS), then one step over each of the
+// few thresholds the bucket may hold (MAP_SCANS; past the last threshold nothing is counted).
 fn map_nearest(map: u32, y: f32) -> u32 {
     if (!(y == y)) {
         return 0u;
     }
-    var lo = 0u;
-    var hi = map_len(map) - 1u;
+    let b = bitcast<u32>(y) >> MAP_BUCKET_SHIFT;
+    let word = maps[MAP_BUCKETS + MAP_BUCKET_WORDS * map + b / 4u];
+    var c = (word >> (8u * (b % 4u))) & 0xFFu;
+    let last = map_len(map) - 1u;
     let base = MAP_STRIDE * map + 256u;
-    while (lo < hi) {
-        let mid = (lo + hi) / 2u;
-        if (bitcast<f32>(maps[base + mid]) <= y) {
-            lo = mid + 1u;
-        } else {
-            hi = mid;
+    let scan = maps[MAP_SCANS + map];
+    for (var k = 0u; k < scan; k++) {
+        if (c < last && bitcast<f32>(maps[base + c]) <= y) {
+            c = c + 1u;
         }
     }
-    return lo;
+    return c;
 }
 
 // CodeMap::stochastic.

@@ -32,6 +32,10 @@ const FOLD_UPDATED: u32 = 0u;
 const FOLD_MOMENT: u32 = 1u;
 const MAP_STRIDE: u32 = 512u;
 const MAP_LENS: u32 = 2560u;
+const MAP_SCANS: u32 = 2565u;
+const MAP_BUCKETS: u32 = 2570u;
+const MAP_BUCKET_WORDS: u32 = 16384u;
+const MAP_BUCKET_SHIFT: u32 = 16u;
 const FMT_NONE: u32 = 0u;
 const LIMIT_F32: u32 = 2139095039u;
 const FMT_F32: u32 = 1u;
@@ -1019,23 +1023,25 @@ fn map_value(map: u32, code: u32) -> f32 {
     return bitcast<f32>(maps[MAP_STRIDE * map + min(code, map_len(map) - 1u)]);
 }
 
-// CodeMap::nearest: the number of thresholds <= y (NaN gives 0).
+// CodeMap::nearest: the number of thresholds <= y (NaN gives 0), searched as the CPU does: the
+// count at the lowest value of y's bucket (abi.rs MAP_BUCKETS), then one step over each of the
+// few thresholds the bucket may hold (MAP_SCANS; past the last threshold nothing is counted).
 fn map_nearest(map: u32, y: f32) -> u32 {
     if (!(y == y)) {
         return 0u;
     }
-    var lo = 0u;
-    var hi = map_len(map) - 1u;
+    let b = bitcast<u32>(y) >> MAP_BUCKET_SHIFT;
+    let word = maps[MAP_BUCKETS + MAP_BUCKET_WORDS * map + b / 4u];
+    var c = (word >> (8u * (b % 4u))) & 0xFFu;
+    let last = map_len(map) - 1u;
     let base = MAP_STRIDE * map + 256u;
-    while (lo < hi) {
-        let mid = (lo + hi) / 2u;
-        if (bitcast<f32>(maps[base + mid]) <= y) {
-            lo = mid + 1u;
-        } else {
-            hi = mid;
+    let scan = maps[MAP_SCANS + map];
+    for (var k = 0u; k < scan; k++) {
+        if (c < last && bitcast<f32>(maps[base + c]) <= y) {
+            c = c + 1u;
         }
     }
-    return lo;
+    return c;
 }
 
 // CodeMap::stochastic.
