@@ -62,10 +62,28 @@ pub struct WgpuOptions {
     /// Bytes of the staging buffer that carries host values in and out (at least one piece of
     /// f32).
     pub io_bytes: u64,
-    /// Use the shader's exact software fma, division and square root even where the probe
-    /// found the driver's correctly rounded (slower; for testing the software path on a driver
-    /// that does not need it). Default: the driver's where it is exact.
-    pub software_arithmetic: bool,
+    /// Which fma, division and square root the kernels use ([`Arithmetic`]). Default:
+    /// [`Arithmetic::Exact`], the CPU's bits.
+    pub arithmetic: Arithmetic,
+}
+
+/// Which f32 fma, division and square root the kernels use ([`WgpuOptions::arithmetic`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Arithmetic {
+    /// The driver's operations where `Wgpu::new`'s probe found them exact, the shader's exact
+    /// software ones elsewhere: the CPU's bits wherever the driver keeps subnormals.
+    #[default]
+    Exact,
+    /// The software fma, division and square root whatever the probe finds: slower; for
+    /// testing the software path on a driver that does not need it.
+    Software,
+    /// The driver's division and square root whatever the probe finds (the fma as with
+    /// [`Arithmetic::Exact`]): where they are not correctly rounded, steps differ from the
+    /// CPU's in the last bits and `Wgpu::new` warns, but the pipelines build without the
+    /// software routines, which NVIDIA's Vulkan driver took about 97 s to build the step with
+    /// (docs/BACKENDS.md, "Bit-exactness").
+    DriverDivision,
 }
 
 impl Default for WgpuOptions {
@@ -74,7 +92,7 @@ impl Default for WgpuOptions {
             segment_bytes: 128 << 20,
             piece_elements: 1 << 20,
             io_bytes: 64 << 20,
-            software_arithmetic: false,
+            arithmetic: Arithmetic::Exact,
         }
     }
 }
@@ -104,13 +122,9 @@ impl WgpuOptions {
         }
     }
 
-    /// With the shader's software fma, division and square root whatever the probe finds
-    /// ([`WgpuOptions::software_arithmetic`]).
-    pub fn with_software_arithmetic(self, on: bool) -> Self {
-        Self {
-            software_arithmetic: on,
-            ..self
-        }
+    /// With the given fma, division and square root ([`WgpuOptions::arithmetic`]).
+    pub fn with_arithmetic(self, arithmetic: Arithmetic) -> Self {
+        Self { arithmetic, ..self }
     }
 }
 
@@ -280,14 +294,14 @@ impl Wgpu {
         });
         let mut rt = WgpuRuntime::new(info, device, queue, kernels, &options);
         rt.behaviour = probe(&rt).map_err(|e| WgpuError::Device(e.to_string()))?;
-        rt.native = Native::from_probe(rt.behaviour, options.software_arithmetic);
+        rt.native = Native::from_probe(rt.behaviour, options.arithmetic);
         if !rt.behaviour.fma_soft_exact {
             return Err(WgpuError::Device(format!(
                 "the software fma disagrees with the CPU's on this adapter ({:?})",
                 rt.behaviour
             )));
         }
-        if let Some(warning) = rt.behaviour.inexact_warning() {
+        if let Some(warning) = rt.behaviour.inexact_warning_with(options.arithmetic) {
             tracing::warn!(adapter = %rt.info.name, "lpmm-wgpu: {warning}");
         }
         Self::finish(rt, &options)
@@ -297,7 +311,7 @@ impl Wgpu {
     /// parameters, states or counters), the same compiled kernels and probe results, so that no
     /// shader is compiled again (a driver such as lavapipe takes seconds per entry point).
     /// `options` lays out the new backend's memory; the arithmetic is this backend's (its
-    /// `software_arithmetic` is not read).
+    /// `arithmetic` is not read).
     pub fn on_same_device(&self, options: WgpuOptions) -> Result<Self, WgpuError> {
         let rt = self.runtime();
         let mut fresh = WgpuRuntime::new(
@@ -415,11 +429,19 @@ struct Native {
 }
 
 impl Native {
-    fn from_probe(b: FloatBehaviour, software: bool) -> Self {
-        Native {
-            fma: b.fma_fused && !software,
-            div: b.div_exact && !software,
-            sqrt: b.sqrt_exact && !software,
+    fn from_probe(b: FloatBehaviour, arithmetic: Arithmetic) -> Self {
+        match arithmetic {
+            Arithmetic::Exact => Native {
+                fma: b.fma_fused,
+                div: b.div_exact,
+                sqrt: b.sqrt_exact,
+            },
+            Arithmetic::Software => Native::default(),
+            Arithmetic::DriverDivision => Native {
+                fma: b.fma_fused,
+                div: true,
+                sqrt: true,
+            },
         }
     }
 }
@@ -735,5 +757,64 @@ impl Runtime for WgpuRuntime {
         }
         self.queue.submit([encoder.finish()]);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Arithmetic, FloatBehaviour, Native};
+
+    /// Each `Arithmetic` picks the driver's operations it promises: `Exact` those the probe
+    /// found exact, `Software` none, `DriverDivision` division and square root whatever the
+    /// probe found (the fma as `Exact`).
+    #[test]
+    fn the_arithmetic_option_picks_the_pipelines_operations() {
+        // What NVIDIA's Vulkan driver reported on an H200 (docs/BACKENDS.md).
+        let nvidia = FloatBehaviour {
+            fma_fused: false,
+            fma_soft_exact: true,
+            div_exact: false,
+            sqrt_exact: false,
+            div_soft_exact: true,
+            sqrt_soft_exact: true,
+            subnormals_kept: false,
+        };
+        let all = Native {
+            fma: true,
+            div: true,
+            sqrt: true,
+        };
+        assert_eq!(
+            Native::from_probe(nvidia, Arithmetic::Exact),
+            Native::default()
+        );
+        assert_eq!(
+            Native::from_probe(nvidia, Arithmetic::DriverDivision),
+            Native { fma: false, ..all }
+        );
+        let lavapipe = FloatBehaviour {
+            div_exact: true,
+            sqrt_exact: true,
+            subnormals_kept: true,
+            ..nvidia
+        };
+        assert_eq!(
+            Native::from_probe(lavapipe, Arithmetic::Exact),
+            Native { fma: false, ..all }
+        );
+        assert_eq!(
+            Native::from_probe(lavapipe, Arithmetic::Software),
+            Native::default()
+        );
+        let fused = FloatBehaviour {
+            fma_fused: true,
+            ..lavapipe
+        };
+        assert_eq!(Native::from_probe(fused, Arithmetic::Exact), all);
+        assert_eq!(Native::from_probe(fused, Arithmetic::DriverDivision), all);
+        assert_eq!(
+            Native::from_probe(fused, Arithmetic::Software),
+            Native::default()
+        );
     }
 }

@@ -6,7 +6,7 @@
 use lpmm_optim::BackendError;
 use wgpu::util::DeviceExt;
 
-use crate::WgpuRuntime;
+use crate::{Arithmetic, WgpuRuntime};
 
 /// What the driver's f32 arithmetic does, measured by running the probe kernel on inputs whose
 /// correctly rounded results are known on the host.
@@ -32,46 +32,84 @@ pub struct FloatBehaviour {
 }
 
 impl FloatBehaviour {
-    /// Whether every step is bit-exact with the CPU backend: fma, division and square root
-    /// exact (the driver's where the probe found them so, the shader's software ones
-    /// otherwise), and subnormals kept.
+    /// Whether every step is bit-exact with the CPU backend with the default
+    /// [`Arithmetic::Exact`]: fma, division and square root exact (the driver's where the probe
+    /// found them so, the shader's software ones otherwise), and subnormals kept.
     pub fn bit_exact(&self) -> bool {
-        self.fma_soft_exact
-            && (self.div_exact || self.div_soft_exact)
-            && (self.sqrt_exact || self.sqrt_soft_exact)
-            && self.subnormals_kept
+        self.bit_exact_with(Arithmetic::Exact)
+    }
+
+    /// [`FloatBehaviour::bit_exact`] with the operations `arithmetic` chooses.
+    pub fn bit_exact_with(&self, arithmetic: Arithmetic) -> bool {
+        self.differences(arithmetic).is_empty()
     }
 
     /// What a user is told (a `tracing` warning when the backend is created) where results will
-    /// not equal the CPU backend's bit for bit; `None` where they will.
+    /// not equal the CPU backend's bit for bit with [`Arithmetic::Exact`]; `None` where they
+    /// will.
     pub fn inexact_warning(&self) -> Option<String> {
-        if self.bit_exact() {
+        self.inexact_warning_with(Arithmetic::Exact)
+    }
+
+    /// [`FloatBehaviour::inexact_warning`] with the operations `arithmetic` chooses.
+    pub fn inexact_warning_with(&self, arithmetic: Arithmetic) -> Option<String> {
+        let what = self.differences(arithmetic);
+        if what.is_empty() {
             return None;
-        }
-        let mut what = Vec::new();
-        if !self.subnormals_kept {
-            what.push("subnormal results are flushed to zero");
-        }
-        for (exact, wrong) in [
-            (self.fma_soft_exact, "the software fma is not exact"),
-            (
-                self.div_exact || self.div_soft_exact,
-                "neither the driver's division nor the software one is exact",
-            ),
-            (
-                self.sqrt_exact || self.sqrt_soft_exact,
-                "neither the driver's square root nor the software one is exact",
-            ),
-        ] {
-            if !exact {
-                what.push(wrong);
-            }
         }
         Some(format!(
             "this adapter's f32 arithmetic differs from the CPU's ({}): steps can differ from \
              the CPU backend's in the last bits (docs/BACKENDS.md, \"Bit-exactness\")",
             what.join(", ")
         ))
+    }
+
+    /// Why results will differ from the CPU's with `arithmetic` (empty where they will not).
+    fn differences(&self, arithmetic: Arithmetic) -> Vec<&'static str> {
+        let mut what = Vec::new();
+        if !self.subnormals_kept {
+            what.push("subnormal results are flushed to zero");
+        }
+        let [div, sqrt] = match arithmetic {
+            Arithmetic::Exact => [
+                (
+                    self.div_exact || self.div_soft_exact,
+                    "neither the driver's division nor the software one is exact",
+                ),
+                (
+                    self.sqrt_exact || self.sqrt_soft_exact,
+                    "neither the driver's square root nor the software one is exact",
+                ),
+            ],
+            Arithmetic::Software => [
+                (self.div_soft_exact, "the software division is not exact"),
+                (
+                    self.sqrt_soft_exact,
+                    "the software square root is not exact",
+                ),
+            ],
+            Arithmetic::DriverDivision => [
+                (
+                    self.div_exact,
+                    "the driver's division is not correctly rounded (Arithmetic::DriverDivision)",
+                ),
+                (
+                    self.sqrt_exact,
+                    "the driver's square root is not correctly rounded \
+                     (Arithmetic::DriverDivision)",
+                ),
+            ],
+        };
+        for (exact, wrong) in [
+            (self.fma_soft_exact, "the software fma is not exact"),
+            div,
+            sqrt,
+        ] {
+            if !exact {
+                what.push(wrong);
+            }
+        }
+        what
     }
 }
 
@@ -256,5 +294,54 @@ mod tests {
             w.contains("(neither the driver's square root nor the software one is exact)"),
             "{w}"
         );
+    }
+
+    /// With `Arithmetic::DriverDivision` an inexact driver division or square root is what the
+    /// user is warned of (the software ones do not run); with `Arithmetic::Software` a broken
+    /// software one is, even where the driver's is exact.
+    #[test]
+    fn the_warning_follows_the_chosen_arithmetic() {
+        use crate::Arithmetic;
+        let exact = FloatBehaviour {
+            fma_fused: false,
+            fma_soft_exact: true,
+            div_exact: true,
+            sqrt_exact: true,
+            div_soft_exact: true,
+            sqrt_soft_exact: true,
+            subnormals_kept: true,
+        };
+        for a in [
+            Arithmetic::Exact,
+            Arithmetic::Software,
+            Arithmetic::DriverDivision,
+        ] {
+            assert!(exact.bit_exact_with(a), "{a:?}");
+            assert_eq!(exact.inexact_warning_with(a), None, "{a:?}");
+        }
+        let rounded_off = FloatBehaviour {
+            div_exact: false,
+            ..exact
+        };
+        assert!(rounded_off.bit_exact_with(Arithmetic::Exact));
+        assert!(rounded_off.bit_exact_with(Arithmetic::Software));
+        let w = rounded_off
+            .inexact_warning_with(Arithmetic::DriverDivision)
+            .expect("a warning");
+        assert!(
+            w.contains("the driver's division is not correctly rounded"),
+            "{w}"
+        );
+        assert!(!w.contains("square root"), "{w}");
+        let soft_broken = FloatBehaviour {
+            sqrt_soft_exact: false,
+            ..exact
+        };
+        assert!(soft_broken.bit_exact_with(Arithmetic::Exact));
+        assert!(soft_broken.bit_exact_with(Arithmetic::DriverDivision));
+        let w = soft_broken
+            .inexact_warning_with(Arithmetic::Software)
+            .expect("a warning");
+        assert!(w.contains("the software square root is not exact"), "{w}");
     }
 }

@@ -115,7 +115,8 @@ fn backends_on_one_device_keep_their_own_memory_and_step_the_same_bits() {
 /// this driver: every preset that divides or takes square roots steps the CPU's bits.
 #[test]
 fn software_arithmetic_steps_the_cpus_bits() {
-    let Some(gpu) = common::own_backend(small().with_software_arithmetic(true)) else {
+    let Some(gpu) = common::own_backend(small().with_arithmetic(lpmm_wgpu::Arithmetic::Software))
+    else {
         return;
     };
     let dividing = [
