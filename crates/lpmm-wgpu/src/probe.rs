@@ -252,9 +252,9 @@ pub(crate) fn run_arith(
 mod tests {
     use super::FloatBehaviour;
 
-    #[test]
-    fn users_are_warned_exactly_when_results_can_differ_from_the_cpus() {
-        let exact = FloatBehaviour {
+    /// Everything exact, the driver's fma unfused (lavapipe's probe).
+    fn exact() -> FloatBehaviour {
+        FloatBehaviour {
             fma_fused: false,
             fma_soft_exact: true,
             div_exact: true,
@@ -262,7 +262,12 @@ mod tests {
             div_soft_exact: true,
             sqrt_soft_exact: true,
             subnormals_kept: true,
-        };
+        }
+    }
+
+    #[test]
+    fn users_are_warned_exactly_when_results_can_differ_from_the_cpus() {
+        let exact = exact();
         assert_eq!(exact.inexact_warning(), None);
         // Inexact division and square root alone are made exact in software: no warning.
         let rounded_off = FloatBehaviour {
@@ -302,15 +307,7 @@ mod tests {
     #[test]
     fn the_warning_follows_the_chosen_arithmetic() {
         use crate::Arithmetic;
-        let exact = FloatBehaviour {
-            fma_fused: false,
-            fma_soft_exact: true,
-            div_exact: true,
-            sqrt_exact: true,
-            div_soft_exact: true,
-            sqrt_soft_exact: true,
-            subnormals_kept: true,
-        };
+        let exact = exact();
         for a in [
             Arithmetic::Exact,
             Arithmetic::Software,
