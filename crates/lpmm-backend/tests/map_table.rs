@@ -32,13 +32,9 @@ fn the_kernels_search_of_the_table_is_the_cpus_nearest() {
         table.len(),
         (MAP_BUCKETS + MapKind::ALL.len() as u32 * MAP_BUCKET_WORDS) as usize
     );
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    use rand_core::{Rng as _, SeedableRng};
+    let mut rng = rand_xoshiro::SplitMix64::seed_from_u64(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || rng.next_u64();
     for kind in MapKind::ALL {
         let map = kind.shared();
         let id = kind.id();
