@@ -46,6 +46,8 @@ fn pair(t: Tile, field: u32) -> vec2<u32> {
 // The item of workgroup `index`: the last descriptor whose first tile is at or before it.
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
     var t: Tile;
+    // Zero: every dispatch has one workgroup in z (see `mulr`).
+    UNFUSED = wid.z;
     let index = wid.x + wid.y * nwg.x;
     var lo = 0u;
     var hi = work[0];

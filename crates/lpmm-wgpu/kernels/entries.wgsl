@@ -136,7 +136,7 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let dest = (mode >> 8u) & 0xFFu;
     let base = dw(t, D_FLAG_INDEX);
     for (var j = 0u; j < count; j = j + 1u) {
-        let gi = gradient(t, first + j) * clip;
+        let gi = mulr(gradient(t, first + j), clip);
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);
         let v0 = fmt_load(t, S_STATE2, first + j);
@@ -198,7 +198,7 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     for (var j = 0u; j < count; j = j + 1u) {
         var gi = 0.0;
         if (!transform) {
-            gi = gradient(t, first + j) * clip;
+            gi = mulr(gradient(t, first + j), clip);
         }
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);

@@ -44,6 +44,20 @@ fn bf16_value(h: u32) -> f32 {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Rounded products. A driver may contract a product and the addition that takes it into one fma
+// (SPIR-V allows it unless told NoContraction, which naga does not emit; NVIDIA's driver does
+// it), which skips the product's rounding that the CPU does. `mulr` rounds the product to f32
+// bits and ORs in a zero the compiler cannot know (`tile_of` sets it from the workgroup id's z,
+// which the host dispatches as 1), so the driver must keep that rounding. Every f32 product that
+// is not an operand of `fmaf` goes through it (tests/codegen.rs checks).
+
+var<private> UNFUSED: u32;
+
+fn mulr(a: f32, b: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(a * b) | UNFUSED);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Fused multiply-add. WGSL's `fma` may be evaluated as a multiply and an add (lavapipe does), so
 // unless the backend's probe found the driver's `fma` correctly rounded (FMA_NATIVE), `fmaf`
 // computes round-to-nearest-even(a * b + c) exactly in integer arithmetic: the 48-bit product and

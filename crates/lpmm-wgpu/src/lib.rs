@@ -81,8 +81,8 @@ pub enum Arithmetic {
     /// The driver's division and square root whatever the probe finds (the fma as with
     /// [`Arithmetic::Exact`]): where they are not correctly rounded, steps differ from the
     /// CPU's in the last bits and `Wgpu::new` warns, but the pipelines build without the
-    /// software routines, which NVIDIA's Vulkan driver took about 97 s to build the step with
-    /// (docs/BACKENDS.md, "Bit-exactness").
+    /// software routines: on NVIDIA's Vulkan driver the first step came at 64 s instead of
+    /// 74–82 s (one run each; docs/BACKENDS.md, "Bit-exactness").
     DriverDivision,
 }
 

@@ -252,6 +252,8 @@ fn pair(t: Tile, field: u32) -> vec2<u32> {
 // The item of workgroup `index`: the last descriptor whose first tile is at or before it.
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
     var t: Tile;
+    // Zero: every dispatch has one workgroup in z (see `mulr`).
+    UNFUSED = wid.z;
     let index = wid.x + wid.y * nwg.x;
     var lo = 0u;
     var hi = work[0];
@@ -458,6 +460,20 @@ fn bf16_stochastic(x: f32, r: u32) -> u32 {
 
 fn bf16_value(h: u32) -> f32 {
     return bitcast<f32>(h << 16u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rounded products. A driver may contract a product and the addition that takes it into one fma
+// (SPIR-V allows it unless told NoContraction, which naga does not emit; NVIDIA's driver does
+// it), which skips the product's rounding that the CPU does. `mulr` rounds the product to f32
+// bits and ORs in a zero the compiler cannot know (`tile_of` sets it from the workgroup id's z,
+// which the host dispatches as 1), so the driver must keep that rounding. Every f32 product that
+// is not an operand of `fmaf` goes through it (tests/codegen.rs checks).
+
+var<private> UNFUSED: u32;
+
+fn mulr(a: f32, b: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(a * b) | UNFUSED);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1258,7 +1274,7 @@ fn fmt_blockwise_load(t: Tile, s: u32, i: u32) -> f32 {
     let at = i * bits;
     let code = (rd(region(t, s, 0u), at / 32u) >> (at % 32u)) & ((1u << bits) - 1u);
     let absmax = bitcast<f32>(rd(region(t, s, 1u), i >> log_block));
-    return map_value(map, code) * absmax;
+    return mulr(map_value(map, code), absmax);
 }
 
 // Blockwise::quantize_block over the thread's share of each block: the block's absmax (the
@@ -1380,7 +1396,7 @@ fn fmt_rank1_load(t: Tile, s: u32, i: u32) -> f32 {
     let bits = aux >> 24u;
     let at = i * bits;
     let code = (rd(region(t, s, 0u), at / 32u) >> (at % 32u)) & ((1u << bits) - 1u);
-    return map_value(aux & 0xFFu, code) * rank1_scale(t, region(t, s, 1u), global_index(t, i));
+    return mulr(map_value(aux & 0xFFu, code), rank1_scale(t, region(t, s, 1u), global_index(t, i)));
 }
 
 // The codes nearest to v / s with the next step's maxima.
@@ -1440,7 +1456,7 @@ fn fmt_factored_load(t: Tile, s: u32, i: u32) -> f32 {
     if (mean > 0.0) {
         let r = bitcast<f32>(rd(region(t, s, 0u), e / dims.y));
         let c = bitcast<f32>(rd(region(t, s, 1u), e % dims.y));
-        return divf(r, mean) * c;
+        return mulr(divf(r, mean), c);
     }
     return 0.0;
 }
@@ -1493,7 +1509,7 @@ fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0
         }
     }
     u.p = fmaf(d, c.neg_lr, p);
-    u.d = d * c.neg_lr;
+    u.d = mulr(d, c.neg_lr);
     return u;
 }
 
@@ -1509,8 +1525,8 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     var decayed = p;
     var decay_delta = 0.0;
     if (c.decoupled != 0u && decay_on) {
-        decayed = p * c.decay;
-        decay_delta = p * c.neg_lr_wd;
+        decayed = mulr(p, c.decay);
+        decay_delta = mulr(p, c.neg_lr_wd);
     } else if (c.decoupled == 0u && decay_on && c.wd != 0.0) {
         gg = fmaf(p, c.wd, g);
     }
@@ -1560,7 +1576,7 @@ fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     }
     u.m = fmaf(g, c.one_minus_beta2, m0 * c.beta2);
     u.p = fmaf(s, c.neg_lr, decayed);
-    u.d = p * neg_lr_wd + s * c.neg_lr;
+    u.d = mulr(p, neg_lr_wd) + mulr(s, c.neg_lr);
     return u;
 }
 
@@ -1572,7 +1588,7 @@ fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
 fn adafactor_unscaled(c: AdafactorConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     var v = v0;
     if ((flags & F_GIVEN_V) == 0u) {
-        v = fmaf(g * g + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
+        v = fmaf(mulr(g, g) + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
     }
     return vec2<f32>(divf(g, sqrtf(v)), v);
 }
@@ -1581,7 +1597,7 @@ fn rule_adafactor_apply(c: AdafactorConsts, flags: u32, p: f32, g: f32, m0: f32,
     var u = Update(p, 0.0, m0, v0, w0);
     let r = adafactor_unscaled(c, flags, g, v0);
     u.v = r.y;
-    var x = divf(r.x, c.clip_div) * c.step;
+    var x = mulr(divf(r.x, c.clip_div), c.step);
     if ((c.mode & 1u) != 0u) {
         u.m = fmaf(x, c.one_minus_beta1, m0 * c.beta1);
         x = u.m;
@@ -1612,7 +1628,7 @@ fn rule_adafactor_stat_input(c: AdafactorConsts, flags: u32, k: u32, p: f32, g: 
 fn came_unscaled(c: CameConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     var v = v0;
     if ((flags & F_GIVEN_V) == 0u) {
-        v = fmaf(g * g + c.eps1, c.one_minus_beta2, v0 * c.beta2);
+        v = fmaf(mulr(g, g) + c.eps1, c.one_minus_beta2, v0 * c.beta2);
     }
     return vec2<f32>(divf(g, sqrtf(v)), v);
 }
@@ -1639,7 +1655,7 @@ fn rule_came_apply(c: CameConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     if ((flags & F_UPDATE_PARAM) != 0u) {
         decay = c.neg_lr_wd;
     }
-    let step = x * c.lr;
+    let step = mulr(x, c.lr);
     u.p = fmaf(p, decay, p) - step;
     u.d = fmaf(p, decay, -step);
     return u;
@@ -1670,7 +1686,7 @@ fn rule_ademamix_apply(c: AdEMAMixConsts, flags: u32, p: f32, g: f32, m0: f32, v
     u.w = fmaf(g, c.one_minus_beta3, w0 * c.beta3);
     u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
     let denom = divf(sqrtf(u.v), c.bias_correction2_sqrt) + c.eps;
-    let update = divf(divf(u.m, c.bias_correction1) + c.alpha * u.w, denom);
+    let update = divf(divf(u.m, c.bias_correction1) + mulr(c.alpha, u.w), denom);
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 1.0;
     var neg_lr_wd = 0.0;
@@ -1966,7 +1982,7 @@ fn lpmm_fold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let dest = (mode >> 8u) & 0xFFu;
     let base = dw(t, D_FLAG_INDEX);
     for (var j = 0u; j < count; j = j + 1u) {
-        let gi = gradient(t, first + j) * clip;
+        let gi = mulr(gradient(t, first + j), clip);
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);
         let v0 = fmt_load(t, S_STATE2, first + j);
@@ -2028,7 +2044,7 @@ fn lpmm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     for (var j = 0u; j < count; j = j + 1u) {
         var gi = 0.0;
         if (!transform) {
-            gi = gradient(t, first + j) * clip;
+            gi = mulr(gradient(t, first + j), clip);
         }
         let p0 = fmt_load(t, S_PARAM, first + j);
         let m0 = fmt_load(t, S_STATE1, first + j);

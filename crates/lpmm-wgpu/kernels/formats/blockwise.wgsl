@@ -14,7 +14,7 @@ fn fmt_blockwise_load(t: Tile, s: u32, i: u32) -> f32 {
     let at = i * bits;
     let code = (rd(region(t, s, 0u), at / 32u) >> (at % 32u)) & ((1u << bits) - 1u);
     let absmax = bitcast<f32>(rd(region(t, s, 1u), i >> log_block));
-    return map_value(map, code) * absmax;
+    return mulr(map_value(map, code), absmax);
 }
 
 // Blockwise::quantize_block over the thread's share of each block: the block's absmax (the

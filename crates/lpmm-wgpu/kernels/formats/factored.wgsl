@@ -19,7 +19,7 @@ fn fmt_factored_load(t: Tile, s: u32, i: u32) -> f32 {
     if (mean > 0.0) {
         let r = bitcast<f32>(rd(region(t, s, 0u), e / dims.y));
         let c = bitcast<f32>(rd(region(t, s, 1u), e % dims.y));
-        return divf(r, mean) * c;
+        return mulr(divf(r, mean), c);
     }
     return 0.0;
 }

@@ -42,7 +42,7 @@ fn fmt_rank1_load(t: Tile, s: u32, i: u32) -> f32 {
     let bits = aux >> 24u;
     let at = i * bits;
     let code = (rd(region(t, s, 0u), at / 32u) >> (at % 32u)) & ((1u << bits) - 1u);
-    return map_value(aux & 0xFFu, code) * rank1_scale(t, region(t, s, 1u), global_index(t, i));
+    return mulr(map_value(aux & 0xFFu, code), rank1_scale(t, region(t, s, 1u), global_index(t, i)));
 }
 
 // The codes nearest to v / s with the next step's maxima.

@@ -4,7 +4,7 @@
 fn adafactor_unscaled(c: AdafactorConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     var v = v0;
     if ((flags & F_GIVEN_V) == 0u) {
-        v = fmaf(g * g + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
+        v = fmaf(mulr(g, g) + c.eps1, c.one_minus_beta2t, v0 * c.beta2t);
     }
     return vec2<f32>(divf(g, sqrtf(v)), v);
 }
@@ -13,7 +13,7 @@ fn rule_adafactor_apply(c: AdafactorConsts, flags: u32, p: f32, g: f32, m0: f32,
     var u = Update(p, 0.0, m0, v0, w0);
     let r = adafactor_unscaled(c, flags, g, v0);
     u.v = r.y;
-    var x = divf(r.x, c.clip_div) * c.step;
+    var x = mulr(divf(r.x, c.clip_div), c.step);
     if ((c.mode & 1u) != 0u) {
         u.m = fmaf(x, c.one_minus_beta1, m0 * c.beta1);
         x = u.m;

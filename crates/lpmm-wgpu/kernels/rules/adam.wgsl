@@ -8,8 +8,8 @@ fn rule_adam_apply(c: AdamConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     var decayed = p;
     var decay_delta = 0.0;
     if (c.decoupled != 0u && decay_on) {
-        decayed = p * c.decay;
-        decay_delta = p * c.neg_lr_wd;
+        decayed = mulr(p, c.decay);
+        decay_delta = mulr(p, c.neg_lr_wd);
     } else if (c.decoupled == 0u && decay_on && c.wd != 0.0) {
         gg = fmaf(p, c.wd, g);
     }

@@ -6,7 +6,7 @@ fn rule_ademamix_apply(c: AdEMAMixConsts, flags: u32, p: f32, g: f32, m0: f32, v
     u.w = fmaf(g, c.one_minus_beta3, w0 * c.beta3);
     u.v = fmaf(c.one_minus_beta2 * g, g, v0 * c.beta2);
     let denom = divf(sqrtf(u.v), c.bias_correction2_sqrt) + c.eps;
-    let update = divf(divf(u.m, c.bias_correction1) + c.alpha * u.w, denom);
+    let update = divf(divf(u.m, c.bias_correction1) + mulr(c.alpha, u.w), denom);
     // No decay while the parameter does not move (optimizer accumulation).
     var decay = 1.0;
     var neg_lr_wd = 0.0;

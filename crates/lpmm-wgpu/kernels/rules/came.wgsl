@@ -4,7 +4,7 @@
 fn came_unscaled(c: CameConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
     var v = v0;
     if ((flags & F_GIVEN_V) == 0u) {
-        v = fmaf(g * g + c.eps1, c.one_minus_beta2, v0 * c.beta2);
+        v = fmaf(mulr(g, g) + c.eps1, c.one_minus_beta2, v0 * c.beta2);
     }
     return vec2<f32>(divf(g, sqrtf(v)), v);
 }
@@ -31,7 +31,7 @@ fn rule_came_apply(c: CameConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     if ((flags & F_UPDATE_PARAM) != 0u) {
         decay = c.neg_lr_wd;
     }
-    let step = x * c.lr;
+    let step = mulr(x, c.lr);
     u.p = fmaf(p, decay, p) - step;
     u.d = fmaf(p, decay, -step);
     return u;

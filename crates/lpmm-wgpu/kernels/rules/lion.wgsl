@@ -19,6 +19,6 @@ fn rule_lion_apply(c: LionConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, 
     }
     u.m = fmaf(g, c.one_minus_beta2, m0 * c.beta2);
     u.p = fmaf(s, c.neg_lr, decayed);
-    u.d = p * neg_lr_wd + s * c.neg_lr;
+    u.d = mulr(p, neg_lr_wd) + mulr(s, c.neg_lr);
     return u;
 }

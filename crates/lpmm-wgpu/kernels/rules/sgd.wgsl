@@ -24,6 +24,6 @@ fn rule_sgd_apply(c: SgdConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0
         }
     }
     u.p = fmaf(d, c.neg_lr, p);
-    u.d = d * c.neg_lr;
+    u.d = mulr(d, c.neg_lr);
     return u;
 }
