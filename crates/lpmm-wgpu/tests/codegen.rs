@@ -39,38 +39,50 @@ fn a_stale_program_fails_naming_the_command() {
     assert!(err.contains(COMMAND) && err.contains("stale"), "{err}");
 }
 
-/// The functions of `module` that divide f32 values or take an f32 square root, by name.
-fn float_div_and_sqrt_sites(module: &naga::Module) -> std::collections::BTreeSet<String> {
-    use naga::{BinaryOperator, Expression, MathFunction, ScalarKind, TypeInner};
+/// Every function of `module` (entry points included) with its validation info, for `visit`.
+fn each_function(
+    module: &naga::Module,
+    mut visit: impl FnMut(&naga::Function, &naga::valid::FunctionInfo),
+) {
     let info = naga::valid::Validator::new(
         naga::valid::ValidationFlags::all(),
         naga::valid::Capabilities::all(),
     )
     .validate(module)
     .expect("the program validates");
-    let functions = module.functions.iter().map(|(h, f)| (f, &info[h])).chain(
-        module
-            .entry_points
-            .iter()
-            .enumerate()
-            .map(|(k, e)| (&e.function, info.get_entry_point(k))),
-    );
+    for (h, f) in module.functions.iter() {
+        visit(f, &info[h]);
+    }
+    for (k, e) in module.entry_points.iter().enumerate() {
+        visit(&e.function, info.get_entry_point(k));
+    }
+}
+
+/// Whether expression `e` of the function `fi` describes is an f32 scalar or vector.
+fn is_float(
+    module: &naga::Module,
+    fi: &naga::valid::FunctionInfo,
+    e: naga::Handle<naga::Expression>,
+) -> bool {
+    use naga::{ScalarKind, TypeInner};
+    match fi[e].ty.inner_with(&module.types) {
+        TypeInner::Scalar(s) | TypeInner::Vector { scalar: s, .. } => s.kind == ScalarKind::Float,
+        _ => false,
+    }
+}
+
+/// The functions of `module` that divide f32 values or take an f32 square root, by name.
+fn float_div_and_sqrt_sites(module: &naga::Module) -> std::collections::BTreeSet<String> {
+    use naga::{BinaryOperator, Expression, MathFunction};
     let mut sites = std::collections::BTreeSet::new();
-    for (f, fi) in functions {
-        let float = |e: naga::Handle<Expression>| {
-            let scalar = match fi[e].ty.inner_with(&module.types) {
-                TypeInner::Scalar(s) | TypeInner::Vector { scalar: s, .. } => Some(*s),
-                _ => None,
-            };
-            scalar.is_some_and(|s| s.kind == ScalarKind::Float)
-        };
+    each_function(module, |f, fi| {
         for (_, e) in f.expressions.iter() {
             let hit = match *e {
                 Expression::Binary {
                     op: BinaryOperator::Divide,
                     left,
                     ..
-                } => float(left),
+                } => is_float(module, fi, left),
                 Expression::Math {
                     fun: MathFunction::Sqrt | MathFunction::InverseSqrt,
                     ..
@@ -81,7 +93,7 @@ fn float_div_and_sqrt_sites(module: &naga::Module) -> std::collections::BTreeSet
                 sites.insert(f.name.clone().unwrap_or_default());
             }
         }
-    }
+    });
     sites
 }
 
@@ -125,31 +137,12 @@ fn every_float_division_and_square_root_goes_through_the_exact_helpers() {
 /// Vulkan driver does), which skips the product's rounding; a product stored, returned or
 /// passed on may meet such an addition after inlining.
 fn unrounded_products(module: &naga::Module) -> std::collections::BTreeSet<String> {
-    use naga::{Block, Expression, Handle, MathFunction, ScalarKind, Statement, TypeInner};
-    let info = naga::valid::Validator::new(
-        naga::valid::ValidationFlags::all(),
-        naga::valid::Capabilities::all(),
-    )
-    .validate(module)
-    .expect("the program validates");
-    let functions = module.functions.iter().map(|(h, f)| (f, &info[h])).chain(
-        module
-            .entry_points
-            .iter()
-            .enumerate()
-            .map(|(k, e)| (&e.function, info.get_entry_point(k))),
-    );
+    use naga::{Block, Expression, Handle, MathFunction, Statement};
     let mut sites = std::collections::BTreeSet::new();
-    for (f, fi) in functions {
+    each_function(module, |f, fi| {
         let name = f.name.clone().unwrap_or_default();
         let product = |e: Handle<Expression>| {
-            let float = match fi[e].ty.inner_with(&module.types) {
-                TypeInner::Scalar(s) | TypeInner::Vector { scalar: s, .. } => {
-                    s.kind == ScalarKind::Float
-                }
-                _ => false,
-            };
-            float
+            is_float(module, fi, e)
                 && matches!(
                     f.expressions[e],
                     Expression::Binary {
@@ -237,7 +230,7 @@ fn unrounded_products(module: &naga::Module) -> std::collections::BTreeSet<Strin
                 sites.insert(format!("{name}: {what}"));
             }
         }
-    }
+    });
     sites
 }
 
