@@ -49,7 +49,8 @@ fn bf16_value(h: u32) -> f32 {
 // it), which skips the product's rounding that the CPU does. `mulr` rounds the product to f32
 // bits and ORs in a zero the compiler cannot know (`tile_of` sets it from the workgroup id's z,
 // which the host dispatches as 1), so the driver must keep that rounding. Every f32 product that
-// is not an operand of `fmaf` goes through it (tests/codegen.rs checks).
+// could reach an addition goes through it; others are only compared, converted to integers or
+// operands of `fmaf`, `divf` and `sqrtf` (tests/codegen.rs checks).
 
 var<private> UNFUSED: u32;
 
@@ -434,10 +435,13 @@ fn sqrt_soft(x: f32) -> f32 {
 }
 
 // The backend's probe of the driver's arithmetic: for each (a, b, c) in `io` (10 floats apart),
-// writes fma(a, b, c), fma_soft(a, b, c), a * b + c, a / b, sqrt(|a|), div_soft(a, b),
-// sqrt_soft(|a|).
+// writes fma(a, b, c), fma_soft(a, b, c), a * b + c (the product rounded: `mulr`, so that a
+// driver that fuses does not pass for one that flushes subnormals), a / b, sqrt(|a|),
+// div_soft(a, b), sqrt_soft(|a|).
 @compute @workgroup_size(64)
 fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
+    // Zero: the probe is dispatched with one workgroup in y and z (see `mulr`).
+    UNFUSED = id.z;
     let i = 10u * id.x;
     if (i + 10u > arrayLength(&io) || i / 10u >= work[0]) {
         return;
@@ -448,7 +452,7 @@ fn arith_main(@builtin(global_invocation_id) id: vec3<u32>) {
     let abs_a = bitcast<f32>(io[i] & 0x7FFFFFFFu);
     io[i + 3u] = bitcast<u32>(fma(a, b, c));
     io[i + 4u] = bitcast<u32>(fma_soft(a, b, c));
-    io[i + 5u] = bitcast<u32>(a * b + c);
+    io[i + 5u] = bitcast<u32>(mulr(a, b) + c);
     io[i + 6u] = bitcast<u32>(a / b);
     io[i + 7u] = bitcast<u32>(sqrt(abs_a));
     io[i + 8u] = bitcast<u32>(div_soft(a, b));

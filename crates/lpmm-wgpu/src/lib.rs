@@ -82,7 +82,7 @@ pub enum Arithmetic {
     /// [`Arithmetic::Exact`]): where they are not correctly rounded, steps differ from the
     /// CPU's in the last bits and `Wgpu::new` warns, but the pipelines build without the
     /// software routines: on NVIDIA's Vulkan driver the first step came at 64 s instead of
-    /// 74–82 s (one run each; docs/BACKENDS.md, "Bit-exactness").
+    /// 74 s and 82 s (one run each; docs/BACKENDS.md, "Bit-exactness").
     DriverDivision,
 }
 
@@ -753,6 +753,8 @@ impl Runtime for WgpuRuntime {
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &bind, &[]);
             let x = launch.tiles.min(MAX_GROUPS_X);
+            // One workgroup in z: the kernels take the workgroup id's z as the zero that keeps
+            // their products rounded (`mulr` in kernels/float.wgsl).
             pass.dispatch_workgroups(x, launch.tiles.div_ceil(x), 1);
         }
         self.queue.submit([encoder.finish()]);

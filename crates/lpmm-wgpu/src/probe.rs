@@ -27,7 +27,8 @@ pub struct FloatBehaviour {
     pub div_soft_exact: bool,
     /// The software square root equals the CPU's `sqrt` on every probe input (always expected).
     pub sqrt_soft_exact: bool,
-    /// Subnormal results are kept (not flushed to zero).
+    /// Subnormal results are kept (not flushed to zero): a rounded product plus an addend
+    /// gives the CPU's `x * y + z` wherever that is subnormal.
     pub subnormals_kept: bool,
 }
 
@@ -238,6 +239,7 @@ pub(crate) fn run_arith(
         let mut pass = encoder.begin_compute_pass(&Default::default());
         pass.set_pipeline(&rt.kernels.arith);
         pass.set_bind_group(0, &bind, &[]);
+        // One in z: `arith_main` takes the invocation id's z as `mulr`'s zero.
         pass.dispatch_workgroups((triples.len() as u32).div_ceil(64), 1, 1);
     }
     rt.queue.submit([encoder.finish()]);
