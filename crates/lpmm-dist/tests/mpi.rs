@@ -59,3 +59,42 @@ fn sharded_optimizer_over_mpi_is_bit_identical_to_unsharded() {
         eprintln!("saved at {w}, resumed at {w2}: {}", out.stdout.trim_end());
     }
 }
+
+/// Every `mpirun` gets a `TMPDIR` of its own, the same on all its ranks, gone after the run: two
+/// launches at once on one machine must not share Open MPI's session directory (open-mpi/ompi#8510;
+/// see `Mpirun::run`).
+#[test]
+fn each_mpirun_has_its_own_temporary_directory() {
+    let Some(mpirun) = mpirun::Mpirun::find_or_skip("each_mpirun_has_its_own_temporary_directory")
+    else {
+        return;
+    };
+    let ours = std::env::temp_dir();
+    let tmpdirs = |out: &mpirun::MpiOutput| -> Vec<String> {
+        out.stdout.lines().map(str::to_owned).collect()
+    };
+    let runs: Vec<Vec<String>> = std::thread::scope(|s| {
+        let launches: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| mpirun.run("/bin/sh", 2, &["-c", "echo \"$TMPDIR\""])))
+            .collect();
+        launches
+            .into_iter()
+            .map(|h| {
+                let out = h.join().unwrap();
+                out.assert_success();
+                tmpdirs(&out)
+            })
+            .collect()
+    });
+    for dirs in &runs {
+        assert_eq!(dirs.len(), 2, "one line per rank: {dirs:?}");
+        assert_eq!(dirs[0], dirs[1], "both ranks of a run share it");
+        let dir = std::path::Path::new(&dirs[0]);
+        assert_ne!(dir, ours, "not the test's own temporary directory");
+        assert!(!dir.exists(), "{dir:?} is removed after the run");
+    }
+    assert_ne!(
+        runs[0][0], runs[1][0],
+        "two runs at once have different ones"
+    );
+}

@@ -138,8 +138,22 @@ impl Mpirun {
     /// Runs `program args` on `world` ranks and collects what they print. Open MPI gets
     /// `--oversubscribe` (more ranks than cores) and, through the environment, permission to run
     /// as root; a run past the timeout is terminated.
+    ///
+    /// Each run gets a fresh temporary directory of its own as `TMPDIR`, removed after it. Open
+    /// MPI 4 puts its session directory under it (`$TMPDIR/ompi.<host>.<uid>`), and two `mpirun`s
+    /// starting at once on one machine race to create a shared one: the loser fails with "A call
+    /// to mkdir was unable to create the desired directory ... File exists" (open-mpi/ompi#8510).
+    /// The test binaries run their tests on parallel threads, so that happens; CI once failed on
+    /// it.
     pub fn run(&self, program: impl AsRef<Path>, world: usize, args: &[&str]) -> MpiOutput {
+        let tmp = lpmm_optim::testing::temp_dir("lpmm-mpirun-");
+        self.run_in(program.as_ref(), world, args, tmp.path())
+    }
+
+    /// [`Mpirun::run`] with `TMPDIR` set to `tmpdir`.
+    pub fn run_in(&self, program: &Path, world: usize, args: &[&str], tmpdir: &Path) -> MpiOutput {
         let mut cmd = Command::new(&self.launcher);
+        cmd.env("TMPDIR", tmpdir);
         cmd.arg("-np").arg(world.to_string());
         if self.open_mpi {
             cmd.arg("--oversubscribe");
@@ -147,7 +161,7 @@ impl Mpirun {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }
-        cmd.args(&self.extra_args).arg(program.as_ref()).args(args);
+        cmd.args(&self.extra_args).arg(program).args(args);
         let command = format!("{cmd:?}");
         let mut child = cmd
             .stdin(Stdio::null())
