@@ -10,7 +10,8 @@
 //! whole tensor, unsharded, in the region's dtype, 1-D; and `maps/<map name>` (F32) for every code
 //! map in use. Metadata key `lpmm` holds the JSON of `CheckpointMeta`, whose `crc32` is the
 //! CRC-32 of that JSON without the field followed by every tensor (name, dtype, shape, bytes) in
-//! name order. A file holds exactly these tensors.
+//! name order; a file without it is refused, and so is one whose metadata has a key this build
+//! does not know. A file holds exactly these tensors.
 //!
 //! No name can collide with another: a parameter's tensors are `<name>/<slot><suffix>`, and
 //! neither slot names nor suffixes contain `/`, so the text after the last `/` tells the slot and
@@ -40,8 +41,11 @@ pub const FORMAT: &str = "lpmm-optim-checkpoint";
 /// Bumped whenever the layout changes; older versions get a typed error naming both.
 pub const VERSION: u32 = 1;
 
-/// What the metadata holds besides the tensors.
+/// What the metadata holds besides the tensors. A key the loader does not know is refused, not
+/// skipped: a file from a newer writer, or one whose key was corrupted, must not load as if the
+/// key were absent (a renamed `crc32` would turn the checksum off).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CheckpointMeta {
     format: String,
     version: u32,
@@ -52,12 +56,15 @@ struct CheckpointMeta {
     /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     eval: bool,
-    /// The checksum (module documentation); files written before it existed have none.
+    /// The checksum (module documentation). Every file carries one; `None` only while it is
+    /// computed (the JSON it covers is the metadata without it), and a file without it is
+    /// refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     crc32: Option<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ParamMeta {
     name: String,
     shape: Vec<usize>,
@@ -389,7 +396,10 @@ impl Canonical {
             })
         };
         let mut names = header.offset_keys();
-        if let Some(want) = meta.crc32.take() {
+        {
+            let want = meta.crc32.take().ok_or(
+                "no checksum in the metadata (every lpmm checkpoint has one): the file is corrupt",
+            )?;
             names.sort_unstable();
             let json = serde_json::to_string(&meta).map_err(|e| format!("metadata: {e}"))?;
             let got = checksum(

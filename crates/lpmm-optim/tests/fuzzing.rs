@@ -82,6 +82,7 @@ fn the_committed_corpus_is_the_seeds() {
 /// A refusal's kind, for the summary.
 fn category(reason: &str) -> String {
     const KINDS: &[(&str, &str)] = &[
+        ("no checksum", "no checksum"),
         ("checksum", "checksum mismatch"),
         ("not a readable safetensors", "not a safetensors container"),
         ("no lpmm metadata", "no lpmm metadata"),

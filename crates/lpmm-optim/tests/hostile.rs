@@ -995,6 +995,63 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "lr-edit",
         ),
     );
+    // A corrupted key must not switch the checksum off: the renamed key is refused, and so is a
+    // file without the checksum (the tensor byte flipped here would otherwise load).
+    let renamed = |from: &'static str, to: &'static str| {
+        move |m: &mut serde_json::Value| {
+            let o = m.as_object_mut().unwrap();
+            let v = o.remove(from).unwrap();
+            o.insert(to.into(), v);
+        }
+    };
+    let flip_last = |t: &mut Tensors| {
+        let bytes = &mut t.last_mut().unwrap().3;
+        *bytes.last_mut().unwrap() ^= 0x40;
+    };
+    add(
+        "checkpoint",
+        "the checksum's key renamed (`crc32` to `brc32`) and a tensor byte flipped",
+        load_bytes(
+            &forge(&base, false, renamed("crc32", "brc32"), flip_last),
+            "crc-renamed",
+        ),
+    );
+    add(
+        "checkpoint",
+        "the checksum removed and a tensor byte flipped",
+        load_bytes(
+            &forge(
+                &base,
+                false,
+                |m| {
+                    m.as_object_mut().unwrap().remove("crc32");
+                },
+                flip_last,
+            ),
+            "crc-removed",
+        ),
+    );
+    add(
+        "checkpoint",
+        "an unknown metadata key added, checksum kept",
+        load_bytes(
+            &forge(&base, false, |m| m["future_field"] = true.into(), |_| {}),
+            "unknown-key",
+        ),
+    );
+    add(
+        "checkpoint",
+        "an unknown key in a parameter's metadata, checksum kept",
+        load_bytes(
+            &forge(
+                &base,
+                false,
+                |m| m["params"][0]["future_field"] = 1.into(),
+                |_| {},
+            ),
+            "unknown-param-key",
+        ),
+    );
     add("checkpoint", "a safetensors file without lpmm metadata", {
         let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &[0u8; 4])
             .unwrap();
