@@ -217,6 +217,14 @@ multiversion! {
 }
 
 multiversion! {
+    /// The largest bit pattern of `xs`, read as `u32` (0 for an empty slice): above `-0.0`'s
+    /// (`0x8000_0000`) exactly when some element is negative (or a NaN with its sign bit set).
+    pub fn max_bits(xs: &[f32]) -> u32 {
+        xs.iter().fold(0u32, |m, v| m.max(v.to_bits()))
+    }
+}
+
+multiversion! {
     /// The largest `|x|` of `xs` as a bit pattern (0 for an empty slice): NaN and ±Inf patterns
     /// exceed every finite one, so a result `>= 0x7F80_0000` means a non-finite input.
     pub fn abs_max_bits(xs: &[f32]) -> u32 {
@@ -282,6 +290,16 @@ mod tests {
             }
         }
         force(None);
+    }
+
+    #[test]
+    fn max_bits_finds_negative_values() {
+        assert_eq!(max_bits(&[]), 0);
+        assert_eq!(max_bits(&[3.0, -0.0, 2.0]), (-0.0f32).to_bits());
+        assert_eq!(max_bits(&[1.0, 2.0]), 2.0f32.to_bits());
+        let mut xs = vec![0.5f32; 1000];
+        xs[977] = -1e-30;
+        assert_eq!(max_bits(&xs), (-1e-30f32).to_bits());
     }
 
     #[test]

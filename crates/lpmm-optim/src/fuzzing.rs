@@ -88,7 +88,8 @@ pub fn load_round_trip(bytes: &[u8]) -> Outcome {
 
 /// `Blockwise::quantize` on arbitrary bytes: byte 0 picks the map (low 3 bits), stochastic
 /// rounding (bit 6) and the sign fix (bit 7); byte 1 the block size (32 << (b % 8)); the rest are
-/// f32 values. A non-finite value must be refused naming the first one; otherwise every block's
+/// f32 values. A finite negative value into a map without negative values must be refused naming
+/// the first one, then a non-finite value naming the first one; otherwise every block's
 /// scale is its exact absmax and every decoded value lies within it. Returns whether the values
 /// were quantized.
 pub fn blockwise(data: &[u8]) -> bool {
@@ -113,6 +114,14 @@ pub fn blockwise(data: &[u8]) -> bool {
     let mut codes = vec![0u8; q.codes_len(x.len())];
     let mut absmax = vec![0f32; q.scales_len(x.len())];
     let result = q.quantize(&x, &mut codes, &mut absmax, rounding);
+    let unsigned = map.values()[0] >= 0.0;
+    if let Some(first) = x.iter().position(|&v| unsigned && v < 0.0 && v.is_finite()) {
+        match result {
+            Err(QuantError::Negative { index, .. }) => assert_eq!(index, first),
+            other => panic!("negative element {first} not refused by an unsigned map: {other:?}"),
+        }
+        return false;
+    }
     if let Some(first) = x.iter().position(|v| !v.is_finite()) {
         match result {
             Err(QuantError::NonFinite { index, .. }) => assert_eq!(index, first),

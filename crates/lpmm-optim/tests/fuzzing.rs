@@ -217,6 +217,8 @@ fn blockwise_quantize_takes_arbitrary_bytes() {
         quantized += u64::from(guarded("blockwise", &data, || fuzzing::blockwise(&data)));
         n += 1;
     }
-    println!("blockwise: {n} inputs, {quantized} quantized, the rest refused as non-finite");
+    println!(
+        "blockwise: {n} inputs, {quantized} quantized, the rest refused (a non-finite value, or a negative one into a map without negative values)"
+    );
     assert!(quantized > 0 && quantized < n);
 }

@@ -162,7 +162,9 @@ impl<'m> Blockwise<'m> {
 
     /// Quantizes `x` into `codes` (`codes_len(x.len())` bytes) and `absmax`
     /// (`scales_len(x.len())` values). Multi-threaded over chunks of blocks; the result does not
-    /// depend on the number of threads.
+    /// depend on the number of threads. A non-finite value is [`QuantError::NonFinite`] (the
+    /// outputs may then be partly written); a negative one, when the map has no negative values,
+    /// is [`QuantError::Negative`], found before anything is written.
     pub fn quantize(
         &self,
         x: &[f32],
@@ -171,6 +173,7 @@ impl<'m> Blockwise<'m> {
         rounding: QuantRounding,
     ) -> Result<(), QuantError> {
         self.check_lengths(x.len(), codes.len(), absmax.len())?;
+        crate::check_sign(self.map, x)?;
         let block = self.block.get();
         let blocks_per_chunk = (CHUNK_ELEMENTS / block).max(1);
         let chunk = blocks_per_chunk * block;

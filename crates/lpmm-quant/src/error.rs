@@ -18,6 +18,11 @@ pub enum QuantError {
     /// Quantization refuses NaN and ±Inf: there is no scale that represents them.
     #[error("input element {index} is {value}: quantization needs finite values")]
     NonFinite { index: usize, value: f32 },
+    /// A code map without negative values (bitsandbytes' unsigned dynamic map, a linear map
+    /// without zero) cannot hold a negative input: it would be stored as the map's smallest value
+    /// while its magnitude still set the block's scale. `-0.0` is not negative.
+    #[error("input element {index} is {value}: the code map has no negative values")]
+    Negative { index: usize, value: f32 },
     /// A tensor shape does not match its data, or has a zero dimension.
     #[error("shape {shape:?} does not fit {len} elements")]
     Shape { shape: Vec<usize>, len: usize },

@@ -205,6 +205,8 @@ impl<'m> Rank1<'m> {
     }
 
     /// Quantizes `x` (row-major, `len()` elements) into `codes` and the max vectors `scales`.
+    /// Refuses non-finite values ([`QuantError::NonFinite`]) and, when the map has no negative
+    /// values, negative ones ([`QuantError::Negative`]), before writing anything.
     pub fn quantize(
         &self,
         x: &[f32],
@@ -213,6 +215,7 @@ impl<'m> Rank1<'m> {
         rounding: QuantRounding,
     ) -> Result<(), QuantError> {
         self.check(x.len(), codes.len(), scales.len())?;
+        crate::check_sign(self.map, x)?;
         if let Some(index) = x.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::NonFinite {
                 index,

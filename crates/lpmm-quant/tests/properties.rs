@@ -55,6 +55,17 @@ fn data(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// [`data`] as a map takes it: magnitudes for a map without negative values (which refuses
+/// negative input, `QuantError::Negative`).
+fn data_for(map: &CodeMap, n: usize, seed: u64) -> Vec<f32> {
+    let x = data(n, seed);
+    if map.values()[0] < 0.0 {
+        x
+    } else {
+        x.iter().map(|v| v.abs()).collect()
+    }
+}
+
 fn block_sizes() -> impl Strategy<Value = BlockSize> {
     (5u32..=12).prop_map(|k| BlockSize::new(1 << k).unwrap())
 }
@@ -67,7 +78,7 @@ proptest! {
         n in 1usize..5000, seed in any::<u64>(), block in block_sizes(), which in 0usize..8,
     ) {
         let map = &maps()[which];
-        let x = data(n, seed);
+        let x = data_for(map, n, seed);
         let q = Blockwise::new(map, block);
         let mut codes = vec![0u8; q.codes_len(n)];
         let mut absmax = vec![0f32; q.scales_len(n)];
@@ -96,7 +107,7 @@ proptest! {
         stochastic in any::<bool>(), offset in any::<u64>(), sign_fix in any::<bool>(),
     ) {
         let map = &maps()[which];
-        let x = data(n, seed);
+        let x = data_for(map, n, seed);
         let q = Blockwise::new(map, block).with_sign_fix(sign_fix);
         let stream = RandomStream::new(seed, 7, 3);
         let rounding = if stochastic {
@@ -150,7 +161,7 @@ proptest! {
         let map = CodeMap::linear_without_zero(4).unwrap();
         let shape = [d0, d1, d2];
         let n = d0 * d1 * d2;
-        let x = data(n, seed);
+        let x = data_for(&map, n, seed);
         let q = Rank1::new(&map, &shape).unwrap();
         let mut codes = vec![0u8; q.codes_len()];
         let mut scales = vec![0f32; q.scales_len()];
@@ -539,7 +550,7 @@ fn non_finite_input_is_refused_and_named() {
     let map = CodeMap::dynamic(false, 8).unwrap();
     let q = Blockwise::new(&map, BlockSize::B256);
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut x = data(200_000, 1);
+        let mut x = data_for(&map, 200_000, 1);
         x[150_000] = bad;
         x[199_999] = bad;
         let mut codes = vec![0u8; q.codes_len(x.len())];
@@ -563,6 +574,56 @@ fn non_finite_input_is_refused_and_named() {
             "{err}"
         );
     }
+}
+
+#[test]
+fn a_negative_input_to_a_map_without_negative_values_is_refused_and_named() {
+    let unsigned = [
+        CodeMap::dynamic(false, 8).unwrap(),
+        CodeMap::linear_without_zero(4).unwrap(),
+        CodeMap::linear_unsigned(4).unwrap(),
+    ];
+    for map in &unsigned {
+        let q = Blockwise::new(map, BlockSize::B256);
+        let r = Rank1::new(map, &[400, 500]).unwrap();
+        let mut x = data_for(map, 200_000, 2);
+        x[7] = -0.0; // not negative
+        let mut codes = vec![0u8; q.codes_len(x.len())];
+        let mut absmax = vec![0f32; q.scales_len(x.len())];
+        let (mut rcodes, mut scales) = (vec![0u8; r.codes_len()], vec![0f32; r.scales_len()]);
+        q.quantize(&x, &mut codes, &mut absmax, QuantRounding::Nearest)
+            .unwrap();
+        r.quantize(&x, &mut rcodes, &mut scales, QuantRounding::Nearest)
+            .unwrap();
+        x[150_000] = -5.0;
+        x[199_999] = -1e-30;
+        let before = (codes.clone(), absmax.clone());
+        let err = q
+            .quantize(&x, &mut codes, &mut absmax, QuantRounding::Nearest)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            QuantError::Negative {
+                index: 150_000,
+                value: -5.0
+            }
+        );
+        assert_eq!((codes, absmax), before, "nothing written");
+        let err = r
+            .quantize(&x, &mut rcodes, &mut scales, QuantRounding::Nearest)
+            .unwrap_err();
+        assert!(
+            matches!(err, QuantError::Negative { index: 150_000, .. }),
+            "{err}"
+        );
+    }
+    // A map with negative values takes them.
+    let map = CodeMap::dynamic(true, 8).unwrap();
+    let q = Blockwise::new(&map, BlockSize::B256);
+    let x = [-5.0f32, 1.0, 2.0, 3.0];
+    let (mut codes, mut absmax) = ([0u8; 4], [0f32; 1]);
+    q.quantize(&x, &mut codes, &mut absmax, QuantRounding::Nearest)
+        .unwrap();
 }
 
 #[test]
