@@ -38,6 +38,10 @@ mod random;
 mod rank1;
 
 pub use blockwise::{BlockSize, Blockwise, MAX_BLOCK, QuantRounding};
+pub use error::QuantError;
+pub use group::LinearGroup;
+pub use random::{RandomBits, RandomDraws, RandomStream};
+pub use rank1::{MAX_DIMS as RANK1_MAX_DIMS, Rank1, Rank1OrBlock};
 
 use lpmm_formats::CodeMap;
 
@@ -62,7 +66,3 @@ fn check_sign(map: &CodeMap, x: &[f32]) -> Result<(), QuantError> {
         None => Ok(()),
     }
 }
-pub use error::QuantError;
-pub use group::LinearGroup;
-pub use random::{RandomBits, RandomDraws, RandomStream};
-pub use rank1::{MAX_DIMS as RANK1_MAX_DIMS, Rank1, Rank1OrBlock};
