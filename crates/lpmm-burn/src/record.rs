@@ -9,7 +9,8 @@
 //! configuration, counters, rule state and whether its value is the module's (then its parameter
 //! slot's primary region is not in the record: the module record holds it). Fields added after
 //! version 1 was first written (`state3` tensors, `rule_state`, `eval`) default to nothing, so
-//! older records still load.
+//! older records still load. A metadata key this build does not know is refused: read as absent,
+//! a newer writer's field or a corrupted key would be dropped without a word.
 
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
@@ -30,6 +31,7 @@ pub const VERSION: u32 = 1;
 const META_KEY: &str = "lpmm";
 
 #[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Meta {
     format: String,
     version: u32,
@@ -42,6 +44,7 @@ struct Meta {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ParamMeta {
     name: String,
     shape: Vec<usize>,

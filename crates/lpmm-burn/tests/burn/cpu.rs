@@ -257,6 +257,63 @@ fn a_record_from_another_model_is_a_typed_error() {
     drop(model);
 }
 
+/// The record with its lpmm metadata edited (tensors unchanged).
+fn edit_record_metadata(
+    record: burn_optim::OptimizerRecord,
+    edit: impl Fn(&mut serde_json::Value),
+) -> burn_optim::OptimizerRecord {
+    let reader = burn_pack::Reader::from_bytes(record.into_bytes().unwrap()).unwrap();
+    let mut meta: serde_json::Value = serde_json::from_str(&reader.metadata()["lpmm"]).unwrap();
+    edit(&mut meta);
+    let tensors = reader.into_tensors().unwrap();
+    let bytes = burn_pack::Writer::new(tensors)
+        .with_metadata("lpmm", &meta.to_string())
+        .into_bytes()
+        .unwrap();
+    burn_optim::OptimizerRecord::from_bytes(bytes).unwrap()
+}
+
+#[test]
+fn a_record_with_a_metadata_key_this_build_does_not_know_is_a_typed_error() {
+    let device = ndarray();
+    let mut model = Mlp::new(&device, 4);
+    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let g = grads(&model, 0, &device);
+    model = optim.step(0.01, model, g).unwrap();
+    let record = || optim.to_record().unwrap();
+    // The edit pipeline itself keeps a record loadable.
+    Lpmm8bitAdamWConfig::new()
+        .init()
+        .load_record(edit_record_metadata(record(), |_| {}))
+        .unwrap();
+    for (what, edit) in [
+        (
+            "a newer writer's field",
+            Box::new(|m: &mut serde_json::Value| m["future_field"] = true.into())
+                as Box<dyn Fn(&mut serde_json::Value)>,
+        ),
+        (
+            "a parameter's key corrupted (`rule_state` to `rule_statf`)",
+            Box::new(|m: &mut serde_json::Value| {
+                let p = m["params"][0].as_object_mut().unwrap();
+                let v = p.remove("rule_state").unwrap_or(serde_json::Value::Null);
+                p.insert("rule_statf".into(), v);
+            }),
+        ),
+    ] {
+        let err = Lpmm8bitAdamWConfig::new()
+            .init()
+            .load_record(edit_record_metadata(record(), edit))
+            .err()
+            .unwrap_or_else(|| panic!("{what}: loaded"));
+        assert!(
+            matches!(&err, lpmm_burn::BurnError::Record(m) if m.contains("unknown field")),
+            "{what}: {err}"
+        );
+    }
+    drop(model);
+}
+
 #[test]
 fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
     let device = Device::flex().autodiff();
