@@ -146,14 +146,10 @@ impl Mpirun {
     /// The test binaries run their tests on parallel threads, so that happens; CI once failed on
     /// it.
     pub fn run(&self, program: impl AsRef<Path>, world: usize, args: &[&str]) -> MpiOutput {
+        // Removed when this returns (after the run, or after it was killed).
         let tmp = lpmm_optim::testing::temp_dir("lpmm-mpirun-");
-        self.run_in(program.as_ref(), world, args, tmp.path())
-    }
-
-    /// [`Mpirun::run`] with `TMPDIR` set to `tmpdir`.
-    pub fn run_in(&self, program: &Path, world: usize, args: &[&str], tmpdir: &Path) -> MpiOutput {
         let mut cmd = Command::new(&self.launcher);
-        cmd.env("TMPDIR", tmpdir);
+        cmd.env("TMPDIR", tmp.path());
         cmd.arg("-np").arg(world.to_string());
         if self.open_mpi {
             cmd.arg("--oversubscribe");
@@ -161,7 +157,7 @@ impl Mpirun {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }
-        cmd.args(&self.extra_args).arg(program).args(args);
+        cmd.args(&self.extra_args).arg(program.as_ref()).args(args);
         let command = format!("{cmd:?}");
         let mut child = cmd
             .stdin(Stdio::null())
