@@ -10,7 +10,10 @@
 //! slot's primary region is not in the record: the module record holds it). Fields added after
 //! version 1 was first written (`state3` tensors, `rule_state`, `eval`) default to nothing, so
 //! older records still load. A metadata key this build does not know is refused: read as absent,
-//! a newer writer's field or a corrupted key would be dropped without a word.
+//! a newer writer's field or a corrupted key would be dropped without a word. Metadata key `crc32`
+//! is the CRC-32 of the metadata (as this build writes it, without the checksum) and of every
+//! tensor in the record, in name order ([`checksum`]); a record without it, or whose contents do
+//! not give it, is refused, so a flipped byte in a state's codes is an error, not a wrong step.
 
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
@@ -20,6 +23,7 @@ use lpmm_optim::{
     Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, RuleState, SlotKind,
 };
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 use crate::BurnError;
 use crate::core::Pending;
@@ -41,6 +45,9 @@ struct Meta {
     params: Vec<ParamMeta>,
     #[serde(default)]
     eval: bool,
+    /// [`checksum`] of the rest; `None` only while it is computed (and in a corrupt record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32: Option<u32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -74,6 +81,22 @@ fn err(e: impl std::fmt::Display) -> BurnError {
     BurnError::Record(e.to_string())
 }
 
+/// The CRC-32 of `json` (the metadata without its checksum) and of every tensor, in name order:
+/// each length (8 bytes, little-endian) before its bytes, so no two records hash the same bytes.
+fn checksum<'a>(json: &str, tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let mut put = |bytes: &[u8]| {
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    put(json.as_bytes());
+    for (name, bytes) in tensors {
+        put(name.as_bytes());
+        put(bytes);
+    }
+    h.finalize()
+}
+
 /// The record of `pending` (an empty record for an optimizer that has not stepped).
 pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnError> {
     let Some(Pending {
@@ -89,6 +112,7 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
         .map_err(err);
     };
     let mut tensors = Vec::new();
+    let mut hashed: Vec<(String, &[u8])> = Vec::new();
     let mut params = Vec::with_capacity(c.params.len());
     for (p, &from_module) in c.params.iter().zip(from_module) {
         let id: u64 = p.name.parse().map_err(|_| {
@@ -103,8 +127,10 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
                     continue;
                 }
                 let n = r.bytes.len() / r.spec.dtype.size();
+                let name = format!("{id}.{}{}", slot.name(), r.spec.suffix);
+                hashed.push((name.clone(), &r.bytes));
                 tensors.push(burn_pack::Tensor::new(
-                    format!("{id}.{}{}", slot.name(), r.spec.suffix),
+                    name,
                     burn_dtype(r.spec.dtype),
                     vec![n],
                     Some(id),
@@ -125,7 +151,7 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
             from_module,
         });
     }
-    let meta = Meta {
+    let mut meta = Meta {
         format: FORMAT.into(),
         version: VERSION,
         options: c.options,
@@ -133,7 +159,14 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
         groups: c.groups.clone(),
         params,
         eval: c.eval,
+        crc32: None,
     };
+    hashed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let json = serde_json::to_string(&meta).map_err(err)?;
+    meta.crc32 = Some(checksum(
+        &json,
+        hashed.iter().map(|(n, b)| (n.as_str(), *b)),
+    ));
     let json = serde_json::to_string(&meta).map_err(err)?;
     let bytes = burn_pack::Writer::new(tensors)
         .with_metadata(META_KEY, &json)
@@ -154,11 +187,31 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             "not an lpmm-burn record (no lpmm metadata): a record of burn's own optimizers?",
         ));
     };
-    let meta: Meta = serde_json::from_str(json).map_err(|e| err(format!("metadata: {e}")))?;
+    let mut meta: Meta = serde_json::from_str(json).map_err(|e| err(format!("metadata: {e}")))?;
     if meta.format != FORMAT || meta.version != VERSION {
         return Err(err(format!(
             "{} version {}, this lpmm-burn reads {FORMAT} version {VERSION}",
             meta.format, meta.version
+        )));
+    }
+    let want = meta.crc32.take().ok_or_else(|| {
+        err("no checksum in the metadata (every lpmm-burn record has one): the record is corrupt")
+    })?;
+    // Every tensor, read once: the checksum covers them all, and the slots take theirs from here.
+    let mut data = BTreeMap::new();
+    for name in reader.tensor_names() {
+        let bytes = reader
+            .tensor_data(name)
+            .map_err(|e| err(format!("tensor {name}: {e}")))?;
+        data.insert(name.to_string(), bytes);
+    }
+    let got = checksum(
+        &serde_json::to_string(&meta).map_err(err)?,
+        data.iter().map(|(n, b)| (n.as_str(), b.as_slice())),
+    );
+    if got != want {
+        return Err(err(format!(
+            "checksum mismatch (the record says {want:#010x}, its contents give {got:#010x}): the record is corrupt"
         )));
     }
     if meta.eval {
@@ -187,9 +240,9 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
                     continue;
                 }
                 let name = format!("{}.{}{}", p.name, slot.name(), spec.suffix);
-                let bytes = reader
-                    .tensor_data(&name)
-                    .map_err(|e| err(format!("tensor {name}: {e}")))?;
+                let bytes = data
+                    .remove(&name)
+                    .ok_or_else(|| err(format!("tensor {name}: not in the record")))?;
                 slots[k].regions.push(HostRegion { spec, bytes });
             }
         }

@@ -315,6 +315,68 @@ fn a_record_with_a_metadata_key_this_build_does_not_know_is_a_typed_error() {
 }
 
 #[test]
+fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
+    use burn_core::tensor::Bytes;
+    use burn_optim::OptimizerRecord;
+    let device = ndarray();
+    let mut model = Mlp::new(&device, 4);
+    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    for step in 0..2 {
+        let g = grads(&model, step, &device);
+        model = optim.step(0.01, model, g).unwrap();
+    }
+    let bytes = optim.to_record().unwrap().into_bytes().unwrap().to_vec();
+    // burn's own checks (the burnpack header) come first; then lpmm's.
+    let load = |b: Vec<u8>| {
+        OptimizerRecord::from_bytes(Bytes::from_bytes_vec(b))
+            .map_err(|e| lpmm_burn::BurnError::Record(format!("burn: {e}")))
+            .and_then(|r| Lpmm8bitAdamWConfig::new().init().load_record(r))
+    };
+    // The unflipped record loads and writes itself back unchanged.
+    let again = load(bytes.clone()).unwrap().to_record().unwrap();
+    assert_eq!(again.into_bytes().unwrap().to_vec(), bytes);
+    let (mut refused, mut by_checksum) = (0, 0);
+    for i in 0..bytes.len() {
+        let mut b = bytes.clone();
+        b[i] ^= 1 << (i % 8);
+        match load(b) {
+            // A byte no reader looks at (alignment padding, a dtype lpmm takes from the
+            // configuration): the state is the same.
+            Ok(loaded) => {
+                let back = loaded.to_record().unwrap().into_bytes().unwrap().to_vec();
+                assert_eq!(back, bytes, "byte {i} flipped: loaded as another state");
+            }
+            Err(lpmm_burn::BurnError::Record(m)) => {
+                refused += 1;
+                by_checksum += usize::from(m.contains("checksum mismatch"));
+            }
+            Err(e) => panic!("byte {i}: {e}"),
+        }
+    }
+    // Most of the record is the states' data, which only the checksum guards.
+    assert!(
+        by_checksum > bytes.len() / 2,
+        "{by_checksum} of {}",
+        bytes.len()
+    );
+    assert!(refused >= by_checksum);
+    // Without its checksum a record is refused too (a renamed key is an unknown field).
+    let record = optim.to_record().unwrap();
+    let err = Lpmm8bitAdamWConfig::new()
+        .init()
+        .load_record(edit_record_metadata(record, |m| {
+            m.as_object_mut().unwrap().remove("crc32").unwrap();
+        }))
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, lpmm_burn::BurnError::Record(m) if m.contains("no checksum")),
+        "{err}"
+    );
+    drop(model);
+}
+
+#[test]
 fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
     let device = Device::flex().autodiff();
     let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
