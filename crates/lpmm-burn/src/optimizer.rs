@@ -207,8 +207,8 @@ impl LpmmOptimizer {
 
     /// The optimizer's state as a burn [`OptimizerRecord`] (burnpack): lpmm's canonical slots
     /// (codes, scales, compensations, counters, configuration) as tensors named
-    /// `{param_id}.{slot}{region}`, keyed by burn's `ParamId`s. Parameters that live in the
-    /// module's tensors are left to the module record.
+    /// `{param_id}.{slot}{region}`, keyed by burn's `ParamId`s, with a CRC-32 of the metadata and
+    /// every tensor. Parameters that live in the module's tensors are left to the module record.
     pub fn to_record(&self) -> Result<OptimizerRecord, BurnError> {
         let pending = self.lock().canonical::<NoModule>(None)?;
         record::encode(pending.as_ref())
@@ -218,6 +218,10 @@ impl LpmmOptimizer {
     /// optimizer, which has not stepped yet. It applies at the next step, to the module's
     /// parameters with the record's `ParamId`s (load the module record first); its options
     /// (seed, clipping, policy) and per-parameter configurations replace this optimizer's.
+    ///
+    /// A record without its checksum, whose contents do not give it, or whose metadata has a key
+    /// this build does not know is a [`BurnError::Record`] (a corrupt record is never loaded as
+    /// another state).
     pub fn load_record(self, record: OptimizerRecord) -> Result<Self, BurnError> {
         let pending = record::decode(record)?;
         self.lock().set_pending(pending)?;
