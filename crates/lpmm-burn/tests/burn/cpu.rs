@@ -237,13 +237,22 @@ fn an_lpmm_checkpoint_resumes_bit_for_bit() {
     resumes_exactly(true);
 }
 
-#[test]
-fn a_record_from_another_model_is_a_typed_error() {
+/// A fresh model on ndarray and an 8-bit AdamW optimizer that has stepped it `steps` times.
+fn stepped_8bit_adamw(steps: usize) -> (Mlp, LpmmOptimizer) {
     let device = ndarray();
     let mut model = Mlp::new(&device, 4);
     let mut optim = Lpmm8bitAdamWConfig::new().init();
-    let g = grads(&model, 0, &device);
-    model = optim.step(0.01, model, g).unwrap();
+    for step in 0..steps {
+        let g = grads(&model, step, &device);
+        model = optim.step(0.01, model, g).unwrap();
+    }
+    (model, optim)
+}
+
+#[test]
+fn a_record_from_another_model_is_a_typed_error() {
+    let (model, optim) = stepped_8bit_adamw(1);
+    let device = ndarray();
     let record = optim.to_record().unwrap();
     let mut loaded = Lpmm8bitAdamWConfig::new()
         .init()
@@ -275,11 +284,7 @@ fn edit_record_metadata(
 
 #[test]
 fn a_record_with_a_metadata_key_this_build_does_not_know_is_a_typed_error() {
-    let device = ndarray();
-    let mut model = Mlp::new(&device, 4);
-    let mut optim = Lpmm8bitAdamWConfig::new().init();
-    let g = grads(&model, 0, &device);
-    model = optim.step(0.01, model, g).unwrap();
+    let (model, optim) = stepped_8bit_adamw(1);
     let record = || optim.to_record().unwrap();
     // The edit pipeline itself keeps a record loadable.
     Lpmm8bitAdamWConfig::new()
@@ -318,13 +323,7 @@ fn a_record_with_a_metadata_key_this_build_does_not_know_is_a_typed_error() {
 fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
     use burn_core::tensor::Bytes;
     use burn_optim::OptimizerRecord;
-    let device = ndarray();
-    let mut model = Mlp::new(&device, 4);
-    let mut optim = Lpmm8bitAdamWConfig::new().init();
-    for step in 0..2 {
-        let g = grads(&model, step, &device);
-        model = optim.step(0.01, model, g).unwrap();
-    }
+    let (model, optim) = stepped_8bit_adamw(2);
     let bytes = optim.to_record().unwrap().into_bytes().unwrap().to_vec();
     // burn's own checks (the burnpack header) come first; then lpmm's.
     let load = |b: Vec<u8>| {
