@@ -82,7 +82,8 @@ fn err(e: impl std::fmt::Display) -> BurnError {
 }
 
 /// The CRC-32 of `json` (the metadata without its checksum) and of every tensor, in name order:
-/// each length (8 bytes, little-endian) before its bytes, so no two records hash the same bytes.
+/// each length (8 bytes, little-endian) before its bytes, so the hashed stream reads one way only
+/// (a name cannot pass for data).
 fn checksum<'a>(json: &str, tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
     let mut h = crc32fast::Hasher::new();
     let mut put = |bytes: &[u8]| {

@@ -338,7 +338,7 @@ fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
     // The unflipped record loads and writes itself back unchanged.
     let again = load(bytes.clone()).unwrap().to_record().unwrap();
     assert_eq!(again.into_bytes().unwrap().to_vec(), bytes);
-    let (mut refused, mut by_checksum) = (0, 0);
+    let mut by_checksum = 0;
     for i in 0..bytes.len() {
         let mut b = bytes.clone();
         b[i] ^= 1 << (i % 8);
@@ -350,7 +350,6 @@ fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
                 assert_eq!(back, bytes, "byte {i} flipped: loaded as another state");
             }
             Err(lpmm_burn::BurnError::Record(m)) => {
-                refused += 1;
                 by_checksum += usize::from(m.contains("checksum mismatch"));
             }
             Err(e) => panic!("byte {i}: {e}"),
@@ -362,7 +361,6 @@ fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
         "{by_checksum} of {}",
         bytes.len()
     );
-    assert!(refused >= by_checksum);
     // Without its checksum a record is refused too (a renamed key is an unknown field).
     let record = optim.to_record().unwrap();
     let err = load_error(edit_record_metadata(record, |m| {
