@@ -38,6 +38,80 @@ pub struct CodeMap {
     /// estimates the lower code as `floor(y * l) + o`, checks it against the two values around
     /// it and searches only the 64 lanes where the estimate is off.
     grid: Option<(i32, f32)>,
+    /// The search accelerator of the VBMI nearest kernel, when the map allows one: see
+    /// [`KeyTable`].
+    keys: Option<KeyTable>,
+}
+
+/// A small bucket table the VBMI nearest kernel reads from registers instead of gathering from
+/// the 64 KiB `CodeMap::start` table. Buckets have a resolution per binade: the bucket of an f32
+/// `y` with `|y| < 2` and top 16 bits `h` (sign, exponent `e`, 7 mantissa bits `m`) is
+///
+/// ```text
+/// key = base[s, b] + (m >> shift[s, b])      s = sign, b = e - 96 (0 for e <= 96)
+/// ```
+///
+/// so binade `b` of sign `s` holds `2^(7 - shift)` buckets (one for every exponent up to 96, the
+/// magnitudes below 2^-30), each as fine as it must be to hold at most one threshold.
+/// `starts[key]` is the number of thresholds at or below the bucket's lowest value, so
+/// `nearest(y) = starts[key] + (thresholds[starts[key]] <= y)`, as with `CodeMap::start`. Built
+/// only when at most [`KeyTable::MAX`] buckets do it (every shipped 8-bit map: 304 to 452).
+#[derive(Clone)]
+struct KeyTable {
+    /// `base | shift << 12` by `s << 5 | b`.
+    meta: [u16; 64],
+    /// The bucket counts, padded with zeros to a multiple of 128 entries.
+    starts: Box<[u8]>,
+}
+
+impl KeyTable {
+    /// The most buckets: four 128-entry halves of byte-permute tables.
+    const MAX: usize = 512;
+
+    /// The key table of `thresholds`, if at most [`KeyTable::MAX`] buckets of at most one
+    /// threshold each cover every `|y| < 2`.
+    fn new(thresholds: &[f32]) -> Option<KeyTable> {
+        let count = |y: f32| thresholds.partition_point(|&t| t <= y);
+        // The lowest and highest value of bucket `k` of binade `b` of sign `s` cut into `2^w`
+        // buckets (binade 0: every exponent up to 96, one bucket).
+        let bucket = |s: u32, b: u32, w: u32, k: u32| {
+            let (lo, hi) = if b == 0 {
+                (0, (97 << 23) - 1)
+            } else {
+                let (e, shift) = ((96 + b) << 23, 23 - w);
+                (e | (k << shift), e | (((k + 1) << shift) - 1))
+            };
+            let (a, z) = (f32::from_bits(s << 31 | lo), f32::from_bits(s << 31 | hi));
+            if s == 0 { (a, z) } else { (z, a) }
+        };
+        let mut meta = [0u16; 64];
+        let mut starts = Vec::new();
+        for s in 0..2u32 {
+            for b in 0..32u32 {
+                // The fewest mantissa bits that leave at most one threshold in every bucket.
+                let widths = if b == 0 { 0..=0 } else { 0..=7 };
+                let w = widths.into_iter().find(|&w| {
+                    (0..1u32 << w).all(|k| {
+                        let (lo, hi) = bucket(s, b, w, k);
+                        count(hi) - count(lo) <= 1
+                    })
+                })?;
+                meta[(s << 5 | b) as usize] =
+                    u16::try_from(starts.len()).ok()? | ((7 - w) as u16) << 12;
+                for k in 0..1u32 << w {
+                    starts.push(u8::try_from(count(bucket(s, b, w, k).0)).ok()?);
+                }
+            }
+        }
+        if starts.len() > Self::MAX {
+            return None;
+        }
+        starts.resize(starts.len().div_ceil(128) * 128, 0);
+        Some(KeyTable {
+            meta,
+            starts: starts.into(),
+        })
+    }
 }
 
 /// Four byte planes of 256 entries of `table` (`f32` bit patterns; entries past the end read
@@ -99,23 +173,47 @@ fn bucket_range(bucket: usize) -> Option<(f32, f32)> {
     }
 }
 
-/// `x / absmax` of 16 lanes (`divisor` holds `absmax` in every lane), or zeros when `absmax` is 0.
+/// `x / absmax` of 16 lanes (`divisor` holds `absmax` in every lane), or zeros when `absmax` is 0
+/// (those lanes are not divided).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn quotient_lanes(
     xs: &[f32],
-    absmax: f32,
+    _absmax: f32,
     divisor: std::arch::x86_64::__m512,
 ) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     assert!(xs.len() >= 16, "16 lanes");
-    if absmax == 0.0 {
-        return _mm512_setzero_ps();
-    }
     // SAFETY: `xs` holds at least 16 values (asserted); the load is unaligned.
     let x = unsafe { _mm512_loadu_ps(xs.as_ptr()) };
-    _mm512_div_ps(x, divisor)
+    let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(divisor, _mm512_setzero_ps());
+    _mm512_maskz_div_ps(nonzero, x, divisor)
+}
+
+/// Which scale element `j` of a run of blocks uses: `j / block`, a shift for a power of two (every
+/// block size the quantizers take).
+#[derive(Clone, Copy)]
+struct BlockOf {
+    block: usize,
+    shift: Option<u32>,
+}
+
+impl BlockOf {
+    fn new(block: usize) -> Self {
+        BlockOf {
+            block,
+            shift: block.is_power_of_two().then(|| block.trailing_zeros()),
+        }
+    }
+
+    #[inline(always)]
+    fn of(self, j: usize) -> usize {
+        match self.shift {
+            Some(s) => j >> s,
+            None => j / self.block,
+        }
+    }
 }
 
 /// The blocks of `block` elements that hold elements `done..n`, each as its index and the part
@@ -145,8 +243,9 @@ fn quotients64(
     block: usize,
 ) -> [std::arch::x86_64::__m512; 4] {
     use std::arch::x86_64::*;
+    let at = BlockOf::new(block);
     std::array::from_fn(|m| {
-        let a = scales[(start + 16 * m) / block];
+        let a = scales[at.of(start + 16 * m)];
         quotient_lanes(&xs[16 * m..16 * m + 16], a, _mm512_set1_ps(a))
     })
 }
@@ -257,6 +356,107 @@ fn lookup64(
     ]
 }
 
+/// A [`KeyTable`] in registers: the bucket metadata as two 32-entry word tables, the bucket
+/// counts as up to four 128-entry halves of byte tables (zeros past the table).
+#[cfg(target_arch = "x86_64")]
+struct KeyLanes {
+    meta: [std::arch::x86_64::__m512i; 2],
+    starts: [[std::arch::x86_64::__m512i; 2]; 4],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl KeyLanes {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    fn load(keys: &KeyTable) -> KeyLanes {
+        use std::arch::x86_64::*;
+        // SAFETY: `meta` holds 64 u16, two registers of 32; the loads are unaligned.
+        let meta = std::array::from_fn(|h| unsafe {
+            _mm512_loadu_si512(keys.meta[32 * h..32 * h + 32].as_ptr().cast())
+        });
+        let starts = std::array::from_fn(|q| {
+            std::array::from_fn(|h| {
+                let at = 128 * q + 64 * h;
+                match keys.starts.get(at..at + 64) {
+                    // SAFETY: 64 bytes at `at`; the load is unaligned.
+                    Some(b) => unsafe { _mm512_loadu_si512(b.as_ptr().cast()) },
+                    None => _mm512_setzero_si512(),
+                }
+            })
+        });
+        KeyLanes { meta, starts }
+    }
+
+    /// [`CodeMap::nearest`] of 64 lanes `y` (four registers of 16) as 64 bytes in order, from the
+    /// key table and the threshold planes; `None` if a lane is not below 2 in magnitude (NaN and
+    /// ±Inf included), which the key table does not cover.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    #[inline]
+    fn nearest(
+        &self,
+        thresholds: &[[std::arch::x86_64::__m512i; 4]; 4],
+        y: [std::arch::x86_64::__m512; 4],
+    ) -> Option<std::arch::x86_64::__m512i> {
+        use std::arch::x86_64::*;
+        let bits = y.map(|y| _mm512_castps_si512(y));
+        // The top 16 bits of each lane (sign, exponent, 7 mantissa bits), 32 lanes a register.
+        let odd: [i16; 32] = std::array::from_fn(|j| 2 * j as i16 + 1);
+        // SAFETY: `odd` is 32 i16; the load is unaligned.
+        let odd = unsafe { _mm512_loadu_si512(odd.as_ptr().cast()) };
+        let h = [
+            _mm512_permutex2var_epi16(bits[0], odd, bits[1]),
+            _mm512_permutex2var_epi16(bits[2], odd, bits[3]),
+        ];
+        let magnitude = h.map(|h| _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF)));
+        // |y| < 2: exponent at most 127.
+        let outside = _mm512_cmpge_epu16_mask(magnitude[0], _mm512_set1_epi16(0x4000))
+            | _mm512_cmpge_epu16_mask(magnitude[1], _mm512_set1_epi16(0x4000));
+        if outside != 0 {
+            return None;
+        }
+        let keys: [__m512i; 2] = std::array::from_fn(|r| {
+            // sign << 5 | (exponent & 31), the exponent 0 for magnitudes below 2^-30.
+            let index = _mm512_ternarylogic_epi32::<0xCA>(
+                _mm512_set1_epi16(0x20),
+                _mm512_srli_epi16::<10>(h[r]),
+                _mm512_srli_epi16::<7>(h[r]),
+            );
+            let tiny = _mm512_cmplt_epu16_mask(magnitude[r], _mm512_set1_epi16(97 << 7));
+            let sign = _mm512_and_si512(index, _mm512_set1_epi16(0x20));
+            let index = _mm512_mask_mov_epi16(index, tiny, sign);
+            let meta = _mm512_permutex2var_epi16(self.meta[0], index, self.meta[1]);
+            let shift = _mm512_srli_epi16::<12>(meta);
+            let base = _mm512_and_si512(meta, _mm512_set1_epi16(0xFFF));
+            let mantissa = _mm512_and_si512(h[r], _mm512_set1_epi16(0x7F));
+            _mm512_add_epi16(base, _mm512_srlv_epi16(mantissa, shift))
+        });
+        // The keys' low bytes (table index) and their bits from 7 up (which half).
+        let even: [u8; 64] = std::array::from_fn(|j| 2 * j as u8);
+        // SAFETY: `even` is 64 bytes; the load is unaligned.
+        let even = unsafe { _mm512_loadu_si512(even.as_ptr().cast()) };
+        let low = _mm512_permutex2var_epi8(keys[0], even, keys[1]);
+        let high = _mm512_permutex2var_epi8(
+            _mm512_srli_epi16::<7>(keys[0]),
+            even,
+            _mm512_srli_epi16::<7>(keys[1]),
+        );
+        let half = self
+            .starts
+            .map(|[a, b]| _mm512_permutex2var_epi8(a, low, b));
+        let odd_half = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+        let upper = _mm512_test_epi8_mask(high, _mm512_set1_epi8(2));
+        let start = _mm512_mask_blend_epi8(
+            upper,
+            _mm512_mask_blend_epi8(odd_half, half[0], half[1]),
+            _mm512_mask_blend_epi8(odd_half, half[2], half[3]),
+        );
+        let t = lookup64(thresholds, start);
+        let le = [0, 1, 2, 3]
+            .map(|m| _mm512_cmp_ps_mask::<_CMP_LE_OQ>(_mm512_castsi512_ps(t[m]), y[m]) as u64);
+        let le = le[0] | le[1] << 16 | le[2] << 32 | le[3] << 48;
+        Some(_mm512_mask_add_epi8(start, le, start, _mm512_set1_epi8(1)))
+    }
+}
+
 /// Two maps are equal when they have the same width and the same value bit patterns (everything
 /// else derives from those).
 impl PartialEq for CodeMap {
@@ -345,8 +545,15 @@ impl CodeMap {
         } else {
             Box::default()
         };
+        // The key table serves the VBMI nearest kernel, which also reads `threshold_planes`.
+        let keys = if scan == 1 && !threshold_planes.is_empty() {
+            KeyTable::new(&thresholds)
+        } else {
+            None
+        };
         Ok(Self {
             bits,
+            keys,
             grid: uniform_grid(values),
             values: values.into(),
             thresholds,
@@ -456,8 +663,8 @@ impl CodeMap {
     /// Writes `min(xs.len(), out.len())` codes.
     pub fn nearest_scaled(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::level() == crate::simd::Level::Avx512 {
-            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+        if crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
             unsafe { self.nearest_scaled_avx512(xs, absmax, out) };
             return;
         }
@@ -514,8 +721,9 @@ impl CodeMap {
         // SAFETY: `table` holds 16 f32; the load is unaligned.
         let table = unsafe { _mm512_loadu_ps(table.as_ptr()) };
         let whole = n - n % 16;
+        let at = BlockOf::new(block);
         for i in (0..whole).step_by(16) {
-            let a = scales[i / block];
+            let a = scales[at.of(i)];
             let y = quotient_lanes(&xs[i..i + 16], a, _mm512_set1_ps(a));
             let mut c = _mm512_setzero_si512();
             for step in [8, 4, 2, 1] {
@@ -576,8 +784,8 @@ impl CodeMap {
     /// `min(xs.len(), bits.len(), out.len())` codes.
     pub fn stochastic_scaled(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::level() == crate::simd::Level::Avx512 {
-            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+        if crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
             unsafe { self.stochastic_scaled_avx512(xs, absmax, bits, out) };
             return;
         }
@@ -653,8 +861,8 @@ impl CodeMap {
     /// a block-wise dequantizer's inner loop. Writes `min(codes.len(), out.len())` values.
     pub fn decode_scaled(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::level() == crate::simd::Level::Avx512 {
-            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+        if crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
             unsafe { self.decode_scaled_avx512(codes, scale, out) };
             return;
         }
@@ -718,11 +926,12 @@ impl CodeMap {
         };
         let whole = n - n % 64;
         let table = load_planes(&self.planes);
+        let at = BlockOf::new(block);
         for i in (0..whole).step_by(64) {
             // SAFETY: `i + 64 <= codes.len()`; the load is unaligned.
             let c = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
             for (m, d) in lookup64(&table, c).into_iter().enumerate() {
-                let s = _mm512_set1_ps(scales[(i + 16 * m) / block]);
+                let s = _mm512_set1_ps(scales[at.of(i + 16 * m)]);
                 let v = _mm512_mul_ps(_mm512_castsi512_ps(d), s);
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i + 16 * m), v) };
@@ -780,8 +989,16 @@ impl CodeMap {
         }
         let whole = n - n % 64;
         let thresholds = load_planes(&self.threshold_planes);
+        let keys = self.keys.as_ref().map(|k| KeyLanes::load(k));
         for i in (0..whole).step_by(64) {
             let y = quotients64(&xs[i..i + 64], scales, i, block);
+            if let Some(keys) = &keys
+                && let Some(c) = keys.nearest(&thresholds, y)
+            {
+                // SAFETY: `i + 64 <= out.len()`; the store is unaligned.
+                unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), c) };
+                continue;
+            }
             for (m, c) in self.nearest_vbmi(&thresholds, y).into_iter().enumerate() {
                 // SAFETY: `i + 16 m + 16 <= out.len()`; the store is unaligned.
                 unsafe {
@@ -989,8 +1206,8 @@ impl CodeMap {
         #[allow(unused_mut)] // assigned only on x86-64
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if self.values.len() <= 16 && crate::simd::level() == crate::simd::Level::Avx512 {
-            // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL.
+        if self.values.len() <= 16 && crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
             done = unsafe { self.nearest_small_avx512(&xs[..n], absmax, block, &mut out[..n]) };
         } else if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
@@ -1324,7 +1541,7 @@ mod tests {
             CodeMap::from_values(8, &[-1.0, 0.5]).unwrap(),
         ];
         #[cfg(target_arch = "x86_64")]
-        let vector = crate::simd::detected() == crate::simd::Level::Avx512;
+        let vector = crate::simd::detected() >= crate::simd::Level::Avx512;
         #[cfg(not(target_arch = "x86_64"))]
         let vector = false;
         if !vector {
@@ -1441,7 +1658,7 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if !(crate::simd::detected() == crate::simd::Level::Avx512
+            if !(crate::simd::detected() >= crate::simd::Level::Avx512
                 && std::is_x86_feature_detected!("avx512vbmi"))
             {
                 eprintln!("no AVX-512 VBMI on this CPU: the grid path did not run");
@@ -1604,6 +1821,59 @@ mod tests {
                 moved >= 3,
                 "{map:?}: the reciprocal gave the same codes ({moved} moved)"
             );
+        }
+    }
+
+    /// The VBMI kernel's key table gives `nearest` on every bucket: every top-16-bit pattern of
+    /// a magnitude below 2 with low halves 0, 0x8000, 0xFFFF and a pseudo-random one, and every
+    /// threshold and value with its neighbours, in runs of 64 (the keyed path's unit).
+    #[test]
+    fn keyed_nearest_equals_nearest_on_every_bucket() {
+        let maps = [
+            CodeMap::dynamic(true, 8).unwrap(),
+            CodeMap::dynamic(false, 8).unwrap(),
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::dynamic(true, 4).unwrap(),
+        ];
+        for m in &maps {
+            assert!(m.keys.is_some(), "{m:?} has no key table");
+        }
+        // A map whose buckets need more than seven mantissa bits has none (the gather path).
+        let dense = CodeMap::from_values(8, &[0.5, 0.5f32.next_up(), 0.5f32.next_up().next_up()]);
+        assert!(dense.unwrap().keys.is_none());
+        #[cfg(target_arch = "x86_64")]
+        if !std::is_x86_feature_detected!("avx512vbmi") {
+            eprintln!("no AVX-512 VBMI on this CPU: the keyed kernel did not run");
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        return;
+        #[cfg(target_arch = "x86_64")]
+        for m in &maps {
+            let mut ys: Vec<f32> = Vec::new();
+            let mut state = 0x2545_F491_4F6C_DD1Du64;
+            for h in 0..=0xFFFFu32 {
+                if h & 0x7FFF >= 0x4000 {
+                    continue;
+                }
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                for low in [0, 0x8000, 0xFFFF, state as u32 & 0xFFFF] {
+                    ys.push(f32::from_bits(h << 16 | low));
+                }
+            }
+            for &t in m.thresholds().iter().chain(m.values()) {
+                ys.extend([t.next_down(), t, t.next_up()]);
+            }
+            ys.resize(ys.len().div_ceil(64) * 64, 0.25);
+            let mut out = vec![0u8; ys.len()];
+            // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
+            let done = unsafe { m.nearest_scaled_vbmi(&ys, &[1.0], ys.len(), &mut out) };
+            assert_eq!(done, ys.len());
+            for (&y, &c) in ys.iter().zip(&out) {
+                assert_eq!(c, m.nearest(y), "{m:?}: y {y} ({:#010x})", y.to_bits());
+            }
         }
     }
 

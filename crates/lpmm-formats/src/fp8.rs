@@ -299,7 +299,7 @@ mod tests {
             }
         }
         let mut out = vec![0u8; xs.len()];
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             for fmt in Fp8::ALL {
                 for overflow in [Overflow::Saturate, Overflow::NonSaturating] {

@@ -197,7 +197,7 @@ mod tests {
             for (i, &c) in codes.iter().enumerate() {
                 want[i * 4 / 8] |= c << (i * 4 % 8);
             }
-            for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            for level in Level::ALL {
                 force(Some(level));
                 let mut out = vec![0xFFu8; packed_len(n, 4)];
                 pack(&codes, 4, &mut out).unwrap();

@@ -10,22 +10,61 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Which kernels run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which kernels run, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
     /// Portable Rust, compiled for the baseline target.
     Portable,
     /// Portable Rust compiled with AVX2 and FMA (x86-64 since 2013): `mul_add` is one
-    /// instruction instead of a library call.
+    /// instruction instead of a library call; the code-map kernels gather with AVX2.
     Avx2,
-    /// AVX-512 (F, BW, VL, DQ) with AVX2 and FMA.
+    /// AVX-512 (F, BW, VL, DQ) with AVX2 and FMA, without VBMI (Skylake-SP to Cascade Lake: most
+    /// cloud Intel parts): the code-map kernels gather their tables.
     Avx512,
+    /// AVX-512 with VBMI (Ice Lake and later, AMD Zen 4 and later): the code-map kernels look their
+    /// tables up from registers (byte permutes) instead of gathering them.
+    Avx512Vbmi,
+}
+
+impl Level {
+    /// Every level, lowest first.
+    pub const ALL: [Level; 4] = [
+        Level::Portable,
+        Level::Avx2,
+        Level::Avx512,
+        Level::Avx512Vbmi,
+    ];
+
+    /// The name `LPMM_SIMD` takes for it (`portable`, `avx2`, `avx512`, `vbmi`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+            Level::Avx512Vbmi => "vbmi",
+        }
+    }
+
+    /// The level `LPMM_SIMD` names (see [`Level::name`]).
+    pub fn from_name(name: &str) -> Option<Level> {
+        Level::ALL.into_iter().find(|l| l.name() == name)
+    }
+
+    const fn code(self) -> u8 {
+        self as u8 + 1
+    }
+
+    const fn from_code(code: u8) -> Level {
+        match code {
+            2 => Level::Avx2,
+            3 => Level::Avx512,
+            4 => Level::Avx512Vbmi,
+            _ => Level::Portable,
+        }
+    }
 }
 
 const UNKNOWN: u8 = 0;
-const PORTABLE: u8 = 1;
-const AVX2: u8 = 3;
-const AVX512: u8 = 2;
 
 static DETECTED: AtomicU8 = AtomicU8::new(UNKNOWN);
 static FORCED: AtomicU8 = AtomicU8::new(UNKNOWN);
@@ -34,96 +73,73 @@ static FORCED: AtomicU8 = AtomicU8::new(UNKNOWN);
 pub fn detected() -> Level {
     let mut d = DETECTED.load(Ordering::Relaxed);
     if d == UNKNOWN {
-        d = detect();
+        d = detect().code();
         DETECTED.store(d, Ordering::Relaxed);
     }
-    match d {
-        AVX512 => Level::Avx512,
-        AVX2 => Level::Avx2,
-        _ => Level::Portable,
-    }
+    Level::from_code(d)
 }
 
 #[cfg(target_arch = "x86_64")]
-fn detect() -> u8 {
+fn detect() -> Level {
     let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
     let avx512 = std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512bw")
         && std::is_x86_feature_detected!("avx512vl")
         && std::is_x86_feature_detected!("avx512dq");
-    match (avx2, avx512) {
-        (true, true) => AVX512,
-        (true, false) => AVX2,
-        _ => PORTABLE,
+    let vbmi = std::is_x86_feature_detected!("avx512vbmi");
+    match (avx2, avx512, vbmi) {
+        (true, true, true) => Level::Avx512Vbmi,
+        (true, true, false) => Level::Avx512,
+        (true, false, _) => Level::Avx2,
+        _ => Level::Portable,
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detect() -> u8 {
-    PORTABLE
+fn detect() -> Level {
+    Level::Portable
 }
 
-static VBMI: AtomicU8 = AtomicU8::new(UNKNOWN);
+/// Whether the AVX-512 kernels run ([`Level::Avx512`] or [`Level::Avx512Vbmi`]).
+#[inline]
+pub fn avx512() -> bool {
+    level() >= Level::Avx512
+}
 
 /// Whether the AVX-512 kernels may also use AVX-512 VBMI (byte permutes: table lookups from
-/// registers): the level in use is [`Level::Avx512`] and the CPU has VBMI (detected once).
+/// registers): the level in use is [`Level::Avx512Vbmi`].
 #[inline]
 pub fn vbmi() -> bool {
-    if level() != Level::Avx512 {
-        return false;
-    }
-    let mut v = VBMI.load(Ordering::Relaxed);
-    if v == UNKNOWN {
-        #[cfg(target_arch = "x86_64")]
-        let has = std::is_x86_feature_detected!("avx512vbmi");
-        #[cfg(not(target_arch = "x86_64"))]
-        let has = false;
-        v = if has { AVX512 } else { PORTABLE };
-        VBMI.store(v, Ordering::Relaxed);
-    }
-    v == AVX512
+    level() == Level::Avx512Vbmi
 }
 
 /// The kernels in use: [`detected`], unless lowered by [`force`] or by the environment variable
-/// `LPMM_SIMD` (`portable` or `avx2`) read the first time.
+/// `LPMM_SIMD` (`portable`, `avx2`, `avx512` or `vbmi`: [`Level::name`]) read the first time.
 #[inline]
 pub fn level() -> Level {
     match FORCED.load(Ordering::Relaxed) {
         UNKNOWN => {
-            let from_env = match std::env::var("LPMM_SIMD").as_deref() {
-                Ok("portable") => Some(Level::Portable),
-                Ok("avx2") => Some(Level::Avx2),
-                _ => None,
-            };
+            let from_env = std::env::var("LPMM_SIMD")
+                .ok()
+                .and_then(|v| Level::from_name(&v));
             force(from_env);
             level()
         }
-        PORTABLE => Level::Portable,
-        AVX2 => Level::Avx2,
-        _ => Level::Avx512,
+        code => Level::from_code(code),
     }
 }
 
 /// Runs the kernels of `level` (at most what the CPU supports) from now on, on every thread;
 /// `None` goes back to the detected level. Results do not change, only speed: this exists for
-/// tests and benchmarks.
-pub fn force(level: Option<Level>) {
-    let rank = |l: Level| match l {
-        Level::Portable => 0,
-        Level::Avx2 => 1,
-        Level::Avx512 => 2,
-    };
+/// tests and benchmarks. Returns the level now in use.
+pub fn force(level: Option<Level>) -> Level {
     let d = detected();
     let l = match level {
-        Some(l) if rank(l) < rank(d) => l,
+        Some(l) if l < d => l,
         _ => d,
     };
-    let code = match l {
-        Level::Portable => PORTABLE,
-        Level::Avx2 => AVX2,
-        Level::Avx512 => AVX512,
-    };
-    FORCED.store(code, Ordering::Relaxed);
+    FORCED.store(l.code(), Ordering::Relaxed);
+    l
 }
 
 /// Defines a function whose body is compiled three times, for the baseline target, with AVX2 and
@@ -160,11 +176,11 @@ macro_rules! multiversion {
             }
             #[cfg(target_arch = "x86_64")]
             match $crate::simd::level() {
-                // SAFETY: `level()` is `Avx512` only after run-time detection found every feature
-                // enabled on `avx512` (simd::detect).
-                $crate::simd::Level::Avx512 => return unsafe { avx512($($arg),*) },
-                // SAFETY: `level()` is `Avx2` (or `Avx512`) only after run-time detection of AVX2
-                // and FMA.
+                // SAFETY: `level()` is `Avx512` or `Avx512Vbmi` only after run-time detection found
+                // every feature enabled on `avx512` (simd::detect).
+                $crate::simd::Level::Avx512 | $crate::simd::Level::Avx512Vbmi => return unsafe { avx512($($arg),*) },
+                // SAFETY: `level()` is `Avx2` (or above) only after run-time detection of AVX2 and
+                // FMA.
                 $crate::simd::Level::Avx2 => return unsafe { avx2($($arg),*) },
                 $crate::simd::Level::Portable => {}
             }
@@ -276,7 +292,7 @@ mod tests {
             .map(|i| i.wrapping_mul(0x9E37_79B9).rotate_left(7))
             .chain([0, u32::MAX])
             .collect();
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             let mut out = vec![half::bf16::ZERO; xs.len()];
             f32_to_bf16_stochastic(&xs, &bits, &mut out);

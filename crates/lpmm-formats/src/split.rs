@@ -131,7 +131,7 @@ mod tests {
             .step_by(257)
             .map(|b| ((b >> 16) as u16, b as u16))
             .collect();
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             let (mut hi, mut rem) = (vec![0u16; values.len()], vec![0u16; values.len()]);
             split_f32_slice(&values, &mut hi, &mut rem);

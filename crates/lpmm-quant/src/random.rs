@@ -97,7 +97,7 @@ fn chacha8_rows(key: &[u32; 8], block: u64, mask: u64, nonce: u64) -> [[u32; LAN
 /// word `w` of block `block + j`.
 fn chacha8_x16(key: &[u32; 8], block: u64, mask: u64, nonce: u64, out: &mut [u32; BATCH]) {
     #[cfg(target_arch = "x86_64")]
-    if lpmm_formats::simd::level() == lpmm_formats::simd::Level::Avx512 {
+    if lpmm_formats::simd::avx512() {
         // SAFETY: `level()` is `Avx512` only after run-time detection of AVX-512 F/BW/VL/DQ,
         // AVX2 and FMA (lpmm_formats::simd), every feature `chacha8_x16_avx512` enables.
         unsafe { chacha8_x16_avx512(key, block, mask, nonce, out) };
@@ -566,7 +566,7 @@ mod tests {
         rng.set_stream(stream.step);
         rng.set_word_pos(1000 * 16 - 37);
         let want: Vec<u32> = (0..3000).map(|_| rng.next_u32()).collect();
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             for (skip, len) in [
                 (0usize, 3000usize),
@@ -646,7 +646,7 @@ mod tests {
         let stream = RandomStream::new(5, 6, 7);
         let base = 2 * BATCH as u64 * 3 - 41;
         let want: Vec<u32> = (0..2000).map(|i| stream.draw(base + i)).collect();
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             for (skip, len) in [
                 (0usize, 2000usize),
