@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use lpmm_optim::backend::{
     Backend, BackendError, Dtype, FoldInput, Format, HostRegion, HostSlot, HostValues,
-    HostValuesMut, Init, ParamLayout, ParamStep, RegionSpec, SLOTS, SlotKind, StepFlags, StepWork,
+    HostValuesMut, Init, ParamLayout, ParamStep, Phase, Place, PlanRunner, RegionSpec, SLOTS,
+    SlotKind, StepWork, Walked, run_step,
 };
 use lpmm_optim::{ExactSum, add_squares};
 
@@ -1164,154 +1165,24 @@ impl<R: Runtime> Backend for Device<R> {
         let n = params.len();
         self.ensure_flags(&mut state, n * (1 + STAT_WORDS as usize))?;
         // The plans' constants change as the rule's sums are combined.
-        let mut stepping: Vec<(usize, ParamStep)> = plans
+        let stepping: Vec<(usize, ParamStep)> = plans
             .iter()
             .enumerate()
             .filter_map(|(i, p)| p.map(|p| (i, p)))
             .collect();
-        // Parameters whose tensor-wide statistics kept an old value (reported as non-finite).
-        let mut kept = vec![false; params.len()];
-        // The tensor-wide phases, in the CPU's order: a state 2's folds and combine, the rule's
-        // sums and their combine into its constants, a state 3's folds and combine.
-        let transform = |p: &ParamStep| p.flags.has(StepFlags::TRANSFORM);
-        for phase in [Some(SlotKind::State2), None, Some(SlotKind::State3)] {
-            // (parameter, passes) of every stepping parameter this phase folds.
-            let folding: Vec<(usize, usize)> = stepping
-                .iter()
-                .filter(|(_, p)| !transform(p))
-                .filter_map(|&(i, ref p)| {
-                    let passes = match phase {
-                        None => 2 * usize::from(p.rule.stats() > 0),
-                        Some(slot) => layouts[i].format(slot).map_or(0, |f| f.folds().len()),
-                    };
-                    (passes > 0).then_some((i, passes))
-                })
-                .collect();
-            if folding.is_empty() {
-                continue;
-            }
-            // Per parameter: its fold passes in this phase (0: none) and its rule's sums.
-            let mut passes_of = vec![0usize; params.len()];
-            for &(i, n) in &folding {
-                passes_of[i] = n;
-            }
-            let mut stats_of = vec![0u32; params.len()];
-            for (i, p) in &stepping {
-                stats_of[*i] = p.rule.stats() as u32;
-            }
-            if let Some(slot) = phase {
-                for &(i, _) in &folding {
-                    let f = layouts[i].format(slot).expect("folds");
-                    let targets = f.fold_targets();
-                    let regions = params[i].wide_regions[slot as usize].clone();
-                    self.write_wide(&state, &params[i], slot as usize, &mut |r| {
-                        targets.contains(&r).then(|| vec![0u32; regions[r].1])
-                    })?;
-                }
-            }
-            // The rule's fold words follow each parameter's flag word: ensure_flags zeroed them.
-            let passes = folding.iter().map(|&(_, n)| n).max().unwrap_or(0);
-            for pass in 0..passes {
-                let mut items = Vec::new();
-                let ctx = StepCtx {
-                    params,
-                    layouts,
-                    stepping: &stepping,
-                    released,
-                    views: &views,
-                    seed,
-                };
-                self.step_items(&state, &ctx, &|i| pass < passes_of[i], &mut items);
-                for it in &mut items {
-                    // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
-                    let i = it.desc.flag_index as usize;
-                    let (layout, numel) = (&layouts[i], layouts[i].numel);
-                    it.desc.mode = match phase {
-                        None => {
-                            // The sums' count, as fractional bits, and how many.
-                            let frac = lpmm_optim::backend::fixed_frac_bits(numel) as u32;
-                            // The fold writes no flag: its words are the parameter's block.
-                            it.desc.flag_index = (n + i * STAT_WORDS as usize) as u32;
-                            pass as u32 | FOLD_STATS << 8 | frac << 16 | stats_of[i] << 24
-                        }
-                        Some(slot) => {
-                            let input = match layout.format(slot).map(|f| f.folds()[pass]) {
-                                Some(FoldInput::MomentGradient) => FOLD_MOMENT,
-                                _ => FOLD_UPDATED,
-                            };
-                            pass as u32 | (slot as u32) << 8 | input << 16
-                        }
-                    };
-                }
-                self.run(&mut state, Entry::Fold, &mut items)?;
-            }
-            match phase {
-                None => {
-                    let flags = state.flags.as_ref().expect("allocated");
-                    let stat_words = STAT_WORDS as usize;
-                    let words = self.guard(self.inner.rt.read(flags, n, n * stat_words))?;
-                    for (i, plan) in stepping.iter_mut() {
-                        if passes_of[*i] == 0 {
-                            continue;
-                        }
-                        let base = *i * stat_words;
-                        let scratch: Vec<AtomicU32> = words[base..base + stat_words]
-                            .iter()
-                            .map(|&w| AtomicU32::new(w))
-                            .collect();
-                        let (exp, sum) = scratch.split_at(STAT_SUM as usize);
-                        let numel = layouts[*i].numel;
-                        let sums: Vec<f64> = (0..plan.rule.stats())
-                            .map(|k| lpmm_optim::backend::fixed_total(exp, sum, k, numel))
-                            .collect();
-                        plan.rule.combine_stats(&sums, numel);
-                    }
-                }
-                Some(slot) => {
-                    for (i, plan) in &stepping {
-                        let i = *i;
-                        if passes_of[i] == 0 {
-                            continue;
-                        }
-                        let f = layouts[i].format(slot).expect("folds");
-                        let wide = self.wide_words(&state, &params[i], slot as usize)?;
-                        kept[i] |= f.combine(&wide, &layouts[i].shape, &plan.rule, slot);
-                        self.write_wide(&state, &params[i], slot as usize, &mut |r| {
-                            Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect())
-                        })?;
-                    }
-                }
-            }
-        }
-        // The fused pass over every stepping parameter.
-        let mut items = Vec::new();
-        let ctx = StepCtx {
+        let mut runner = Runner {
+            device: self,
+            state: &mut state,
             params,
             layouts,
-            stepping: &stepping,
+            stepping,
             released,
             views: &views,
             seed,
+            kept: vec![false; n],
+            non_finite,
         };
-        self.step_items(&state, &ctx, &|_| true, &mut items);
-        self.run(&mut state, Entry::Step, &mut items)?;
-        let flags = state.flags.as_ref().expect("allocated");
-        let words = self.guard(self.inner.rt.read(flags, 0, n.max(1)))?;
-        for ((f, w), k) in non_finite.iter_mut().zip(words).zip(kept) {
-            *f = w != 0 || k;
-        }
-        drop(state);
-        for (i, plan) in &stepping {
-            if transform(plan) {
-                continue;
-            }
-            for slot in [SlotKind::State2, SlotKind::State3] {
-                if let Some((a, b)) = layouts[*i].format(slot).and_then(|f| f.swap_after_step()) {
-                    params[*i].wide_regions[slot as usize].swap(a, b);
-                }
-            }
-        }
-        Ok(())
+        run_step(&mut runner)
     }
 
     fn clear_gradients(
@@ -1394,41 +1265,36 @@ impl<R: Runtime> Backend for Device<R> {
         let state = self.inner.lock();
         let s = slot as usize;
         let wide = self.wide_words(&state, param, s)?;
-        let (mut e, mut w) = (0, 0);
         let mut regions = Vec::new();
-        for spec in format.regions(&layout.shape) {
-            let bytes = if spec.per_element() {
-                e += 1;
-                if lent_here && e == 1 {
-                    match lent {
-                        Some(DeviceInput::Host(v)) => v.bytes().to_vec(),
-                        Some(DeviceInput::Device(v)) => {
-                            let v = self.lent_view(layout, Some(v))?.expect("lent");
-                            self.guard(self.inner.rt.read_view(&v))?
-                        }
-                        None => {
-                            return Err(
-                                self.unsupported("exporting a lent parameter without its buffer")
-                            );
-                        }
+        for Walked { spec, place, .. } in format.walk(&layout.shape, None) {
+            let bytes = match place {
+                Place::Element(0) if lent_here => match lent {
+                    Some(DeviceInput::Host(v)) => v.bytes().to_vec(),
+                    Some(DeviceInput::Device(v)) => {
+                        let v = self.lent_view(layout, Some(v))?.expect("lent");
+                        self.guard(self.inner.rt.read_view(&v))?
                     }
-                } else {
+                    None => {
+                        return Err(
+                            self.unsupported("exporting a lent parameter without its buffer")
+                        );
+                    }
+                },
+                Place::Element(k) => {
                     let mut bytes = Vec::with_capacity(spec.bytes(layout.numel));
                     for piece in &param.pieces {
-                        let (at, words) = piece.regions[s][e - 1];
+                        let (at, words) = piece.regions[s][k];
                         let buffer = Self::buffer(&state.pieces, piece.span.arena);
                         let got = self.guard(self.inner.rt.read(buffer, at, words))?;
                         bytes.extend(to_bytes(&got, spec.bytes(piece.len)));
                     }
                     bytes
                 }
-            } else {
-                w += 1;
-                let words: Vec<u32> = wide[w - 1]
-                    .iter()
-                    .map(|x| x.load(Ordering::Relaxed))
-                    .collect();
-                to_bytes(&words, spec.bytes(layout.numel))
+                Place::Wide(k) => {
+                    let words: Vec<u32> =
+                        wide[k].iter().map(|x| x.load(Ordering::Relaxed)).collect();
+                    to_bytes(&words, spec.bytes(layout.numel))
+                }
             };
             if spec.saved {
                 regions.push(HostRegion { spec, bytes });
@@ -1453,45 +1319,36 @@ impl<R: Runtime> Backend for Device<R> {
         let mut lent = lent;
         let state = self.inner.lock();
         let s = slot as usize;
-        let (mut e, mut w) = (0, 0);
-        let mut saved = host.regions.iter();
         let mut wide_bytes: Vec<Option<Vec<u8>>> = Vec::new();
-        for spec in format.regions(&layout.shape) {
-            let source = if spec.saved {
-                saved.next().map(|r| &r.bytes[..])
-            } else {
-                None
-            };
-            if spec.per_element() {
-                e += 1;
-                let Some(bytes) = source else { continue };
-                if lent_here && e == 1 {
-                    match lent.take() {
-                        Some(DeviceOutput::Host(mut v)) => v.bytes_mut().copy_from_slice(bytes),
-                        Some(DeviceOutput::Device(v)) => {
-                            let v = self.lent_view(layout, Some(v))?.expect("lent");
-                            self.guard(self.inner.rt.write_view(&v, bytes))?;
+        for Walked { spec, place, bytes } in format.walk(&layout.shape, Some(host)) {
+            match place {
+                Place::Element(k) => {
+                    let Some(bytes) = bytes else { continue };
+                    if lent_here && k == 0 {
+                        match lent.take() {
+                            Some(DeviceOutput::Host(mut v)) => v.bytes_mut().copy_from_slice(bytes),
+                            Some(DeviceOutput::Device(v)) => {
+                                let v = self.lent_view(layout, Some(v))?.expect("lent");
+                                self.guard(self.inner.rt.write_view(&v, bytes))?;
+                            }
+                            None => {
+                                return Err(self
+                                    .unsupported("importing a lent parameter without its buffer"));
+                            }
                         }
-                        None => {
-                            return Err(
-                                self.unsupported("importing a lent parameter without its buffer")
-                            );
-                        }
+                        continue;
                     }
-                    continue;
+                    for piece in &param.pieces {
+                        let (at, _) = piece.regions[s][k];
+                        let range = spec.byte_range(piece.offset, piece.offset + piece.len);
+                        let buffer = Self::buffer(&state.pieces, piece.span.arena);
+                        self.guard(self.inner.rt.write(buffer, at, &to_words(&bytes[range])))?;
+                    }
                 }
-                for piece in &param.pieces {
-                    let (at, _) = piece.regions[s][e - 1];
-                    let range = spec.byte_range(piece.offset, piece.offset + piece.len);
-                    let buffer = Self::buffer(&state.pieces, piece.span.arena);
-                    self.guard(self.inner.rt.write(buffer, at, &to_words(&bytes[range])))?;
-                }
-            } else {
-                w += 1;
-                wide_bytes.push(source.map(<[u8]>::to_vec));
+                Place::Wide(_) => wide_bytes.push(bytes.map(<[u8]>::to_vec)),
             }
         }
-        if w > 0 {
+        if !wide_bytes.is_empty() {
             let wide: Vec<Box<[AtomicU32]>> = param.wide_regions[s]
                 .iter()
                 .zip(&wide_bytes)
@@ -1520,6 +1377,196 @@ impl<R: Runtime> Backend for Device<R> {
                 + param.wide_regions[s].iter().map(|r| 4 * r.1).sum::<usize>();
         }
         bytes
+    }
+}
+
+/// One step's plans on a device: each phase of the shared schedule ([`run_step`]) batched over
+/// every stepping parameter into as few launches as the bindings allow.
+struct Runner<'d, 's, 'a, 'v, R: Runtime> {
+    device: &'d Device<R>,
+    state: &'s mut State<R::Buffer>,
+    params: &'a mut [DeviceParam<R>],
+    layouts: &'a [ParamLayout],
+    /// The stepping parameters and their plans (the constants change as the rule's sums are
+    /// combined).
+    stepping: Vec<(usize, ParamStep)>,
+    released: Option<(usize, DeviceInput<'v, R>)>,
+    views: &'a [Option<R::View<'v>>],
+    seed: u64,
+    /// Parameters whose tensor-wide statistics kept an old value (reported as non-finite).
+    kept: Vec<bool>,
+    non_finite: &'a mut [bool],
+}
+
+impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
+    type Error = BackendError;
+
+    fn passes(&self, phase: Phase) -> usize {
+        self.stepping
+            .iter()
+            .map(|(_, p)| p.plan.passes(phase, p.flags))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn begin(&mut self, phase: Phase) -> Result<(), BackendError> {
+        // The rule's fold words follow each parameter's flag word: `ensure_flags` zeroed them.
+        let Phase::Slot(slot) = phase else {
+            return Ok(());
+        };
+        for (i, p) in &self.stepping {
+            if p.plan.passes(phase, p.flags) == 0 {
+                continue;
+            }
+            let f = self.layouts[*i].format(slot).expect("folds");
+            let targets = f.fold_targets();
+            let regions = self.params[*i].wide_regions[slot as usize].clone();
+            self.device
+                .write_wide(self.state, &self.params[*i], slot as usize, &mut |r| {
+                    targets.contains(&r).then(|| vec![0u32; regions[r].1])
+                })?;
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, phase: Phase, pass: usize) -> Result<(), BackendError> {
+        let n = self.params.len();
+        let mut items = Vec::new();
+        let ctx = StepCtx {
+            params: self.params,
+            layouts: self.layouts,
+            stepping: &self.stepping,
+            released: self.released,
+            views: self.views,
+            seed: self.seed,
+        };
+        let passes = self.passes_of_all(phase);
+        self.device
+            .step_items(self.state, &ctx, &|i| pass < passes[i], &mut items);
+        for it in &mut items {
+            // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
+            let i = it.desc.flag_index as usize;
+            let numel = self.layouts[i].numel;
+            let plan = self
+                .stepping
+                .iter()
+                .find(|(k, _)| *k == i)
+                .map(|(_, p)| p.plan);
+            it.desc.mode = match phase {
+                Phase::Stats => {
+                    // The sums' count, as fractional bits, and how many.
+                    let frac = lpmm_optim::backend::fixed_frac_bits(numel) as u32;
+                    let stats = self
+                        .stepping
+                        .iter()
+                        .find(|(k, _)| *k == i)
+                        .map_or(0, |(_, p)| p.rule.stats() as u32);
+                    // The fold writes no flag: its words are the parameter's block.
+                    it.desc.flag_index = (n + i * STAT_WORDS as usize) as u32;
+                    pass as u32 | FOLD_STATS << 8 | frac << 16 | stats << 24
+                }
+                Phase::Slot(slot) => {
+                    let input = match plan.and_then(|p| p.fold_input(phase, pass)) {
+                        Some(FoldInput::MomentGradient) => FOLD_MOMENT,
+                        _ => FOLD_UPDATED,
+                    };
+                    pass as u32 | (slot as u32) << 8 | input << 16
+                }
+            };
+        }
+        self.device.run(self.state, Entry::Fold, &mut items)?;
+        Ok(())
+    }
+
+    fn combine(&mut self, phase: Phase) -> Result<(), BackendError> {
+        let n = self.params.len();
+        match phase {
+            Phase::Stats => {
+                let flags = self.state.flags.as_ref().expect("allocated");
+                let stat_words = STAT_WORDS as usize;
+                let rt = &self.device.inner.rt;
+                let words = self.device.guard(rt.read(flags, n, n * stat_words))?;
+                for (i, plan) in self.stepping.iter_mut() {
+                    if plan.plan.passes(phase, plan.flags) == 0 {
+                        continue;
+                    }
+                    let base = *i * stat_words;
+                    let scratch: Vec<AtomicU32> = words[base..base + stat_words]
+                        .iter()
+                        .map(|&w| AtomicU32::new(w))
+                        .collect();
+                    let (exp, sum) = scratch.split_at(STAT_SUM as usize);
+                    let numel = self.layouts[*i].numel;
+                    let sums: Vec<f64> = (0..plan.rule.stats())
+                        .map(|k| lpmm_optim::backend::fixed_total(exp, sum, k, numel))
+                        .collect();
+                    plan.rule.combine_stats(&sums, numel);
+                }
+            }
+            Phase::Slot(slot) => {
+                for (i, plan) in &self.stepping {
+                    let i = *i;
+                    if plan.plan.passes(phase, plan.flags) == 0 {
+                        continue;
+                    }
+                    let f = self.layouts[i].format(slot).expect("folds");
+                    let wide =
+                        self.device
+                            .wide_words(self.state, &self.params[i], slot as usize)?;
+                    self.kept[i] |= f.combine(&wide, &self.layouts[i].shape, &plan.rule, slot);
+                    self.device.write_wide(
+                        self.state,
+                        &self.params[i],
+                        slot as usize,
+                        &mut |r| Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect()),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fused(&mut self) -> Result<(), BackendError> {
+        let n = self.params.len();
+        let mut items = Vec::new();
+        let ctx = StepCtx {
+            params: self.params,
+            layouts: self.layouts,
+            stepping: &self.stepping,
+            released: self.released,
+            views: self.views,
+            seed: self.seed,
+        };
+        self.device
+            .step_items(self.state, &ctx, &|_| true, &mut items);
+        self.device.run(self.state, Entry::Step, &mut items)?;
+        let flags = self.state.flags.as_ref().expect("allocated");
+        let rt = &self.device.inner.rt;
+        let words = self.device.guard(rt.read(flags, 0, n.max(1)))?;
+        for ((f, w), k) in self.non_finite.iter_mut().zip(words).zip(&self.kept) {
+            *f = w != 0 || *k;
+        }
+        Ok(())
+    }
+
+    fn swap(&mut self) -> Result<(), BackendError> {
+        for (i, p) in &self.stepping {
+            for (slot, a, b) in p.plan.swaps(p.flags) {
+                self.params[*i].wide_regions[slot as usize].swap(a, b);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Runtime> Runner<'_, '_, '_, '_, R> {
+    /// Each parameter's fold passes in `phase` (0: none), by parameter index.
+    fn passes_of_all(&self, phase: Phase) -> Vec<usize> {
+        let mut passes = vec![0usize; self.params.len()];
+        for (i, p) in &self.stepping {
+            passes[*i] = p.plan.passes(phase, p.flags);
+        }
+        passes
     }
 }
 

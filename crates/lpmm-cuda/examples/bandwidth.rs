@@ -16,7 +16,9 @@
 use std::time::Instant;
 
 use lpmm_cuda::{Cuda, CudaOptions};
-use lpmm_optim::backend::{HostValues, Init, ParamLayout, ParamStep, StepFlags, StepWork};
+use lpmm_optim::backend::{
+    HostValues, Init, ParamLayout, ParamStep, StepFlags, StepPlan, StepWork,
+};
 use lpmm_optim::{Backend, ParamConfig, Storage, presets};
 
 /// The fused 8-bit and 4-bit AdamW steps against a device copy.
@@ -97,9 +99,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let layouts = std::slice::from_ref(&layout);
             let mut flags = [false];
             let mut steps = 0u64;
+            let step_plan = StepPlan::new(&layout, &resolved.hyper.consts(1, &Default::default()));
             let mut step = |params: &mut [_]| {
                 steps += 1;
                 let plan = ParamStep {
+                    plan: step_plan,
                     t: steps,
                     flags: StepFlags(StepFlags::UPDATE_PARAM).with(StepFlags::FIRST, steps == 1),
                     rule: resolved.hyper.consts(steps, &Default::default()),

@@ -18,6 +18,9 @@ struct Args {
     /// Steps.
     #[arg(default_value_t = 10)]
     steps: usize,
+    /// Step on the generic element-wise path instead of the specialized kernel.
+    #[arg(long)]
+    generic: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -53,6 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         vec![n]
     };
     let mut opt = Optimizer::new(OptimizerOptions::default())?;
+    opt.set_specialized_kernels(!args.generic);
     let g = opt.add_group(config)?;
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-4).collect();
     let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-5).collect();
@@ -63,8 +67,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let ns = t.elapsed().as_secs_f64() * 1e9 / (steps * n) as f64;
     println!(
-        "{}: {n} params, {steps} steps, {ns:.2} ns/param/step",
-        args.preset
+        "{} ({}, {:?}): {n} params, {steps} steps, {ns:.3} ns/param/step",
+        args.preset,
+        opt.step_plan(id)?.cpu_kernel(),
+        lpmm_formats::simd::level(),
     );
     Ok(())
 }

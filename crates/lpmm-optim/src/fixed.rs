@@ -334,7 +334,7 @@ mod tests {
         };
         // Columns: element i of each row of 4 goes to sum 1 + i (of `rows` terms).
         let rows = values.len().div_ceil(4);
-        for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+        for level in Level::ALL {
             force(Some(level));
             let (e1, s1, e2, s2) = (words(4), words(8), words(4), words(8));
             let (ec, sc, el, sl) = (words(5), words(10), words(5), words(10));

@@ -42,6 +42,7 @@ mod format;
 pub mod fuzzing;
 mod memory;
 mod optimizer;
+mod plan;
 pub mod presets;
 mod rule;
 #[cfg(feature = "testing")]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{
     Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
-    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepWork, fits,
+    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, StepWork, fits,
 };
 use crate::config::{ParamConfig, Storage};
 use crate::cpu::Cpu;
@@ -255,6 +255,8 @@ pub(crate) struct ParamState {
     pub lr_rule: LrRule,
     /// The rule's host state after `steps` steps.
     pub rule_state: RuleState,
+    /// The step plan, compiled at registration.
+    pub step_plan: StepPlan,
 }
 
 impl ParamState {
@@ -262,6 +264,7 @@ impl ParamState {
     pub fn plan(&self, flags: StepFlags, clip: f32) -> ParamStep {
         let (hyper, t) = (&self.config.hyper, self.steps + 1);
         ParamStep {
+            plan: self.step_plan,
             t,
             flags: flags.with(StepFlags::FIRST, self.steps == 0),
             rule: hyper.consts(t, &hyper.advance(t, self.rule_state)),
@@ -298,6 +301,8 @@ pub struct Optimizer<B: Backend = Cpu> {
     select: Vec<bool>,
     /// The plans of a begun step's participants not yet stepped.
     pending_plans: Vec<Option<ParamStep>>,
+    /// Whether plans use the specialized kernels ([`Optimizer::set_specialized_kernels`]).
+    specialized: bool,
     plans: Vec<Option<ParamStep>>,
     flags: Vec<bool>,
     call_flags: Vec<bool>,
@@ -347,6 +352,7 @@ impl<B: Backend> Optimizer<B> {
             stats: Vec::new(),
             select: Vec::new(),
             pending_plans: Vec::new(),
+            specialized: true,
             plans: Vec::new(),
             flags: Vec::new(),
             call_flags: Vec::new(),
@@ -601,6 +607,7 @@ impl<B: Backend> Optimizer<B> {
             lent: matches!(init, Init::Lent),
         };
         let param = self.backend.allocate(&layout, init, self.options.seed)?;
+        let step_plan = self.compile(&layout, &resolved);
         let index = self.states.len();
         self.names.insert(name.to_string(), index);
         self.states.push(ParamState {
@@ -613,6 +620,7 @@ impl<B: Backend> Optimizer<B> {
             pending: false,
             lr_rule,
             rule_state: RuleState::default(),
+            step_plan,
         });
         self.layouts.push(layout);
         self.params.push(param);
@@ -623,6 +631,33 @@ impl<B: Backend> Optimizer<B> {
         self.flags.push(false);
         self.call_flags.push(false);
         Ok(ParamId(index))
+    }
+
+    /// The step plan of a parameter of `layout` with configuration `config`.
+    fn compile(&self, layout: &ParamLayout, config: &ParamConfig) -> StepPlan {
+        let plan = StepPlan::new(layout, &config.hyper.consts(1, &RuleState::default()));
+        if self.specialized {
+            plan
+        } else {
+            plan.generic()
+        }
+    }
+
+    /// A parameter's step plan: its tensor-wide phases and the kernel of its fused pass
+    /// ([`StepPlan::cpu_kernel`] names the CPU's).
+    pub fn step_plan(&self, id: ParamId) -> Result<StepPlan, OptimError> {
+        Ok(self.state(id)?.step_plan)
+    }
+
+    /// Steps every parameter's fused pass with the specialized kernels where one exists (`true`,
+    /// the default) or on the generic element-wise path (`false`): the same bits either way (the
+    /// generic path is the reference the kernels are tested against), only speed differs. Not
+    /// saved in checkpoints.
+    pub fn set_specialized_kernels(&mut self, on: bool) {
+        self.specialized = on;
+        for i in 0..self.states.len() {
+            self.states[i].step_plan = self.compile(&self.layouts[i], &self.states[i].config);
+        }
     }
 
     /// The parameter named `name`.
@@ -911,6 +946,7 @@ impl<B: Backend> Optimizer<B> {
                 Some((
                     i,
                     ParamStep {
+                        plan: m.step_plan,
                         // Counters no step reaches (steps stay below 2^53).
                         t: TRANSFORM_COUNTER + 2 * m.steps + u64::from(eval),
                         flags: StepFlags(StepFlags::UPDATE_PARAM | StepFlags::TRANSFORM),

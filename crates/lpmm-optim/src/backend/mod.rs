@@ -23,7 +23,7 @@ use lpmm_quant::RandomStream;
 
 pub use crate::format::{
     Dtype, Extent, F32_MAX_BITS, FoldInput, Format, HostRegion, HostSlot,
-    KERNELS as FORMAT_KERNELS, LIMITS as FORMAT_LIMITS, RegionSpec, fits,
+    KERNELS as FORMAT_KERNELS, LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked, fits,
 };
 pub use crate::rule::{
     AdEMAMixConsts, AdafactorConsts, AdamConsts, CameConsts, FieldType, KernelStruct, Limits,
@@ -32,6 +32,7 @@ pub use crate::rule::{
 };
 
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
+pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
 
 /// Slots per parameter: the parameter, its gradient accumulator and three states.
 pub const SLOTS: usize = 5;
@@ -163,6 +164,8 @@ pub fn stream_tensor(stream: u64, slot: SlotKind) -> u64 {
 /// What one parameter's step does: decided by the optimizer for each step call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ParamStep {
+    /// The parameter's step plan, compiled when it was registered ([`StepPlan::new`]).
+    pub plan: StepPlan,
     /// The 1-based step: the random-stream counter of the parameter and its states.
     pub t: u64,
     /// First step, whether the parameter moves ([`StepFlags`]).

@@ -14,12 +14,20 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Backend, BackendError, Dtype, FoldInput, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    MAX_STATS, ParamLayout, ParamStep, SLOTS, SlotKind, StepFlags, StepWork,
+    MAX_STATS, ParamLayout, ParamStep, Phase, PlanRunner, SLOTS, SlotKind, StepFlags, StepWork,
+    run_step,
 };
+
+mod tile;
+
 use crate::exact::{ExactSum, add_squares};
 use crate::fixed;
-use crate::format::{MAX_REGIONS, Random, Regions, RegionsMut, bytes_of, bytes_of_mut, fits};
+use crate::format::{
+    MAX_REGIONS, Place, Random, Regions, RegionsMut, Walked, bytes_of, bytes_of_mut, fits,
+};
 use crate::rule::{Chunk, FoldValue, apply_chunk, fold_inputs};
+pub use tile::Kernel;
+pub(crate) use tile::TILE;
 
 /// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
 /// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
@@ -140,6 +148,19 @@ impl Piece {
     }
 }
 
+/// The element regions of one piece slot as bytes (a lent region holds no words: empty).
+fn elem_bytes<'a>(
+    regions: &'a mut [Vec<u32>],
+    bytes: &[usize; MAX_REGIONS],
+) -> [&'a mut [u8]; MAX_REGIONS] {
+    let mut elem: [&mut [u8]; MAX_REGIONS] = Default::default();
+    for (k, (e, w)) in elem.iter_mut().zip(regions.iter_mut()).enumerate() {
+        let n = bytes[k].min(4 * w.len());
+        *e = bytes_of_mut(w, n);
+    }
+    elem
+}
+
 /// Writable views of one piece slot's regions.
 fn view_mut<'a>(
     regions: &'a mut [Vec<u32>],
@@ -149,12 +170,8 @@ fn view_mut<'a>(
     shape: &'a [usize],
     lent: Option<&'a mut [u8]>,
 ) -> RegionsMut<'a> {
-    let mut elem: [&mut [u8]; MAX_REGIONS] = Default::default();
-    for (k, (e, w)) in elem.iter_mut().zip(regions.iter_mut()).enumerate() {
-        // A lent region holds no words here (the caller's buffer stands in below).
-        let n = bytes[k].min(4 * w.len());
-        *e = bytes_of_mut(w, n);
-    }
+    // A lent region holds no words here (the caller's buffer stands in below).
+    let mut elem = elem_bytes(regions, bytes);
     if let Some(l) = lent {
         elem[0] = l;
     }
@@ -257,14 +274,6 @@ fn decode_slot(
         Some(f) => f.decode(&piece.view(slot, wide, &layout.shape, lent), start, out),
         None => out.fill(0.0),
     }
-}
-
-/// What a fold pass folds into: a slot's tensor-wide statistics (its format's folds), or the
-/// rule's sums of squares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FoldTarget {
-    Slot(SlotKind),
-    Stats,
 }
 
 /// Words of a parameter's sums of squares: `MAX_STATS` exponents, then `MAX_STATS` 64-bit sums
@@ -385,7 +394,7 @@ fn fold_piece(
     wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
     stats: &[AtomicU32; STAT_WORDS],
     plan: &ParamStep,
-    target: FoldTarget,
+    target: Phase,
     pass: usize,
     released: Option<HostValues<'_>>,
     lent: Option<&[u8]>,
@@ -411,7 +420,7 @@ fn fold_piece(
         );
         let clip = plan.clip;
         match target {
-            FoldTarget::Stats => {
+            Phase::Stats => {
                 let (exp, sum) = stats.split_at(MAX_STATS);
                 for k in 0..rule.stats() {
                     fold_inputs(*rule, flags, FoldValue::Stat(k), clip, &mut s.chunk(n));
@@ -419,7 +428,7 @@ fn fold_piece(
                     fixed::fold_many(exp, sum, k, layout.numel, pass, &s.d[..n]);
                 }
             }
-            FoldTarget::Slot(slot) => {
+            Phase::Slot(slot) => {
                 let Some(format) = layout.format(slot) else {
                     return;
                 };
@@ -442,7 +451,7 @@ fn fold_piece(
             }
         }
     }
-    if let FoldTarget::Slot(slot) = target
+    if let Phase::Slot(slot) = target
         && let Some(format) = layout.format(slot)
     {
         let view = piece.view(slot, &wide[slot as usize], &layout.shape, None);
@@ -467,6 +476,19 @@ fn fused_step(
     let flags = layout.step_flags(plan.flags);
     let transform = flags.has(StepFlags::TRANSFORM);
     let limits = layout.limits(flags);
+    if let Some(kernel) = plan.plan.cpu.filter(|_| !transform)
+        && let Some(bad) = specialized(
+            kernel,
+            piece,
+            layout,
+            plan,
+            seed,
+            released,
+            lent.as_deref_mut(),
+        )
+    {
+        return bad;
+    }
     let t = plan.t;
     let mut s = Scratch::new();
     let shape = &layout.shape[..];
@@ -578,6 +600,68 @@ fn fused_step(
     saw_non_finite
 }
 
+/// The fused step of one piece by the plan's specialized kernel ([`tile`]); `None` (nothing
+/// written) if the piece's buffers do not fit it.
+fn specialized<'a>(
+    kernel: Kernel,
+    piece: &'a mut Piece,
+    layout: &ParamLayout,
+    plan: &ParamStep,
+    seed: u64,
+    released: Option<HostValues<'a>>,
+    lent: Option<&'a mut [u8]>,
+) -> Option<bool> {
+    let flags = layout.step_flags(plan.flags);
+    let args = tile::StepArgs {
+        rule: plan.rule,
+        flags,
+        clip: plan.clip,
+        limits: layout.limits(flags),
+    };
+    let (offset, len) = (piece.offset, piece.len);
+    let index = layout.offset + offset as u64;
+    let draws = |slot: SlotKind| {
+        layout
+            .format(slot)
+            .filter(|f| f.stochastic())
+            .map(|_| layout.stream(seed, slot, plan.t).draws_at(index))
+    };
+    let held = piece.grad_held && layout.format(SlotKind::Grad).is_some();
+    let Piece { regions, bytes, .. } = piece;
+    let [rp, rg, r1, r2, r3] = regions;
+    let [bp, bg, b1, b2, b3] = &*bytes;
+    let io =
+        |slot: SlotKind, words: &'a mut [Vec<u32>], bytes: &[usize; MAX_REGIONS]| tile::SlotIo {
+            elem: elem_bytes(words, bytes),
+            lanes: layout.format(slot).and_then(|f| f.lanes()),
+            draws: draws(slot),
+        };
+    let mut param = io(SlotKind::Param, rp, bp);
+    if let Some(l) = lent {
+        param.elem[0] = l;
+    }
+    let part = |g: HostValues<'a>| -> HostValues<'a> {
+        match g {
+            HostValues::F32(v) => HostValues::F32(&v[offset..offset + len]),
+            HostValues::Bf16(v) => HostValues::Bf16(&v[offset..offset + len]),
+        }
+    };
+    let grad = match (held, released) {
+        (false, Some(HostValues::F32(v))) => tile::GradIo::Direct(&v[offset..offset + len]),
+        (held, released) => tile::GradIo::Stashed {
+            acc: held.then(|| io(SlotKind::Grad, rg, bg)),
+            released: released.map(part),
+        },
+    };
+    let slots = [
+        param,
+        io(SlotKind::State1, r1, b1),
+        io(SlotKind::State2, r2, b2),
+        io(SlotKind::State3, r3, b3),
+    ];
+    kernel.run(&args, tile::PieceIo { len, grad, slots })
+}
+
 /// Runs one fold pass over every piece of a parameter (in parallel; a lent buffer cut per piece).
 #[allow(clippy::too_many_arguments)]
 fn fold_all(
@@ -586,7 +670,7 @@ fn fold_all(
     wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
     stats: &[AtomicU32; STAT_WORDS],
     plan: &ParamStep,
-    target: FoldTarget,
+    target: Phase,
     pass: usize,
     released: Option<HostValues<'_>>,
     lent: Option<&[u8]>,
@@ -607,8 +691,108 @@ fn fold_all(
     }
 }
 
-/// Steps one parameter: the tensor-wide phases (a factorized state 2's folds and combine, the
-/// rule's sums of squares, a factorized state 3's), the fused pass, the swaps after it.
+/// One parameter's step on the CPU, as the shared schedule runs it ([`run_step`]): the
+/// tensor-wide phases (folds over every piece in parallel, the combine on the host), the fused
+/// pass, the swaps.
+struct Runner<'a, 'r, 'l> {
+    pieces: &'a mut [Piece],
+    wide: &'a mut [Vec<Box<[AtomicU32]>>; SLOTS],
+    stats: &'a [AtomicU32; STAT_WORDS],
+    layout: &'a ParamLayout,
+    /// The step (its rule's constants change as the rule's sums are combined).
+    plan: ParamStep,
+    seed: u64,
+    released: Option<HostValues<'r>>,
+    lent: Option<&'l mut [u8]>,
+    /// A tensor-wide statistic that would not fit kept its old value: the parameter is reported.
+    kept: bool,
+}
+
+impl PlanRunner for Runner<'_, '_, '_> {
+    type Error = std::convert::Infallible;
+
+    fn passes(&self, phase: Phase) -> usize {
+        self.plan.plan.passes(phase, self.plan.flags)
+    }
+
+    fn begin(&mut self, phase: Phase) -> Result<(), Self::Error> {
+        let zero = |w: &AtomicU32| w.store(0, Ordering::Relaxed);
+        match phase {
+            Phase::Stats => self.stats.iter().for_each(zero),
+            Phase::Slot(slot) => {
+                if let Some(f) = self.layout.format(slot) {
+                    for &k in f.fold_targets() {
+                        self.wide[slot as usize][k].iter().for_each(zero);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, phase: Phase, pass: usize) -> Result<(), Self::Error> {
+        fold_all(
+            self.pieces,
+            self.layout,
+            self.wide,
+            self.stats,
+            &self.plan,
+            phase,
+            pass,
+            self.released,
+            self.lent.as_deref(),
+        );
+        Ok(())
+    }
+
+    fn combine(&mut self, phase: Phase) -> Result<(), Self::Error> {
+        let layout = self.layout;
+        match phase {
+            Phase::Stats => {
+                let (exp, sum) = self.stats.split_at(MAX_STATS);
+                // On the stack: the step allocates nothing.
+                let mut sums = [0f64; MAX_STATS];
+                let n = self.plan.rule.stats().min(MAX_STATS);
+                for (k, s) in sums[..n].iter_mut().enumerate() {
+                    *s = fixed::total(exp, sum, k, layout.numel);
+                }
+                self.plan.rule.combine_stats(&sums[..n], layout.numel);
+            }
+            Phase::Slot(slot) => {
+                if let Some(f) = layout.format(slot) {
+                    let wide = &self.wide[slot as usize];
+                    self.kept |= f.combine(wide, &layout.shape, &self.plan.rule, slot);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fused(&mut self) -> Result<(), Self::Error> {
+        let (layout, plan, seed, released) = (self.layout, &self.plan, self.seed, self.released);
+        let wide = &*self.wide;
+        match self.lent.as_deref_mut() {
+            Some(l) => for_pieces_lent(self.pieces, l, lent_stride(layout), |piece, l| {
+                piece.saw_non_finite =
+                    fused_step(piece, layout, wide, plan, seed, released, Some(l));
+            }),
+            None => for_pieces(self.pieces, |piece| {
+                piece.saw_non_finite = fused_step(piece, layout, wide, plan, seed, released, None);
+            }),
+        }
+        Ok(())
+    }
+
+    fn swap(&mut self) -> Result<(), Self::Error> {
+        for (slot, a, b) in self.plan.plan.swaps(self.plan.flags) {
+            self.wide[slot as usize].swap(a, b);
+        }
+        Ok(())
+    }
+}
+
+/// Steps one parameter ([`Runner`]); whether an element was left unchanged or a tensor-wide
+/// statistic kept its old value.
 fn step_param(
     param: &mut CpuParam,
     layout: &ParamLayout,
@@ -622,86 +806,19 @@ fn step_param(
         wide,
         stats,
     } = param;
-    let stride = lent_stride(layout);
-    let mut plan = *plan;
-    // A tensor-wide statistic that would not fit keeps its old value and flags the parameter.
-    let mut kept = false;
-    if !plan.flags.has(StepFlags::TRANSFORM) {
-        for phase in [
-            FoldTarget::Slot(SlotKind::State2),
-            FoldTarget::Stats,
-            FoldTarget::Slot(SlotKind::State3),
-        ] {
-            let passes = match phase {
-                FoldTarget::Stats if plan.rule.stats() > 0 => {
-                    stats.iter().for_each(|w| w.store(0, Ordering::Relaxed));
-                    2
-                }
-                FoldTarget::Stats => 0,
-                FoldTarget::Slot(slot) => match layout.format(slot) {
-                    Some(f) if !f.folds().is_empty() => {
-                        for &k in f.fold_targets() {
-                            wide[slot as usize][k]
-                                .iter()
-                                .for_each(|w| w.store(0, Ordering::Relaxed));
-                        }
-                        f.folds().len()
-                    }
-                    _ => 0,
-                },
-            };
-            if passes == 0 {
-                continue;
-            }
-            for pass in 0..passes {
-                fold_all(
-                    pieces,
-                    layout,
-                    wide,
-                    stats,
-                    &plan,
-                    phase,
-                    pass,
-                    released,
-                    lent.as_deref(),
-                );
-            }
-            match phase {
-                FoldTarget::Stats => {
-                    let (exp, sum) = stats.split_at(MAX_STATS);
-                    // On the stack: the step allocates nothing.
-                    let mut sums = [0f64; MAX_STATS];
-                    let n = plan.rule.stats().min(MAX_STATS);
-                    for (k, s) in sums[..n].iter_mut().enumerate() {
-                        *s = fixed::total(exp, sum, k, layout.numel);
-                    }
-                    plan.rule.combine_stats(&sums[..n], layout.numel);
-                }
-                FoldTarget::Slot(slot) => {
-                    let f = layout.format(slot).expect("folds");
-                    kept |= f.combine(&wide[slot as usize], &layout.shape, &plan.rule, slot);
-                }
-            }
-        }
-    }
-    let (wide_ref, plan) = (&*wide, &plan);
-    match lent {
-        Some(l) => for_pieces_lent(pieces, l, stride, |piece, l| {
-            piece.saw_non_finite =
-                fused_step(piece, layout, wide_ref, plan, seed, released, Some(l));
-        }),
-        None => for_pieces(pieces, |piece| {
-            piece.saw_non_finite = fused_step(piece, layout, wide_ref, plan, seed, released, None);
-        }),
-    }
-    if !plan.flags.has(StepFlags::TRANSFORM) {
-        for slot in [SlotKind::State2, SlotKind::State3] {
-            if let Some((a, b)) = layout.format(slot).and_then(|f| f.swap_after_step()) {
-                wide[slot as usize].swap(a, b);
-            }
-        }
-    }
-    kept | pieces.iter().any(|p| p.saw_non_finite)
+    let mut runner = Runner {
+        pieces,
+        wide,
+        stats,
+        layout,
+        plan: *plan,
+        seed,
+        released,
+        lent,
+        kept: false,
+    };
+    let Ok(()) = run_step(&mut runner);
+    runner.kept | runner.pieces.iter().any(|p| p.saw_non_finite)
 }
 
 impl Backend for Cpu {
@@ -1119,39 +1236,32 @@ impl Backend for Cpu {
                 None => return Err(unsupported("exporting a lent parameter without its buffer")),
             }
         }
-        let (mut e, mut w) = (0, 0);
         let mut regions = Vec::new();
-        for spec in format.regions(&layout.shape) {
-            let bytes = if spec.per_element() {
-                e += 1;
-                match (lent_here && e == 1, lent) {
+        for Walked { spec, place, .. } in format.walk(&layout.shape, None) {
+            let bytes = match place {
+                Place::Element(k) => match (lent_here && k == 0, lent) {
                     (true, Some(l)) => l.bytes().to_vec(),
                     _ => {
                         let mut out = Vec::with_capacity(spec.bytes(layout.numel));
                         for p in &param.pieces {
-                            let n = p.bytes[slot as usize][e - 1];
+                            let n = p.bytes[slot as usize][k];
                             if p.holds(slot) {
-                                out.extend_from_slice(bytes_of(
-                                    &p.regions[slot as usize][e - 1],
-                                    n,
-                                ));
+                                out.extend_from_slice(bytes_of(&p.regions[slot as usize][k], n));
                             } else {
                                 // An accumulator never used: what a fresh one holds.
                                 let mut words = vec![0u32; spec.words(p.len)];
-                                format.fresh(e - 1, &mut words, p.len);
+                                format.fresh(k, &mut words, p.len);
                                 out.extend_from_slice(bytes_of(&words, n));
                             }
                         }
                         out
                     }
-                }
-            } else {
-                w += 1;
-                param.wide[slot as usize][w - 1]
+                },
+                Place::Wide(k) => param.wide[slot as usize][k]
                     .iter()
                     .flat_map(|x| x.load(Ordering::Relaxed).to_le_bytes())
                     .take(spec.bytes(layout.numel))
-                    .collect()
+                    .collect(),
             };
             if spec.saved {
                 regions.push(HostRegion { spec, bytes });
@@ -1183,40 +1293,34 @@ impl Backend for Cpu {
         if slot == SlotKind::Grad {
             param.pieces.iter_mut().for_each(|p| p.hold_grad(layout));
         }
-        let (mut e, mut w) = (0, 0);
-        let mut saved = host.regions.iter();
-        for spec in format.regions(&layout.shape) {
-            let source = if spec.saved {
-                saved.next().map(|r| &r.bytes[..])
-            } else {
-                None
-            };
-            if spec.per_element() {
-                e += 1;
-                let Some(bytes) = source else { continue };
-                if lent_here && e == 1 {
-                    if let Some(l) = &mut lent {
-                        l.bytes_mut().copy_from_slice(bytes);
-                    }
-                    continue;
-                }
-                for piece in &mut param.pieces {
-                    let range = spec.byte_range(piece.offset, piece.offset + piece.len);
-                    let n = piece.bytes[s][e - 1];
-                    bytes_of_mut(&mut piece.regions[s][e - 1], n).copy_from_slice(&bytes[range]);
-                }
-            } else {
-                w += 1;
-                let region = &param.wide[s][w - 1];
-                match source {
-                    Some(bytes) => {
-                        for (word, c) in region.iter().zip(bytes.chunks(4)) {
-                            let mut b = [0u8; 4];
-                            b[..c.len()].copy_from_slice(c);
-                            word.store(u32::from_le_bytes(b), Ordering::Relaxed);
+        for Walked { spec, place, bytes } in format.walk(&layout.shape, Some(host)) {
+            match place {
+                Place::Element(k) => {
+                    let Some(bytes) = bytes else { continue };
+                    if lent_here && k == 0 {
+                        if let Some(l) = &mut lent {
+                            l.bytes_mut().copy_from_slice(bytes);
                         }
+                        continue;
                     }
-                    None => region.iter().for_each(|x| x.store(0, Ordering::Relaxed)),
+                    for piece in &mut param.pieces {
+                        let range = spec.byte_range(piece.offset, piece.offset + piece.len);
+                        let n = piece.bytes[s][k];
+                        bytes_of_mut(&mut piece.regions[s][k], n).copy_from_slice(&bytes[range]);
+                    }
+                }
+                Place::Wide(k) => {
+                    let region = &param.wide[s][k];
+                    match bytes {
+                        Some(bytes) => {
+                            for (word, c) in region.iter().zip(bytes.chunks(4)) {
+                                let mut b = [0u8; 4];
+                                b[..c.len()].copy_from_slice(c);
+                                word.store(u32::from_le_bytes(b), Ordering::Relaxed);
+                            }
+                        }
+                        None => region.iter().for_each(|x| x.store(0, Ordering::Relaxed)),
+                    }
                 }
             }
         }

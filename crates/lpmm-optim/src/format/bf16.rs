@@ -5,7 +5,8 @@
 use lpmm_formats::{bf16, simd};
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
+    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
+    u16s,
 };
 use crate::backend::SlotKind;
 use crate::config::{Storage, StoreRounding};
@@ -61,6 +62,12 @@ impl Codec for Bf16 {
 
     fn kernel_aux(&self) -> u32 {
         u32::from(self.stochastic())
+    }
+
+    fn lanes(&self) -> Option<Lanes> {
+        Some(Lanes::Bf16 {
+            stochastic: self.stochastic(),
+        })
     }
 
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {

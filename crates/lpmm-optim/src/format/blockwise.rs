@@ -8,7 +8,7 @@ use lpmm_formats::packing::packed_len;
 use lpmm_quant::{BlockSize, Blockwise as Quantizer, QuantRounding};
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, check_scales,
+    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, check_scales,
 };
 use crate::backend::SlotKind;
 use crate::config::{MapKind, Storage, StoreRounding};
@@ -99,6 +99,15 @@ impl Codec for Blockwise {
             | self.block.get().trailing_zeros() << 8
             | u32::from(self.stochastic()) << 16
             | self.map.shared().bits() << 24
+    }
+
+    fn lanes(&self) -> Option<Lanes> {
+        // Blocks up to the specialized kernels' tile (every shipped block size).
+        (self.block.get() <= crate::cpu::TILE).then(|| Lanes::Quantized {
+            map: self.map.shared(),
+            block: self.block.get(),
+            stochastic: self.stochastic(),
+        })
     }
 
     fn validate(&self, host: &HostSlot, _values: bool) -> Result<(), String> {

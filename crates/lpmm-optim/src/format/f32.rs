@@ -1,6 +1,6 @@
 //! f32: 4 bytes per element, the reference storage.
 
-use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, f32s};
+use super::{Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, f32s};
 use crate::backend::SlotKind;
 use crate::config::Storage;
 
@@ -39,6 +39,10 @@ impl Codec for F32 {
 
     fn plain_f32(&self) -> bool {
         true
+    }
+
+    fn lanes(&self) -> Option<Lanes> {
+        Some(Lanes::F32)
     }
 
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {

@@ -153,6 +153,30 @@ impl RegionSpec {
     }
 }
 
+/// Where a backend keeps one region of a slot: the `k`-th element region (cut with the tensor:
+/// one per piece or shard; `Element(0)` is the primary region, a lent parameter's buffer) or the
+/// `k`-th tensor-wide region (held once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// The `k`-th element region.
+    Element(usize),
+    /// The `k`-th tensor-wide region.
+    Wide(usize),
+}
+
+/// One region of a slot on its way between a backend and the canonical host layout
+/// ([`Format::walk`]): what it is, where the backend keeps it, and (importing) its canonical
+/// bytes — `None` for a scratch region, which checkpoints do not hold.
+#[derive(Debug, Clone, Copy)]
+pub struct Walked<'h> {
+    /// The region.
+    pub spec: RegionSpec,
+    /// Where the backend keeps it.
+    pub place: Place,
+    /// Its canonical bytes, when importing a saved region.
+    pub bytes: Option<&'h [u8]>,
+}
+
 /// One region's contents in the canonical layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostRegion {
@@ -241,6 +265,34 @@ pub enum FoldInput {
     MomentGradient,
 }
 
+/// How the CPU's specialized step kernels (`crate::cpu::tile`) reach a format's values, 16
+/// lanes at a time: what a format that has them gives [`Codec::lanes`]. A format without them is
+/// stepped by the generic element-wise path only.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Lanes {
+    /// Plain f32 words (element `j` at bytes `4 j ..`).
+    F32,
+    /// bf16 values, rounded to nearest even or stochastically.
+    Bf16 {
+        /// Stochastic rounding ([docs/FORMATS.md] §2) with the slot's draws.
+        ///
+        /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
+        stochastic: bool,
+    },
+    /// Split f32: the bf16 high halves, then the 16-bit remainders.
+    Split,
+    /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 256
+    /// elements.
+    Quantized {
+        /// The code map.
+        map: &'static lpmm_formats::CodeMap,
+        /// Elements per block.
+        block: usize,
+        /// Stochastic rounding onto the map with the slot's draws.
+        stochastic: bool,
+    },
+}
+
 /// The bit pattern of `f32::MAX`: the limit of a format that stores every finite f32.
 pub const F32_MAX_BITS: u32 = 0x7F7F_FFFF;
 
@@ -299,6 +351,11 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
     /// them in place instead of copying them into its scratch and back.
     fn plain_f32(&self) -> bool {
         false
+    }
+    /// How the CPU's specialized step kernels reach its values (`None`: only the generic path
+    /// steps it).
+    fn lanes(&self) -> Option<Lanes> {
+        None
     }
     /// The format's parameters as its kernels read them.
     fn kernel_aux(&self) -> u32 {
@@ -480,6 +537,32 @@ macro_rules! formats {
                 match &self.0 { $(Inner::$variant(c) => c.regions(shape),)* }
             }
 
+            /// Every region of a tensor of `shape` in the format's order, each with where a
+            /// backend keeps it and its bytes in `host` (the canonical contents being imported;
+            /// `None` when exporting): the one walk of export and import on every backend, so
+            /// that canonical contents pair with regions the same way everywhere.
+            pub fn walk<'h>(&self, shape: &[usize], host: Option<&'h HostSlot>) -> Vec<Walked<'h>> {
+                let mut saved = host.map(|h| h.regions.iter());
+                let (mut e, mut w) = (0, 0);
+                self.regions(shape)
+                    .into_iter()
+                    .map(|spec| {
+                        let place = if spec.per_element() {
+                            e += 1;
+                            Place::Element(e - 1)
+                        } else {
+                            w += 1;
+                            Place::Wide(w - 1)
+                        };
+                        let bytes = match &mut saved {
+                            Some(regions) if spec.saved => regions.next().map(|r| &r.bytes[..]),
+                            _ => None,
+                        };
+                        Walked { spec, place, bytes }
+                    })
+                    .collect()
+            }
+
             /// The code map it stores codes of, if any.
             pub fn map(&self) -> Option<crate::config::MapKind> {
                 match &self.0 { $(Inner::$variant(c) => c.map(),)* }
@@ -489,6 +572,11 @@ macro_rules! formats {
             /// is never cut into shards.
             pub fn tensor_wide(&self) -> bool {
                 !self.folds().is_empty()
+            }
+
+            /// How the CPU's specialized step kernels reach its values.
+            pub(crate) fn lanes(&self) -> Option<Lanes> {
+                match &self.0 { $(Inner::$variant(c) => c.lanes(),)* }
             }
 
             /// The format's parameters as the kernels read them.

@@ -5,7 +5,9 @@
 
 use lpmm_formats::{SplitF32 as Split, bf16};
 
-use super::{Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, fits, u16s};
+use super::{
+    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, fits, u16s,
+};
 use crate::backend::SlotKind;
 use crate::config::Storage;
 
@@ -40,6 +42,10 @@ impl Codec for SplitF32 {
 
     fn lendable(&self) -> Option<Dtype> {
         Some(Dtype::Bf16)
+    }
+
+    fn lanes(&self) -> Option<Lanes> {
+        Some(Lanes::Split)
     }
 
     fn validate(&self, host: &HostSlot, values: bool) -> Result<(), String> {

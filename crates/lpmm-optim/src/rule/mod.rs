@@ -303,14 +303,15 @@ pub struct Limits {
     pub state3: u32,
 }
 
-/// Applies rule `R` to every element of `c` with the gradient scaled by `clip`. An element whose
+/// Applies rule `R` to every element of `c` with the gradient scaled by `clip` (`LEAN`: `c.w`
+/// and `c.d` are neither read nor written, state 3 reading as zeros). An element whose
 /// gradient is not finite, or whose update would produce a non-finite increment or a parameter or
 /// state that does not fit its slot (`limits`: non-finite, or beyond the format's largest
 /// magnitude, e.g. above bf16's range), is left unchanged (`d = 0`); returns whether any was.
 /// Written without branches on the data so that it vectorizes; every element gets exactly
 /// [`Rule::apply`]'s arithmetic.
 #[inline(always)]
-fn apply_rule<R: Rule>(
+fn apply_rule<R: Rule, const LEAN: bool>(
     c: &R::Consts,
     f: StepFlags,
     clip: f32,
@@ -318,19 +319,71 @@ fn apply_rule<R: Rule>(
     chunk: &mut Chunk<'_>,
 ) -> bool {
     let n = chunk.g.len();
+    // Lean: no state 3 (it reads as zeros and is not touched), no increments kept.
+    let lean = if LEAN { 0 } else { n };
     let (g, p, m, v, w, d) = (
         &chunk.g[..n],
         &mut chunk.p[..n],
         &mut chunk.m[..n],
         &mut chunk.v[..n],
-        &mut chunk.w[..n],
-        &mut chunk.d[..n],
+        &mut chunk.w[..lean],
+        &mut chunk.d[..lean],
     );
     let g_plus = chunk.g_plus;
     let mut bad = false;
+    // Runs of 64 elements: slices of one known length, the loop's bounds checks gone.
+    let mut start = 0;
+    while start < n {
+        let r = start..n.min(start + 64);
+        let lr = r.start.min(lean)..r.end.min(lean);
+        bad |= apply_run::<R, LEAN>(
+            c,
+            f,
+            clip,
+            limits,
+            g_plus,
+            &g[r.clone()],
+            &mut p[r.clone()],
+            &mut m[r.clone()],
+            &mut v[r.clone()],
+            &mut w[lr.clone()],
+            &mut d[lr],
+        );
+        start = r.end;
+    }
+    bad
+}
+
+/// [`apply_rule`] over one run of elements.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn apply_run<R: Rule, const LEAN: bool>(
+    c: &R::Consts,
+    f: StepFlags,
+    clip: f32,
+    limits: Limits,
+    g_plus: f32,
+    g: &[f32],
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    w: &mut [f32],
+    d: &mut [f32],
+) -> bool {
+    let n = g.len();
+    let lean = if LEAN { 0 } else { n };
+    let (p, m, v, w, d) = (
+        &mut p[..n],
+        &mut m[..n],
+        &mut v[..n],
+        &mut w[..lean],
+        &mut d[..lean],
+    );
+    let mut bad = false;
     for i in 0..n {
         let gi = (g[i] + g_plus) * clip;
-        let (p0, m0, v0, w0) = (p[i], m[i], v[i], w[i]);
+        let (p0, m0, v0) = (p[i], m[i], v[i]);
+        let w0 = if LEAN { 0.0 } else { w[i] };
         let (mut mi, mut vi, mut wi) = (m0, v0, w0);
         let u = R::apply(c, f, p0, gi, &mut mi, &mut vi, &mut wi);
         let ok = fits(gi, F32_MAX_BITS)
@@ -341,9 +394,11 @@ fn apply_rule<R: Rule>(
             & fits(wi, limits.state3);
         m[i] = if ok { mi } else { m0 };
         v[i] = if ok { vi } else { v0 };
-        w[i] = if ok { wi } else { w0 };
         p[i] = if ok { u.param } else { p0 };
-        d[i] = if ok { u.delta } else { 0.0 };
+        if !LEAN {
+            w[i] = if ok { wi } else { w0 };
+            d[i] = if ok { u.delta } else { 0.0 };
+        }
         bad |= !ok;
     }
     bad
@@ -503,7 +558,15 @@ macro_rules! rules {
         lpmm_formats::multiversion! {
             /// The rule over a chunk (see `apply_rule`), compiled per SIMD level and per rule.
             pub(crate) fn apply_chunk(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
-                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config>(&k, f, clip, limits, c),)* }
+                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, false>(&k, f, clip, limits, c),)* }
+            }
+        }
+
+        lpmm_formats::multiversion! {
+            /// [`apply_chunk`] for a parameter without state 3 whose increments are not kept
+            /// (`c.w` and `c.d` are neither read nor written): the CPU's specialized kernels.
+            pub(crate) fn apply_chunk_lean(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
+                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, true>(&k, f, clip, limits, c),)* }
             }
         }
 
