@@ -663,12 +663,64 @@ impl CodeMap {
     /// Writes `min(xs.len(), out.len())` codes.
     pub fn nearest_scaled(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx512() {
-            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
-            unsafe { self.nearest_scaled_avx512(xs, absmax, out) };
-            return;
+        match crate::simd::level() {
+            crate::simd::Level::Avx512 | crate::simd::Level::Avx512Vbmi => {
+                // SAFETY: the AVX-512 levels are in use only after run-time detection of
+                // AVX-512 F/BW/VL/DQ.
+                unsafe { self.nearest_scaled_avx512(xs, absmax, out) };
+                return;
+            }
+            crate::simd::Level::Avx2 => {
+                // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
+                unsafe { self.nearest_scaled_avx2(xs, absmax, out) };
+                return;
+            }
+            crate::simd::Level::Portable => {}
         }
         self.nearest_scaled_portable(xs, absmax, out);
+    }
+
+    /// [`CodeMap::nearest_scaled`] 8 elements at a time with AVX2 gathers: the bucket's start
+    /// code and each scan step read the same tables the scalar search reads.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn nearest_scaled_avx2(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len());
+        if absmax == 0.0 {
+            // `y = 0` for every element.
+            out[..n].fill(self.nearest(0.0));
+            return;
+        }
+        let whole = n - n % 8;
+        let divisor = _mm256_set1_ps(absmax);
+        let one = _mm256_set1_epi32(1);
+        for i in (0..whole).step_by(8) {
+            // SAFETY: `i + 8 <= xs.len()`; the load is unaligned.
+            let y = _mm256_div_ps(unsafe { _mm256_loadu_ps(xs.as_ptr().add(i)) }, divisor);
+            let bucket = _mm256_srli_epi32::<{ BUCKET_SHIFT as i32 }>(_mm256_castps_si256(y));
+            // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
+            // so each 4-byte read stays inside it.
+            let g = unsafe { _mm256_i32gather_epi32::<1>(self.start.as_ptr().cast(), bucket) };
+            let mut c = _mm256_and_si256(g, _mm256_set1_epi32(0xFF));
+            for _ in 0..self.scan {
+                // SAFETY: as in `nearest`: `c` never exceeds `thresholds.len() + steps so far`,
+                // and `padded` holds `scan` entries past the thresholds.
+                let t = unsafe { _mm256_i32gather_ps::<4>(self.padded.as_ptr(), c) };
+                let le = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(t, y));
+                c = _mm256_add_epi32(c, _mm256_and_si256(le, one));
+            }
+            // NaN gives code 0, as in `nearest`.
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
+            let c = _mm256_andnot_si256(nan, c);
+            let mut lanes = [0u32; 8];
+            // SAFETY: `lanes` is 8 u32; the store is unaligned.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), c) };
+            for (o, &l) in out[i..i + 8].iter_mut().zip(&lanes) {
+                *o = l as u8;
+            }
+        }
+        self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
     }
 
     fn nearest_scaled_portable(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
@@ -861,12 +913,44 @@ impl CodeMap {
     /// a block-wise dequantizer's inner loop. Writes `min(codes.len(), out.len())` values.
     pub fn decode_scaled(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx512() {
-            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
-            unsafe { self.decode_scaled_avx512(codes, scale, out) };
-            return;
+        match crate::simd::level() {
+            crate::simd::Level::Avx512 | crate::simd::Level::Avx512Vbmi => {
+                // SAFETY: the AVX-512 levels are in use only after run-time detection of
+                // AVX-512 F/BW/VL/DQ.
+                unsafe { self.decode_scaled_avx512(codes, scale, out) };
+                return;
+            }
+            crate::simd::Level::Avx2 => {
+                // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
+                unsafe { self.decode_scaled_avx2(codes, scale, out) };
+                return;
+            }
+            crate::simd::Level::Portable => {}
         }
         self.decode_scaled_portable(codes, scale, out);
+    }
+
+    /// [`CodeMap::decode_scaled`] 8 codes at a time with AVX2 gathers of the values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn decode_scaled_avx2(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = codes.len().min(out.len());
+        let whole = n - n % 8;
+        let last = _mm256_set1_epi32(self.values.len() as i32 - 1);
+        let s = _mm256_set1_ps(scale);
+        for i in (0..whole).step_by(8) {
+            let mut c8 = [0u8; 16];
+            c8[..8].copy_from_slice(&codes[i..i + 8]);
+            // SAFETY: `c8` is 16 bytes; the load is unaligned.
+            let c8 = unsafe { _mm_loadu_si128(c8.as_ptr().cast()) };
+            let c = _mm256_min_epu32(_mm256_cvtepu8_epi32(c8), last);
+            // SAFETY: every index is clamped to `values.len() - 1`.
+            let v = unsafe { _mm256_i32gather_ps::<4>(self.values.as_ptr(), c) };
+            // SAFETY: `i + 8 <= out.len()`; the store is unaligned.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s)) };
+        }
+        self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
 
     fn decode_scaled_portable(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
@@ -1575,6 +1659,18 @@ mod tests {
                 m.stochastic_scaled_portable(&xs, absmax, &bits, &mut sa);
                 let (mut da, mut db) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
                 m.decode_scaled_portable(&codes, absmax, &mut da);
+                #[cfg(target_arch = "x86_64")]
+                if crate::simd::detected() >= crate::simd::Level::Avx2 {
+                    let (mut c2, mut d2) = (vec![0u8; xs.len()], vec![0f32; xs.len()]);
+                    // SAFETY: AVX2 and FMA were detected on this CPU.
+                    unsafe {
+                        m.nearest_scaled_avx2(&xs, absmax, &mut c2);
+                        m.decode_scaled_avx2(&codes, absmax, &mut d2);
+                    }
+                    assert_eq!(a, c2, "AVX2 nearest, {m:?}, absmax {absmax}");
+                    let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits_of(&da), bits_of(&d2), "AVX2 decode, absmax {absmax}");
+                }
                 #[cfg(target_arch = "x86_64")]
                 if vector {
                     // SAFETY: AVX-512 F/BW/VL were detected on this CPU.

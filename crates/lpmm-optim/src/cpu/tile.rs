@@ -217,15 +217,21 @@ fn bf16s(bytes: &mut [u8]) -> Option<&mut [bf16]> {
     bytemuck::try_cast_slice_mut(bytes).ok()
 }
 
-/// No slot: zeros in, nothing out.
-struct Absent;
+/// No slot: zeros in, nothing out. The rule never changes a state it does not have, so its
+/// stash is zeroed once per piece (`filled`: up to this length).
+struct Absent {
+    filled: usize,
+}
 
 impl<'a> SlotLanes<'a> for Absent {
     fn new(io: SlotIo<'a>) -> Option<Self> {
-        io.lanes.is_none().then_some(Absent)
+        io.lanes.is_none().then_some(Absent { filled: 0 })
     }
     fn decode(&mut self, _at: usize, stash: &mut [f32]) {
-        stash.fill(0.0);
+        if self.filled < stash.len() {
+            stash.fill(0.0);
+            self.filled = stash.len();
+        }
     }
 }
 
