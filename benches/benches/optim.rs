@@ -2,6 +2,7 @@
 //! bandwidth ceiling (an in-place read-modify-write over buffers of the step's sizes) measured in
 //! the same run; the Rust peers (candle-nn's AdamW, burn's AdamW with feature `burn`) at the same
 //! sizes; per-tensor overhead (10,000 tensors of 1,000 against one of 10M) and 1 vs 2 threads.
+//! Six presets also run at every lower SIMD level and on the generic path (`LEVELS`).
 //!
 //! A step case `step/<preset>/<size>` is `step_param` with an f32 gradient (gradient release: one
 //! fused pass that adds the gradient to the accumulator's content, steps, and clears the
@@ -19,7 +20,8 @@ use criterion::{
 use lpmm_benches::{
     CaseInfo, Kind, M, RmwCeiling, candle_peer::CandleAdamW, data, describe, label, quick, sizes,
 };
-use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, Storage, presets};
+use lpmm_formats::simd::{self, Level};
+use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, presets};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -102,6 +104,27 @@ fn step(c: &mut Criterion) {
             group.bench_function(BenchmarkId::new(name, label(n)), |b| {
                 b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))
             });
+            if LEVELS.contains(&name) {
+                // The same step at each lower SIMD level, and on the generic path at the best.
+                let best = simd::detected();
+                for level in Level::ALL.into_iter().filter(|&l| l < best) {
+                    simd::force(Some(level));
+                    twin(
+                        &mut group,
+                        &mut opt,
+                        id,
+                        &grad,
+                        name,
+                        level.name(),
+                        n,
+                        bytes,
+                    );
+                }
+                simd::force(None);
+                opt.set_specialized_kernels(false);
+                twin(&mut group, &mut opt, id, &grad, name, "generic", n, bytes);
+                opt.set_specialized_kernels(true);
+            }
             if config.grad != Storage::None {
                 // `step()` alone, the gradient accumulated beforehand (not timed); every slot,
                 // the accumulator included, read and written once.
@@ -140,6 +163,46 @@ fn step(c: &mut Criterion) {
         peers(&mut group, n, &init, &grad);
         group.finish();
     }
+}
+
+/// The presets also stepped at every lower SIMD level (`step/<preset>@<level>/<size>`, the level
+/// forced as `LPMM_SIMD` would) and on the generic element-wise path at the best level
+/// (`step/<preset>@generic/<size>`: what the specialized kernels replace), each read against the
+/// same peers.
+const LEVELS: [&str; 6] = [
+    "adamw_f32",
+    "adamw_8bit",
+    "adamw_8bit_bf16",
+    "adamw_8bit_bf16_sr",
+    "adamw_4bit",
+    "lpmm_sgdm",
+];
+
+/// `step/<preset>@<variant>/<size>`: `step_param` as the main case times it, under a forced SIMD
+/// level or the generic path.
+#[allow(clippy::too_many_arguments)]
+fn twin(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    opt: &mut Optimizer,
+    id: ParamId,
+    grad: &[f32],
+    preset: &str,
+    variant: &str,
+    n: usize,
+    bytes: f64,
+) {
+    let case = format!("{preset}@{variant}");
+    describe(&CaseInfo {
+        id: &format!("step/{case}/{}", label(n)),
+        params: n,
+        bytes_per_param: bytes,
+        kind: Kind::Lpmm,
+        ceiling: Some(&format!("step/ceiling_{preset}/{}", label(n))),
+        preset: Some(preset),
+    });
+    group.bench_function(BenchmarkId::new(case, label(n)), |b| {
+        b.iter(|| opt.step_param(id, black_box(grad)).expect("step"))
+    });
 }
 
 /// The bandwidth ceiling `step/ceiling_<case>/<size>` of a case of `preset`: one in-place pass

@@ -606,6 +606,7 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
             peers.join(" | "),
         );
     }
+    t += &levels_table(cases);
     if let Some(m) = memory {
         t += &format!(
             "\nPeak resident memory of a 100M-parameter optimizer (test `peak_memory`): {}\n",
@@ -616,9 +617,95 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
     t
 }
 
+/// The step cases run at lower SIMD levels and on the generic path (`step/<preset>@<variant>/
+/// <size>`) beside their best-level case: ns/param and, in brackets, torch's fused f32 AdamW's
+/// time ÷ this one's. Empty when the run has none.
+fn levels_table(cases: &[Value]) -> String {
+    // (preset, params) -> variant -> (ns/param, ÷ torch)
+    let mut rows: BTreeMap<(String, u64), BTreeMap<String, (f64, Option<f64>)>> = BTreeMap::new();
+    let mut variants: Vec<String> = Vec::new();
+    for c in cases.iter().filter(|c| c["kind"] == "lpmm") {
+        let Some(name) = c["name"].as_str() else {
+            continue;
+        };
+        let mut parts = name.split('/');
+        let (Some("step"), Some(case)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let (preset, variant) = case.split_once('@').unwrap_or((case, "best"));
+        let (Some(params), Some(ns)) = (c["params"].as_u64(), c["ns_per_param"].as_f64()) else {
+            continue;
+        };
+        let torch = c["peer_ratios"]["torch_fused_adamw_f32"].as_f64();
+        rows.entry((preset.to_string(), params))
+            .or_default()
+            .insert(variant.to_string(), (ns, torch));
+        if !variants.iter().any(|v| v == variant) {
+            variants.push(variant.to_string());
+        }
+    }
+    rows.retain(|_, v| v.len() > 1);
+    if rows.is_empty() {
+        return String::new();
+    }
+    // The best level first, then the forced ones from the highest, the generic path last.
+    let rank = |v: &str| match v {
+        "best" => 0,
+        "generic" => 9,
+        other => 8 - lpmm_formats::simd::Level::from_name(other).map_or(0, |l| l as i32),
+    };
+    variants.sort_by_key(|v| rank(v));
+    let mut t = format!(
+        "\nSIMD levels (`step/<preset>@<level>`: the level forced; `@generic`: the generic \
+         element-wise path at the best level), ns/param (torch's fused f32 AdamW ÷ this):\n\n| \
+         preset | params | {} |\n|---|---|{}\n",
+        variants.join(" | "),
+        "---|".repeat(variants.len())
+    );
+    for ((preset, params), v) in &rows {
+        let cells: Vec<String> = variants
+            .iter()
+            .map(|name| match v.get(name) {
+                Some((ns, Some(r))) => format!("{ns:.3} ({r:.2}x)"),
+                Some((ns, None)) => format!("{ns:.3}"),
+                None => "-".into(),
+            })
+            .collect();
+        t += &format!("| {preset} | {params} | {} |\n", cells.join(" | "));
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The levels table joins a preset's best-level case with its forced-level and generic
+    /// twins at the same size, and leaves out what has no twin.
+    #[test]
+    fn the_levels_table_joins_twins() {
+        let case = |name: &str, ns: f64, torch: f64| {
+            json!({"name": name, "kind": "lpmm", "params": 1024, "ns_per_param": ns,
+                   "peer_ratios": {"torch_fused_adamw_f32": torch}})
+        };
+        let cases = [
+            case("step/adamw_8bit/1K", 1.0, 0.5),
+            case("step/adamw_8bit@avx2/1K", 2.0, 0.25),
+            case("step/adamw_8bit@generic/1K", 3.0, 0.2),
+            case("step/lion_8bit/1K", 1.5, 0.4),
+        ];
+        let t = levels_table(&cases);
+        assert!(
+            t.contains("| preset | params | best | avx2 | generic |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| adamw_8bit | 1024 | 1.000 (0.50x) | 2.000 (0.25x) | 3.000 (0.20x) |"),
+            "{t}"
+        );
+        assert!(!t.contains("lion_8bit"), "{t}");
+        assert!(levels_table(&cases[3..]).is_empty());
+    }
 
     /// Every crate the release profile optimises less for the tests' build time (burn's stack at
     /// opt-level 0, lpmm's burn integrations at 1), the bench profile optimises again, so that
