@@ -758,6 +758,67 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
+/// Factorized statistics that a step would move to rebuild a value that is not finite (equal
+/// rows and columns at `f32::MAX`, then gradients in one row): AdamW's, Adafactor's and CAME's
+/// state 2 and CAME's state 3 keep their statistics and the step reports the parameter, the same
+/// bits and reports as the CPU.
+pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
+    let adam = ParamConfig::f32(Hyper::adamw(1e-3))
+        .with_state2(Storage::Factorized)
+        .with_min_quantized_size(0);
+    let adafactor = presets::adafactor_f32().with_min_quantized_size(0).build();
+    let came = presets::came_f32(2e-4).with_min_quantized_size(0).build();
+    for (name, config, slot) in [
+        ("adamw", adam, SlotKind::State2),
+        ("adafactor", adafactor, SlotKind::State2),
+        ("came", came, SlotKind::State2),
+        ("came", came, SlotKind::State3),
+    ] {
+        let name = format!("{name} {}", slot.name());
+        let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
+        let mut dev = Optimizer::with_backend(gpu.clone(), OptimizerOptions::default()).unwrap();
+        cpu.add_group(config).unwrap();
+        dev.add_group(config).unwrap();
+        let a = cpu.add_param("w", &[12, 10], &[0.2; 120], 0).unwrap();
+        let b = dev.add_param("w", &[12, 10], &[0.2; 120], 0).unwrap();
+        let mut rng = Rng::new(46);
+        for _ in 0..3 {
+            let g = rng.spread(120, 0.1);
+            assert_eq!(
+                cpu.step_param(a, &g).unwrap(),
+                dev.step_param(b, &g).unwrap()
+            );
+        }
+        let mut near = cpu.export_slot(a, slot).unwrap();
+        for r in &mut near.regions {
+            let value: f32 = if r.spec.suffix == ".row" {
+                1.0
+            } else {
+                f32::MAX
+            };
+            for c in r.bytes.chunks_mut(4) {
+                c.copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        cpu.import_slot(a, slot, near.clone()).unwrap();
+        dev.import_slot(b, slot, near.clone()).unwrap();
+        let mut g = rng.spread(120, 1e-3);
+        g[..10].fill(100.0);
+        let (r1, r2) = (
+            cpu.step_param(a, &g).unwrap(),
+            dev.step_param(b, &g).unwrap(),
+        );
+        assert_eq!(r1, r2, "{name}: reports");
+        assert_eq!(r1.non_finite, [a], "{name}: the step reports the parameter");
+        assert_eq!(
+            cpu.export_slot(a, slot).unwrap(),
+            near,
+            "{name}: statistics kept"
+        );
+        assert_same(&cpu, &dev, &[a], &name);
+    }
+}
+
 /// Generates the conformance suite's tests for a backend: one `#[test]` per check, each run on
 /// every backend `$devices` yields (an expression giving an iterator of backends: none, with a
 /// message, where the hardware is missing). A check added here runs on every backend that uses
@@ -774,6 +835,7 @@ macro_rules! conformance_tests {
             tensor_wide_second_moments_are_bit_exact,
             evaluation_points_are_bit_exact,
             overflow_is_bit_exact,
+            factorized_overflow_is_bit_exact,
         );
     };
     (@each $devices:expr; $($check:ident,)*) => {

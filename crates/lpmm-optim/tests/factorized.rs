@@ -125,3 +125,11 @@ fn only_adam_matrices_factorize() {
         "1-D tensors keep a full state"
     );
 }
+
+/// Issue 46 on the CPU: a step that would move factorized statistics to rebuild +Inf keeps them
+/// and reports the parameter (the conformance check every backend runs, against the CPU itself:
+/// its assertions on the reports and the kept statistics).
+#[test]
+fn a_step_never_rebuilds_an_infinite_second_moment() {
+    lpmm_optim::testing::factorized_overflow_is_bit_exact(&lpmm_optim::Cpu);
+}

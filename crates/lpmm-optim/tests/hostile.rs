@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use lpmm_optim::{
-    Adafactor, Adam, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy, OptimError,
-    Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage, StoreRounding,
-    presets,
+    Adafactor, Adam, HostSlot, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy,
+    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage,
+    StoreRounding, presets,
 };
 
 /// What a case saw.
@@ -268,6 +268,61 @@ fn round_trips(opt: &Optimizer, name: &str) -> Seen {
     } else {
         Seen::Silent("loaded back different".into())
     }
+}
+
+/// The rules with factorized states, and the slot each case mutates.
+fn factorized_cases() -> [(&'static str, ParamConfig, SlotKind); 4] {
+    let adam = ParamConfig::f32(Hyper::adamw(1e-3))
+        .with_state2(Storage::Factorized)
+        .with_min_quantized_size(0);
+    let adafactor = presets::adafactor_f32().with_min_quantized_size(0).build();
+    let came = presets::came_f32(2e-4).with_min_quantized_size(0).build();
+    [
+        ("AdamW", adam, SlotKind::State2),
+        ("Adafactor", adafactor, SlotKind::State2),
+        ("CAME", came, SlotKind::State2),
+        ("CAME", came, SlotKind::State3),
+    ]
+}
+
+/// Issue 46's input: one parameter "w" of shape `[12, 10]` at 0.2, three released steps.
+fn factorized_after_three_steps(config: ParamConfig) -> (Optimizer, ParamId) {
+    let mut opt = Optimizer::new(opts()).unwrap();
+    let g = opt.add_group(config).unwrap();
+    let id = opt.add_param("w", &[12, 10], &[0.2; 120], g).unwrap();
+    for k in 0..3 {
+        let grad: Vec<f32> = (0..120)
+            .map(|i| ((i + k) % 7) as f32 * 0.01 - 0.03)
+            .collect();
+        opt.step_param(id, &grad).unwrap();
+    }
+    (opt, id)
+}
+
+/// `host` with f32 `at` of the region with `suffix` set to `value`.
+fn with_value(host: &HostSlot, suffix: &str, at: usize, value: f32) -> HostSlot {
+    let mut out = host.clone();
+    let r = out
+        .regions
+        .iter_mut()
+        .find(|r| r.spec.suffix == suffix)
+        .unwrap();
+    r.bytes[4 * at..4 * at + 4].copy_from_slice(&value.to_le_bytes());
+    out
+}
+
+/// `host` with every f32 of the region with `suffix` set to `value`.
+fn with_all(host: &HostSlot, suffix: &str, value: f32) -> HostSlot {
+    let mut out = host.clone();
+    let r = out
+        .regions
+        .iter_mut()
+        .find(|r| r.spec.suffix == suffix)
+        .unwrap();
+    for c in r.bytes.chunks_mut(4) {
+        c.copy_from_slice(&value.to_le_bytes());
+    }
+    out
 }
 
 fn bf(r: StoreRounding) -> Storage {
@@ -927,6 +982,81 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "state access",
             "import_slot of a bf16 +Inf momentum",
             refused(b16.import_slot(bid, SlotKind::State1, inf)),
+        );
+    }
+    // Factorized statistics that are finite but rebuild +Inf (issue 46), or negative: refused,
+    // naming the parameter and slot, and nothing changes.
+    for (rule, config, slot) in factorized_cases() {
+        for (what, region, at, value) in [
+            ("a column at f32::MAX (rebuilds +Inf)", ".col", 6, f32::MAX),
+            ("a negative row", ".row", 0, -1.0),
+        ] {
+            let (mut opt, id) = factorized_after_three_steps(config);
+            let before = opt.export_slot(id, slot).unwrap();
+            let bad = with_value(&before, region, at, value);
+            let seen = match opt.import_slot(id, slot, bad) {
+                Err(e) if opt.export_slot(id, slot).unwrap() != before => {
+                    Seen::Silent(format!("refused ({e}), but the slot changed"))
+                }
+                Err(e) if !e.to_string().contains("w") || !e.to_string().contains(slot.name()) => {
+                    Seen::Silent(format!(
+                        "refused without naming the parameter and slot: {e}"
+                    ))
+                }
+                r => refused(r),
+            };
+            add(
+                "state access",
+                &format!("import_slot of {rule}'s factorized {}: {what}", slot.name()),
+                seen,
+            );
+        }
+    }
+    {
+        // The same statistics in a checkpoint, resealed: refused by `load`.
+        let (_, config, slot) = factorized_cases()[3];
+        let (opt, id) = factorized_after_three_steps(config);
+        let path = dir().join("factorized-inf.safetensors");
+        opt.save(&path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = id;
+        add(
+            "checkpoints",
+            "CAME's factorized state 3 with a column at f32::MAX (rebuilds +Inf), resealed",
+            tensor_edit(&bytes, "factorized-inf-forged", |t| {
+                let (_, _, _, b) = tensor(t, &format!("w/{}.col", slot.name()));
+                b[24..28].copy_from_slice(&f32::MAX.to_le_bytes());
+            }),
+        );
+    }
+    // A step whose statistics would rebuild +Inf: reported, the statistics kept (issue 46).
+    for (rule, config, slot) in factorized_cases() {
+        let (mut opt, id) = factorized_after_three_steps(config);
+        // Equal rows (each rebuilt value is its column) and columns at the largest f32: finite.
+        let near = with_all(
+            &with_all(&opt.export_slot(id, slot).unwrap(), ".row", 1.0),
+            ".col",
+            f32::MAX,
+        );
+        opt.import_slot(id, slot, near.clone()).unwrap();
+        // Gradients in one row only: that row's average grows past the others, and so would
+        // (row / mean) x column, past f32::MAX.
+        let mut grad = vec![1e-3f32; 120];
+        grad[..10].fill(100.0);
+        let report = opt.step_param(id, &grad).unwrap();
+        let kept = opt.export_slot(id, slot).unwrap() == near;
+        let seen = if !report.non_finite.is_empty() && kept && finite(&opt, id, 120) {
+            Seen::Reported("step report lists the parameter; statistics kept".into())
+        } else {
+            Seen::Silent(format!("{report:?}, statistics kept: {kept}"))
+        };
+        add(
+            "steps",
+            &format!(
+                "{rule}'s factorized {}: a step would rebuild +Inf",
+                slot.name()
+            ),
+            seen,
         );
     }
     {

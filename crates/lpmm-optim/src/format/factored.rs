@@ -39,33 +39,61 @@ pub fn dims(shape: &[usize]) -> (usize, usize) {
 }
 
 /// After the folds: moves the row and column averages by this step's means plus the moment's
-/// eps (a value that would not fit keeps its old one, and the step reports the parameter: true)
-/// and recomputes `mean(r)`. The same host code for every backend.
+/// eps and recomputes `mean(r)` — unless that would not fit: a new average that is not finite
+/// keeps its old value, and if the new averages would rebuild a value that is not finite
+/// ([`rebuilds_finite`]) none of them moves. Either way the step reports the parameter (true),
+/// as it reports any value that would overflow its slot. The same host code for every backend.
 fn combine(wide: &[Box<[AtomicU32]>], shape: &[usize], rule: &RuleConsts, slot: SlotKind) -> bool {
     let Some(ema) = rule.moment(slot) else {
         return false;
     };
     let (rows, cols) = dims(shape);
     let mut kept = false;
-    let mut update = |region: usize, k: usize, sum_at: usize, count: usize| {
+    // The new average of word `k` of `region` (its old one if the new one is not finite).
+    let new = |region: usize, k: usize, sum_at: usize, count: usize, kept: &mut bool| {
         let mean = (fixed::total(&wide[EXP], &wide[SUM], sum_at, count) / count as f64) as f32;
-        let new = ema
-            .one_minus_beta
-            .mul_add(mean + ema.eps, wide_f32(&wide[region], k) * ema.beta);
+        let old = wide_f32(&wide[region], k);
+        let new = ema.one_minus_beta.mul_add(mean + ema.eps, old * ema.beta);
         if new.is_finite() {
-            set_wide_f32(&wide[region], k, new);
+            new
         } else {
-            kept = true;
+            *kept = true;
+            old
         }
     };
+    // First the new averages' sum of rows (in row order, as `mean_rows` sums) and largest row
+    // and column, then, if they rebuild finite values, the averages themselves.
+    let (mut total, mut row_max, mut col_max) = (0f64, 0f32, 0f32);
     for i in 0..rows {
-        update(ROW, i, i, cols);
+        let r = new(ROW, i, i, cols, &mut kept);
+        total += f64::from(r);
+        row_max = row_max.max(r);
     }
     for j in 0..cols {
-        update(COL, j, rows + j, rows);
+        col_max = col_max.max(new(COL, j, rows + j, rows, &mut kept));
+    }
+    if !rebuilds_finite((total / rows as f64) as f32, row_max, col_max) {
+        return true;
+    }
+    let mut ignored = false;
+    for i in 0..rows {
+        let r = new(ROW, i, i, cols, &mut ignored);
+        set_wide_f32(&wide[ROW], i, r);
+    }
+    for j in 0..cols {
+        let c = new(COL, j, rows + j, rows, &mut ignored);
+        set_wide_f32(&wide[COL], j, c);
     }
     mean_rows(wide, rows);
     kept
+}
+
+/// Whether statistics with `mean(r)` = `mean`, largest row `row_max` and largest column
+/// `col_max` rebuild only finite values: `f32(f32(r_i / mean) * c_j)` grows with `r_i` and `c_j`
+/// (all non-negative), so its largest value is `f32(f32(row_max / mean) * col_max)`. A mean of 0
+/// rebuilds zeros.
+fn rebuilds_finite(mean: f32, row_max: f32, col_max: f32) -> bool {
+    mean <= 0.0 || (row_max / mean * col_max).is_finite()
 }
 
 /// `mean(r)`, in f64 in row order, rounded to f32.
@@ -115,7 +143,23 @@ impl Codec for Factored {
 
     fn validate(&self, host: &HostSlot, _values: bool) -> Result<(), String> {
         check_scales(host, ".row")?;
-        check_scales(host, ".col")
+        check_scales(host, ".col")?;
+        // What the statistics rebuild must be finite too (`mean(r)` as `mean_rows` computes it).
+        let values = |suffix: &str| host.f32s(suffix).unwrap_or_default();
+        let (row, col) = (values(".row"), values(".col"));
+        let total: f64 = row.iter().map(|&r| f64::from(r)).sum();
+        let mean = (total / row.len().max(1) as f64) as f32;
+        let max = |v: &[f32]| v.iter().fold(0f32, |m, &x| m.max(x));
+        if rebuilds_finite(mean, max(&row), max(&col)) {
+            Ok(())
+        } else {
+            Err(format!(
+                "its statistics rebuild a value that is not finite: (largest row {} / mean of \
+                 the rows {mean}) x largest column {}",
+                max(&row),
+                max(&col)
+            ))
+        }
     }
 
     fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
