@@ -258,7 +258,7 @@ fn every_specialized_plan_gives_its_generic_twins_bits_at_every_level() {
 
 #[test]
 fn the_generic_path_stays_for_what_no_kernel_covers() {
-    // Kahan parameters, factorized and rank-1 second moments, blocks above the tile (1024).
+    // Kahan parameters, factorized and rank-1 second moments, blocks above the tile (512).
     let generic = [
         ParamConfig::f32(Hyper::adamw(1e-3)).with_param(Storage::Bf16Kahan),
         presets::adafactor_lpmm().build(),

@@ -281,7 +281,7 @@ pub(crate) enum Lanes {
     },
     /// Split f32: the bf16 high halves, then the 16-bit remainders.
     Split,
-    /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 1024
+    /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 512
     /// elements (the kernels' tile).
     Quantized {
         /// The code map.
