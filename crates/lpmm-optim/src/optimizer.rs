@@ -689,7 +689,7 @@ impl<B: Backend> Optimizer<B> {
     /// Steps every parameter's fused pass with the specialized kernels where one exists (`true`,
     /// the default) or on the generic element-wise path (`false`): the same bits either way (the
     /// generic path is the reference the kernels are tested against), only speed differs. Not
-    /// saved in checkpoints.
+    /// saved in checkpoints; [`Optimizer::load_state`] keeps this optimizer's.
     pub fn set_specialized_kernels(&mut self, on: bool) {
         self.specialized = on;
         for i in 0..self.states.len() {
@@ -785,11 +785,15 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Keeps `other`'s settings that checkpoints do not hold (the missing-gradient policy, which
-    /// parameters expect a gradient) across a load that rebuilds the optimizer.
+    /// parameters expect a gradient, the specialized kernels on or off) across a load that
+    /// rebuilds the optimizer.
     pub(crate) fn keep_settings(&mut self, other: &Self) {
         self.coverage = other.coverage.clone();
         for (m, o) in self.states.iter_mut().zip(&other.states) {
             m.expects_gradient = o.expects_gradient;
+        }
+        if self.specialized != other.specialized {
+            self.set_specialized_kernels(other.specialized);
         }
     }
 
