@@ -647,6 +647,17 @@ impl CodeMap {
     /// How far an f32's bits are shifted right to give its bucket ([`CodeMap::bucket_starts`]).
     pub const BUCKET_SHIFT: u32 = BUCKET_SHIFT;
 
+    /// The small search table of the 8-bit maps' vector kernels, for kernels that search the
+    /// same way (lpmm-cuda's specialized steps keep it in shared memory): `(meta, starts)` such
+    /// that for an f32 `y` with `|y| < 2` whose top 16 bits are `h` (sign `s`, exponent `e`, 7
+    /// mantissa bits `m`), `b = e - 96` (0 for `e <= 96`), `meta[s << 5 | b] = base | shift << 12`
+    /// and `c = starts[base + (m >> shift)]`, `nearest(y) = c + (thresholds()[c] <= y)` (no
+    /// comparison where `c` is the last code). `None` for a map whose buckets would need more than
+    /// 512 entries or hold two thresholds (none of the shipped maps).
+    pub fn key_table(&self) -> Option<(&[u16; 64], &[u8])> {
+        self.keys.as_ref().map(|k| (&k.meta, &k.starts[..]))
+    }
+
     /// Stochastic rounding of `y` between its neighbours `lo <= y < hi`: `hi` iff
     /// `bits < floor(frac * 2^32)` with `frac = (y - lo) / (hi - lo)` evaluated in f32. Values at
     /// or outside the ends clamp to the end codes; NaN gives code 0.
