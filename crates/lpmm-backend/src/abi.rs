@@ -194,11 +194,21 @@ pub const MAP_SCANS: u32 = MAP_LENS + MapKind::ALL.len() as u32;
 pub const MAP_BUCKETS: u32 = MAP_SCANS + MapKind::ALL.len() as u32;
 /// Words of one map's search buckets.
 pub const MAP_BUCKET_WORDS: u32 = 1 << (32 - lpmm_formats::CodeMap::BUCKET_SHIFT - 2);
+/// Where the maps' key tables start: map `k`'s [`CodeMap::key_table`] at `MAP_KEYS + k *
+/// MAP_KEY_WORDS` — its 64 meta entries, one per word, then its at most 512 bucket counts, four
+/// to a word, little-endian (all zero for a map without one). The specialized steps copy a map's
+/// values, thresholds and key table into shared memory and find a nearest code with two reads
+/// and one comparison.
+///
+/// [`CodeMap::key_table`]: lpmm_formats::CodeMap::key_table
+pub const MAP_KEYS: u32 = MAP_BUCKETS + MapKind::ALL.len() as u32 * MAP_BUCKET_WORDS;
+/// Words of one map's key table: 64 meta words and 512 bucket counts.
+pub const MAP_KEY_WORDS: u32 = 64 + 512 / 4;
 
-/// The table (see [`MAP_STRIDE`], [`MAP_SCANS`], [`MAP_BUCKETS`]).
+/// The table (see [`MAP_STRIDE`], [`MAP_SCANS`], [`MAP_BUCKETS`], [`MAP_KEYS`]).
 pub fn map_table() -> Vec<u32> {
     let kinds = MapKind::ALL.len();
-    let mut table = vec![0u32; MAP_BUCKETS as usize + kinds * MAP_BUCKET_WORDS as usize];
+    let mut table = vec![0u32; MAP_KEYS as usize + kinds * MAP_KEY_WORDS as usize];
     for kind in MapKind::ALL {
         let k = kind.id() as usize;
         let map = kind.shared();
@@ -214,6 +224,17 @@ pub fn map_table() -> Vec<u32> {
         let buckets = MAP_BUCKETS as usize + k * MAP_BUCKET_WORDS as usize;
         for (j, w) in map.bucket_starts().chunks_exact(4).enumerate() {
             table[buckets + j] = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        }
+        if let Some((meta, starts)) = map.key_table() {
+            let keys = MAP_KEYS as usize + k * MAP_KEY_WORDS as usize;
+            for (j, &m) in meta.iter().enumerate() {
+                table[keys + j] = u32::from(m);
+            }
+            for (j, w) in starts.chunks(4).take(128).enumerate() {
+                let mut b = [0u8; 4];
+                b[..w.len()].copy_from_slice(w);
+                table[keys + 64 + j] = u32::from_le_bytes(b);
+            }
         }
     }
     table

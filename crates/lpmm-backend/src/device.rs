@@ -16,11 +16,12 @@ use lpmm_optim::backend::{
 use lpmm_optim::{ExactSum, add_squares};
 
 use crate::abi::{
-    Binding, CONST_WORDS, Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, FOLD_MOMENT,
-    FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS, STAT_SUM, STAT_WORDS, SlotDesc, TILE,
-    map_table,
+    Binding, CONST_WORDS, Desc, Entry, F_GIVEN_V, F_GIVEN_W, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16,
+    F_TRANSFORM, F_UPDATE_PARAM, FOLD_MOMENT, FOLD_STATS, FOLD_UPDATED, MAX_DIMS, SLOT_REGIONS,
+    STAT_SUM, STAT_WORDS, SlotDesc, TILE, map_table,
 };
-use crate::runtime::{Io, Launch, Runtime};
+use crate::plans::{self, GradInput};
+use crate::runtime::{Io, Launch, Runtime, Specialized};
 
 /// How a [`Device`] lays out memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,10 @@ pub struct DeviceOptions {
     pub piece_elements: usize,
     /// Floats of the staging buffer that carries host values in and out (at least one piece).
     pub io_floats: usize,
+    /// Whether steps use the runtime's specialized kernels ([`crate::plans`]) where a plan
+    /// has one (the default); `false` steps every parameter with the generic kernel (the same
+    /// bits, slower).
+    pub specialized: bool,
 }
 
 impl Default for DeviceOptions {
@@ -38,6 +43,7 @@ impl Default for DeviceOptions {
         Self {
             piece_elements: 1 << 20,
             io_floats: 16 << 20,
+            specialized: true,
         }
     }
 }
@@ -48,6 +54,7 @@ impl DeviceOptions {
         Self {
             piece_elements,
             io_floats,
+            specialized: true,
         }
     }
 
@@ -63,6 +70,14 @@ impl DeviceOptions {
     pub fn with_io_floats(self, n: usize) -> Self {
         Self {
             io_floats: n,
+            ..self
+        }
+    }
+
+    /// With the specialized kernels on or off ([`DeviceOptions::specialized`]).
+    pub fn with_specialized(self, on: bool) -> Self {
+        Self {
+            specialized: on,
             ..self
         }
     }
@@ -135,6 +150,7 @@ struct Inner<R: Runtime> {
     lost: Mutex<Option<BackendError>>,
     state: Mutex<State<R::Buffer>>,
     launches: AtomicU64,
+    plan_launches: AtomicU64,
     reserved: AtomicU64,
 }
 
@@ -169,6 +185,9 @@ struct Piece {
     span: Span,
     /// `(word offset in the arena, words)` of each slot's element regions.
     regions: [[(usize, usize); 3]; SLOTS],
+    /// Words of padding before each element region (where the runtime wants regions aligned:
+    /// [`Specialized::Aligned`]), counted in the slot's bytes.
+    pads: [[usize; 3]; SLOTS],
 }
 
 /// Everything a [`Device`] holds for one parameter. Dropping it returns its memory.
@@ -217,6 +236,8 @@ struct Item<'a, R: Runtime> {
     /// The arena of the item's piece and of its tensor-wide regions.
     arena: usize,
     wide: Option<usize>,
+    /// The specialized step that runs the item ([`crate::plans`]), if any.
+    plan: Option<usize>,
 }
 
 /// What the step's items are made of.
@@ -309,6 +330,7 @@ impl<R: Runtime> Device<R> {
                     flags: None,
                 }),
                 launches: AtomicU64::new(0),
+                plan_launches: AtomicU64::new(0),
                 reserved: AtomicU64::new(0),
             }),
         })
@@ -328,6 +350,12 @@ impl<R: Runtime> Device<R> {
     /// however many tensors the group holds).
     pub fn launches(&self) -> u64 {
         self.inner.launches.load(Ordering::Relaxed)
+    }
+
+    /// Launches of specialized steps issued so far ([`crate::plans`]; counted in
+    /// [`Device::launches`] too).
+    pub fn plan_launches(&self) -> u64 {
+        self.inner.plan_launches.load(Ordering::Relaxed)
     }
 
     /// Words of device memory reserved for parameters now (arenas may hold more).
@@ -493,15 +521,12 @@ impl<R: Runtime> Device<R> {
                 continue;
             };
             let mut region = [0u64; SLOT_REGIONS];
-            let elems = elem_specs(Some(format), &layout.shape).len();
-            for (r, &(at, _)) in piece.regions[k][..elems].iter().enumerate() {
+            let specs = elem_specs(Some(format), &layout.shape);
+            for (r, &(at, _)) in piece.regions[k][..specs.len()].iter().enumerate() {
                 region[r] = match lent {
                     Some(view) if k == 0 && r == 0 => rt.lent_address(
                         view,
-                        elem_specs(Some(format), &layout.shape)[0]
-                            .byte_range(piece.offset, piece.offset)
-                            .start
-                            / 4,
+                        specs[0].byte_range(piece.offset, piece.offset).start / 4,
                     ),
                     _ => rt.address(Binding::Arena, arena, at),
                 };
@@ -509,7 +534,7 @@ impl<R: Runtime> Device<R> {
             if let Some(span) = param.wide {
                 let wide = Self::buffer(&state.wide, span.arena);
                 for (r, &(at, _)) in param.wide_regions[k].iter().enumerate() {
-                    region[elems + r] = rt.address(Binding::Wide, wide, span.start + at);
+                    region[specs.len() + r] = rt.address(Binding::Wide, wide, span.start + at);
                 }
             }
             *slot = SlotDesc {
@@ -541,14 +566,16 @@ impl<R: Runtime> Device<R> {
             state.flags = Some(self.guard(rt.alloc(1))?);
         }
         let mut outputs: Vec<Vec<f32>> = (0..items.len()).map(|_| Vec::new()).collect();
-        // Groups of items that share their bindings (all of them, where launches use pointers).
+        // Groups of items that run the same kernel (a specialized step's, or the generic one)
+        // and share their bindings (all of them, where launches use pointers).
         let key = |it: &Item<'_, R>| {
             if limits.bindless {
-                (0, None, 0usize, 0usize)
+                (it.plan, 0, None, 0usize, 0usize)
             } else {
                 let addr =
                     |v: Option<R::View<'_>>| v.map_or(0, |v| rt.lent_address(&v, 0) as usize + 1);
                 (
+                    it.plan,
                     it.arena,
                     it.wide,
                     addr(it.lent),
@@ -589,11 +616,13 @@ impl<R: Runtime> Device<R> {
                     it.desc.io = rt.io_address(&Io::View(view), at);
                 }
                 batch.push((order[k], used));
-                used += need;
+                // Each item's values start at a multiple of 16 bytes (the specialized steps'
+                // vector loads).
+                used = (used + need).next_multiple_of(4);
                 k += 1;
             }
             let descs: Vec<Desc> = batch.iter().map(|&(i, _)| items[i].desc).collect();
-            let (head_lent, head_view_io, head_host, head_arena, head_wide) = {
+            let (head_lent, head_view_io, head_host, head_arena, head_wide, plan) = {
                 let h = &items[first];
                 (
                     h.lent,
@@ -601,6 +630,7 @@ impl<R: Runtime> Device<R> {
                     h.host_in.is_some() || h.host_out,
                     h.arena,
                     h.wide,
+                    h.plan,
                 )
             };
             let tiles = u32::try_from(tiles).map_err(|_| BackendError::Unsupported {
@@ -623,9 +653,13 @@ impl<R: Runtime> Device<R> {
                 io,
                 maps: &self.inner.maps,
                 flags,
+                plan,
             };
             self.guard(rt.launch(entry, &launch))?;
             self.inner.launches.fetch_add(1, Ordering::Relaxed);
+            if plan.is_some() {
+                self.inner.plan_launches.fetch_add(1, Ordering::Relaxed);
+            }
             for &(i, at) in &batch {
                 if items[i].host_out {
                     let io = state.io.as_ref().expect("allocated above");
@@ -675,6 +709,7 @@ impl<R: Runtime> Device<R> {
                 lent,
                 arena: piece.span.arena,
                 wide: param.wide.map(|w| w.arena),
+                plan: None,
             });
         }
     }
@@ -777,20 +812,47 @@ impl<R: Runtime> Device<R> {
         Ok(())
     }
 
-    /// The step's items of the stepping parameters `which` selects, with their plans.
+    /// The step's items of the stepping parameters `which` selects, with their plans. With
+    /// `specialize` (the fused pass), an item whose parameter's plan has a specialized step
+    /// ([`crate::plans`]) is marked to run it, where its addresses suit the runtime
+    /// ([`Specialized::Aligned`]; the generic step runs it otherwise).
     fn step_items<'v>(
         &self,
         state: &State<R::Buffer>,
         ctx: &StepCtx<'_, 'v, R>,
         which: &dyn Fn(usize) -> bool,
+        specialize: bool,
         items: &mut Vec<Item<'v, R>>,
     ) {
+        let rt = &self.inner.rt;
+        let mode = if specialize && self.inner.options.specialized {
+            rt.specialized()
+        } else {
+            Specialized::None
+        };
         for &(i, ref plan) in ctx.stepping {
             let layout = &ctx.layouts[i];
             if !which(i) {
                 continue;
             }
             let input = ctx.released.filter(|(r, _)| *r == i).map(|(_, g)| g);
+            let flags = layout.step_flags(plan.flags).0;
+            // The specialized steps move the parameter by the rule, from gradients.
+            let moves =
+                flags & F_UPDATE_PARAM != 0 && flags & (F_TRANSFORM | F_GIVEN_V | F_GIVEN_W) == 0;
+            let grad = match input {
+                None => GradInput::None,
+                Some(DeviceInput::Host(_)) => GradInput::F32,
+                Some(DeviceInput::Device(v)) => match rt.view_info(&v).0 {
+                    Dtype::Bf16 => GradInput::Bf16,
+                    _ => GradInput::F32,
+                },
+            };
+            let kernel = match mode {
+                Specialized::None => None,
+                _ if !moves => None,
+                _ => plans::find(layout, plan.rule.kernel_id(), grad),
+            };
             let before = items.len();
             self.items(
                 state,
@@ -802,12 +864,23 @@ impl<R: Runtime> Device<R> {
                 false,
                 items,
             );
+            for it in &mut items[before..] {
+                it.plan = kernel.filter(|_| match mode {
+                    // Every region and the io start where the kernel's vector accesses can.
+                    Specialized::Aligned { bytes } => {
+                        let regions = it.desc.slots.iter().flat_map(|s| s.region);
+                        let io = it.view_io.map(|(v, at)| rt.io_address(&Io::View(v), at));
+                        regions.chain(io).all(|a| a % bytes == 0)
+                    }
+                    _ => true,
+                });
+            }
             let words = plan.rule.words();
             let n = words.len().min(CONST_WORDS);
             for it in &mut items[before..] {
                 let d = &mut it.desc;
                 d.step = plan.t;
-                d.flags |= layout.step_flags(plan.flags).0;
+                d.flags |= flags;
                 d.flag_index = i as u32;
                 d.rule = plan.rule.kernel_id();
                 d.clip = plan.clip;
@@ -894,14 +967,24 @@ impl<R: Runtime> Backend for Device<R> {
             )?;
         }
         let piece = self.inner.options.piece_elements;
+        // Element regions start where the runtime's specialized steps can address them.
+        let align = match self.inner.rt.specialized() {
+            Specialized::Aligned { bytes } => (bytes as usize / 4).max(1),
+            _ => 1,
+        };
         for offset in (0..n).step_by(piece) {
             let len = piece.min(n - offset);
             let lent_region = |s: usize, k: usize| s == 0 && k == 0 && layout.lent;
             let mut regions = [[(0usize, 0usize); 3]; SLOTS];
-            let mut words = 0;
+            let mut pads = [[0usize; 3]; SLOTS];
+            let mut words = 0usize;
             for (s, specs) in elems.iter().enumerate() {
                 for (k, r) in specs.iter().enumerate() {
                     let w = if lent_region(s, k) { 0 } else { r.words(len) };
+                    if w > 0 {
+                        pads[s][k] = words.next_multiple_of(align) - words;
+                        words += pads[s][k];
+                    }
                     regions[s][k] = (words, w);
                     words += w;
                 }
@@ -926,6 +1009,7 @@ impl<R: Runtime> Backend for Device<R> {
                 len,
                 span,
                 regions,
+                pads,
             });
         }
         if let Init::Values(values) = init {
@@ -1005,6 +1089,7 @@ impl<R: Runtime> Backend for Device<R> {
                 lent: None,
                 arena: 0,
                 wide: None,
+                plan: None,
             });
         }
         if state.pieces.arenas.is_empty() {
@@ -1372,7 +1457,10 @@ impl<R: Runtime> Backend for Device<R> {
             *b = param
                 .pieces
                 .iter()
-                .map(|p| p.regions[s].iter().map(|r| 4 * r.1).sum::<usize>())
+                .map(|p| {
+                    let pads = p.pads[s].iter().sum::<usize>();
+                    4 * (pads + p.regions[s].iter().map(|r| r.1).sum::<usize>())
+                })
                 .sum::<usize>()
                 + param.wide_regions[s].iter().map(|r| 4 * r.1).sum::<usize>();
         }
@@ -1442,7 +1530,7 @@ impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
         };
         let passes = self.passes_of_all(phase);
         self.device
-            .step_items(self.state, &ctx, &|i| pass < passes[i], &mut items);
+            .step_items(self.state, &ctx, &|i| pass < passes[i], false, &mut items);
         // Each parameter's step, by parameter index.
         let mut steps: Vec<Option<&ParamStep>> = vec![None; n];
         for (i, p) in &self.stepping {
@@ -1534,7 +1622,7 @@ impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
             seed: self.seed,
         };
         self.device
-            .step_items(self.state, &ctx, &|_| true, &mut items);
+            .step_items(self.state, &ctx, &|_| true, true, &mut items);
         self.device.run(self.state, Entry::Step, &mut items)?;
         let flags = self.state.flags.as_ref().expect("allocated");
         let rt = &self.device.inner.rt;

@@ -17,10 +17,11 @@
 pub mod abi;
 pub mod codegen;
 mod device;
+pub mod plans;
 mod runtime;
 
 pub use device::{Device, DeviceInput, DeviceOptions, DeviceOutput, DeviceParam};
-pub use runtime::{Io, Launch, Limits, Runtime};
+pub use runtime::{Io, Launch, Limits, Runtime, Specialized};
 
 /// What [`device_backend!`] expands to refers to.
 #[doc(hidden)]

@@ -18,6 +18,22 @@ pub struct Limits {
     pub bindless: bool,
 }
 
+/// Which of the specialized steps ([`crate::plans`]) a runtime launches, and on what items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Specialized {
+    /// None: every step is the generic kernel's.
+    None,
+    /// Any item of a plan's parameters (its kernel handles partial threads and blocks).
+    Any,
+    /// Items whose every region and io address is a multiple of `bytes` (CUDA's 16-byte
+    /// accesses). The device pads each element region of a piece to start at such an address;
+    /// items of a caller's buffers that do not are stepped by the generic kernel.
+    Aligned {
+        /// The alignment in bytes.
+        bytes: u64,
+    },
+}
+
 /// Where a launch reads its inputs from and writes its outputs to.
 #[derive(Debug)]
 pub enum Io<'a, 'v, R: Runtime + ?Sized> {
@@ -55,6 +71,9 @@ pub struct Launch<'a, 'v, R: Runtime + ?Sized> {
     pub maps: &'a R::Buffer,
     /// One word per parameter, set by the step where a non-finite value was met.
     pub flags: &'a R::Buffer,
+    /// For [`Entry::Step`]: the specialized step to launch instead of the generic one (an index
+    /// into [`crate::plans::plans`]; every item is of that plan). `None` for every other entry.
+    pub plan: Option<usize>,
 }
 
 /// A device: memory in 32-bit words and kernel launches, in order (one stream or queue). Every
@@ -95,4 +114,8 @@ pub trait Runtime: Send + Sync + 'static {
     fn write_view(&self, view: &Self::View<'_>, bytes: &[u8]) -> Result<(), BackendError>;
     /// Runs `entry` over the launch's items.
     fn launch(&self, entry: Entry, launch: &Launch<'_, '_, Self>) -> Result<(), BackendError>;
+    /// Which specialized steps the runtime launches ([`Launch::plan`]); none unless it says so.
+    fn specialized(&self) -> Specialized {
+        Specialized::None
+    }
 }

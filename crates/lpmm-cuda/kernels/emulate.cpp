@@ -24,7 +24,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static thread_local
 
 namespace {
@@ -35,6 +35,16 @@ struct Dim3 {
 
 thread_local Dim3 threadIdx;
 thread_local Dim3 blockIdx;
+thread_local Dim3 gridDim;
+
+// CUDA's vector types, as aligned as CUDA's.
+struct alignas(16) uint4 {
+    uint32_t x, y, z, w;
+};
+
+struct alignas(8) uint2 {
+    uint32_t x, y;
+};
 
 struct Fiber {
     ucontext_t ctx;
@@ -48,6 +58,27 @@ thread_local ucontext_t scheduler;
 thread_local uint32_t current;
 
 inline void __syncthreads() { swapcontext(&fibers[current].ctx, &scheduler); }
+
+// A warp's barrier: the block's (every thread of a block reaches the same ones).
+inline void __syncwarp() { __syncthreads(); }
+
+// Threads per block (THREADS of the generated header, checked below).
+constexpr uint32_t EMULATED_THREADS = 256;
+
+// The warp shuffle: each thread publishes its value, passes a barrier, and reads its partner's
+// (lane ^ mask within its warp of 32). Two buffers, used in turn: a thread writes one only after
+// the barrier that follows every thread's read of the value it held before (shuffles are called
+// by every thread of a block alike, as the specialized steps call them).
+thread_local uint32_t shuffled[2][EMULATED_THREADS];
+thread_local uint32_t shuffles[EMULATED_THREADS];
+
+inline uint32_t __shfl_xor_sync(uint32_t /*mask*/, uint32_t v, uint32_t lane_mask) {
+    uint32_t lt = threadIdx.x;
+    uint32_t b = shuffles[lt]++ & 1u;
+    shuffled[b][lt] = v;
+    __syncthreads();
+    return shuffled[b][(lt & ~31u) | ((lt & 31u) ^ lane_mask)];
+}
 
 inline uint32_t __float_as_uint(float x) {
     uint32_t u;
@@ -88,6 +119,8 @@ inline uint32_t atomicMax(uint32_t* p, uint32_t v) {
 #include "lpmm.generated.cu"
 #pragma GCC diagnostic pop
 
+static_assert(THREADS == EMULATED_THREADS, "the shuffles' buffers hold a block");
+
 using Kernel = void (*)(const Desc*, uint32_t, const uint32_t*, uint32_t*);
 
 // In abi.rs `Entry` order (ENTRY_* of the generated header).
@@ -113,22 +146,18 @@ void fiber_main() {
 
 constexpr size_t STACK = 64 * 1024;
 
-} // namespace
-
-// Runs entry `kernel` (abi.rs `Entry` as a number) over `grid` blocks of THREADS threads.
-// Returns 0, -1 for an unknown entry, -2 if a fiber could not be set up.
-extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, uint32_t ndesc,
-                            const uint32_t* maps, uint32_t* flags) {
-    if (kernel >= sizeof(KERNELS) / sizeof(KERNELS[0])) {
-        return -1;
-    }
-    launch = Launch{KERNELS[kernel], descs, ndesc, maps, flags};
+// Runs `f` over `grid` blocks of THREADS threads. Returns 0, or -2 if a fiber could not be set
+// up.
+int run(Kernel f, uint32_t grid, const Desc* descs, uint32_t ndesc, const uint32_t* maps,
+        uint32_t* flags) {
+    launch = Launch{f, descs, ndesc, maps, flags};
     if (fibers.size() != THREADS) {
         fibers.resize(THREADS);
         for (auto& f : fibers) {
             f.stack.resize(STACK);
         }
     }
+    gridDim = Dim3{grid, 1, 1};
     for (uint32_t b = 0; b < grid; b++) {
         blockIdx = Dim3{b, 0, 0};
         for (uint32_t lt = 0; lt < THREADS; lt++) {
@@ -156,6 +185,28 @@ extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, u
         }
     }
     return 0;
+}
+
+} // namespace
+
+// Runs entry `kernel` (abi.rs `Entry` as a number) over `grid` blocks of THREADS threads.
+// Returns 0, -1 for an unknown entry, -2 if a fiber could not be set up.
+extern "C" int lpmm_emulate(uint32_t kernel, uint32_t grid, const Desc* descs, uint32_t ndesc,
+                            const uint32_t* maps, uint32_t* flags) {
+    if (kernel >= sizeof(KERNELS) / sizeof(KERNELS[0])) {
+        return -1;
+    }
+    return run(KERNELS[kernel], grid, descs, ndesc, maps, flags);
+}
+
+// Runs specialized step `plan` (lpmm-backend plans.rs, the generated LPMM_PLAN_KERNELS) as
+// `lpmm_emulate` runs an entry. Returns 0, -1 for an unknown plan, -2 as above.
+extern "C" int lpmm_emulate_plan(uint32_t plan, uint32_t grid, const Desc* descs, uint32_t ndesc,
+                                 const uint32_t* maps, uint32_t* flags) {
+    if (plan >= sizeof(LPMM_PLAN_KERNELS) / sizeof(LPMM_PLAN_KERNELS[0])) {
+        return -1;
+    }
+    return run(LPMM_PLAN_KERNELS[plan], grid, descs, ndesc, maps, flags);
 }
 
 // The layout the Rust side mirrors: sizeof(Desc), offsetof(Desc, slots), sizeof(SlotDesc).

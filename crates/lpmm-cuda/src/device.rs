@@ -12,7 +12,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, result, sys,
 };
 use lpmm_backend::abi::{Binding, Entry, THREADS};
-use lpmm_backend::{Io, Launch, Limits, Runtime};
+use lpmm_backend::{Io, Launch, Limits, Runtime, Specialized};
 use lpmm_optim::BackendError;
 use lpmm_optim::backend::Dtype;
 
@@ -27,6 +27,9 @@ pub(crate) struct Gpu {
     pub(crate) name: String,
     /// In `Entry` order.
     functions: Vec<CudaFunction>,
+    /// The specialized steps (lpmm-backend's `plans`), in plan order, each with the most blocks
+    /// its launches use (every SM's share of resident blocks: a block walks several tiles).
+    plans: Vec<(CudaFunction, u32)>,
     _module: Arc<CudaModule>,
     /// The descriptors of the latest launch (replaced, larger, only after a synchronisation).
     descs: Mutex<Option<CudaBuffer>>,
@@ -66,9 +69,11 @@ enum Mem {
     /// Owns the memory at `ptr` (kept for its drop).
     Gpu(#[allow(dead_code)] CudaSlice<u32>),
     /// Host memory the emulated kernels write through raw pointers (atomics give the interior
-    /// mutability; the kernels run while no Rust code touches the words).
+    /// mutability; the kernels run while no Rust code touches the words): the buffer's words
+    /// start at the given word of the allocation, the first at a multiple of 16 bytes (as a
+    /// device allocation's, which the specialized steps' vector accesses need).
     #[cfg(feature = "emulate")]
-    Host(Box<[AtomicU32]>),
+    Host(Box<[AtomicU32]>, usize),
 }
 
 impl std::fmt::Debug for CudaBuffer {
@@ -174,6 +179,21 @@ impl CudaRuntime {
                     .map_err(|x| driver(e.name(), x))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver("multiprocessor count", e))?;
+        let plans = lpmm_backend::plans::plans()
+            .iter()
+            .map(|p| {
+                let f = module
+                    .load_function(&p.name)
+                    .map_err(|x| driver(&p.name, x))?;
+                let resident = f
+                    .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+                    .map_err(|x| driver(&p.name, x))?;
+                Ok((f, resident.max(1) * sms.max(1) as u32))
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
         let name = ctx.name().unwrap_or_default();
         Ok(Self {
             dev: Dev::Gpu(Gpu {
@@ -181,6 +201,7 @@ impl CudaRuntime {
                 arch,
                 name,
                 functions,
+                plans,
                 _module: module,
                 descs: Mutex::new(None),
             }),
@@ -207,12 +228,16 @@ impl CudaRuntime {
                 }
             })?),
             #[cfg(feature = "emulate")]
-            Dev::Host => Mem::Host((0..words).map(|_| AtomicU32::new(0)).collect()),
+            Dev::Host => {
+                let all: Box<[AtomicU32]> = (0..words + 3).map(|_| AtomicU32::new(0)).collect();
+                let skip = (all.as_ptr() as usize).wrapping_neg() / 4 % 4;
+                Mem::Host(all, skip)
+            }
         };
         let ptr = match (&self.dev, &mem) {
             (Dev::Gpu(g), Mem::Gpu(s)) => s.device_ptr(&g.stream).0,
             #[cfg(feature = "emulate")]
-            (_, Mem::Host(h)) => h.as_ptr() as u64,
+            (_, Mem::Host(h, skip)) => h[*skip..].as_ptr() as u64,
             #[cfg(feature = "emulate")]
             _ => unreachable!("memory of this device"),
         };
@@ -252,7 +277,7 @@ impl CudaRuntime {
     fn host_words(buffer: &CudaBuffer) -> Result<&[AtomicU32], BackendError> {
         match &buffer.mem {
             #[cfg(feature = "emulate")]
-            Mem::Host(h) => Ok(h),
+            Mem::Host(h, skip) => Ok(&h[*skip..*skip + buffer.words]),
             Mem::Gpu(_) => Err(BackendError::Buffer {
                 what: "a CUDA buffer of another device".into(),
             }),
@@ -447,12 +472,24 @@ impl Runtime for CudaRuntime {
                 }
                 let descs = scratch.as_ref().expect("allocated above");
                 self.write(descs, 0, words)?;
+                // A specialized step's blocks each walk a share of the tiles.
+                let (function, grid) = match launch.plan {
+                    Some(k) if entry == Entry::Step => {
+                        let (f, most) = g.plans.get(k).ok_or_else(|| BackendError::Driver {
+                            backend: NAME,
+                            what: format!("no specialized step {k} in the loaded PTX"),
+                            source: None,
+                        })?;
+                        (f, launch.tiles.min(*most))
+                    }
+                    _ => (&g.functions[entry as usize], launch.tiles),
+                };
                 let cfg = LaunchConfig {
-                    grid_dim: (launch.tiles, 1, 1),
+                    grid_dim: (grid, 1, 1),
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut args = g.stream.launch_builder(&g.functions[entry as usize]);
+                let mut args = g.stream.launch_builder(function);
                 args.arg(&descs.ptr).arg(&ndesc).arg(&maps).arg(&flags);
                 // SAFETY: the arguments match the entry's signature in kernels/entries.cuh
                 // (`const Desc*, uint32_t, const uint32_t*, uint32_t*`, pointers as 64-bit
@@ -465,7 +502,18 @@ impl Runtime for CudaRuntime {
                     .map_err(|e| driver(entry.name(), e))
             }
             #[cfg(feature = "emulate")]
-            Dev::Host => crate::emulate::launch(entry, launch.tiles, launch.descs, maps, flags),
+            Dev::Host => match launch.plan {
+                Some(k) if entry == Entry::Step => {
+                    crate::emulate::launch_plan(k, launch.tiles, launch.descs, maps, flags)
+                }
+                _ => crate::emulate::launch(entry, launch.tiles, launch.descs, maps, flags),
+            },
         }
+    }
+
+    /// The specialized steps run items whose regions and io start at multiples of 16 bytes
+    /// (their 16-byte accesses; the device pads regions to it) and are whole blocks.
+    fn specialized(&self) -> Specialized {
+        Specialized::Aligned { bytes: 16 }
     }
 }

@@ -13,6 +13,14 @@ unsafe extern "C" {
         maps: *const u32,
         flags: *mut u32,
     ) -> i32;
+    fn lpmm_emulate_plan(
+        plan: u32,
+        grid: u32,
+        descs: *const Desc,
+        ndesc: u32,
+        maps: *const u32,
+        flags: *mut u32,
+    ) -> i32;
     fn lpmm_emulate_layout(out: *mut u32);
 }
 
@@ -46,6 +54,38 @@ pub(crate) fn launch(
         Err(BackendError::Driver {
             backend: crate::device::NAME,
             what: format!("emulated launch of {} failed ({rc})", entry.name()),
+            source: None,
+        })
+    }
+}
+
+/// Runs specialized step `plan` (an index into lpmm-backend's `plans`) over `grid` blocks, as
+/// [`launch`] runs an entry.
+pub(crate) fn launch_plan(
+    plan: usize,
+    grid: u32,
+    descs: &[Desc],
+    maps: u64,
+    flags: u64,
+) -> Result<(), BackendError> {
+    // SAFETY: as in `launch`: the same descriptors and buffers, and a plan's kernel touches only
+    // its items' regions (whole blocks, as the host cut them) and io.
+    let rc = unsafe {
+        lpmm_emulate_plan(
+            plan as u32,
+            grid,
+            descs.as_ptr(),
+            descs.len() as u32,
+            maps as *const u32,
+            flags as *mut u32,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(BackendError::Driver {
+            backend: crate::device::NAME,
+            what: format!("emulated launch of specialized step {plan} failed ({rc})"),
             source: None,
         })
     }

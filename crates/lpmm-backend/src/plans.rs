@@ -1,0 +1,232 @@
+//! The specialized fused steps: one kernel per *hot plan* — a preset's update rule, each slot's
+//! format (storage, code map, block size, rounding) and where the gradient comes from — compiled
+//! with all of that fixed, beside the generic step that reads every slot's format from its
+//! descriptor ([`crate::abi::Entry::Step`]).
+//!
+//! [`plans`] is the registry: `cargo xtask codegen` writes one kernel entry per plan into each
+//! backend's program ([`crate::codegen`]), and [`crate::Device`] groups a step's items by plan,
+//! launching each group's kernel once (many tensors in one launch) and the generic step for the
+//! items no plan covers. A plan's kernel computes what the generic step computes, with the same
+//! functions in the same order: the bits are the CPU's either way (the conformance suite runs
+//! with the plans on, and a test steps every plan against the generic step).
+
+use std::sync::OnceLock;
+
+use lpmm_optim::backend::{Format, ParamLayout, RuleConsts, RuleState, SLOTS, SlotKind};
+use lpmm_optim::{ParamConfig, Storage, presets};
+
+/// Where a plan's gradient comes from besides its accumulator (the step's io values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GradInput {
+    /// The accumulator only (`Optimizer::step`).
+    None,
+    /// A released f32 gradient (added to the accumulator, if the parameter has one).
+    F32,
+    /// A released bf16 gradient.
+    Bf16,
+}
+
+impl GradInput {
+    /// The suffix of a plan's name.
+    fn suffix(self) -> &'static str {
+        match self {
+            GradInput::None => "",
+            GradInput::F32 => "f32",
+            GradInput::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One specialized step: what its kernel is compiled for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanKernel {
+    /// The kernel's entry name (`lpmm_plan_<preset>_<gradient>`).
+    pub name: String,
+    /// The preset (or configuration) the plan was taken from.
+    pub preset: &'static str,
+    /// That configuration (a tensor of at least its minimum quantized size resolves to the
+    /// plan's formats).
+    pub config: ParamConfig,
+    /// The rule's kernel id ([`RuleConsts::kernel_id`]).
+    pub rule: u32,
+    /// Each slot's format: parameter, gradient accumulator, states 1-3 (`None`: no slot).
+    pub formats: [Option<Format>; SLOTS],
+    /// The io gradient.
+    pub input: GradInput,
+}
+
+impl PlanKernel {
+    /// The rule's name in the kernels (`rules/<name>`).
+    pub fn rule_name(&self) -> &'static str {
+        RuleConsts::KERNELS[self.rule as usize].0
+    }
+
+    /// The rule's constants' struct in the kernels.
+    pub fn consts_name(&self) -> &'static str {
+        RuleConsts::KERNELS[self.rule as usize].1
+    }
+
+    /// What the kernel is for, in words: the rule, each slot's format and the gradient's source.
+    pub fn describe(&self) -> String {
+        let slot = |f: Option<Format>| match f {
+            None => "-".to_string(),
+            Some(f) if f.name() == "blockwise" => {
+                let aux = f.kernel_aux();
+                format!(
+                    "{}-bit {:?}/{}{}",
+                    aux >> 24,
+                    f.map().unwrap_or(lpmm_optim::MapKind::DynamicSigned8),
+                    block_of(f).unwrap_or(0),
+                    if f.stochastic() { " sr" } else { "" }
+                )
+            }
+            Some(f) if f.stochastic() => format!("{} sr", f.name()),
+            Some(f) => f.name().to_string(),
+        };
+        let [p, g, s1, s2, s3] = self.formats.map(slot);
+        let input = match self.input {
+            GradInput::None => "",
+            GradInput::F32 => " + f32 io",
+            GradInput::Bf16 => " + bf16 io",
+        };
+        format!(
+            "{} (param {p}, grad {g}{input}, states {s1} / {s2} / {s3})",
+            self.rule_name()
+        )
+    }
+
+    /// Whether the kernel steps an item of `layout` with `rule`'s id and this gradient input.
+    pub fn matches(&self, layout: &ParamLayout, rule: u32, input: GradInput) -> bool {
+        self.rule == rule && self.input == input && self.formats == layout.formats
+    }
+}
+
+/// The configurations the plans are taken from: the presets a GPU user steps most (AdamW in f32,
+/// 8-bit, 8-bit on bf16 parameters with nearest or stochastic rounding, 4-bit; LPMM-SGDM; 8-bit
+/// Lion) and `bandwidth`'s 4-bit AdamW on bf16 parameters, each as registered for a tensor large
+/// enough to be quantized.
+fn configs() -> Vec<(&'static str, ParamConfig)> {
+    vec![
+        ("adamw_f32", presets::adamw_f32(1e-3).build()),
+        ("adamw_8bit", presets::adamw_8bit(1e-3).build()),
+        ("adamw_8bit_bf16", presets::adamw_8bit_bf16(1e-3).build()),
+        (
+            "adamw_8bit_bf16_sr",
+            presets::adamw_8bit_bf16_sr(1e-3).build(),
+        ),
+        ("adamw_4bit", presets::adamw_4bit(1e-3).build()),
+        (
+            "adamw_4bit_bf16",
+            presets::adamw_8bit_bf16(1e-3)
+                .with_state1(Storage::FOUR_BIT_SIGNED)
+                .with_state2(Storage::FOUR_BIT_UNSIGNED)
+                .build(),
+        ),
+        (
+            "adamw_4bit_bf16_sr_released",
+            presets::adamw_4bit_bf16_sr_released(1e-3).build(),
+        ),
+        ("lpmm_sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
+        ("lion_8bit", presets::lion_8bit(1e-4).build()),
+    ]
+}
+
+/// The block of a block-wise format (its `kernel_aux`'s log2 of the block size).
+fn block_of(format: Format) -> Option<usize> {
+    (format.name() == "blockwise").then(|| 1 << ((format.kernel_aux() >> 8) & 0xFF))
+}
+
+/// Whether the kernels have a lane for `format`: f32, bf16, split f32, block-wise codes of blocks
+/// up to 512 elements (a warp's 32 threads of 16 elements) whose map has a key table.
+fn has_lane(format: Format) -> bool {
+    match format.name() {
+        "f32" | "bf16" | "split_f32" => true,
+        "blockwise" => {
+            block_of(format).is_some_and(|b| b <= 512)
+                && format
+                    .map()
+                    .is_some_and(|m| m.shared().key_table().is_some())
+        }
+        _ => false,
+    }
+}
+
+fn build() -> Vec<PlanKernel> {
+    let n = 1 << 20;
+    let mut out = Vec::new();
+    for (preset, config) in configs() {
+        let resolved = config.resolve(n, &[n]);
+        let formats = resolved.formats();
+        if !formats.iter().flatten().all(|&f| has_lane(f)) {
+            continue;
+        }
+        let rule = resolved.hyper.consts(1, &RuleState::default()).kernel_id();
+        let inputs: &[GradInput] = if formats[SlotKind::Grad as usize].is_some() {
+            &[GradInput::None, GradInput::F32, GradInput::Bf16]
+        } else {
+            &[GradInput::F32, GradInput::Bf16]
+        };
+        for &input in inputs {
+            let acc = formats[SlotKind::Grad as usize].is_some();
+            let source = match (acc, input) {
+                (true, GradInput::None) => "acc".to_string(),
+                (true, i) => format!("acc_{}", i.suffix()),
+                (false, i) => i.suffix().to_string(),
+            };
+            out.push(PlanKernel {
+                name: format!("lpmm_plan_{preset}_{source}"),
+                preset,
+                config,
+                rule,
+                formats,
+                input,
+            });
+        }
+    }
+    out
+}
+
+/// Every plan with a specialized kernel, in the order of the generated programs.
+pub fn plans() -> &'static [PlanKernel] {
+    static PLANS: OnceLock<Vec<PlanKernel>> = OnceLock::new();
+    PLANS.get_or_init(build)
+}
+
+/// The plan (index into [`plans`]) that steps an item of `layout` with `rule`'s id and this
+/// gradient input, if one does.
+pub fn find(layout: &ParamLayout, rule: u32, input: GradInput) -> Option<usize> {
+    plans().iter().position(|p| p.matches(layout, rule, input))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_hot_preset_has_its_plans_and_names_are_unique() {
+        let plans = plans();
+        for preset in [
+            "adamw_f32",
+            "adamw_8bit",
+            "adamw_8bit_bf16",
+            "adamw_8bit_bf16_sr",
+            "adamw_4bit",
+            "lpmm_sgdm",
+            "lion_8bit",
+        ] {
+            assert!(
+                plans.iter().filter(|p| p.preset == preset).count() == 3,
+                "{preset}: acc, acc + f32, acc + bf16"
+            );
+        }
+        let mut names: Vec<&str> = plans.iter().map(|p| p.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), plans.len());
+        let adam = plans
+            .iter()
+            .find(|p| p.name == "lpmm_plan_adamw_8bit_bf16_acc")
+            .unwrap();
+        assert_eq!(adam.rule_name(), "adam");
+    }
+}
