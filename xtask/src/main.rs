@@ -29,6 +29,10 @@
 //! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
 //!
 //! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.
+//! - `--report`: then prints the specialized steps' static figures for every architecture
+//!   (`ptxas -v`: registers, stack frame, spills; SASS from the pinned `nvdisasm`: fast-path
+//!   instructions per element, 128-bit accesses, barriers, shuffles; `lpmm_cuda::sass`) and fails
+//!   if one breaks its gates.
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -58,6 +62,9 @@ enum Task {
         /// Check instead of writing.
         #[arg(long)]
         check: bool,
+        /// Print the specialized steps' static figures (ptxas -v, SASS) and check their gates.
+        #[arg(long)]
+        report: bool,
     },
     /// Writes (checks) the backends' kernel programs.
     Codegen {
@@ -75,7 +82,7 @@ fn main() -> ExitCode {
             report_only,
             filter,
         } => bench(quick, peers, report_only, filter),
-        Task::Kernels { check } => kernels(check),
+        Task::Kernels { check, report } => kernels(check, report),
         Task::Codegen { check } => codegen(check),
     };
     match result {
@@ -211,7 +218,7 @@ fn bench(
 /// Set in the environment of the re-run with `LD_LIBRARY_PATH` (so it happens once).
 const REEXEC_GUARD: &str = "LPMM_XTASK_NVRTC_REEXEC";
 
-fn kernels(check: bool) -> Result<(), String> {
+fn kernels(check: bool, report: bool) -> Result<(), String> {
     use lpmm_cuda::kernels;
     let wheels = kernels::wheel_paths().map_err(|e| e.to_string())?;
     // NVRTC is loaded by name, through LD_LIBRARY_PATH as it was when the process started.
@@ -281,6 +288,9 @@ fn kernels(check: bool) -> Result<(), String> {
             println!("{arch}: wrote {}", path.display());
         }
     }
+    if report {
+        return static_report(&wheels, &ptx_dir, &tmp);
+    }
     if differ.is_empty() {
         Ok(())
     } else {
@@ -289,6 +299,42 @@ fn kernels(check: bool) -> Result<(), String> {
              `cargo xtask kernels` and commit crates/lpmm-cuda/ptx/",
             differ.join(", ")
         ))
+    }
+}
+
+/// `kernels --report`: the specialized steps' figures for every architecture (the committed
+/// PTX assembled by ptxas, its SASS read with nvdisasm) as a table, and their gates.
+fn static_report(
+    wheels: &lpmm_cuda::kernels::WheelPaths,
+    ptx_dir: &Path,
+    tmp: &Path,
+) -> Result<(), String> {
+    use lpmm_cuda::sass;
+    let mut all = Vec::new();
+    for (arch, _) in lpmm_cuda::kernels::ARCHS.iter().rev() {
+        let ptx = ptx_dir.join(format!("lpmm.{arch}.ptx"));
+        all.extend(sass::figures(
+            &wheels.ptxas,
+            &wheels.nvdisasm,
+            arch,
+            &ptx,
+            tmp,
+        )?);
+    }
+    println!("{}", sass::table(&all));
+    let broken: Vec<String> = all
+        .iter()
+        .flat_map(|f| {
+            f.violations()
+                .into_iter()
+                .map(move |v| format!("{} ({}): {v}", f.name, f.arch))
+        })
+        .collect();
+    if broken.is_empty() {
+        println!("every specialized step meets its static gates");
+        Ok(())
+    } else {
+        Err(format!("static gates broken:\n{}", broken.join("\n")))
     }
 }
 

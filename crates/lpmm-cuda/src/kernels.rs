@@ -29,8 +29,13 @@ pub const RUNTIME_WHEEL: &str = "nvidia-cuda-runtime-cu12==12.4.127";
 /// the committed PTX assembles. (12.4.131: nvcc's last 12.4 release; there is no 12.4.127.)
 pub const NVCC_WHEEL: &str = "nvidia-cuda-nvcc-cu12==12.4.131";
 
+/// The pinned wheel of `nvdisasm` (`nvidia/cu13/bin/nvdisasm`), which prints the SASS of the
+/// cubins ptxas assembles for the static gates of the specialized steps ([`crate::sass`]). NVIDIA
+/// ships it only for CUDA 13 (it disassembles the 12.4 ptxas's sm_80 and sm_90 cubins).
+pub const NVDISASM_WHEEL: &str = "nvidia-cuda-nvdisasm==13.4.92";
+
 /// Every pinned wheel, as pip requirements (`.ci/run` installs these, read from this file).
-pub const WHEELS: [&str; 3] = [NVRTC_WHEEL, RUNTIME_WHEEL, NVCC_WHEEL];
+pub const WHEELS: [&str; 4] = [NVRTC_WHEEL, RUNTIME_WHEEL, NVCC_WHEEL, NVDISASM_WHEEL];
 
 /// The NVRTC version (major, minor) of [`NVRTC_WHEEL`]; `compile` (feature `nvrtc`) refuses any
 /// other.
@@ -79,6 +84,8 @@ pub struct WheelPaths {
     pub include: std::path::PathBuf,
     /// `nvidia/cuda_nvcc/bin/ptxas`.
     pub ptxas: std::path::PathBuf,
+    /// `nvidia/cu13/bin/nvdisasm` ([`NVDISASM_WHEEL`]).
+    pub nvdisasm: std::path::PathBuf,
 }
 
 impl WheelPaths {
@@ -90,12 +97,18 @@ impl WheelPaths {
             nvrtc_lib: nvidia.join("cuda_nvrtc/lib"),
             include: nvidia.join("cuda_runtime/include"),
             ptxas: nvidia.join("cuda_nvcc/bin/ptxas"),
+            nvdisasm: nvidia.join("cu13/bin/nvdisasm"),
         };
-        let missing: Vec<String> = [&paths.nvrtc_lib, &paths.include, &paths.ptxas]
-            .into_iter()
-            .filter(|p| !p.exists())
-            .map(|p| p.display().to_string())
-            .collect();
+        let missing: Vec<String> = [
+            &paths.nvrtc_lib,
+            &paths.include,
+            &paths.ptxas,
+            &paths.nvdisasm,
+        ]
+        .into_iter()
+        .filter(|p| !p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
         if missing.is_empty() {
             Ok(paths)
         } else {
@@ -123,7 +136,7 @@ pub struct WheelsNotFound {
 
 /// Locates the pinned wheels' files: in the `site-packages` directory named by the environment
 /// variable `LPMM_CUDA_WHEELS` if it is set, else wherever `python3` (the first on `PATH`)
-/// imports the `nvidia` package from (the first of its paths that holds all three wheels).
+/// imports the `nvidia` package from (the first of its paths that holds every pinned wheel).
 /// Checks that the files exist, not the wheels' versions (`compile`, feature `nvrtc`, checks
 /// NVRTC's).
 pub fn wheel_paths() -> Result<WheelPaths, WheelsNotFound> {

@@ -45,6 +45,7 @@ mod device;
 #[cfg(feature = "emulate")]
 mod emulate;
 pub mod kernels;
+pub mod sass;
 
 pub use device::{CudaBuffer, CudaRuntime};
 use device::{Dev, NAME};

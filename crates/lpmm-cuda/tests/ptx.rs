@@ -141,8 +141,9 @@ fn inlined_fmas(fns: &[(String, usize, Vec<String>)], name: &str) -> usize {
 /// and every f32 multiply and add with an explicit `.rn`, which ptxas never contracts into an fma
 /// (so the only fmas are the kernels' own `__fmaf_rn`, all in the rules' files, and an entry has
 /// fmas exactly where it inlines a `__fmaf_rn`: the compiler may duplicate or merge the inlined
-/// code, so the counts need not match; `no_fma_but_the_kernels_own` proves with NVRTC that none is
-/// a contraction). Needs no NVRTC.
+/// code, so the counts need not match; a specialized step has fmas exactly where its rule's apply
+/// has a `__fmaf_rn`; `no_fma_but_the_kernels_own` proves with NVRTC that none is a contraction).
+/// Needs no NVRTC.
 #[test]
 fn committed_ptx_uses_only_ieee_float_operations() {
     let fns = functions(kernels::SOURCE);
@@ -203,9 +204,15 @@ fn committed_ptx_uses_only_ieee_float_operations() {
                 }
             }
         }
+        // The specialized steps (lpmm-backend's plans) inline their rule's apply.
+        let plans = lpmm_backend::plans::plans().iter().map(|p| {
+            let apply = format!("rule_{}_apply", p.rule_name());
+            (p.name.as_str(), inlined_fmas(&fns, &apply))
+        });
         let want: std::collections::BTreeMap<&str, usize> = lpmm_backend::abi::Entry::ALL
             .iter()
             .map(|e| (e.name(), inlined_fmas(&fns, e.name())))
+            .chain(plans)
             .collect();
         let has = |m: &std::collections::BTreeMap<&str, usize>| {
             m.iter()
@@ -293,4 +300,38 @@ fn the_generated_program_is_up_to_date() {
     let err = target.check(&root, &edited).unwrap_err();
     assert!(err.contains("cargo xtask codegen"), "{err}");
     assert!(err.contains(target.output), "{err}");
+}
+
+/// The specialized steps' static gates (`lpmm_cuda::sass`), for every architecture: `ptxas -v`
+/// reports a 0-byte stack frame and no spills; their SASS has no `LDL`/`STL`, moves every
+/// element in 128-bit accesses (64-bit for a thread's 4-bit codes), has at most one barrier per
+/// quantization block, and its fast path stays within the kernel's instruction budget per
+/// element. A failure names the command that prints the table. Needs ptxas and nvdisasm.
+#[test]
+fn specialized_steps_meet_their_static_gates() {
+    let Some(wheels) = wheels(false) else {
+        return;
+    };
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sass");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut broken = Vec::new();
+    for (arch, _) in ARCHS {
+        let ptx = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("ptx/lpmm.{arch}.ptx"));
+        let figures = lpmm_cuda::sass::figures(&wheels.ptxas, &wheels.nvdisasm, arch, &ptx, &tmp)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(figures.len(), lpmm_backend::plans::plans().len());
+        for f in &figures {
+            broken.extend(
+                f.violations()
+                    .into_iter()
+                    .map(|v| format!("{} ({arch}): {v}", f.name)),
+            );
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "specialized steps over their static gates (`{}` prints the table):\n{}",
+        lpmm_cuda::sass::COMMAND,
+        broken.join("\n")
+    );
 }
