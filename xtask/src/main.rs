@@ -23,9 +23,9 @@
 //!
 //! `kernels [--check]` compiles `crates/lpmm-cuda/kernels/lpmm.generated.cu` with NVRTC for every
 //! architecture of `lpmm_cuda::kernels::ARCHS` and writes `crates/lpmm-cuda/ptx/lpmm.<arch>.ptx`,
-//! then assembles each with ptxas. The pinned wheels (`nvidia-cuda-{nvrtc,runtime,nvcc}-cu12`)
-//! are found in `LPMM_CUDA_WHEELS` (a site-packages directory) or by `python3`; as the dynamic
-//! loader reads `LD_LIBRARY_PATH` only at start, xtask re-runs itself with the wheel's
+//! then assembles each with ptxas. The pinned wheels (`nvidia-cuda-{nvrtc,runtime,nvcc}-cu12`,
+//! `nvidia-cuda-nvdisasm`; `lpmm_cuda::kernels::WHEELS`) are found in `LPMM_CUDA_WHEELS` (a
+//! site-packages directory) or by `python3`; as the dynamic loader reads `LD_LIBRARY_PATH` only at start, xtask re-runs itself with the wheel's
 //! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
 //!
 //! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.

@@ -851,7 +851,7 @@ impl<R: Runtime> Device<R> {
             let kernel = match mode {
                 Specialized::None => None,
                 _ if !moves => None,
-                _ => plans::find(layout, plan.rule.kernel_id(), grad),
+                _ => plans::find(layout, &plan.rule, grad),
             };
             let before = items.len();
             self.items(

@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use lpmm_optim::backend::{Format, ParamLayout, RuleConsts, RuleState, SLOTS, SlotKind};
+use lpmm_optim::backend::{FieldType, Format, ParamLayout, RuleConsts, RuleState, SLOTS, SlotKind};
 use lpmm_optim::{ParamConfig, Storage, presets};
 
 /// Where a plan's gradient comes from besides its accumulator (the step's io values).
@@ -49,6 +49,10 @@ pub struct PlanKernel {
     pub config: ParamConfig,
     /// The rule's kernel id ([`RuleConsts::kernel_id`]).
     pub rule: u32,
+    /// The rule's options the kernel is compiled for: each `u32` field of its constants (Adam's
+    /// `decoupled`, SGD's `options`) as `(word, name, value)`; a step whose constants differ
+    /// there takes the generic step.
+    pub options: Vec<(usize, &'static str, u32)>,
     /// Each slot's format: parameter, gradient accumulator, states 1-3 (`None`: no slot).
     pub formats: [Option<Format>; SLOTS],
     /// The io gradient.
@@ -95,9 +99,31 @@ impl PlanKernel {
         )
     }
 
-    /// Whether the kernel steps an item of `layout` with `rule`'s id and this gradient input.
-    pub fn matches(&self, layout: &ParamLayout, rule: u32, input: GradInput) -> bool {
-        self.rule == rule && self.input == input && self.formats == layout.formats
+    /// The override constants of the WGSL step's pipeline for this plan (`PLAN_RULE`, and each
+    /// slot's `PLAN_FORMAT_<s>` and `PLAN_AUX_<s>`: the format's kernel id and aux word, 0 for no
+    /// slot), which fix what the generic `lpmm_step` reads from each item's descriptor, so that
+    /// the driver's compiler folds away the dispatch over every other rule and format. The CUDA
+    /// program compiles one kernel per plan instead ([`crate::codegen::plan_entries`]).
+    pub fn pipeline_constants(&self) -> Vec<(String, u32)> {
+        let mut out = vec![("PLAN_RULE".to_string(), self.rule)];
+        for (s, f) in self.formats.iter().enumerate() {
+            out.push((format!("PLAN_FORMAT_{s}"), f.map_or(0, |f| f.kernel_id())));
+            out.push((format!("PLAN_AUX_{s}"), f.map_or(0, |f| f.kernel_aux())));
+        }
+        out
+    }
+
+    /// Whether the kernel steps an item of `layout` with `rule`'s constants and this gradient
+    /// input.
+    pub fn matches(&self, layout: &ParamLayout, rule: &RuleConsts, input: GradInput) -> bool {
+        let words = rule.words();
+        self.rule == rule.kernel_id()
+            && self.input == input
+            && self.formats == layout.formats
+            && self
+                .options
+                .iter()
+                .all(|&(w, _, v)| words.get(w) == Some(&v))
     }
 }
 
@@ -160,7 +186,16 @@ fn build() -> Vec<PlanKernel> {
         if !formats.iter().flatten().all(|&f| has_lane(f)) {
             continue;
         }
-        let rule = resolved.hyper.consts(1, &RuleState::default()).kernel_id();
+        let consts = resolved.hyper.consts(1, &RuleState::default());
+        let rule = consts.kernel_id();
+        let words = consts.words();
+        let options: Vec<(usize, &'static str, u32)> = RuleConsts::KERNELS[rule as usize]
+            .2
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, t))| *t == FieldType::U32)
+            .map(|(w, &(name, _))| (w, name, words[w]))
+            .collect();
         let inputs: &[GradInput] = if formats[SlotKind::Grad as usize].is_some() {
             &[GradInput::None, GradInput::F32, GradInput::Bf16]
         } else {
@@ -178,6 +213,7 @@ fn build() -> Vec<PlanKernel> {
                 preset,
                 config,
                 rule,
+                options: options.clone(),
                 formats,
                 input,
             });
@@ -192,9 +228,9 @@ pub fn plans() -> &'static [PlanKernel] {
     PLANS.get_or_init(build)
 }
 
-/// The plan (index into [`plans`]) that steps an item of `layout` with `rule`'s id and this
-/// gradient input, if one does.
-pub fn find(layout: &ParamLayout, rule: u32, input: GradInput) -> Option<usize> {
+/// The plan (index into [`plans`]) that steps an item of `layout` with `rule`'s constants and
+/// this gradient input, if one does.
+pub fn find(layout: &ParamLayout, rule: &RuleConsts, input: GradInput) -> Option<usize> {
     plans().iter().position(|p| p.matches(layout, rule, input))
 }
 

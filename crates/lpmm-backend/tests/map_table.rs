@@ -3,7 +3,8 @@
 //! `CodeMap::nearest` for every map.
 
 use lpmm_backend::abi::{
-    MAP_BUCKET_WORDS, MAP_BUCKETS, MAP_LENS, MAP_SCANS, MAP_STRIDE, map_table,
+    MAP_BUCKET_WORDS, MAP_BUCKETS, MAP_KEY_WORDS, MAP_KEYS, MAP_LENS, MAP_SCANS, MAP_STRIDE,
+    map_table,
 };
 use lpmm_optim::MapKind;
 
@@ -28,9 +29,14 @@ fn kernel_nearest(table: &[u32], map: u32, y: f32) -> u32 {
 #[test]
 fn the_kernels_search_of_the_table_is_the_cpus_nearest() {
     let table = map_table();
+    // The bucket tables, then the key tables (the specialized steps' search).
+    assert_eq!(
+        MAP_KEYS,
+        MAP_BUCKETS + MapKind::ALL.len() as u32 * MAP_BUCKET_WORDS
+    );
     assert_eq!(
         table.len(),
-        (MAP_BUCKETS + MapKind::ALL.len() as u32 * MAP_BUCKET_WORDS) as usize
+        (MAP_KEYS + MapKind::ALL.len() as u32 * MAP_KEY_WORDS) as usize
     );
     use rand_core::{Rng as _, SeedableRng};
     let mut rng = rand_xoshiro::SplitMix64::seed_from_u64(0x9E37_79B9_7F4A_7C15);

@@ -240,6 +240,12 @@ impl Cuda {
         Self::with_stream(device::open(ordinal)?, CudaOptions::default())
     }
 
+    /// The backend on device `ordinal`, with a new stream and `options` (such as
+    /// [`CudaOptions::with_specialized`]`(false)`: the generic step only).
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self, CudaError> {
+        Self::with_stream(device::open(ordinal)?, options)
+    }
+
     /// The backend on the caller's stream: every copy and launch is enqueued on it, in order.
     pub fn with_stream(stream: Arc<CudaStream>, options: CudaOptions) -> Result<Self, CudaError> {
         let runtime = CudaRuntime::gpu(stream)?;

@@ -76,11 +76,21 @@ fn thread_count(t: Tile, lt: u32) -> u32 {
     return min(PER, t.n - first);
 }
 
+// Slot `s`'s format and aux word: fixed by a specialized step's pipeline (`plan_format`,
+// generated), else read from the item's descriptor.
 fn slot_format(t: Tile, s: u32) -> u32 {
+    let fixed = plan_format(s);
+    if (fixed != PLAN_ANY) {
+        return fixed;
+    }
     return dw(t, D_SLOTS + SLOT_WORDS * s);
 }
 
 fn slot_aux(t: Tile, s: u32) -> u32 {
+    let fixed = plan_aux(s);
+    if (fixed != PLAN_ANY) {
+        return fixed;
+    }
     return dw(t, D_SLOTS + SLOT_WORDS * s + 1u);
 }
 

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lpmm_backend::abi::{Binding, Entry};
-use lpmm_backend::{DeviceOptions, Io, Launch, Limits, Runtime};
+use lpmm_backend::{DeviceOptions, Io, Launch, Limits, Runtime, Specialized};
 use lpmm_optim::BackendError;
 use lpmm_optim::backend::Dtype;
 
@@ -65,6 +65,11 @@ pub struct WgpuOptions {
     /// Which fma, division and square root the kernels use ([`Arithmetic`]). Default:
     /// [`Arithmetic::Exact`], the CPU's bits.
     pub arithmetic: Arithmetic,
+    /// Whether steps run the specialized pipelines (default): for a parameter whose plan is one
+    /// of lpmm-backend's `plans`, `lpmm_step` built with the plan's rule and slot formats fixed
+    /// (override constants), so the driver compiles only that plan's code; `false` steps every
+    /// parameter with the generic pipeline (the same bits).
+    pub specialized: bool,
 }
 
 /// Which f32 fma, division and square root the kernels use ([`WgpuOptions::arithmetic`]).
@@ -93,6 +98,7 @@ impl Default for WgpuOptions {
             piece_elements: 1 << 20,
             io_bytes: 64 << 20,
             arithmetic: Arithmetic::Exact,
+            specialized: true,
         }
     }
 }
@@ -125,6 +131,14 @@ impl WgpuOptions {
     /// With the given fma, division and square root ([`WgpuOptions::arithmetic`]).
     pub fn with_arithmetic(self, arithmetic: Arithmetic) -> Self {
         Self { arithmetic, ..self }
+    }
+
+    /// With the specialized pipelines on or off ([`WgpuOptions::specialized`]).
+    pub fn with_specialized(self, on: bool) -> Self {
+        Self {
+            specialized: on,
+            ..self
+        }
     }
 }
 
@@ -283,6 +297,7 @@ impl Wgpu {
             &pipeline_layout,
             "arith_main",
             Native::default(),
+            &[],
         );
         let kernels = Arc::new(Kernels {
             module,
@@ -290,6 +305,7 @@ impl Wgpu {
             pipeline_layout,
             arith,
             pipelines: Mutex::new(Default::default()),
+            plan_pipelines: Mutex::new(vec![None; lpmm_backend::plans::plans().len()]),
             lost,
         });
         let mut rt = WgpuRuntime::new(info, device, queue, kernels, &options);
@@ -330,7 +346,8 @@ impl Wgpu {
         let io_floats = (options.io_bytes.min(binding_cap(&rt.device)) / 4) as usize;
         let device_options = DeviceOptions::default()
             .with_piece_elements(options.piece_elements)
-            .with_io_floats(io_floats);
+            .with_io_floats(io_floats)
+            .with_specialized(options.specialized);
         Wgpu::from_runtime(rt, device_options).map_err(|e| WgpuError::Options(e.to_string()))
     }
 
@@ -406,6 +423,9 @@ pub(crate) struct Kernels {
     /// The entries' pipelines, in [`Entry`] id order, each built on first use (a backend that
     /// never folds never compiles `lpmm_fold`).
     pipelines: Mutex<[Option<wgpu::ComputePipeline>; Entry::ALL.len()]>,
+    /// The specialized steps' pipelines (`lpmm_step` with a plan's override constants), in
+    /// lpmm-backend's plan order, each built on first use.
+    plan_pipelines: Mutex<Vec<Option<wgpu::ComputePipeline>>>,
     /// Set by the device-lost callback.
     lost: Arc<AtomicBool>,
 }
@@ -452,19 +472,22 @@ fn build_pipeline(
     layout: &wgpu::PipelineLayout,
     name: &str,
     native: Native,
+    plan: &[(String, u32)],
 ) -> wgpu::ComputePipeline {
     let flag = |on: bool| if on { 1.0 } else { 0.0 };
+    let mut constants: Vec<(&str, f64)> = vec![
+        ("FMA_NATIVE", flag(native.fma)),
+        ("DIV_NATIVE", flag(native.div)),
+        ("SQRT_NATIVE", flag(native.sqrt)),
+    ];
+    constants.extend(plan.iter().map(|(k, v)| (k.as_str(), f64::from(*v))));
     device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(name),
         layout: Some(layout),
         module,
         entry_point: Some(name),
         compilation_options: wgpu::PipelineCompilationOptions {
-            constants: &[
-                ("FMA_NATIVE", flag(native.fma)),
-                ("DIV_NATIVE", flag(native.div)),
-                ("SQRT_NATIVE", flag(native.sqrt)),
-            ],
+            constants: &constants,
             zero_initialize_workgroup_memory: true,
         },
         cache: None,
@@ -498,12 +521,40 @@ impl WgpuRuntime {
         }
     }
 
-    /// The pipeline of `entry` (built on its first launch; its arithmetic from the probe). A
-    /// driver that refuses to build it gives a typed error, not wgpu's uncaptured-error panic.
-    fn pipeline(&self, entry: Entry) -> Result<wgpu::ComputePipeline, BackendError> {
+    /// The pipeline of `entry`, or with `plan` (an index into lpmm-backend's plans, for
+    /// [`Entry::Step`]) that plan's specialized step: `lpmm_step` with the plan's override
+    /// constants. Built on its first launch, its arithmetic from the probe. A driver that refuses
+    /// to build it gives a typed error, not wgpu's uncaptured-error panic.
+    fn pipeline(
+        &self,
+        entry: Entry,
+        plan: Option<usize>,
+    ) -> Result<wgpu::ComputePipeline, BackendError> {
         let k = &self.kernels;
         let mut pipelines = k.pipelines.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = &mut pipelines[entry as usize];
+        let mut plan_pipelines = k.plan_pipelines.lock().unwrap_or_else(|e| e.into_inner());
+        let (slot, constants, what) = match plan.filter(|_| entry == Entry::Step) {
+            Some(p) => {
+                let plan =
+                    lpmm_backend::plans::plans()
+                        .get(p)
+                        .ok_or_else(|| BackendError::Driver {
+                            backend: NAME,
+                            what: format!("no specialized step {p}"),
+                            source: None,
+                        })?;
+                (
+                    &mut plan_pipelines[p],
+                    plan.pipeline_constants(),
+                    format!("{} pipeline of plan {}", entry.name(), plan.name),
+                )
+            }
+            None => (
+                &mut pipelines[entry as usize],
+                Vec::new(),
+                format!("{} pipeline", entry.name()),
+            ),
+        };
         if let Some(p) = slot {
             return Ok(p.clone());
         }
@@ -514,11 +565,12 @@ impl WgpuRuntime {
             &k.pipeline_layout,
             entry.name(),
             self.native,
+            &constants,
         );
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(BackendError::Driver {
                 backend: NAME,
-                what: format!("building the {} pipeline: {e}", entry.name()),
+                what: format!("building the {what}: {e}"),
                 source: Some(Arc::new(e)),
             });
         }
@@ -746,7 +798,7 @@ impl Runtime for WgpuRuntime {
             layout: &self.kernels.layout,
             entries: &entries,
         });
-        let pipeline = self.pipeline(entry)?;
+        let pipeline = self.pipeline(entry, launch.plan)?;
         let mut encoder = self.device.create_command_encoder(&Default::default());
         {
             let mut pass = encoder.begin_compute_pass(&Default::default());
@@ -759,6 +811,13 @@ impl Runtime for WgpuRuntime {
         }
         self.queue.submit([encoder.finish()]);
         Ok(())
+    }
+
+    /// The specialized steps run any item of their plan: a plan's pipeline is the generic
+    /// `lpmm_step` with the plan's rule and formats fixed (override constants), so it handles
+    /// every address and partial tile the generic one does.
+    fn specialized(&self) -> Specialized {
+        Specialized::Any
     }
 }
 

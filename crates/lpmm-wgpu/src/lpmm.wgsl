@@ -284,11 +284,21 @@ fn thread_count(t: Tile, lt: u32) -> u32 {
     return min(PER, t.n - first);
 }
 
+// Slot `s`'s format and aux word: fixed by a specialized step's pipeline (`plan_format`,
+// generated), else read from the item's descriptor.
 fn slot_format(t: Tile, s: u32) -> u32 {
+    let fixed = plan_format(s);
+    if (fixed != PLAN_ANY) {
+        return fixed;
+    }
     return dw(t, D_SLOTS + SLOT_WORDS * s);
 }
 
 fn slot_aux(t: Tile, s: u32) -> u32 {
+    let fixed = plan_aux(s);
+    if (fixed != PLAN_ANY) {
+        return fixed;
+    }
     return dw(t, D_SLOTS + SLOT_WORDS * s + 1u);
 }
 
@@ -1819,7 +1829,7 @@ fn fmt_limit(fmt: u32) -> u32 {
 }
 
 fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
-    switch dw(t, D_RULE) {
+    switch rule_of(t) {
         case RULE_SGD: { return rule_sgd_apply(load_SgdConsts(t), flags, p, g, m0, v0, w0); }
         case RULE_ADAM: { return rule_adam_apply(load_AdamConsts(t), flags, p, g, m0, v0, w0); }
         case RULE_LION: { return rule_lion_apply(load_LionConsts(t), flags, p, g, m0, v0, w0); }
@@ -1832,7 +1842,7 @@ fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) ->
 }
 
 fn moment_input(t: Tile, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
-    switch dw(t, D_RULE) {
+    switch rule_of(t) {
         case RULE_ADAM: { return rule_adam_moment_input(load_AdamConsts(t), flags, s, p, g, m, v, w); }
         case RULE_CAME: { return rule_came_moment_input(load_CameConsts(t), flags, s, p, g, m, v, w); }
         default: { return g; }
@@ -1840,7 +1850,7 @@ fn moment_input(t: Tile, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: 
 }
 
 fn stat_input(t: Tile, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
-    switch dw(t, D_RULE) {
+    switch rule_of(t) {
         case RULE_ADAFACTOR: { return rule_adafactor_stat_input(load_AdafactorConsts(t), flags, k, p, g, m, v, w); }
         case RULE_CAME: { return rule_came_stat_input(load_CameConsts(t), flags, k, p, g, m, v, w); }
         default: { return 0.0; }

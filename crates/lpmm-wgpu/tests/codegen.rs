@@ -328,3 +328,44 @@ fn every_float_product_is_rounded_before_anything_adds_it() {
         assert!(caught.contains_key(site), "{site} is found: {caught:?}");
     }
 }
+
+/// Each specialized step's override constants (lpmm-backend's `PlanKernel::pipeline_constants`,
+/// what lpmm-wgpu builds `lpmm_step`'s pipeline with) name the program's overrides with values
+/// of their type: naga processes them as wgpu does when it builds the pipeline.
+#[test]
+fn every_plans_constants_specialize_the_step() {
+    let source = std::fs::read_to_string(root().join(wgsl().output)).unwrap();
+    let module = naga::front::wgsl::parse_str(&source).expect("the program parses");
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .expect("the program validates");
+    let plans = lpmm_backend::plans::plans();
+    assert!(!plans.is_empty());
+    for plan in plans {
+        let constants: naga::back::PipelineConstants = plan
+            .pipeline_constants()
+            .into_iter()
+            .map(|(k, v)| (k, f64::from(v)))
+            .collect();
+        for name in constants.keys() {
+            assert!(
+                module
+                    .overrides
+                    .iter()
+                    .any(|(_, o)| o.name.as_deref() == Some(name.as_str())),
+                "{}: no override {name} in the program",
+                plan.name
+            );
+        }
+        naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, "lpmm_step")),
+            &constants,
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+    }
+}
