@@ -500,8 +500,9 @@ pub fn plan_entries(lang: Lang) -> String {
 
 /// The WGSL of the specialized steps: override constants that fix the step's rule and each
 /// slot's format and aux word, which lpmm-wgpu sets per plan when it builds a plan's pipeline of
-/// `lpmm_step` (the driver's compiler then folds the dispatch over every other rule and format
-/// away); left at `PLAN_ANY` (the generic step's pipeline) they read the item's descriptor.
+/// `lpmm_step` from the program cut to the plan ([`crate::plans::PlanKernel::wgsl_program`]; the
+/// driver's compiler then folds what is left of the dispatch); left at `PLAN_ANY` (the generic
+/// step's pipeline) they read the item's descriptor.
 fn wgsl_plan_constants(plans: &[crate::plans::PlanKernel]) -> String {
     let mut o = format!(
         "// {} plans; the host sets these per plan: crate::plans::PlanKernel::constants.\nconst PLAN_ANY: u32 = 0xffffffffu;\noverride PLAN_RULE: u32 = PLAN_ANY;\n",

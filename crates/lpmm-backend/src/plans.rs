@@ -102,13 +102,50 @@ impl PlanKernel {
     /// The override constants of the WGSL step's pipeline for this plan (`PLAN_RULE`, and each
     /// slot's `PLAN_FORMAT_<s>` and `PLAN_AUX_<s>`: the format's kernel id and aux word, 0 for no
     /// slot), which fix what the generic `lpmm_step` reads from each item's descriptor, so that
-    /// the driver's compiler folds away the dispatch over every other rule and format. The CUDA
-    /// program compiles one kernel per plan instead ([`crate::codegen::plan_entries`]).
+    /// the driver's compiler folds away what is left of the dispatch in
+    /// [`PlanKernel::wgsl_program`]. The CUDA program compiles one kernel per plan instead
+    /// ([`crate::codegen::plan_entries`]).
     pub fn pipeline_constants(&self) -> Vec<(String, u32)> {
         let mut out = vec![("PLAN_RULE".to_string(), self.rule)];
         for (s, f) in self.formats.iter().enumerate() {
             out.push((format!("PLAN_FORMAT_{s}"), f.map_or(0, |f| f.kernel_id())));
             out.push((format!("PLAN_AUX_{s}"), f.map_or(0, |f| f.kernel_aux())));
+        }
+        out
+    }
+
+    /// The WGSL program `program` (lpmm-wgpu's generated `lpmm.wgsl`) cut to this plan: the
+    /// generated dispatch keeps only the cases of the plan's rule and slot formats (a `case
+    /// RULE_<rule>` or `case FMT_<format>` line that calls a rule's or format's function), so the
+    /// program reaches no other rule's or format's code and wgpu (naga's compaction for the entry
+    /// point) hands the driver only this plan's. The plan's items never take a removed case: the
+    /// result is the full program's, bit for bit. Built with [`PlanKernel::pipeline_constants`].
+    pub fn wgsl_program(&self, program: &str) -> String {
+        let formats: Vec<String> = self
+            .formats
+            .iter()
+            .flatten()
+            .map(|f| format!("FMT_{}", f.name().to_uppercase()))
+            .collect();
+        let rule = format!("RULE_{}", self.rule_name().to_uppercase());
+        let keep = |line: &str| {
+            let t = line.trim_start();
+            let Some(case) = t.strip_prefix("case ") else {
+                return true;
+            };
+            let id = case.split(':').next().unwrap_or("");
+            if id.starts_with("FMT_") && t.contains("fmt_") {
+                formats.iter().any(|f| f == id)
+            } else if id.starts_with("RULE_") && t.contains("rule_") {
+                id == rule
+            } else {
+                true
+            }
+        };
+        let mut out = String::with_capacity(program.len());
+        for line in program.lines().filter(|l| keep(l)) {
+            out.push_str(line);
+            out.push('\n');
         }
         out
     }

@@ -329,19 +329,57 @@ fn every_float_product_is_rounded_before_anything_adds_it() {
     }
 }
 
-/// Each specialized step's override constants (lpmm-backend's `PlanKernel::pipeline_constants`,
-/// what lpmm-wgpu builds `lpmm_step`'s pipeline with) name the program's overrides with values
-/// of their type: naga processes them as wgpu does when it builds the pipeline.
+/// Each specialized step's program (lpmm-backend's `PlanKernel::wgsl_program`: the dispatch cut
+/// to the plan's rule and formats) validates, and its override constants
+/// (`PlanKernel::pipeline_constants`) name the program's overrides with values of their type:
+/// naga processes them as wgpu does when it builds the pipeline, keeping only what `lpmm_step`
+/// reaches, which is less than the generic program's. Prints each plan's count of functions and
+/// expressions beside the generic step's (`--nocapture`).
 #[test]
-fn every_plans_constants_specialize_the_step() {
+fn every_plans_program_is_cut_to_the_plan() {
     let source = std::fs::read_to_string(root().join(wgsl().output)).unwrap();
-    let module = naga::front::wgsl::parse_str(&source).expect("the program parses");
-    let info = naga::valid::Validator::new(
-        naga::valid::ValidationFlags::all(),
-        naga::valid::Capabilities::all(),
-    )
-    .validate(&module)
-    .expect("the program validates");
+    let step = |source: &str, constants: &naga::back::PipelineConstants| -> (usize, usize) {
+        let module = naga::front::wgsl::parse_str(source).expect("the program parses");
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .expect("the program validates");
+        for name in constants.keys() {
+            assert!(
+                module
+                    .overrides
+                    .iter()
+                    .any(|(_, o)| o.name.as_deref() == Some(name.as_str())),
+                "no override {name} in the program"
+            );
+        }
+        let (module, _) = naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, "lpmm_step")),
+            constants,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let expressions = module
+            .functions
+            .iter()
+            .map(|(_, f)| f.expressions.len())
+            .chain(
+                module
+                    .entry_points
+                    .iter()
+                    .map(|e| e.function.expressions.len()),
+            )
+            .sum();
+        (module.functions.len(), expressions)
+    };
+    let generic = step(&source, &Default::default());
+    eprintln!(
+        "lpmm_step, generic: {} functions, {} expressions",
+        generic.0, generic.1
+    );
     let plans = lpmm_backend::plans::plans();
     assert!(!plans.is_empty());
     for plan in plans {
@@ -350,22 +388,15 @@ fn every_plans_constants_specialize_the_step() {
             .into_iter()
             .map(|(k, v)| (k, f64::from(v)))
             .collect();
-        for name in constants.keys() {
-            assert!(
-                module
-                    .overrides
-                    .iter()
-                    .any(|(_, o)| o.name.as_deref() == Some(name.as_str())),
-                "{}: no override {name} in the program",
-                plan.name
-            );
-        }
-        naga::back::pipeline_constants::process_overrides(
-            &module,
-            &info,
-            Some((naga::ShaderStage::Compute, "lpmm_step")),
-            &constants,
-        )
-        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+        let cut = step(&plan.wgsl_program(&source), &constants);
+        eprintln!(
+            "lpmm_step, {}: {} functions, {} expressions",
+            plan.name, cut.0, cut.1
+        );
+        assert!(
+            cut.0 < generic.0 && cut.1 < generic.1,
+            "{}: {cut:?} against the generic {generic:?}",
+            plan.name
+        );
     }
 }
