@@ -62,7 +62,8 @@ pub fn plan_source(lang: Lang) -> Option<&'static str> {
 }
 
 /// The files of a program, in order: `None` for a generated part (the ABI, the dispatch, and
-/// where the language has them the plans' entries).
+/// the specialized steps' part: CUDA's kernel per plan after `kernels/plan.cuh`, WGSL's override
+/// constants).
 pub fn sources(lang: Lang) -> Vec<Option<String>> {
     let mut files: Vec<Option<String>> = vec![None];
     files.extend(CORE.iter().map(|s| Some(s.to_string())));
@@ -76,8 +77,8 @@ pub fn sources(lang: Lang) -> Vec<Option<String>> {
     files.extend(TAIL.iter().map(|s| Some(s.to_string())));
     if let Some(plan) = plan_source(lang) {
         files.push(Some(plan.to_string()));
-        files.push(None);
     }
+    files.push(None);
     files
 }
 
