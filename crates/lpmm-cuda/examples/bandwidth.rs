@@ -256,18 +256,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     step_bw / copy_bw,
                     f.plan_launches
                 ));
+                // Written after every row, so that a run cut short keeps what it measured.
+                if let Some(path) = &args.json {
+                    let body = format!(
+                        "{{\"device\":\"{}\",\"arch\":\"{}\",\"emulated\":{},\"rows\":[{}]}}\n",
+                        first.device_name(),
+                        first.arch(),
+                        args.emulate,
+                        rows.join(",")
+                    );
+                    std::fs::write(path, body)?;
+                }
             }
         }
     }
-    if let Some(path) = args.json {
-        let body = format!(
-            "{{\"device\":\"{}\",\"arch\":\"{}\",\"emulated\":{},\"rows\":[{}]}}\n",
-            first.device_name(),
-            first.arch(),
-            args.emulate,
-            rows.join(",")
-        );
-        std::fs::write(&path, body)?;
+    if let Some(path) = &args.json {
         println!("wrote {path}");
     }
     Ok(())

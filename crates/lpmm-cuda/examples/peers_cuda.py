@@ -143,8 +143,9 @@ def main():
                 torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=2)
+            # Written after every row, so that a run cut short keeps what it measured.
+            with open(args.out, "w") as f:
+                json.dump({"info": info, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
