@@ -289,7 +289,7 @@ fn kernels(check: bool, report: bool) -> Result<(), String> {
         }
     }
     if report {
-        return static_report(&wheels, &ptx_dir, &tmp);
+        static_report(&wheels, &ptx_dir, &tmp)?;
     }
     if differ.is_empty() {
         Ok(())
