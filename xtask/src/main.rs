@@ -29,6 +29,12 @@
 //! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
 //!
 //! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.
+//!
+//! `gpu-bundle` builds every GPU test binary and the GPU example on a machine without a GPU or a
+//! CUDA toolkit, and packs them with `xtask/gpu-run.sh`, which runs them on a GPU machine
+//! (`target/gpu-bundle/bundle.tar.xz`; how: `gpu_bundle.rs`).
+
+mod gpu_bundle;
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -59,6 +65,9 @@ enum Task {
         #[arg(long)]
         check: bool,
     },
+    /// Builds the GPU test binaries and the GPU example, without a GPU or a CUDA toolkit, into
+    /// target/gpu-bundle/bundle.tar.xz, run on a GPU machine by xtask/gpu-run.sh.
+    GpuBundle,
     /// Writes (checks) the backends' kernel programs.
     Codegen {
         /// Check instead of writing.
@@ -77,6 +86,7 @@ fn main() -> ExitCode {
         } => bench(quick, peers, report_only, filter),
         Task::Kernels { check } => kernels(check),
         Task::Codegen { check } => codegen(check),
+        Task::GpuBundle => gpu_bundle::gpu_bundle(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
