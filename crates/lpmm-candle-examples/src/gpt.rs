@@ -269,7 +269,7 @@ fn init_values(name: &str, n: usize, seed: u64, r: &Recipe) -> Vec<f32> {
 #[derive(Debug)]
 enum Lin {
     Var(Linear),
-    Held(QLinear),
+    Held(Box<QLinear>),
 }
 
 impl Lin {
@@ -373,7 +373,7 @@ impl Builder<'_> {
             }
             Maker::Layers { opt, .. } => {
                 let w = self.tensor(&weight, &[d_out, d_in], DType::F32)?;
-                Ok(Lin::Held(opt.linear(name, &w, None)?))
+                Ok(Lin::Held(Box::new(opt.linear(name, &w, None)?)))
             }
         }
     }
