@@ -3,8 +3,8 @@
 //! (`xtask/gpu-run.sh`) into `target/gpu-bundle/bundle.tar.xz`, for a GPU machine that has no
 //! Rust toolchain (it has a CUDA driver and PyTorch's CUDA 13 libraries).
 //!
-//! What it builds (release profile, one cargo invocation, its own target directory
-//! `target/gpu-bundle/cargo`):
+//! What it builds (release profile, its own target directory `target/gpu-bundle/cargo`; two cargo
+//! invocations, see below):
 //!
 //! | binary | crate, target | features |
 //! |---|---|---|
@@ -13,6 +13,13 @@
 //! | `lpmm-burn-burn` | lpmm-burn, `tests/burn` (its `cuda` module) | `cuda-nvrtc` |
 //! | `lpmm-dist-nccl` | lpmm-dist, `tests/nccl.rs` | `nccl` |
 //! | `lpmm-candle-examples-gpt` | lpmm-candle-examples, `examples/gpt.rs` | `cuda` |
+//!
+//! **Two builds.** candle's `cuda` asks cudarc for `dynamic-linking`, and cubecl-cuda 0.11.3
+//! calls cudarc's `is_culib_present`, which exists only where cudarc loads the libraries at run
+//! time (`dynamic-loading`, the workspace's `fallback-dynamic-loading`): candle's and burn's CUDA
+//! backends do not compile in one build. So lpmm-burn's test is built by a cargo invocation of its
+//! own (`Build::Burn`: nothing CUDA is linked, cudarc loads it at run time), the others by the
+//! first (`Build::Candle`).
 //!
 //! How it builds them without a GPU or a toolkit:
 //!
@@ -65,16 +72,44 @@ pub const WHEELS: [&str; 9] = [
 /// The GPU machine's architecture (H100, H200).
 const COMPUTE_CAP: &str = "90";
 
-/// The test targets (package, test) and the example (package, example) of the bundle.
-const TESTS: [(&str, &str); 4] = [
-    ("lpmm-cuda", "parity"),
-    ("lpmm-candle", "cuda"),
-    ("lpmm-burn", "burn"),
-    ("lpmm-dist", "nccl"),
-];
-const EXAMPLES: [(&str, &str); 1] = [("lpmm-candle-examples", "gpt")];
-const FEATURES: &str =
-    "lpmm-candle/cuda,lpmm-burn/cuda-nvrtc,lpmm-dist/nccl,lpmm-candle-examples/cuda";
+/// One cargo invocation of the bundle.
+#[derive(Debug, Clone, Copy)]
+enum Build {
+    /// candle's CUDA backend (cudarc `dynamic-linking`), lpmm-cuda and NCCL.
+    Candle,
+    /// burn's CUDA backend (cudarc loads CUDA at run time).
+    Burn,
+}
+
+impl Build {
+    /// Its features.
+    fn features(self) -> &'static str {
+        match self {
+            Build::Candle => "lpmm-candle/cuda,lpmm-dist/nccl,lpmm-candle-examples/cuda",
+            Build::Burn => "lpmm-burn/cuda-nvrtc",
+        }
+    }
+
+    /// Its test targets (package, test).
+    fn tests(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Build::Candle => &[
+                ("lpmm-cuda", "parity"),
+                ("lpmm-candle", "cuda"),
+                ("lpmm-dist", "nccl"),
+            ],
+            Build::Burn => &[("lpmm-burn", "burn")],
+        }
+    }
+
+    /// Its examples (package, example).
+    fn examples(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Build::Candle => &[("lpmm-candle-examples", "gpt")],
+            Build::Burn => &[],
+        }
+    }
+}
 
 /// The bundle's size limit: what one device call carries (64 MiB), with room for the script.
 const MAX_BUNDLE: u64 = 60 << 20;
@@ -94,7 +129,8 @@ pub fn gpu_bundle() -> Result<(), String> {
     let sources = crate_sources(&root)?;
     stubs(&link, &sources)?;
     libraries(&link, &site)?;
-    let built = build(&root, &dir, &cu13, &link)?;
+    let mut built = build(&root, &dir, &cu13, &link, Build::Candle)?;
+    built.extend(build(&root, &dir, &cu13, &link, Build::Burn)?);
     pack(&root, &dir, &cu13, &built)
 }
 
@@ -139,8 +175,13 @@ fn venv(venv: &Path) -> Result<PathBuf, String> {
 fn crate_sources(root: &Path) -> Result<Vec<(String, PathBuf)>, String> {
     let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(root)
-        .args(["metadata", "--format-version", "1", "--locked"])
-        .args(["--features", FEATURES])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--all-features",
+        ])
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| format!("cannot run cargo metadata: {e}"))?;
@@ -291,13 +332,15 @@ fn write(path: &Path, text: &str) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-/// The cargo build; the executables by bundle name.
+/// One cargo build; the executables by bundle name.
 fn build(
     root: &Path,
     dir: &Path,
     cu13: &Path,
     link: &Path,
+    which: Build,
 ) -> Result<Vec<(String, PathBuf)>, String> {
+    println!("gpu-bundle: building {which:?} ({})", which.features());
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(root)
         .env("CARGO_TARGET_DIR", dir.join("cargo"))
@@ -319,13 +362,13 @@ fn build(
             "--locked",
             "--message-format=json-render-diagnostics",
         ])
-        .args(["--features", FEATURES]);
+        .args(["--features", which.features()]);
     let mut packages = BTreeSet::new();
-    for (p, t) in TESTS {
+    for (p, t) in which.tests() {
         packages.insert(p);
         cmd.args(["--test", t]);
     }
-    for (p, e) in EXAMPLES {
+    for (p, e) in which.examples() {
         packages.insert(p);
         cmd.args(["--example", e]);
     }
@@ -352,14 +395,14 @@ fn build(
             continue;
         };
         let package = v["package_id"].as_str().unwrap_or_default();
-        for (p, t) in TESTS.iter().chain(&EXAMPLES) {
+        for (p, t) in which.tests().iter().chain(which.examples()) {
             // A package id names the package's path (`path+file:///…/crates/<name>#…`).
             if *t == target && package.contains(&format!("/{p}#")) {
                 built.push((format!("{p}-{t}"), PathBuf::from(exe)));
             }
         }
     }
-    if built.len() != TESTS.len() + EXAMPLES.len() {
+    if built.len() != which.tests().len() + which.examples().len() {
         let names: Vec<&str> = built.iter().map(|(n, _)| n.as_str()).collect();
         return Err(format!("cargo built {names:?}, not every bundle target"));
     }
@@ -380,7 +423,9 @@ fn pack(root: &Path, dir: &Path, cu13: &Path, built: &[(String, PathBuf)]) -> Re
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     manifest += &format!(
-        "commit {commit}\nfeatures {FEATURES}\nCUDA_COMPUTE_CAP {COMPUTE_CAP}\nwheels {}\n",
+        "commit {commit}\nfeatures {} | {}\nCUDA_COMPUTE_CAP {COMPUTE_CAP}\nwheels {}\n",
+        Build::Candle.features(),
+        Build::Burn.features(),
         WHEELS.join(" ")
     );
     for (name, exe) in built {
