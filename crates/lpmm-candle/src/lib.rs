@@ -103,6 +103,10 @@
 //!       cargo clippy -p lpmm-candle --features cuda --all-targets -- -D warnings
 //!   ```
 //!
+//!   CI checks it with `NVCC=.ci/check-nvcc` instead, an nvcc that writes empty kernels (a check
+//!   build needs only their files); `cargo xtask gpu-bundle` builds it for a GPU with the CUDA
+//!   13.0 wheels.
+//!
 //! - **Status:** compile-checked (library and tests) on a machine without a GPU; not yet run on a
 //!   GPU. `tests/cuda.rs` steps bf16 and f32 `Var`s on CUDA and on the CPU from the same
 //!   gradients and compares every bit of the `Var`s and states and the reports, that the
