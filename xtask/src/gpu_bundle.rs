@@ -17,9 +17,10 @@
 //! **Two builds.** candle's `cuda` asks cudarc for `dynamic-linking`, and cubecl-cuda 0.11.3
 //! calls cudarc's `is_culib_present`, which exists only where cudarc loads the libraries at run
 //! time (`dynamic-loading`, the workspace's `fallback-dynamic-loading`): candle's and burn's CUDA
-//! backends do not compile in one build. So lpmm-burn's test is built by a cargo invocation of its
-//! own (`Build::Burn`: nothing CUDA is linked, cudarc loads it at run time), the others by the
-//! first (`Build::Candle`).
+//! backends do not compile in one build; nor does lpmm-cuda's feature `nvrtc` (its tests turn it
+//! on) beside candle's. So lpmm-burn's and lpmm-cuda's tests are built by a cargo invocation of
+//! their own (`Build::Burn`: nothing CUDA is linked, cudarc loads it at run time), the others by
+//! the first (`Build::Candle`).
 //!
 //! How it builds them without a GPU or a toolkit:
 //!
@@ -75,9 +76,9 @@ const COMPUTE_CAP: &str = "90";
 /// One cargo invocation of the bundle.
 #[derive(Debug, Clone, Copy)]
 enum Build {
-    /// candle's CUDA backend (cudarc `dynamic-linking`), lpmm-cuda and NCCL.
+    /// candle's CUDA backend (cudarc `dynamic-linking`) and NCCL.
     Candle,
-    /// burn's CUDA backend (cudarc loads CUDA at run time).
+    /// burn's CUDA backend and lpmm-cuda's tests (cudarc loads CUDA at run time).
     Burn,
 }
 
@@ -93,12 +94,8 @@ impl Build {
     /// Its test targets (package, test).
     fn tests(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Build::Candle => &[
-                ("lpmm-cuda", "parity"),
-                ("lpmm-candle", "cuda"),
-                ("lpmm-dist", "nccl"),
-            ],
-            Build::Burn => &[("lpmm-burn", "burn")],
+            Build::Candle => &[("lpmm-candle", "cuda"), ("lpmm-dist", "nccl")],
+            Build::Burn => &[("lpmm-cuda", "parity"), ("lpmm-burn", "burn")],
         }
     }
 
