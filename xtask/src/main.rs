@@ -33,6 +33,12 @@
 //!   (`ptxas -v`: registers, stack frame, spills; SASS from the pinned `nvdisasm`: fast-path
 //!   instructions per element, 128-bit accesses, barriers, shuffles; `lpmm_cuda::sass`) and fails
 //!   if one breaks its gates.
+//!
+//! `gpu-bundle` builds every GPU test binary and the GPU example on a machine without a GPU or a
+//! CUDA toolkit, and packs them with `xtask/gpu-run.sh`, which runs them on a GPU machine
+//! (`target/gpu-bundle/bundle.tar.xz`; how: `gpu_bundle.rs`).
+
+mod gpu_bundle;
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -66,6 +72,9 @@ enum Task {
         #[arg(long)]
         report: bool,
     },
+    /// Builds the GPU test binaries and the GPU example, without a GPU or a CUDA toolkit, into
+    /// target/gpu-bundle/bundle.tar.xz, run on a GPU machine by xtask/gpu-run.sh.
+    GpuBundle,
     /// Writes (checks) the backends' kernel programs.
     Codegen {
         /// Check instead of writing.
@@ -84,6 +93,7 @@ fn main() -> ExitCode {
         } => bench(quick, peers, report_only, filter),
         Task::Kernels { check, report } => kernels(check, report),
         Task::Codegen { check } => codegen(check),
+        Task::GpuBundle => gpu_bundle::gpu_bundle(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -34,7 +34,9 @@
 //!
 //! Backends (features): `ndarray` and `flex` (burn's CPU backends, with lpmm's CPU backend;
 //! default), `wgpu` (burn's wgpu device with lpmm-wgpu; see the `wgpu` module), `cuda` (burn's CUDA
-//! device with lpmm-cuda). [docs/BURN.md] has the design and the measured memory.
+//! device with lpmm-cuda), `cuda-nvrtc` (`cuda` with cubecl-cuda's CUDA C++ backend, compiled by
+//! NVRTC at run time, instead of its LLVM backend: what a build without cubecl's LLVM bundle
+//! runs). [docs/BURN.md] has the design and the measured memory.
 //!
 //! [docs/BURN.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BURN.md
 

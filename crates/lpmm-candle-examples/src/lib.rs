@@ -4,6 +4,8 @@
 //! run them (`examples/compare.rs`, `examples/char_lm.rs`). Results: docs/RESULTS.md. Not
 //! published: lpmm-candle is the library.
 
+pub mod device_memory;
 pub mod experiments;
 pub mod footprint;
+pub mod gpt;
 pub mod process;

@@ -74,9 +74,14 @@
 //!   parameter has stepped (a gradient that is not contiguous f32 or bf16 is first converted on
 //!   the device). A `Var` lpmm holds a copy of is set on the device too (its parameter decoded
 //!   into the `Var`'s storage), except an f16 or f64 `Var`, set through the host as on the CPU.
-//!   Registration reads a copied `Var`'s initial values through the host once. lpmm's layers
-//!   ([`nn`]) are CPU-only, and [`LpmmOptimizer::with_optimizer`] is the CPU optimizer's
+//!   Registration reads a copied `Var`'s initial values through the host once.
+//!   [`LpmmOptimizer::with_optimizer`] is the CPU optimizer's
 //!   (`LpmmOptimizer::with_cuda_optimizer` gives the lpmm-cuda one).
+//! - **lpmm's layers** ([`nn`]) created with weights on the CUDA device are held by lpmm-cuda:
+//!   each use decodes the weight into a device tensor, and the backward pass hands the weight's
+//!   gradient to lpmm-cuda where candle computed it (accumulated, or a released step). Their
+//!   input and output are copied once on the device (a custom operation receives storage, not
+//!   a tensor).
 //! - **Linking.** candle-core asks cudarc for `dynamic-linking`; lpmm-cuda alone loads the
 //!   driver at run time. The workspace asks cudarc for `fallback-dynamic-loading`, which gives
 //!   way to candle's linking when candle's `cuda` is in the build (cudarc refuses
@@ -97,6 +102,10 @@
 //!   NVCC=$C/bin/nvcc CUDA_HOME=$C CUDA_COMPUTE_CAP=80 \
 //!       cargo clippy -p lpmm-candle --features cuda --all-targets -- -D warnings
 //!   ```
+//!
+//!   CI checks it with `NVCC=.ci/check-nvcc` instead, an nvcc that writes empty kernels (a check
+//!   build needs only their files); `cargo xtask gpu-bundle` builds it for a GPU with the CUDA
+//!   13.0 wheels.
 //!
 //! - **Status:** compile-checked (library and tests) on a machine without a GPU; not yet run on a
 //!   GPU. `tests/cuda.rs` steps bf16 and f32 `Var`s on CUDA and on the CPU from the same
@@ -177,7 +186,8 @@ use candle_nn::VarMap;
 use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
 use lpmm_optim::{
     Backend, Cpu, Gradients, Lender, MemoryReport, MissingGradientHelp, MissingGradientPolicy,
-    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, StepReport, WithGradient,
+    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind, StepReport,
+    WithGradient,
 };
 
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
@@ -367,31 +377,17 @@ macro_rules! on_engine_ref {
 }
 
 impl Engine {
-    /// The CPU optimizer (lpmm's layers, [`nn`], live there).
+    /// The CPU optimizer.
     pub(crate) fn cpu(&self) -> Result<&Optimizer<Cpu>> {
         match self {
             Engine::Cpu(o) => Ok(o),
             #[cfg(feature = "cuda")]
-            Engine::Cuda(_) => Err(Self::not_cpu()),
+            Engine::Cuda(_) => Err(Error::Msg(
+                "this optimizer steps CUDA parameters: its lpmm optimizer is lpmm-cuda's \
+                 (LpmmOptimizer::with_cuda_optimizer)"
+                    .into(),
+            )),
         }
-    }
-
-    /// The CPU optimizer, mutably.
-    pub(crate) fn cpu_mut(&mut self) -> Result<&mut Optimizer<Cpu>> {
-        match self {
-            Engine::Cpu(o) => Ok(o),
-            #[cfg(feature = "cuda")]
-            Engine::Cuda(_) => Err(Self::not_cpu()),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn not_cpu() -> Error {
-        Error::Msg(
-            "this optimizer steps CUDA Vars; lpmm's layers (lpmm_candle::nn) and the CPU optimizer \
-             exist only on an optimizer over CPU Vars"
-                .into(),
-        )
     }
 
     fn is_empty(&self) -> bool {
@@ -765,7 +761,68 @@ fn accumulate_on<B: Lane>(
     Ok(())
 }
 
+/// Decodes held parameter `id` into `t` (a fresh f32 tensor of its shape on `opt`'s device).
+fn decode_on<B: Lane>(opt: &Optimizer<B>, id: ParamId, t: &Tensor) -> Result<()> {
+    let backend = opt.backend().clone();
+    backend
+        .output(t, &mut |out| opt.read_into(id, SlotKind::Param, out))
+        .map_err(wrap)
+}
+
+/// Hands `grad` to held parameter `id`: added into its accumulator, or a released step where its
+/// configuration keeps none. Read where candle computed it.
+fn give_on<B: Lane>(opt: &mut Optimizer<B>, id: ParamId, grad: &Tensor) -> Result<()> {
+    let released = opt.config(id).map_err(wrap)?.grad == lpmm_optim::Storage::None;
+    let backend = opt.backend().clone();
+    backend.input(grad, |g| {
+        if released {
+            opt.step_param_input(id, g, None).map(drop).map_err(wrap)
+        } else {
+            opt.accumulate_input(id, g).map_err(wrap)
+        }
+    })
+}
+
 impl Inner {
+    /// Registers a parameter lpmm holds for a layer ([`nn`]), initialised with `init`, on
+    /// `init`'s device (the CPU, or with feature `cuda` a CUDA device: the engine's device, as a
+    /// `Var`'s picks it).
+    pub(crate) fn register_held(&mut self, name: &str, init: &Tensor) -> Result<ParamId> {
+        if self.opt.is_empty() && !self.opt.owns(init.device()) {
+            self.switch_device(init.device())?;
+        }
+        if !self.opt.owns(init.device()) {
+            return Err(Error::Msg(format!(
+                "layer {name}'s weight is on {:?}, but this optimizer steps parameters on {}: \
+                 lpmm steps the parameters of one device",
+                init.device().location(),
+                self.opt.device_name()
+            )));
+        }
+        let shape = init.dims().to_vec();
+        let (group, config) = self.config.config_for(name);
+        let mut add = |values: &[f32]| {
+            on_engine!(&mut self.opt, o => o.add_param_with(name, &shape, values, group, config))
+                .map_err(wrap)
+        };
+        if init.device().is_cpu() {
+            with_f32(init, add)
+        } else {
+            // A device weight's initial values through the host, once.
+            add(&init.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        }
+    }
+
+    /// Held parameter `id` decoded into `t` (f32, its shape, on the engine's device).
+    pub(crate) fn decode_held(&self, id: ParamId, t: &Tensor) -> Result<()> {
+        on_engine_ref!(&self.opt, o => decode_on(o, id, t))
+    }
+
+    /// A layer's gradient for held parameter `id` (see [`give_on`]).
+    pub(crate) fn give_held(&mut self, id: ParamId, grad: &Tensor) -> Result<()> {
+        on_engine!(&mut self.opt, o => give_on(o, id, grad))
+    }
+
     /// Registers `var` as `name`.
     fn register(&mut self, name: &str, var: Var) -> Result<()> {
         if self.opt.is_empty() && !self.opt.owns(var.device()) {

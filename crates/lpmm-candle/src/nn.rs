@@ -6,14 +6,21 @@
 //! weight of a layer exists only while that layer computes, one layer at a time, and the
 //! backward pass never holds a weight gradient in candle's `GradStore`.
 //!
+//! A layer lives on the device of the weight it is created with: the CPU, or with feature `cuda`
+//! a candle CUDA device, where lpmm-cuda holds the weight, decodes it into a device tensor and
+//! reads the gradient where candle computed it (the optimizer's device: the first `Var` or
+//! layer registered picks it). The operation's input is copied once into a tensor of its own on
+//! either device (candle hands a custom operation its storage, not a tensor), and so is the
+//! output.
+//!
 //! A small `Var` (one element, "token") is the operation's second input, so that candle's
 //! backward pass reaches it even when the layer's input needs no gradient; its gradient is
 //! never produced.
 
 use candle_core::{CpuStorage, DType, Device, Error, Layout, Module, Result, Shape, Tensor, Var};
-use lpmm_optim::{ParamId, Storage};
+use lpmm_optim::ParamId;
 
-use crate::{LpmmOptimizer, Shared, wrap};
+use crate::{LpmmOptimizer, Shared};
 
 /// A parameter lpmm holds for a layer.
 #[derive(Debug, Clone)]
@@ -21,57 +28,39 @@ struct Held {
     shared: Shared,
     id: ParamId,
     shape: Vec<usize>,
+    device: Device,
 }
 
 impl Held {
     fn register(opt: &LpmmOptimizer, name: &str, init: &Tensor) -> Result<Self> {
         let shared = opt.shared().clone();
-        let shape = init.dims().to_vec();
-        let id = crate::with_f32(init, |values| {
-            let mut inner = shared.lock();
-            let (group, config) = inner.config.config_for(name);
-            inner
-                .opt
-                .cpu_mut()?
-                .add_param_with(name, &shape, values, group, config)
-                .map_err(wrap)
-        })?;
-        Ok(Held { shared, id, shape })
+        let id = shared.lock().register_held(name, init)?;
+        Ok(Held {
+            shared,
+            id,
+            shape: init.dims().to_vec(),
+            device: init.device().clone(),
+        })
     }
 
-    /// The weight as lpmm stores it, in f32: materialised for the duration of one use.
+    /// The weight as lpmm stores it, in f32 on the layer's device: materialised for the duration
+    /// of one use.
     fn values(&self) -> Result<Tensor> {
-        let mut w = vec![0f32; self.shape.iter().product()];
-        self.shared
-            .lock()
-            .opt
-            .cpu()?
-            .read_param(self.id, &mut w)
-            .map_err(wrap)?;
-        Tensor::from_vec(w, self.shape.as_slice(), &Device::Cpu)
+        let w = Tensor::zeros(self.shape.as_slice(), DType::F32, &self.device)?;
+        self.shared.lock().decode_held(self.id, &w)?;
+        Ok(w)
     }
 
     /// Hands a gradient to lpmm: into the accumulator, or a released step where the
-    /// configuration keeps none.
+    /// configuration keeps none (read where candle computed it: no copy of a contiguous f32
+    /// gradient).
     fn give(&self, grad: &Tensor) -> Result<()> {
-        let mut inner = self.shared.lock();
-        let opt = inner.opt.cpu_mut()?;
-        let released = opt.config(self.id).map_err(wrap)?.grad == Storage::None;
-        // Read where candle computed it (no copy of a contiguous f32 gradient).
-        crate::with_values(grad, |g| {
-            if released {
-                opt.step_param_input(self.id, g, None)
-                    .map(drop)
-                    .map_err(wrap)
-            } else {
-                opt.accumulate_input(self.id, g).map_err(wrap)
-            }
-        })
+        self.shared.lock().give_held(self.id, grad)
     }
 }
 
-fn token() -> Result<Var> {
-    Var::zeros(1, DType::F32, &Device::Cpu)
+fn token(device: &Device) -> Result<Var> {
+    Var::zeros(1, DType::F32, device)
 }
 
 /// A CPU f32 tensor from a custom op's input storage.
@@ -91,6 +80,53 @@ fn storage_of(t: &Tensor) -> Result<(CpuStorage, Shape)> {
     Ok((CpuStorage::F32(values), t.shape().clone()))
 }
 
+/// A layer's CUDA tensors (feature `cuda`): a custom op's input storage as a tensor, and a
+/// tensor as its output storage, each a copy on the device.
+#[cfg(feature = "cuda")]
+mod on_cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+    use candle_core::op::BackpropOp;
+    use candle_core::{Error, Layout, Result, Shape, Storage, Tensor};
+
+    fn len(s: &CudaStorage) -> Result<usize> {
+        Ok(match &s.slice {
+            CudaStorageSlice::F32(v) => v.len(),
+            CudaStorageSlice::BF16(v) => v.len(),
+            CudaStorageSlice::U32(v) => v.len(),
+            _ => {
+                return Err(Error::Msg(
+                    "lpmm layers take f32 or bf16 inputs and u32 ids".into(),
+                ));
+            }
+        })
+    }
+
+    /// The input of a custom op as a tensor of its own (a device copy).
+    pub(super) fn tensor_of(s: &CudaStorage, layout: &Layout) -> Result<Tensor> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::Msg("lpmm layers take contiguous inputs".into()));
+        };
+        let copy = s.try_clone(layout)?;
+        let n = len(&copy)?;
+        Tensor::from_storage(Storage::Cuda(copy), n, BackpropOp::none(), false)
+            .narrow(0, start, end - start)?
+            .reshape(layout.shape())
+    }
+
+    /// A tensor as a custom op's output storage (a device copy, from offset 0).
+    pub(super) fn storage_of(t: &Tensor) -> Result<(CudaStorage, Shape)> {
+        let t = t.copy()?;
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            return Err(Error::Msg(
+                "internal: a CUDA layer's output is not on CUDA".into(),
+            ));
+        };
+        Ok((s.try_clone(layout)?, t.shape().clone()))
+    }
+}
+
 /// `y = x W^T + b` with `W` (`out x in`) and `b` held by lpmm.
 #[derive(Debug, Clone)]
 pub struct QLinear {
@@ -101,7 +137,8 @@ pub struct QLinear {
 
 impl LpmmOptimizer {
     /// A linear layer whose weight (`out x in`, initialised with `weight`) and bias lpmm holds in
-    /// their configured storage (`name.weight`, `name.bias`; parameter groups apply).
+    /// their configured storage (`name.weight`, `name.bias`; parameter groups apply), on
+    /// `weight`'s device.
     pub fn linear(&self, name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<QLinear> {
         if weight.rank() != 2 || bias.is_some_and(|b| b.dims() != [weight.dims()[0]]) {
             return Err(Error::Msg(format!(
@@ -115,12 +152,12 @@ impl LpmmOptimizer {
             bias: bias
                 .map(|b| Held::register(self, &format!("{name}.bias"), b))
                 .transpose()?,
-            token: token()?,
+            token: token(weight.device())?,
         })
     }
 
     /// An embedding whose table (`vocab x dim`, initialised with `table`) lpmm holds
-    /// (`name.weight`).
+    /// (`name.weight`), on `table`'s device.
     pub fn embedding(&self, name: &str, table: &Tensor) -> Result<QEmbedding> {
         if table.rank() != 2 {
             return Err(Error::Msg(format!(
@@ -130,7 +167,7 @@ impl LpmmOptimizer {
         }
         Ok(QEmbedding {
             table: Held::register(self, &format!("{name}.weight"), table)?,
-            token: token()?,
+            token: token(table.device())?,
         })
     }
 }
@@ -165,6 +202,18 @@ impl candle_core::CustomOp2 for QLinear {
         _l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         storage_of(&self.output(&tensor_of(s1, l1)?)?)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let x = on_cuda::tensor_of(s1, l1)?.to_dtype(DType::F32)?;
+        on_cuda::storage_of(&self.output(&x)?)
     }
 
     fn bwd(
@@ -206,6 +255,16 @@ impl Module for QEmbedding {
     }
 }
 
+impl QEmbedding {
+    /// The table's rows for `ids` (flat), shaped `ids_shape x dim`.
+    fn rows(&self, ids: &Tensor, ids_shape: &Shape) -> Result<Tensor> {
+        let rows = self.table.values()?.index_select(ids, 0)?;
+        let mut dims = ids_shape.dims().to_vec();
+        dims.push(self.table.shape[1]);
+        rows.reshape(dims)
+    }
+}
+
 impl candle_core::CustomOp2 for QEmbedding {
     fn name(&self) -> &'static str {
         "lpmm-embedding"
@@ -222,10 +281,19 @@ impl candle_core::CustomOp2 for QEmbedding {
             return Err(Error::Msg("lpmm embeddings take contiguous u32 ids".into()));
         };
         let ids = Tensor::from_slice(&v[start..end], end - start, &Device::Cpu)?;
-        let rows = self.table.values()?.index_select(&ids, 0)?;
-        let mut dims = l1.shape().dims().to_vec();
-        dims.push(self.table.shape[1]);
-        storage_of(&rows.reshape(dims)?)
+        storage_of(&self.rows(&ids, l1.shape())?)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ids = on_cuda::tensor_of(s1, l1)?.flatten_all()?;
+        on_cuda::storage_of(&self.rows(&ids, l1.shape())?)
     }
 
     fn bwd(
@@ -239,7 +307,7 @@ impl candle_core::CustomOp2 for QEmbedding {
         let ids = ids.flatten_all()?;
         let dy2 = dy.reshape(((), dim))?;
         let grad =
-            Tensor::zeros((vocab, dim), DType::F32, &Device::Cpu)?.index_add(&ids, &dy2, 0)?;
+            Tensor::zeros((vocab, dim), DType::F32, dy.device())?.index_add(&ids, &dy2, 0)?;
         self.table.give(&grad)?;
         Ok((None, None))
     }
