@@ -4,7 +4,8 @@
 //!
 //! `cargo run --release -p lpmm-candle-examples --example char_lm -- [options]`, options (defaults: the
 //! main command's recipe, `lpmm_candle_examples::experiments::LmRecipe::default_run`):
-//! `--text PATH` (default: the embedded Shakespeare plays), `--preset NAME` (default
+//! `--text PATH` (default: the embedded Shakespeare plays), `--held-out-play PLAY` (train on
+//! five of the six plays, validate on this one: 1 to 6 or a name), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
 //! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
 //! `--context N`, `--warmup N`, `--final-lr-fraction X`, `--init-std X` (0: candle's own
@@ -19,8 +20,13 @@ use lpmm_candle_examples::process;
 #[derive(Debug, clap::Parser)]
 struct Args {
     /// The text (default: the embedded Shakespeare plays).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "held_out_play")]
     text: Option<std::path::PathBuf>,
+    /// Train on five of the six embedded plays and validate on this one: its number in the
+    /// text's order (1 Hamlet, 2 Macbeth, 3 Julius Caesar, 4 Romeo and Juliet, 5 The Tempest, 6
+    /// Othello) or its name (`macbeth`, `tempest`, ...).
+    #[arg(long, value_name = "PLAY")]
+    held_out_play: Option<String>,
     /// A preset of the comparison's table, or of `experiments::more_presets`.
     #[arg(long, default_value = "f32 AdamW")]
     preset: String,
@@ -75,7 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     recipe.sgd_lr = args.sgd_lr.unwrap_or(recipe.sgd_lr);
     recipe.final_lr_fraction = args.final_lr_fraction.unwrap_or(recipe.final_lr_fraction);
     recipe.init_std = args.init_std.unwrap_or(recipe.init_std);
-    let (text_path, preset_name, seed) = (args.text, args.preset, args.seed);
+    let (text_path, preset_name, seed) = (&args.text, &args.preset, args.seed);
     let mut presets = experiments::presets();
     presets.extend(experiments::more_presets());
     let mut preset = *presets
@@ -86,9 +92,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             format!("no preset {preset_name:?}; presets: {names:?}")
         })?;
     preset.micro_batches = args.micro_batches.unwrap_or(preset.micro_batches);
-    let text = match &text_path {
-        Some(path) => experiments::text_file(path, recipe.context)?,
-        None => experiments::shakespeare()?,
+    let text = match (&text_path, &args.held_out_play) {
+        (Some(path), _) => experiments::text_file(path, recipe.context)?,
+        (None, Some(play)) => experiments::shakespeare_held_out(
+            experiments::play_index(play)
+                .ok_or_else(|| format!("no play {play:?}; the plays: {:?}", experiments::PLAYS))?,
+        )?,
+        (None, None) => experiments::shakespeare()?,
     };
     let baselines = experiments::baselines(&text);
     println!("{recipe:?}");

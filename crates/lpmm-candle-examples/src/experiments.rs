@@ -89,6 +89,25 @@ impl Text {
     /// bytes train, the last 10% validate. Errors if either part is too short for `context`-token
     /// windows.
     pub fn from_bytes(name: &str, bytes: &[u8], context: usize) -> Result<Text> {
+        let cut = bytes.len() * 9 / 10;
+        Text::held_out(name, bytes, cut..bytes.len(), context)
+    }
+
+    /// Tokenizes `bytes` (one token per distinct byte of the whole text, so both parts share the
+    /// vocabulary): the bytes in `val` validate, the others (before it, then after it) train.
+    /// Errors if either part is too short for `context`-token windows.
+    pub fn held_out(
+        name: &str,
+        bytes: &[u8],
+        val: std::ops::Range<usize>,
+        context: usize,
+    ) -> Result<Text> {
+        if val.start > val.end || val.end > bytes.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "the validation range {val:?} is not inside a text of {} bytes",
+                bytes.len()
+            )));
+        }
         let mut vocab: Vec<u8> = bytes.to_vec();
         vocab.sort_unstable();
         vocab.dedup();
@@ -97,21 +116,26 @@ impl Text {
             index[usize::from(b)] = t as u32;
         }
         let tokens: Vec<u32> = bytes.iter().map(|&b| index[usize::from(b)]).collect();
-        let cut = tokens.len() * 9 / 10;
+        let mut train = tokens[..val.start].to_vec();
+        train.extend_from_slice(&tokens[val.end..]);
         let text = Text {
             name: name.to_string(),
             vocab,
-            train: tokens[..cut].to_vec(),
-            val: tokens[cut..].to_vec(),
+            train,
+            val: tokens[val.clone()].to_vec(),
         };
-        if text.val.len() < context + 2 {
-            return Err(candle_core::Error::Msg(format!(
-                "a text of {} bytes is too short: its last 10% ({} bytes) must hold a window of \
-                 {} bytes and one more",
-                bytes.len(),
-                text.val.len(),
-                context + 1
-            )));
+        for (part, len) in [
+            ("validation", text.val.len()),
+            ("training", text.train.len()),
+        ] {
+            if len < context + 2 {
+                return Err(candle_core::Error::Msg(format!(
+                    "a text of {} bytes is too short: its {part} part ({len} bytes) must hold a \
+                     window of {} bytes and one more",
+                    bytes.len(),
+                    context + 1
+                )));
+            }
         }
         Ok(text)
     }
@@ -126,6 +150,77 @@ impl Text {
 /// Loads the six plays (the embedded `data/shakespeare.txt.gz`) with the fixed split.
 pub fn shakespeare() -> Result<Text> {
     Text::from_bytes("shakespeare", &gunzip(SHAKESPEARE_GZ)?, 64)
+}
+
+/// The six plays of the embedded text, in its order: the name each is known by here and its
+/// title as the text spells it, the line before "by William Shakespeare". (The text joins each
+/// play's last line to the next play's title, so a title is found with the line that follows.)
+pub const PLAYS: [(&str, &str); 6] = [
+    ("Hamlet", "HAMLET, PRINCE OF DENMARK"),
+    ("Macbeth", "MACBETH"),
+    ("Julius Caesar", "JULIUS CAESAR"),
+    ("Romeo and Juliet", "ROMEO AND JULIET"),
+    ("The Tempest", "THE TEMPEST"),
+    ("Othello", "OTHELLO, THE MOOR OF VENICE"),
+];
+
+/// The byte range of each of [`PLAYS`] in `bytes` (the embedded text): from its title to the next
+/// play's title (the last to the end).
+pub fn play_ranges(bytes: &[u8]) -> Result<Vec<std::ops::Range<usize>>> {
+    let find = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle);
+    let mut starts = Vec::with_capacity(PLAYS.len());
+    for (name, title) in PLAYS {
+        let needle = format!("{title}\n\nby William Shakespeare");
+        let at = find(needle.as_bytes()).ok_or_else(|| {
+            candle_core::Error::Msg(format!("the text has no title of {name} ({title:?})"))
+        })?;
+        if starts.last().is_some_and(|&s| at <= s) {
+            return Err(candle_core::Error::Msg(format!(
+                "{name} is not after the play before it in the text"
+            )));
+        }
+        starts.push(at);
+    }
+    // Hamlet opens the text: whatever precedes its title (nothing) belongs to it.
+    starts[0] = 0;
+    let ends = starts.iter().skip(1).copied().chain([bytes.len()]);
+    Ok(starts.iter().zip(ends).map(|(&s, e)| s..e).collect())
+}
+
+/// The index into [`PLAYS`] of a play given by its number (1 to 6, the text's order) or its name
+/// (case-insensitive; any unambiguous start, e.g. `macbeth`, `romeo`, `tempest`).
+pub fn play_index(spec: &str) -> Option<usize> {
+    if let Ok(n) = spec.trim().parse::<usize>() {
+        return (1..=PLAYS.len()).contains(&n).then(|| n - 1);
+    }
+    let spec = spec.trim().to_lowercase();
+    let hits: Vec<usize> = PLAYS
+        .iter()
+        .enumerate()
+        .filter(|(_, (name, _))| {
+            let name = name.to_lowercase();
+            !spec.is_empty()
+                && (name.starts_with(&spec) || name.trim_start_matches("the ").starts_with(&spec))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    (hits.len() == 1).then(|| hits[0])
+}
+
+/// The six plays with one held out: the other five train (in the text's order), play `play` (an
+/// index into [`PLAYS`]) validates. Its name is `shakespeare, <play> held out`.
+pub fn shakespeare_held_out(play: usize) -> Result<Text> {
+    let bytes = gunzip(SHAKESPEARE_GZ)?;
+    let ranges = play_ranges(&bytes)?;
+    let range = ranges.get(play).cloned().ok_or_else(|| {
+        candle_core::Error::Msg(format!("there are {} plays; no play {play}", PLAYS.len()))
+    })?;
+    Text::held_out(
+        &format!("shakespeare, {} held out", PLAYS[play].0),
+        &bytes,
+        range,
+        64,
+    )
 }
 
 /// Loads a text file (gunzipped if its name ends in `.gz`) as bytes with the same split as
