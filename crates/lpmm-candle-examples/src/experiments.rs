@@ -647,6 +647,27 @@ pub struct Preset {
     /// itself) and the model is evaluated at the optimizer's evaluation point
     /// (`LpmmOptimizer::eval`).
     pub schedule_free: bool,
+    /// What the comparison checks of it ([`crate::judge`]).
+    pub goal: Goal,
+}
+
+/// What the comparison checks of a preset ([`crate::judge::judge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Goal {
+    /// An f32 reference: three seeds, checked for stability; it judges the presets that name it.
+    Reference,
+    /// Within the reference's tolerance (validation loss and accuracy; accuracy for a
+    /// classifier).
+    Quality,
+    /// Within the reference's tolerance, and model memory at least `reduction` (a fraction)
+    /// below the reference's.
+    QualityAndMemory {
+        /// The least memory saving, a fraction of the reference's bytes per parameter.
+        reduction: f64,
+    },
+    /// None in the main table: the naive round-to-nearest baseline, which the low-learning-rate
+    /// condition checks to be visibly worse than its reference.
+    NaiveBaseline,
 }
 
 /// The presets of the comparison, references first.
@@ -659,6 +680,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "f32 SGDM",
@@ -667,6 +689,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 SGDM",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "8-bit AdamW, bf16",
@@ -675,6 +698,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdamW, bf16 SR",
@@ -683,6 +707,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "4-bit AdamW, split f32",
@@ -691,6 +716,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "LPMM-SGDM",
@@ -699,6 +725,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 SGDM",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::QualityAndMemory { reduction: 0.70 },
         },
         Preset {
             name: "bf16 AdamW, round to nearest",
@@ -707,6 +734,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::NaiveBaseline,
         },
         Preset {
             name: "f32 Adafactor",
@@ -721,6 +749,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "Adafactor, LPMM",
@@ -734,6 +763,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 Adafactor",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 CAME",
@@ -742,6 +772,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "CAME, LPMM",
@@ -750,6 +781,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 CAME",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 schedule-free AdamW",
@@ -762,6 +794,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: true,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit schedule-free AdamW",
@@ -774,6 +807,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 schedule-free AdamW",
             micro_batches: 1,
             schedule_free: true,
+            goal: Goal::Quality,
         },
     ]
 }
@@ -793,6 +827,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "f32 AdEMAMix",
@@ -801,6 +836,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdEMAMix, f32",
@@ -809,6 +845,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdamW, f32",
@@ -817,6 +854,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "4-bit AdamW, f32",
@@ -825,6 +863,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 Lion",
@@ -833,6 +872,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 Lion",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit Lion, f32",
@@ -841,6 +881,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 Lion",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
     ]
 }

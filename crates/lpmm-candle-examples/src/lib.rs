@@ -6,4 +6,5 @@
 
 pub mod experiments;
 pub mod footprint;
+pub mod judge;
 pub mod process;
