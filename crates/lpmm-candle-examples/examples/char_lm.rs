@@ -128,6 +128,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         r.ms_per_step,
         start.elapsed().as_secs_f64()
     );
+    let curve: Vec<String> = r.curve.iter().map(|l| format!("{l:.3}")).collect();
+    println!(
+        "training loss every {} steps: {}",
+        r.curve_every,
+        curve.join(" ")
+    );
     println!(
         "sample (temperature 0.8, prompt before the `|`):\n{}",
         r.sample
