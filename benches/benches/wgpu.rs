@@ -4,12 +4,13 @@
 //! machine's CPU, so the ratio says what the shaders cost there, not what a GPU does.
 //!
 //! Without an adapter the bench prints why and measures nothing (with `LPMM_REQUIRE_WGPU=1` it
-//! fails instead). Sizes: those of the other benches up to 16M parameters.
+//! fails instead). Sizes: 1M and 4M parameters (1M in a smoke run): lavapipe runs this step at
+//! about 250 ns/param, so a 16M case alone would take criterion's ten samples many minutes.
 
 use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
-use lpmm_benches::{CaseInfo, Kind, M, data, describe, label, sizes};
+use lpmm_benches::{CaseInfo, Kind, M, data, describe, label};
 use lpmm_optim::{Backend, Cpu, Optimizer, OptimizerOptions, presets};
 use lpmm_wgpu::Wgpu;
 use std::hint::black_box;
@@ -64,7 +65,12 @@ fn step(c: &mut Criterion) {
         gpu.adapter_info().backend,
         gpu.float_behaviour()
     );
-    for n in sizes().into_iter().filter(|&n| n <= 16 * M) {
+    let sizes = if lpmm_benches::quick() {
+        vec![M]
+    } else {
+        vec![M, 4 * M]
+    };
+    for n in sizes {
         let mut group = c.benchmark_group("wgpu_step");
         group.sample_size(10);
         group.sampling_mode(SamplingMode::Flat);

@@ -606,6 +606,7 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
             peers.join(" | "),
         );
     }
+    t += &steps_table(cases);
     t += &levels_table(cases);
     if let Some(m) = memory {
         t += &format!(
@@ -617,12 +618,97 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
     t
 }
 
+/// A table cell: ns/param and the ratio to torch's fused f32 AdamW, when the run has it.
+type Cell = (f64, Option<f64>);
+
+/// Every optimizer step case at its best SIMD level and the peers, one row each, one column per
+/// size: ns/param and, in brackets, its time ÷ torch's fused f32 AdamW's at that size (above 1:
+/// slower than torch). Empty when the run has no step case.
+fn steps_table(cases: &[Value]) -> String {
+    // name -> params -> (ns/param, ÷ torch)
+    let mut rows: BTreeMap<(u8, String), BTreeMap<u64, Cell>> = BTreeMap::new();
+    for c in cases {
+        let (Some(name), Some(kind)) = (c["name"].as_str(), c["kind"].as_str()) else {
+            continue;
+        };
+        let mut parts = name.split('/');
+        let (Some("step"), Some(case)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        if kind == "ceiling" || case.contains('@') {
+            continue;
+        }
+        let (Some(params), Some(ns)) = (c["params"].as_u64(), c["ns_per_param"].as_f64()) else {
+            continue;
+        };
+        // A peer's own ratio to torch comes from torch's case at the same size.
+        let torch = if case == "torch_fused_adamw_f32" {
+            Some(1.0)
+        } else {
+            c["peer_ratios"]["torch_fused_adamw_f32"]
+                .as_f64()
+                .map(|r| 1.0 / r)
+                .or_else(|| {
+                    let t = cases.iter().find(|t| {
+                        t["name"]
+                            .as_str()
+                            .is_some_and(|n| n.starts_with("step/torch_fused_adamw_f32/"))
+                            && t["params"].as_u64() == Some(params)
+                    })?;
+                    Some(ns / t["ns_per_param"].as_f64()?)
+                })
+        };
+        let order = u8::from(kind != "lpmm");
+        rows.entry((order, case.to_string()))
+            .or_default()
+            .insert(params, (ns, torch));
+    }
+    let mut sizes: Vec<u64> = rows.values().flat_map(|r| r.keys().copied()).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut t = format!(
+        "\nOptimizer steps at the best SIMD level, ns/param (time ÷ torch's fused f32 AdamW's at \
+         that size):\n\n| case | {} |\n|---|{}\n",
+        sizes
+            .iter()
+            .map(|&n| size_label(n))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---|".repeat(sizes.len())
+    );
+    for ((_, case), v) in &rows {
+        let cells: Vec<String> = sizes
+            .iter()
+            .map(|n| match v.get(n) {
+                Some((ns, Some(r))) => format!("{ns:.3} ({r:.2}x)"),
+                Some((ns, None)) => format!("{ns:.3}"),
+                None => "-".into(),
+            })
+            .collect();
+        t += &format!("| {case} | {} |\n", cells.join(" | "));
+    }
+    t
+}
+
+/// `1M` for 2^20 parameters, `256M` for 2^28; other counts as they are.
+fn size_label(n: u64) -> String {
+    const M: u64 = 1 << 20;
+    if n.is_multiple_of(M) {
+        format!("{}M", n / M)
+    } else {
+        n.to_string()
+    }
+}
+
 /// The step cases run at lower SIMD levels and on the generic path (`step/<preset>@<variant>/
 /// <size>`) beside their best-level case: ns/param and, in brackets, torch's fused f32 AdamW's
 /// time ÷ this one's. Empty when the run has none.
 fn levels_table(cases: &[Value]) -> String {
     // (preset, params) -> variant -> (ns/param, ÷ torch)
-    let mut rows: BTreeMap<(String, u64), BTreeMap<String, (f64, Option<f64>)>> = BTreeMap::new();
+    let mut rows: BTreeMap<(String, u64), BTreeMap<String, Cell>> = BTreeMap::new();
     let mut variants: Vec<String> = Vec::new();
     for c in cases.iter().filter(|c| c["kind"] == "lpmm") {
         let Some(name) = c["name"].as_str() else {
@@ -705,6 +791,42 @@ mod tests {
         );
         assert!(!t.contains("lion_8bit"), "{t}");
         assert!(levels_table(&cases[3..]).is_empty());
+    }
+
+    /// The steps table has one row per best-level step case and peer, a column per size, and
+    /// each lpmm cell's time ÷ torch's (the inverse of its peer ratio); forced levels, generic
+    /// twins and ceilings stay out.
+    #[test]
+    fn the_steps_table_rows_are_cases() {
+        let case = |name: &str, kind: &str, params: u64, ns: f64, torch: Option<f64>| {
+            json!({"name": name, "kind": kind, "params": params, "ns_per_param": ns,
+                   "peer_ratios": torch.map_or(json!({}), |t| json!({"torch_fused_adamw_f32": t}))})
+        };
+        let m = 1 << 20;
+        let cases = [
+            case("step/adamw_8bit/1M", "lpmm", m, 1.0, Some(0.5)),
+            case("step/adamw_8bit/16M", "lpmm", 16 * m, 0.8, Some(0.5)),
+            case("step/adamw_8bit@avx2/1M", "lpmm", m, 2.0, Some(0.25)),
+            case("step/ceiling_adamw_8bit/1M", "ceiling", m, 0.1, None),
+            case("step/torch_fused_adamw_f32/1M", "peer", m, 0.5, None),
+            case("step/bnb_adamw8bit_bf16/1M", "peer", m, 10.0, None),
+        ];
+        let t = steps_table(&cases);
+        assert!(t.contains("| case | 1M | 16M |"), "{t}");
+        assert!(
+            t.contains("| adamw_8bit | 1.000 (2.00x) | 0.800 (2.00x) |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| bnb_adamw8bit_bf16 | 10.000 (20.00x) | - |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| torch_fused_adamw_f32 | 0.500 (1.00x) | - |"),
+            "{t}"
+        );
+        assert!(!t.contains("avx2") && !t.contains("ceiling"), "{t}");
+        assert!(steps_table(&cases[3..4]).is_empty());
     }
 
     /// Every crate the release profile optimises less for the tests' build time (burn's stack at

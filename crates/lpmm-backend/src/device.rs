@@ -1443,30 +1443,26 @@ impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
         let passes = self.passes_of_all(phase);
         self.device
             .step_items(self.state, &ctx, &|i| pass < passes[i], &mut items);
+        // Each parameter's step, by parameter index.
+        let mut steps: Vec<Option<&ParamStep>> = vec![None; n];
+        for (i, p) in &self.stepping {
+            steps[*i] = Some(p);
+        }
         for it in &mut items {
             // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
             let i = it.desc.flag_index as usize;
-            let numel = self.layouts[i].numel;
-            let plan = self
-                .stepping
-                .iter()
-                .find(|(k, _)| *k == i)
-                .map(|(_, p)| p.plan);
+            let Some(step) = steps[i] else { continue };
             it.desc.mode = match phase {
                 Phase::Stats => {
                     // The sums' count, as fractional bits, and how many.
-                    let frac = lpmm_optim::backend::fixed_frac_bits(numel) as u32;
-                    let stats = self
-                        .stepping
-                        .iter()
-                        .find(|(k, _)| *k == i)
-                        .map_or(0, |(_, p)| p.rule.stats() as u32);
+                    let frac = lpmm_optim::backend::fixed_frac_bits(self.layouts[i].numel) as u32;
+                    let stats = step.rule.stats() as u32;
                     // The fold writes no flag: its words are the parameter's block.
                     it.desc.flag_index = (n + i * STAT_WORDS as usize) as u32;
                     pass as u32 | FOLD_STATS << 8 | frac << 16 | stats << 24
                 }
                 Phase::Slot(slot) => {
-                    let input = match plan.and_then(|p| p.fold_input(phase, pass)) {
+                    let input = match step.plan.fold_input(phase, pass) {
                         Some(FoldInput::MomentGradient) => FOLD_MOMENT,
                         _ => FOLD_UPDATED,
                     };

@@ -4,7 +4,9 @@
 use burn_core as burn;
 use burn_core::config::Config;
 use lpmm_optim::presets::Preset;
-use lpmm_optim::{Hyper, NonFinitePolicy, OptimizerOptions, ParamConfig, Storage};
+use lpmm_optim::{
+    Hyper, MissingGradientPolicy, NonFinitePolicy, OptimizerOptions, ParamConfig, Storage,
+};
 
 use crate::LpmmOptimizer;
 
@@ -21,6 +23,9 @@ use crate::LpmmOptimizer;
 ///
 /// The learning rate is the one each [`LpmmOptimizer::step`] is given (burn's schedulers drive
 /// it); the configuration's own is replaced at every step.
+///
+/// Every step checks that each of the module's parameters that requires a gradient received one
+/// ([`LpmmOptimizerConfig::with_missing_gradient`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct LpmmOptimizerConfig {
@@ -28,6 +33,9 @@ pub struct LpmmOptimizerConfig {
     pub param: ParamConfig,
     /// Seed, clipping, non-finite policy.
     pub options: OptimizerOptions,
+    /// What a step does when a parameter of the module that requires a gradient received none
+    /// ([`LpmmOptimizerConfig::with_missing_gradient`]).
+    pub missing_gradient: MissingGradientPolicy,
 }
 
 impl From<ParamConfig> for LpmmOptimizerConfig {
@@ -35,6 +43,7 @@ impl From<ParamConfig> for LpmmOptimizerConfig {
         LpmmOptimizerConfig {
             param,
             options: OptimizerOptions::default(),
+            missing_gradient: MissingGradientPolicy::default(),
         }
     }
 }
@@ -77,6 +86,21 @@ impl LpmmOptimizerConfig {
     /// those elements.
     pub fn with_non_finite(mut self, policy: NonFinitePolicy) -> Self {
         self.options.non_finite = policy;
+        self
+    }
+
+    /// What a step does when parameters of the module that require a gradient (burn's
+    /// `require_grad`; a parameter frozen with `Param::set_require_grad(false)` or
+    /// `Module::no_grad` is never expected to have one) received none in `GradientsParams`, or
+    /// an [`crate::LpmmLinear`] weight none in the backward pass: `Warn` (the default: the step
+    /// goes ahead and a warning names them, on stderr where no `tracing` subscriber records
+    /// lpmm's warnings, on the first such step and whenever the set changes), `Error` (the step
+    /// returns [`crate::BurnError::Optim`] with `OptimError::MissingGradient` naming them before
+    /// anything changes in the optimizer; like every error of the step, it drops the module) or
+    /// `Ignore`. Every report counts them
+    /// ([`lpmm_optim::StepReport::missing_gradients`]).
+    pub fn with_missing_gradient(mut self, policy: MissingGradientPolicy) -> Self {
+        self.missing_gradient = policy;
         self
     }
 

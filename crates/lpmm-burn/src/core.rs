@@ -2,7 +2,7 @@
 //! (gradients accumulated, the global decision, then each parameter stepped in its own tensor),
 //! and attaching a loaded state to a module.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn_core::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId as BurnId};
 use burn_core::tensor::{GradientCheckpointingStrategy, Tensor};
@@ -10,8 +10,8 @@ use burn_optim::GradientsParams;
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use lpmm_optim::backend::{Dtype, HostRegion, HostSlot, HostValues};
 use lpmm_optim::{
-    Backend, Canonical, Gradients, Lender, OptimError, Optimizer, ParamConfig, ParamId, SlotKind,
-    StepReport, Storage, WithGradient,
+    Backend, Canonical, Gradients, Lender, MissingGradientPolicy, OptimError, Optimizer,
+    ParamConfig, ParamId, SlotKind, StepReport, Storage, WithGradient,
 };
 
 use crate::BurnError;
@@ -104,9 +104,21 @@ fn label(id: BurnId, path: &str) -> String {
     }
 }
 
+/// The optimizer core on `lane`. Its own missing-gradient check is off: it sees only the
+/// parameters registered (at their first gradient), so lpmm-burn checks the module's instead
+/// ([`Uncovered`]).
+fn optimizer<L: Lane>(
+    lane: &L,
+    options: lpmm_optim::OptimizerOptions,
+) -> Result<Optimizer<L::B>, BurnError> {
+    let mut opt = Optimizer::with_backend(lane.backend().clone(), options)?;
+    opt.set_missing_gradient(MissingGradientPolicy::Ignore);
+    Ok(opt)
+}
+
 impl<L: Lane> Core<L> {
     pub fn new(lane: L, options: lpmm_optim::OptimizerOptions) -> Result<Self, BurnError> {
-        let opt = Optimizer::with_backend(lane.backend().clone(), options)?;
+        let opt = optimizer(&lane, options)?;
         Ok(Core {
             lane,
             opt,
@@ -118,6 +130,25 @@ impl<L: Lane> Core<L> {
             copies: 0,
             external: HashMap::new(),
         })
+    }
+
+    /// Counts the layer weights ([`crate::LpmmLinear`]) in `checked` and adds those that
+    /// received no gradient in the backward pass to `missing` (in id order); returns the number
+    /// of the next step.
+    pub fn uncovered_weights(
+        &self,
+        checked: &mut usize,
+        missing: &mut Vec<String>,
+    ) -> Result<u64, BurnError> {
+        let mut weights: Vec<BurnId> = self.external.keys().copied().collect();
+        weights.sort_by_key(|id| id.val());
+        for id in weights {
+            *checked += 1;
+            if !self.opt.received_gradient(self.index[&id])? {
+                missing.push(format!("{} (an LpmmLinear weight)", id.val()));
+            }
+        }
+        Ok(self.opt.steps() + 1)
     }
 
     /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values. Its
@@ -371,7 +402,7 @@ impl<L: Lane> Core<L> {
         if let Some(e) = error {
             return Err(e);
         }
-        self.opt = Optimizer::with_backend(self.lane.backend().clone(), c.options)?;
+        self.opt = optimizer(&self.lane, c.options)?;
         self.index.clear();
         self.burn_ids.clear();
         self.groups.clear();
@@ -586,6 +617,54 @@ fn to_optim(e: BurnError) -> OptimError {
             param: String::new(),
             reason: other.to_string(),
         },
+    }
+}
+
+/// Pass 0, before anything changes: the module's parameters that require a gradient (burn's
+/// `require_grad`; an empty tensor, such as [`crate::LpmmLinear`]'s anchor, cannot train and is
+/// not counted) and those of them without one in `GradientsParams`, labelled by id and module
+/// path, in visiting order.
+pub(crate) struct Uncovered<'a> {
+    grads: &'a GradientsParams,
+    path: Vec<String>,
+    seen: HashSet<BurnId>,
+    pub checked: usize,
+    pub missing: Vec<String>,
+}
+
+impl<'a> Uncovered<'a> {
+    pub fn new(grads: &'a GradientsParams) -> Self {
+        Uncovered {
+            grads,
+            path: Vec::new(),
+            seen: HashSet::new(),
+            checked: 0,
+            missing: Vec::new(),
+        }
+    }
+}
+
+impl ModuleVisitor for Uncovered<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.seen.insert(param.id) {
+            return;
+        }
+        let t = param.val();
+        if !t.is_require_grad() || t.dims().contains(&0) {
+            return;
+        }
+        self.checked += 1;
+        if self.grads.get::<D>(param.id).is_none() {
+            self.missing.push(label(param.id, &self.path.join(".")));
+        }
     }
 }
 

@@ -23,6 +23,11 @@
 //!   where they are (no host round trip per step: [`LpmmStats::host_reads`]).
 //! - Parameters stored below 16 bits live in lpmm and are materialised one layer at a time by
 //!   [`LpmmLinear`].
+//! - Every step checks that each parameter that requires a gradient received one, and reports
+//!   those that did not (`StepReport::missing_gradients`); by default a warning names them (on
+//!   stderr where no `tracing` subscriber records lpmm's warnings), and
+//!   [`LpmmOptimizerConfig::with_missing_gradient`] makes it an error or silences it. Freeze
+//!   parameters on purpose with burn's `Param::set_require_grad(false)`.
 //! - State is keyed by burn's `ParamId`s; [`LpmmOptimizer::to_record`] /
 //!   [`LpmmOptimizer::load_record`] put lpmm's canonical slots in a burn record (burnpack), and
 //!   lpmm's own safetensors checkpoint works too ([`LpmmOptimizer::save_lpmm`]).

@@ -7,9 +7,11 @@ use burn_core::module::{Module, ModuleVisitor, Param};
 use burn_core::tensor::{Device, Tensor};
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn_optim::{GradientsParams, OptimizerRecord};
-use lpmm_optim::{Canonical, MemoryReport, StepReport};
+use lpmm_optim::{
+    Canonical, CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport,
+};
 
-use crate::core::{Core, Pending};
+use crate::core::{Core, Pending, Uncovered};
 use crate::lane::Lane;
 use crate::{BurnError, LpmmOptimizerConfig, record};
 
@@ -119,7 +121,18 @@ pub(crate) struct Shared {
     pub deferred: Option<BurnError>,
     /// The device of the layers' weights, once a layer was created.
     pub device: Option<Device>,
+    /// The missing-gradient policy over the module's parameters (the optimizer core sees only
+    /// those registered, at their first gradient).
+    coverage: CoverageCheck,
 }
+
+/// What lpmm-burn's missing-gradient warning and error say about causes and remedies.
+const MISSING_GRADIENT_HELP: MissingGradientHelp = MissingGradientHelp::new(
+    "GradientsParams built for another module than the one stepped \
+     (GradientsParams::from_grads(loss.backward(), &model) takes the model given to step)",
+    "burn's own way: Param::set_require_grad(false) or Module::no_grad() on the frozen part",
+    "LpmmOptimizerConfig::with_missing_gradient",
+);
 
 impl LpmmOptimizer {
     pub(crate) fn new(config: LpmmOptimizerConfig) -> Self {
@@ -131,6 +144,7 @@ impl LpmmOptimizer {
                 last: None,
                 deferred: None,
                 device: None,
+                coverage: CoverageCheck::new(config.missing_gradient, MISSING_GRADIENT_HELP),
             })),
         }
     }
@@ -291,6 +305,17 @@ impl Shared {
         if let Some(e) = self.deferred.take() {
             return Err(e);
         }
+        // Coverage first, before anything changes: the module's parameters that require a
+        // gradient, and the layer weights lpmm holds.
+        let mut uncovered = Uncovered::new(&grads);
+        module.visit(&mut uncovered);
+        let (mut checked, mut missing) = (uncovered.checked, uncovered.missing);
+        let step = match &self.engine {
+            Some(e) => on_engine!(e, core => core.uncovered_weights(&mut checked, &mut missing)?),
+            None => 1,
+        };
+        let missing = MissingGradients::new(checked, missing.iter().map(String::as_str));
+        self.coverage.check(&missing, step)?;
         let mut first = FirstDevice {
             grads: Some(&grads),
             device: None,
@@ -311,7 +336,8 @@ impl Shared {
             };
             module.and_then(|m| core.step(&base, &lr, m, grads))
         });
-        let (module, report) = result?;
+        let (module, mut report) = result?;
+        report.missing_gradients = missing;
         self.last = Some(report);
         Ok(module)
     }

@@ -21,7 +21,10 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
-//! What a training process holds, honestly:
+//! Every step also checks that each parameter received a gradient: see "Does my model train?"
+//! below before training a model built with candle-nn's norms or softmax.
+//!
+//! # What a training process holds
 //!
 //! - **Parameters.** Where the storage is f32 or bf16 (and Kahan or split f32, whose bf16 half is
 //!   the Var) and the `Var` has that dtype ([`LpmmConfig::var_dtype`]), the `Var` *is* lpmm's
@@ -46,7 +49,8 @@
 //! the names the caller passes, and registered in name order, so stochastic-rounding streams and
 //! checkpoints are tied to the same tensor in every process. Every step's [`StepReport`] is
 //! kept ([`LpmmOptimizer::last_report`]) and skipped steps and non-finite gradients are logged
-//! with `tracing`.
+//! with `tracing`; parameters without a gradient are reported as "Does my model train?" below
+//! says.
 //!
 //! # CUDA (feature `cuda`)
 //!
@@ -100,11 +104,12 @@
 //!   `Var`s' device addresses never change, and a checkpoint saved on CUDA resumed on the CPU;
 //!   it skips with a message where no device is present (`LPMM_REQUIRE_CUDA=1`: fails).
 //!
-//! # A warning for candle users
+//! # Does my model train?
 //!
-//! In candle-nn 0.11 (checked in 0.11.1), three fused operators have no backward pass: their
-//! output is a constant to autograd, so no gradient reaches anything before them, and training
-//! silently updates only what comes after. No error or warning is raised.
+//! A model can train badly without any error: its loss falls through the parameters that receive
+//! gradients while the others keep their initial values. In candle-nn 0.11 (checked in 0.11.1)
+//! three fused operators have no backward pass: their output is a constant to autograd, so no
+//! gradient reaches anything before them, and candle raises no error or warning.
 //!
 //! - `candle_nn::ops::layer_norm` is applied with `Tensor::apply_op3_no_bwd`, and
 //!   `candle_nn::LayerNorm::forward` takes that path for every contiguous input when the layer
@@ -113,21 +118,49 @@
 //!   `candle_nn::RmsNorm::forward` takes it for every contiguous input.
 //! - `candle_nn::ops::softmax_last_dim` is applied with `apply_op1_no_bwd`.
 //!
-//! In a pre-norm transformer built with `candle_nn::LayerNorm`, the final layer norm stops every
-//! gradient: only the output head trains; with `softmax_last_dim` in the attention, the queries
-//! and keys never train. lpmm's own comparison model did exactly this until it was fixed
-//! ([docs/RESULTS.md] has the before and after).
+//! In a pre-norm transformer built with `candle_nn::LayerNorm` or `candle_nn::RmsNorm` the final
+//! norm stops every gradient: only the output head trains (candle-transformers 0.11's
+//! `llama2_c::Llama` ends in a `candle_nn::RmsNorm`, `ln_f`, before `lm_head`); with
+//! `softmax_last_dim` in the attention, the queries and keys never train. lpmm's own comparison
+//! model did exactly this until it was fixed ([docs/RESULTS.md] has the before and after).
 //!
-//! Differentiable replacements: `candle_nn::ops::softmax(x, D::Minus1)` and
+//! **The check.** Every step reports the registered parameters that received no gradient
+//! ([`StepReport::missing_gradients`]: how many, of how many, and the first
+//! [`lpmm_optim::MISSING_NAMES`] names), and applies [`LpmmConfig::missing_gradient`]:
+//!
+//! - `MissingGradientPolicy::Warn` (the default): the step goes ahead, and on the first step
+//!   that finds such parameters, and each time that set changes, a warning names them, gives the
+//!   likely causes (these operators, a detached tensor, an unused layer) and says how to silence
+//!   it. It goes to `tracing` where a subscriber records lpmm's warnings and to **stderr**
+//!   otherwise: most training programs install no subscriber, and a model that does not train is
+//!   a defect to see on the first step, not a log line nobody collects.
+//! - `MissingGradientPolicy::Error`: the step is refused with an error naming them, and nothing
+//!   changes (no `Var`, state or counter moves; the gradients stay in the `GradStore`). The
+//!   strict choice for a new model:
+//!   `LpmmConfig::from(preset).with_missing_gradient(MissingGradientPolicy::Error)`.
+//! - `MissingGradientPolicy::Ignore`: only the step report counts them.
+//!
+//! A parameter counts as covered when the step has its gradient (from the `GradStore`, or
+//! accumulated since the last step: [`LpmmOptimizer::accumulate`], an lpmm layer's backward
+//! pass), or when a released step took it during the backward pass. `Var`s frozen on purpose
+//! are left out with [`LpmmConfig::with_frozen`] (a name pattern; the optimizer then never
+//! registers or steps them), or by passing the optimizer only the `Var`s it trains.
+//!
+//! **The replacements.** `candle_nn::ops::softmax(x, D::Minus1)` and
 //! `candle_nn::ops::layer_norm_slow` / `rms_norm_slow` in candle-nn itself, or this crate's
 //! [`ops`]: [`ops::layer_norm`], [`ops::rms_norm`], [`ops::softmax_last_dim`],
 //! [`ops::causal_softmax`] and the module types [`ops::LayerNorm`] / [`ops::RmsNorm`]
 //! (`let ln: lpmm_candle::ops::LayerNorm = candle_nn::layer_norm(size, 1e-5, vb)?.into();`), with
 //! fused f32 CPU kernels that have their own backward pass, each tested against candle-nn's
-//! forward values, the closed-form gradients and finite differences. To check a model, compute a
-//! loss, call `backward()`, and look for a non-zero gradient of every `Var`, as the test
-//! `every_parameter_receives_a_gradient` in `lpmm-candle-examples/tests/short_runs.rs` does for
-//! the comparison's language model.
+//! forward values, the closed-form gradients and finite differences. A model whose code you do
+//! not control (candle-transformers') needs its norms swapped in its source.
+//!
+//! **f32-only models.** Some models run only in f32 whatever their `Var`s are:
+//! `llama2_c::Llama` with bf16 `Var`s fails in its attention mask, which it builds in f32
+//! ("dtype mismatch in where"). Keep such a model's `Var`s f32 and take a preset with f32
+//! parameters (`presets::adamw_8bit`: the `Var`s are lpmm's parameters, 8-bit states); a bf16
+//! preset over f32 `Var`s also trains, but through a copy (see "What a training process holds"
+//! above), which holds more than `adamw_8bit` does (the README's "Which preset").
 //!
 //! [docs/RESULTS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/RESULTS.md
 
@@ -143,12 +176,13 @@ use candle_core::{CpuStorage, DType, Error, InplaceOp1, Layout, Result, Storage,
 use candle_nn::VarMap;
 use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
 use lpmm_optim::{
-    Backend, Cpu, Gradients, Lender, MemoryReport, OptimError, Optimizer, OptimizerOptions,
-    ParamConfig, ParamId, StepReport, WithGradient,
+    Backend, Cpu, Gradients, Lender, MemoryReport, MissingGradientHelp, MissingGradientPolicy,
+    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, StepReport, WithGradient,
 };
 
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
-/// optimizer-wide options, and parameter groups by name pattern.
+/// optimizer-wide options, parameter groups by name pattern, the frozen `Var`s and what a step
+/// does when a parameter received no gradient.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct LpmmConfig {
@@ -159,6 +193,12 @@ pub struct LpmmConfig {
     /// Parameter groups: a parameter whose name matches a pattern (`*` matches any run of
     /// characters) takes that group's configuration; the first match wins.
     pub groups: Vec<(String, ParamConfig)>,
+    /// Name patterns of `Var`s frozen on purpose: not registered, so never stepped and never
+    /// expected to receive a gradient.
+    pub frozen: Vec<String>,
+    /// What a step does when registered parameters received no gradient (crate docs, "Does my
+    /// model train?"): warn by default.
+    pub missing_gradient: MissingGradientPolicy,
 }
 
 impl From<ParamConfig> for LpmmConfig {
@@ -167,8 +207,27 @@ impl From<ParamConfig> for LpmmConfig {
             param,
             options: OptimizerOptions::default(),
             groups: Vec::new(),
+            frozen: Vec::new(),
+            missing_gradient: MissingGradientPolicy::default(),
         }
     }
+}
+
+/// What lpmm-candle's missing-gradient warning and error say about causes and remedies.
+const MISSING_GRADIENT_HELP: MissingGradientHelp = MissingGradientHelp::new(
+    "an operator without a backward pass between them and the loss: candle-nn 0.11's fused \
+     candle_nn::LayerNorm (with a bias) / candle_nn::ops::layer_norm, candle_nn::RmsNorm / \
+     candle_nn::ops::rms_norm and candle_nn::ops::softmax_last_dim; use the differentiable \
+     lpmm_candle::ops::{LayerNorm, RmsNorm, layer_norm, rms_norm, softmax_last_dim} instead \
+     (lpmm-candle's docs, \"Does my model train?\")",
+    "LpmmConfig::with_frozen(pattern), or leave them out of the Vars given to the optimizer",
+    "LpmmConfig::with_missing_gradient",
+);
+
+/// Applies `config`'s missing-gradient policy, with lpmm-candle's help, to `opt`.
+fn configure<B: Backend>(opt: &mut Optimizer<B>, config: &LpmmConfig) {
+    opt.set_missing_gradient(config.missing_gradient);
+    opt.set_missing_gradient_help(MISSING_GRADIENT_HELP);
 }
 
 impl<R: Into<lpmm_optim::Hyper>> From<lpmm_optim::presets::Preset<R>> for LpmmConfig {
@@ -188,6 +247,31 @@ impl LpmmConfig {
     pub fn with_group(mut self, pattern: &str, config: impl Into<ParamConfig>) -> Self {
         self.groups.push((pattern.to_string(), config.into()));
         self
+    }
+
+    /// With the `Var`s whose name matches `pattern` (`*` matches any run of characters) frozen:
+    /// the optimizer does not register them, so it never steps them and does not expect a
+    /// gradient for them (e.g. `"embed.*"` for a pretrained embedding kept fixed).
+    pub fn with_frozen(mut self, pattern: &str) -> Self {
+        self.frozen.push(pattern.to_string());
+        self
+    }
+
+    /// With policy `policy` for a step that finds registered parameters without a gradient:
+    /// `Warn` (the default: the step goes ahead and the parameters are named on stderr, or
+    /// through `tracing` where a subscriber records lpmm's warnings), `Error` (the step is
+    /// refused, nothing changes, and the error names them) or `Ignore` (only the step report,
+    /// [`StepReport::missing_gradients`], counts them).
+    pub fn with_missing_gradient(self, policy: MissingGradientPolicy) -> Self {
+        LpmmConfig {
+            missing_gradient: policy,
+            ..self
+        }
+    }
+
+    /// Whether `Var` `name` is frozen ([`LpmmConfig::with_frozen`]).
+    fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.iter().any(|p| matches(p, name))
     }
 
     /// The dtype to create `Var`s in so that each `Var` is lpmm's parameter (no copy): bf16 for
@@ -762,6 +846,7 @@ impl Inner {
             }
         };
         on_engine!(&mut engine, o => {
+            configure(o, &self.config);
             for config in groups {
                 o.add_group(config).map_err(wrap)?;
             }
@@ -850,6 +935,7 @@ impl LpmmOptimizer {
     /// layers ([`LpmmOptimizer::linear`], [`LpmmOptimizer::embedding`]).
     pub fn empty(config: LpmmConfig) -> Result<Self> {
         let mut opt = Optimizer::new(config.options).map_err(wrap)?;
+        configure(&mut opt, &config);
         opt.add_group(config.param).map_err(wrap)?;
         for (_, c) in &config.groups {
             opt.add_group(*c).map_err(wrap)?;
@@ -881,11 +967,12 @@ impl LpmmOptimizer {
         Ok(this)
     }
 
-    /// Registers named `Var`s (floating-point ones; others are not trainable), in name order.
+    /// Registers named `Var`s (floating-point ones; others are not trainable), in name order;
+    /// `Var`s whose name matches a frozen pattern ([`LpmmConfig::with_frozen`]) are left out.
     pub fn add_vars(&mut self, mut named: Vec<(String, Var)>) -> Result<()> {
-        named.retain(|(_, v)| v.dtype().is_float());
-        named.sort_by(|a, b| a.0.cmp(&b.0));
         let mut inner = self.shared.lock();
+        named.retain(|(name, v)| v.dtype().is_float() && !inner.config.is_frozen(name));
+        named.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, var) in named {
             inner.register(&name, var)?;
         }

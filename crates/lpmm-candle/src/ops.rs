@@ -5,8 +5,8 @@
 //! `apply_op1_no_bwd`: their output has no backward pass, so a gradient stops there. The module
 //! types `candle_nn::LayerNorm` and `candle_nn::RmsNorm` take those fused paths whenever the input
 //! is contiguous (and, for `LayerNorm`, has a bias). A model trained through them trains only the
-//! parameters after the last such operator; see the crate's documentation, "A warning for candle
-//! users".
+//! parameters after the last such operator (the optimizer's step reports and warns about the
+//! parameters left without a gradient); see the crate's documentation, "Does my model train?".
 //!
 //! The operators here compute the same values (to f32 rounding) and have a backward pass:
 //! [`layer_norm`], [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention weights with

@@ -312,6 +312,21 @@ fn pack_codes(c: [std::arch::x86_64::__m512i; 4]) -> std::arch::x86_64::__m512i 
     _mm512_inserti32x4::<3>(z, _mm512_cvtepi32_epi8(c[3]))
 }
 
+/// The 64 codes of one register of bytes as four registers of 16 32-bit lanes, in order: the
+/// inverse of [`pack_codes`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn unpack_codes(packed: std::arch::x86_64::__m512i) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::*;
+    [
+        _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<0>(packed)),
+        _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<1>(packed)),
+        _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<2>(packed)),
+        _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<3>(packed)),
+    ]
+}
+
 /// Entries `codes[j]` (64 byte indices) of a 256-entry table of 32-bit patterns held as byte
 /// planes in registers ([`load_planes`]), without gathers: each byte plane is looked up from two
 /// 128-entry halves (`vpermi2b`) chosen by the code's top bit, and the four planes are
@@ -1128,12 +1143,21 @@ impl CodeMap {
         let one = _mm512_set1_epi32(1);
         let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
         let as_ps = _mm512_castsi512_ps;
+        let keys = self.keys.as_ref().map(|k| KeyLanes::load(k));
         for i in (0..whole).step_by(64) {
             let y = quotients64(&xs[i..i + 64], scales, i, block);
             let nan: [__mmask16; 4] =
                 std::array::from_fn(|m| _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y[m], y[m]));
-            let c = self.nearest_vbmi(&thresholds, y);
-            let vc = lookup64(&values, pack_codes(c));
+            // The nearest code from the key table in registers where it covers every lane (the
+            // same codes: `KeyLanes::nearest`), else from the gathered bucket table.
+            let (c, packed) = match keys.as_ref().and_then(|k| k.nearest(&thresholds, y)) {
+                Some(packed) => (unpack_codes(packed), packed),
+                None => {
+                    let c = self.nearest_vbmi(&thresholds, y);
+                    (c, pack_codes(c))
+                }
+            };
+            let vc = lookup64(&values, packed);
             let mut lo = [zero; 4];
             let mut hi = [zero; 4];
             let mut other = [zero; 4];

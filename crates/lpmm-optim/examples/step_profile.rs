@@ -21,6 +21,10 @@ struct Args {
     /// Step on the generic element-wise path instead of the specialized kernel.
     #[arg(long)]
     generic: bool,
+    /// Time `step()` from the preset's gradient accumulator (the gradient accumulated before
+    /// each step, untimed) instead of `step_param` with the f32 gradient.
+    #[arg(long)]
+    acc: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -63,11 +67,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let id = opt.add_param("w", &shape, &init, g)?;
     // One step first: the slots' pages are touched (faulted in) by it, not timed.
     opt.step_param(id, &grad)?;
-    let t = Instant::now();
+    let mut timed = std::time::Duration::ZERO;
     for _ in 0..steps {
-        opt.step_param(id, &grad)?;
+        if args.acc {
+            opt.accumulate(id, &grad)?;
+            let t = Instant::now();
+            opt.step()?;
+            timed += t.elapsed();
+        } else {
+            let t = Instant::now();
+            opt.step_param(id, &grad)?;
+            timed += t.elapsed();
+        }
     }
-    let ns = t.elapsed().as_secs_f64() * 1e9 / (steps * n) as f64;
+    let ns = timed.as_secs_f64() * 1e9 / (steps * n) as f64;
     println!(
         "{} ({}, {:?}): {n} params, {steps} steps, {ns:.3} ns/param/step",
         args.preset,

@@ -710,7 +710,8 @@ impl<B: Backend> Optimizer<B> {
                 "this optimizer holds lent parameters: use load_state_lent",
             ));
         }
-        let loaded = Self::build(self.backend.clone(), c).map_err(|e| file_err(path, e))?;
+        let mut loaded = Self::build(self.backend.clone(), c).map_err(|e| file_err(path, e))?;
+        loaded.keep_settings(self);
         *self = loaded;
         Ok(())
     }

@@ -132,10 +132,38 @@ pub enum OptimError {
         "the optimizer is in evaluation mode (parameters hold their evaluation point): call train() before stepping"
     )]
     EvalMode,
+    /// Parameters that expect a gradient received none in a step, under
+    /// `MissingGradientPolicy::Error`: the step was refused and nothing changed (no parameter,
+    /// state or counter moved, no gradient was consumed).
+    #[error(
+        "step {step}: {count} of {checked} parameters received no gradient: {}; the step was refused and nothing changed. {help}",
+        name_list(names, *count)
+    )]
+    MissingGradient {
+        /// The step that was refused (the optimizer's step counter plus one).
+        step: u64,
+        /// How many parameters received no gradient.
+        count: usize,
+        /// How many were checked (those that expect a gradient).
+        checked: usize,
+        /// The first `lpmm_optim::MISSING_NAMES` of their names, in registration order.
+        names: Vec<String>,
+        /// Likely causes and what to do.
+        help: String,
+    },
     /// The backend failed (device lost, out of memory, unsupported, driver error).
     #[error(transparent)]
     Backend(crate::backend::BackendError),
     /// An error from the quantization layer.
     #[error(transparent)]
     Quant(#[from] QuantError),
+}
+
+/// `names` joined by commas, with how many more of `count` there are.
+pub(crate) fn name_list(names: &[String], count: usize) -> String {
+    let mut list = names.join(", ");
+    if count > names.len() {
+        list.push_str(&format!(" and {} more", count - names.len()));
+    }
+    list
 }

@@ -33,6 +33,7 @@
 pub mod backend;
 mod checkpoint;
 mod config;
+mod coverage;
 mod cpu;
 mod error;
 mod exact;
@@ -54,6 +55,9 @@ pub use checkpoint::{
     VERSION as CHECKPOINT_VERSION,
 };
 pub use config::{MapKind, ParamConfig, Storage, StoreRounding};
+pub use coverage::{
+    CoverageCheck, MISSING_NAMES, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
+};
 pub use cpu::Cpu;
 pub use error::OptimError;
 pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};

@@ -12,6 +12,9 @@ use crate::backend::{
     ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, StepWork, fits,
 };
 use crate::config::{ParamConfig, Storage};
+use crate::coverage::{
+    CoverageCheck, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
+};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
@@ -124,6 +127,14 @@ pub struct StepReport {
     pub non_finite: Vec<ParamId>,
     /// The global gradient norm, when it was computed (clipping or the skip policy).
     pub grad_norm: Option<f64>,
+    /// The parameters that expect a gradient and received none in this step: a step from
+    /// accumulators (`step`, `step_lent`, `begin_step`, `step_with_summary`) counts those not
+    /// accumulated since the last step; `step_gradients` those the source has no gradient for
+    /// and that hold none accumulated. A parameter stepped by a released step (`step_param`,
+    /// `accumulate_states`) since the last step counts as covered; a released step itself is
+    /// not a check (`checked` 0). Parameters excluded with
+    /// [`Optimizer::set_expects_gradient`] are not counted.
+    pub missing_gradients: MissingGradients,
 }
 
 /// This optimizer's part of a step's gradient pre-pass ([`Optimizer::gradient_summary`]).
@@ -257,6 +268,12 @@ pub(crate) struct ParamState {
     pub rule_state: RuleState,
     /// The step plan, compiled at registration.
     pub step_plan: StepPlan,
+    /// Whether a step without a gradient for it counts as missing one
+    /// ([`Optimizer::set_expects_gradient`]; not saved in checkpoints).
+    pub expects_gradient: bool,
+    /// A released step (`step_param`, `accumulate_states`) took a gradient for it since the last
+    /// step: it counts as covered.
+    pub released: bool,
 }
 
 impl ParamState {
@@ -277,6 +294,21 @@ impl ParamState {
         self.steps += 1;
         self.rule_state = self.config.hyper.advance(self.steps, self.rule_state);
     }
+}
+
+/// The parameters that expect a gradient and are neither `covered` nor stepped by a released
+/// step since the last step. Allocates only where one is missing.
+fn missing_gradients(states: &[ParamState], covered: impl Fn(usize) -> bool) -> MissingGradients {
+    let mut missing = MissingGradients::default();
+    for (i, m) in states.iter().enumerate() {
+        if m.expects_gradient {
+            missing.checked += 1;
+            if !covered(i) && !m.released {
+                missing.push(&m.name);
+            }
+        }
+    }
+    missing
 }
 
 /// The random-stream counters of [`Optimizer::eval`] and [`Optimizer::train`] start here:
@@ -309,6 +341,8 @@ pub struct Optimizer<B: Backend = Cpu> {
     /// The parameters hold their evaluation point ([`Optimizer::eval`]): no step until
     /// [`Optimizer::train`].
     pub(crate) eval: bool,
+    /// The missing-gradient policy and the set it warned about last (not saved in checkpoints).
+    coverage: CoverageCheck,
 }
 
 impl Optimizer<Cpu> {
@@ -357,6 +391,7 @@ impl<B: Backend> Optimizer<B> {
             flags: Vec::new(),
             call_flags: Vec::new(),
             eval: false,
+            coverage: CoverageCheck::default(),
         })
     }
 
@@ -621,6 +656,8 @@ impl<B: Backend> Optimizer<B> {
             lr_rule,
             rule_state: RuleState::default(),
             step_plan,
+            expects_gradient: true,
+            released: false,
         });
         self.layouts.push(layout);
         self.params.push(param);
@@ -652,7 +689,7 @@ impl<B: Backend> Optimizer<B> {
     /// Steps every parameter's fused pass with the specialized kernels where one exists (`true`,
     /// the default) or on the generic element-wise path (`false`): the same bits either way (the
     /// generic path is the reference the kernels are tested against), only speed differs. Not
-    /// saved in checkpoints.
+    /// saved in checkpoints; [`Optimizer::load_state`] keeps this optimizer's.
     pub fn set_specialized_kernels(&mut self, on: bool) {
         self.specialized = on;
         for i in 0..self.states.len() {
@@ -702,6 +739,69 @@ impl<B: Backend> Optimizer<B> {
     /// Steps taken by `step()`.
     pub fn steps(&self) -> u64 {
         self.global_steps
+    }
+
+    /// What a step does when parameters that expect a gradient received none
+    /// ([`StepReport::missing_gradients`]): ignore, warn (the default) or refuse the step. Not
+    /// saved in checkpoints; [`Optimizer::load_state`] keeps this optimizer's.
+    pub fn set_missing_gradient(&mut self, policy: MissingGradientPolicy) {
+        self.coverage.set_policy(policy);
+    }
+
+    /// The missing-gradient policy in force.
+    pub fn missing_gradient(&self) -> MissingGradientPolicy {
+        self.coverage.policy()
+    }
+
+    /// The likely causes and instructions that the missing-gradient warning and error give: a
+    /// framework integration names its own operators and API here
+    /// ([`MissingGradientHelp::CORE`] by default).
+    pub fn set_missing_gradient_help(&mut self, help: MissingGradientHelp) {
+        self.coverage.set_help(help);
+    }
+
+    /// Whether parameter `id` is expected to receive a gradient in every step (the default), or
+    /// may go without one — frozen on purpose while registered, or used only in some steps — and
+    /// is then never counted in [`StepReport::missing_gradients`]. A parameter that does receive
+    /// a gradient still steps. Not saved in checkpoints; [`Optimizer::load_state`] keeps it.
+    pub fn set_expects_gradient(&mut self, id: ParamId, expects: bool) -> Result<(), OptimError> {
+        self.state(id)?;
+        self.states[id.0].expects_gradient = expects;
+        Ok(())
+    }
+
+    /// Whether parameter `id` is expected to receive a gradient in every step
+    /// ([`Optimizer::set_expects_gradient`]).
+    pub fn expects_gradient(&self, id: ParamId) -> Result<bool, OptimError> {
+        Ok(self.state(id)?.expects_gradient)
+    }
+
+    /// Whether parameter `id` received a gradient since the last step: accumulated (pending), or
+    /// taken by a released step. A step from accumulators counts it as covered exactly when this
+    /// is true.
+    pub fn received_gradient(&self, id: ParamId) -> Result<bool, OptimError> {
+        let m = self.state(id)?;
+        Ok(m.pending || m.released)
+    }
+
+    /// Keeps `other`'s settings that checkpoints do not hold (the missing-gradient policy, which
+    /// parameters expect a gradient, the specialized kernels on or off) across a load that
+    /// rebuilds the optimizer.
+    pub(crate) fn keep_settings(&mut self, other: &Self) {
+        self.coverage = other.coverage.clone();
+        for (m, o) in self.states.iter_mut().zip(&other.states) {
+            m.expects_gradient = o.expects_gradient;
+        }
+        if self.specialized != other.specialized {
+            self.set_specialized_kernels(other.specialized);
+        }
+    }
+
+    /// A step went ahead: released steps before it are accounted for.
+    fn forget_released(&mut self) {
+        for m in &mut self.states {
+            m.released = false;
+        }
     }
 
     pub(crate) fn state(&self, id: ParamId) -> Result<&ParamState, OptimError> {
@@ -1300,6 +1400,11 @@ impl<B: Backend> Optimizer<B> {
         }
         // Every parameter taking part (given or accumulated) must have a step left.
         self.check_step_counters(|i| given[i] || self.states[i].pending)?;
+        // Coverage, before anything moves (no gradient has been consumed yet).
+        let missing = missing_gradients(&self.states, |i| given[i] || self.states[i].pending);
+        self.coverage.check(&missing, self.global_steps + 1)?;
+        self.forget_released();
+        report.missing_gradients = missing;
         // The accumulated ones.
         for (s, m) in self.select.iter_mut().zip(&self.states) {
             *s = m.pending;
@@ -1464,8 +1569,16 @@ impl<B: Backend> Optimizer<B> {
         local_non_finite: Vec<ParamId>,
     ) -> Result<StepInProgress, OptimError> {
         self.check_step_counters(|i| self.select[i])?;
+        let missing = missing_gradients(&self.states, |i| self.select[i]);
+        if let Err(e) = self.coverage.check(&missing, self.global_steps + 1) {
+            // Refused before anything moved; the participants are chosen again next time.
+            self.select.iter_mut().for_each(|s| *s = false);
+            return Err(e);
+        }
+        self.forget_released();
         let mut report = StepReport {
             non_finite: local_non_finite,
+            missing_gradients: missing,
             ..StepReport::default()
         };
         let mut clip = 1.0f32;
@@ -1596,6 +1709,7 @@ impl<B: Backend> Optimizer<B> {
                 self.backend
                     .clear_gradients(&mut self.params, &self.layouts, Some(id.0))?;
                 self.states[id.0].pending = false;
+                self.states[id.0].released = true;
                 return Ok(report);
             }
         }
@@ -1616,6 +1730,7 @@ impl<B: Backend> Optimizer<B> {
         let m = &mut self.states[id.0];
         m.stepped();
         m.pending = false;
+        m.released = true;
         report.updated = 1;
         Ok(report)
     }

@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use lpmm_optim::{
-    Adafactor, Adam, HostSlot, Hyper, Lion, LoadPolicy, LrRule, MapKind, NonFinitePolicy,
-    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind, Storage,
-    StoreRounding, presets,
+    Adafactor, Adam, HostSlot, Hyper, Lion, LoadPolicy, LrRule, MapKind, MissingGradientPolicy,
+    NonFinitePolicy, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind,
+    Storage, StoreRounding, presets,
 };
 
 /// What a case saw.
@@ -790,6 +790,29 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             }
         },
     );
+    for policy in [MissingGradientPolicy::Warn, MissingGradientPolicy::Error] {
+        let mut opt = Optimizer::new(opts()).unwrap();
+        let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
+        let a = opt.add_param("a", &[4], &[0.5; 4], g).unwrap();
+        opt.add_param("b", &[4], &[0.5; 4], g).unwrap();
+        opt.set_missing_gradient(policy);
+        opt.accumulate(a, &[0.1; 4]).unwrap();
+        let what = format!("a parameter without a gradient in a step ({policy:?} policy)");
+        let seen = match opt.step() {
+            Ok(r)
+                if r.missing_gradients.names == ["b"] && policy != MissingGradientPolicy::Error =>
+            {
+                Seen::Reported(
+                    "step report names the parameter (missing_gradients); a warning".into(),
+                )
+            }
+            Err(e @ OptimError::MissingGradient { .. }) if opt.steps() == 0 => {
+                Seen::Refused(variant(&e))
+            }
+            other => Seen::Silent(format!("{other:?}")),
+        };
+        add("steps", &what, seen);
+    }
     {
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         add(

@@ -258,7 +258,7 @@ fn every_specialized_plan_gives_its_generic_twins_bits_at_every_level() {
 
 #[test]
 fn the_generic_path_stays_for_what_no_kernel_covers() {
-    // Kahan parameters, factorized and rank-1 second moments, blocks above the tile (1024).
+    // Kahan parameters, factorized and rank-1 second moments, blocks above the tile (512).
     let generic = [
         ParamConfig::f32(Hyper::adamw(1e-3)).with_param(Storage::Bf16Kahan),
         presets::adafactor_lpmm().build(),
@@ -301,4 +301,21 @@ fn the_same_bits_on_one_two_and_eight_threads() {
             );
         }
     }
+}
+
+#[test]
+fn load_state_keeps_the_generic_path_when_it_was_chosen() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = opt.add_group(presets::adamw_8bit(1e-3)).unwrap();
+    let id = opt.add_param("w", &[5000], &vec![0.1; 5000], g).unwrap();
+    opt.step_param(id, &vec![1e-3; 5000]).unwrap();
+    opt.set_specialized_kernels(false);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("opt.safetensors");
+    opt.save(&path).unwrap();
+    opt.load_state(&path).unwrap();
+    assert_eq!(opt.step_plan(id).unwrap().cpu_kernel(), "generic");
+    opt.set_specialized_kernels(true);
+    opt.load_state(&path).unwrap();
+    assert_ne!(opt.step_plan(id).unwrap().cpu_kernel(), "generic");
 }

@@ -4,14 +4,14 @@
 //! exactly.
 
 use crate::common::{
-    D_IN, D_OUT, HIDDEN, Mlp, grads, host_grads, read, reference, reference_accumulated_step,
-    reference_step, values,
+    D_IN, D_OUT, HIDDEN, Mlp, WithSpare, grads, host_grads, read, reference,
+    reference_accumulated_step, reference_step, values,
 };
 use burn_core::module::Module;
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 use burn_optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::{NonFinitePolicy, presets};
+use lpmm_burn::{BurnError, Lpmm8bitAdamWConfig, LpmmOptimizer, LpmmOptimizerConfig};
+use lpmm_optim::{MissingGradientPolicy, NonFinitePolicy, OptimError, presets};
 
 #[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex; both are supported.
 fn ndarray() -> Device {
@@ -392,4 +392,74 @@ fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
     assert_eq!((stats.params, stats.held, stats.copies), (4, 0, 0));
     // One copy of each parameter: the module's bf16 tensor.
     assert_eq!(optim.memory_report().slot_totals()[0], 0);
+}
+
+#[test]
+fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothing() {
+    let device = ndarray();
+    let config = Lpmm8bitAdamWConfig::new().lpmm();
+    // The default policy warns: the step goes ahead and its report names the parameter.
+    let mut optim = config.init();
+    let model = WithSpare::new(&device, 4, false);
+    let label = model.spare_label();
+    let g = model.grads(0, &device);
+    let model = optim.step(1e-3, model, g).unwrap();
+    let r = optim.last_report().unwrap();
+    let m = &r.missing_gradients;
+    assert_eq!(
+        (m.count, m.checked, &m.names[..]),
+        (1, 5, &[label.clone()][..])
+    );
+    assert_eq!(r.updated, 4);
+    // Frozen on purpose (burn's `set_require_grad(false)`): nothing to report.
+    let model = WithSpare {
+        spare: model.spare.set_require_grad(false),
+        ..model
+    };
+    let g = model.grads(1, &device);
+    optim.step(1e-3, model, g).unwrap();
+    let r = optim.last_report().unwrap();
+    assert!(r.missing_gradients.is_empty(), "{r:?}");
+    assert_eq!(r.missing_gradients.checked, 4);
+
+    // The error policy: refused before anything changes, at the first step (nothing registered)
+    // and at a later one (nothing stepped), naming the parameter.
+    let strict = config.with_missing_gradient(MissingGradientPolicy::Error);
+    let mut optim = strict.init();
+    let model = WithSpare::new(&device, 4, false);
+    let label = model.spare_label();
+    let g = model.grads(0, &device);
+    let e = optim.step(1e-3, model.clone(), g).unwrap_err();
+    assert!(
+        matches!(&e, BurnError::Optim(OptimError::MissingGradient { names, .. }) if *names == [label.clone()]),
+        "{e}"
+    );
+    assert!(e.to_string().contains("set_require_grad(false)"), "{e}");
+    assert_eq!(optim.stats().params, 0);
+    assert!(optim.last_report().is_none());
+    // Frozen, it trains; unfrozen at the second step, the step is refused and changes nothing:
+    // it then continues with the bits of a run that never saw the refused step.
+    let frozen = |m: WithSpare, on: bool| WithSpare {
+        spare: m.spare.set_require_grad(!on),
+        ..m
+    };
+    let model = frozen(model, true);
+    let g = model.grads(0, &device);
+    let model = optim.step(1e-3, model, g).unwrap();
+    let thawed = frozen(model, false);
+    let before = thawed.mlp.bits();
+    let g = thawed.grads(1, &device);
+    assert!(optim.step(1e-3, thawed.clone(), g).is_err());
+    assert_eq!(thawed.mlp.bits(), before, "a parameter moved");
+    let model = frozen(thawed, true);
+    let g = model.grads(1, &device);
+    let model = optim.step(1e-3, model, g).unwrap();
+    let mut reference = strict.init();
+    let mut other = WithSpare::new(&device, 4, true);
+    for step in 0..2 {
+        let g = other.grads(step, &device);
+        other = reference.step(1e-3, other, g).unwrap();
+    }
+    assert_eq!(model.mlp.bits(), other.mlp.bits());
+    assert_eq!(optim.last_report(), reference.last_report());
 }

@@ -3,13 +3,13 @@
 
 use burn_core as burn;
 
-use crate::common::{D_IN, D_OUT, HIDDEN, batch, uniform};
+use crate::common::{BATCH, D_IN, D_OUT, HIDDEN, batch, uniform};
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData, activation::relu};
 use burn_optim::GradientsParams;
 use lpmm_burn::{LpmmLinear, LpmmOptimizer, LpmmOptimizerConfig};
-use lpmm_optim::presets;
 use lpmm_optim::testing::Rng;
+use lpmm_optim::{MissingGradientPolicy, presets};
 
 #[allow(deprecated)] // burn 0.22 deprecates ndarray in favour of flex; both are supported.
 fn ndarray() -> Device {
@@ -121,6 +121,32 @@ fn an_f32_layer_weight_steps_exactly_as_a_burn_parameter_would() {
         );
     }
     assert_eq!(o1.last_report().unwrap().updated, 4);
+    // Every weight and bias received its gradient; the empty anchors are not counted.
+    for o in [&o1, &o2] {
+        let missing = o.last_report().unwrap().missing_gradients;
+        assert!(missing.is_empty() && missing.checked == 4, "{missing:?}");
+    }
+}
+
+#[test]
+fn a_layer_left_out_of_the_forward_pass_is_reported() {
+    let d = ndarray();
+    let config = LpmmOptimizerConfig::from(presets::adamw_f32(0.0))
+        .with_missing_gradient(MissingGradientPolicy::Error);
+    let mut optim = config.init();
+    let m = layers(&optim, &d, 3);
+    // Only `l2`, on an input of its width: `l1`'s weight and bias receive no gradient.
+    let (_, y) = batch(0, &d);
+    let x = Tensor::<2>::ones([BATCH, HIDDEN], &d);
+    let loss = (m.l2.forward(x).unwrap() - y).powf_scalar(2.0).mean();
+    let g = GradientsParams::from_grads(loss.backward(), &m);
+    let e = optim.step(1e-2, m, g).unwrap_err().to_string();
+    assert!(
+        e.contains("2 of 4 parameters received no gradient")
+            && e.contains("(l1.bias)")
+            && e.contains("(an LpmmLinear weight)"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,25 +1,25 @@
-//! The specialized fused step: one pass over a piece's memory for the configurations a
-//! [`Kernel`] exists for (the hot presets), with every bit the generic element-wise path gives.
+//! The specialized fused step: one pass over a piece's memory for the plans a [`Kernel`] exists
+//! for (the hot presets), with every bit the generic element-wise path gives.
 //!
 //! A kernel is monomorphized over each slot's *lanes* — how the slot's values reach the rule
-//! ([`Lanes`]): f32 stepped where it is stored, every other format decoded into an L1-sized stash
-//! before the rule and encoded from it after. The piece is walked in tiles of [`TILE`] elements (a
-//! multiple of every block a kernel takes), each touched once in memory: decode the tile's
-//! gradient (where it is stored) and slots, the rule's loop over the tile (the generic path's
-//! vectorized loop, `apply_chunk`, on the in-place values and the stash: its bits by
-//! construction), then each slot's encoding — a quantized slot's block maxima, the exact division
-//! and nearest code or stochastic rounding, packing; bf16 rounding; splitting — and the
-//! accumulator cleared. Nothing is decoded or stored that the configuration does not have, no
-//! pass is made over a slot that cannot change (the sign check of a second moment, which is never
-//! negative, a slot the rule does not use), and the stash never leaves L1 (1 KiB per slot and
-//! 256 elements... see [`TILE`]).
+//! ([`Lanes`]): f32 stepped where it is stored, bf16, split f32 and block-quantized codes decoded
+//! into an L1-sized stash before the rule and encoded from it after. A piece is walked in tiles of
+//! [`TILE`] elements (a multiple of every block a kernel takes), each touched once in memory
+//! while the next one is prefetched: the tile's gradient (read where the caller holds it, or
+//! decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
+//! generic path's own vectorized loop, `apply_chunk_lean`, without the absent state 3 and the
+//! increments: its bits by construction), then each slot is encoded — a quantized slot's block
+//! maxima, the exact quotient and nearest code or stochastic rounding, packing; bf16 rounding;
+//! splitting — and the accumulator's tile cleared. Nothing is decoded or stored that the
+//! configuration does not have, and no pass is made that cannot change a bit: no sign check of
+//! a second moment (never negative), no work on a state the rule does not have (an absent
+//! state's stash is zeroed once per piece).
 //!
-//! Each kernel is compiled per SIMD level (portable, AVX2 + FMA, AVX-512) and picked at run time;
-//! the table work (decode, nearest, stochastic rounding, bf16 rounding, random draws) is
-//! lpmm-formats' and lpmm-quant's vector code, the same as the generic path calls. Configurations
-//! without a kernel (Kahan, rank-1 and factorized states, blocks above [`TILE`], the rules not
-//! listed in `kernels!`) take the generic path, as do transforms and lent buffers that are not
-//! aligned to their dtype.
+//! The rule's loop and every table kernel it calls (decode, nearest, stochastic rounding, bf16
+//! rounding, random draws: lpmm-formats' and lpmm-quant's vector code, as the generic path calls
+//! it) pick their SIMD level at run time. Plans without a kernel (Kahan parameters, rank-1 and
+//! factorized states, blocks above [`TILE`], slot combinations `kernels!` does not list) take the
+//! generic path, as do transforms and lent buffers not aligned to their dtype.
 
 use half::bf16;
 use lpmm_formats::packing::{pack, packed_len, unpack};
@@ -31,8 +31,9 @@ use crate::format::Lanes;
 use crate::rule::{Chunk, Limits, RuleConsts, apply_chunk, apply_chunk_lean};
 
 /// Elements of a tile: the stash holds one tile of the gradient, the parameter, each state and
-/// the increments (4 KiB each, 24 KiB in all with the random draws: within L1).
-pub(crate) const TILE: usize = 1024;
+/// the increments (2 KiB each, 12 KiB in all; with the random draws, the codes and the next
+/// tile prefetched, within L1: 512 measured faster than 256 and 1024).
+pub(crate) const TILE: usize = 512;
 
 /// How a slot is reached, as a kernel's signature names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

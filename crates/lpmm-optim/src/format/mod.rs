@@ -281,8 +281,8 @@ pub(crate) enum Lanes {
     },
     /// Split f32: the bf16 high halves, then the 16-bit remainders.
     Split,
-    /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 256
-    /// elements.
+    /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 512
+    /// elements (the kernels' tile).
     Quantized {
         /// The code map.
         map: &'static lpmm_formats::CodeMap,

@@ -213,3 +213,34 @@ pub fn read(r: &lpmm_optim::Optimizer, ids: &[lpmm_optim::ParamId]) -> Vec<Vec<u
         })
         .collect()
 }
+
+/// The MLP beside a parameter its forward pass does not use (an unused layer, say).
+#[derive(Module, Debug)]
+pub struct WithSpare {
+    pub mlp: Mlp,
+    pub spare: Param<Tensor<1>>,
+}
+
+impl WithSpare {
+    /// The model; `frozen`: the spare parameter does not require a gradient (burn's way to
+    /// freeze a parameter on purpose).
+    pub fn new(device: &Device, seed: u64, frozen: bool) -> Self {
+        let spare = param(vec![0.25; 8], [8], device, DType::F32);
+        WithSpare {
+            mlp: Mlp::new(device, seed),
+            spare: spare.set_require_grad(!frozen),
+        }
+    }
+
+    /// The gradients of the MLP's loss on batch `step`, for this whole module.
+    pub fn grads(&self, step: usize, device: &Device) -> GradientsParams {
+        let (x, y) = batch(step, device);
+        let loss = (self.mlp.forward(x) - y).powf_scalar(2.0).mean();
+        GradientsParams::from_grads(loss.backward(), self)
+    }
+
+    /// The spare parameter's label in lpmm-burn's reports: its id and module path.
+    pub fn spare_label(&self) -> String {
+        format!("{} (spare)", self.spare.id.val())
+    }
+}
