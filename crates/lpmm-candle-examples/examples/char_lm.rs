@@ -4,8 +4,9 @@
 //!
 //! `cargo run --release -p lpmm-candle-examples --example char_lm -- [options]`, options (defaults: the
 //! main command's recipe, `lpmm_candle_examples::experiments::LmRecipe::default_run`):
-//! `--text PATH` (default: the embedded Shakespeare plays), `--held-out-play PLAY` (train on
-//! five of the six plays, validate on this one: 1 to 6 or a name), `--preset NAME` (default
+//! `--text PATH` (default: the embedded Shakespeare plays), `--play PLAY` (one of the six plays
+//! alone, split as a `--text` file: 1 to 6 or a name), `--held-out-play PLAY` (train on five of
+//! the six plays, validate on this one), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
 //! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
 //! `--context N`, `--warmup N`, `--final-lr-fraction X`, `--init-std X` (0: candle's own
@@ -20,8 +21,13 @@ use lpmm_candle_examples::process;
 #[derive(Debug, clap::Parser)]
 struct Args {
     /// The text (default: the embedded Shakespeare plays).
-    #[arg(long, value_name = "PATH", conflicts_with = "held_out_play")]
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["held_out_play", "play"])]
     text: Option<std::path::PathBuf>,
+    /// One of the six embedded plays alone (its first 90% trains, its last 10% validates): its
+    /// number in the text's order (1 Hamlet, 2 Macbeth, 3 Julius Caesar, 4 Romeo and Juliet, 5
+    /// The Tempest, 6 Othello) or its name (`macbeth`, `tempest`, ...).
+    #[arg(long, value_name = "PLAY", conflicts_with = "held_out_play")]
+    play: Option<String>,
     /// Train on five of the six embedded plays and validate on this one: its number in the
     /// text's order (1 Hamlet, 2 Macbeth, 3 Julius Caesar, 4 Romeo and Juliet, 5 The Tempest, 6
     /// Othello) or its name (`macbeth`, `tempest`, ...).
@@ -92,13 +98,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             format!("no preset {preset_name:?}; presets: {names:?}")
         })?;
     preset.micro_batches = args.micro_batches.unwrap_or(preset.micro_batches);
-    let text = match (&text_path, &args.held_out_play) {
-        (Some(path), _) => experiments::text_file(path, recipe.context)?,
-        (None, Some(play)) => experiments::shakespeare_held_out(
-            experiments::play_index(play)
-                .ok_or_else(|| format!("no play {play:?}; the plays: {:?}", experiments::PLAYS))?,
-        )?,
-        (None, None) => experiments::shakespeare()?,
+    let text = match (&text_path, &args.play, &args.held_out_play) {
+        (Some(path), _, _) => experiments::text_file(path, recipe.context)?,
+        (None, Some(play), _) => experiments::shakespeare_play(experiments::play_from(play)?)?,
+        (None, None, Some(play)) => {
+            experiments::shakespeare_held_out(experiments::play_from(play)?)?
+        }
+        (None, None, None) => experiments::shakespeare()?,
     };
     let baselines = experiments::baselines(&text);
     println!("{recipe:?}");

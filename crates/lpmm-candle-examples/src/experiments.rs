@@ -207,6 +207,21 @@ pub fn play_index(spec: &str) -> Option<usize> {
     (hits.len() == 1).then(|| hits[0])
 }
 
+/// [`play_index`], or an error that lists the plays.
+pub fn play_from(spec: &str) -> Result<usize> {
+    play_index(spec).ok_or_else(|| {
+        let names: Vec<String> = PLAYS
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| format!("{} {name}", i + 1))
+            .collect();
+        candle_core::Error::Msg(format!(
+            "no play {spec:?} (a number or an unambiguous name); the plays: {}",
+            names.join(", ")
+        ))
+    })
+}
+
 /// The six plays with one held out: the other five train (in the text's order), play `play` (an
 /// index into [`PLAYS`]) validates. Its name is `shakespeare, <play> held out`.
 pub fn shakespeare_held_out(play: usize) -> Result<Text> {
@@ -221,6 +236,19 @@ pub fn shakespeare_held_out(play: usize) -> Result<Text> {
         range,
         64,
     )
+}
+
+/// One of the six plays alone (`play`, an index into [`PLAYS`]) with the fixed split of
+/// [`shakespeare`]: the play's first 90% trains, its last 10% validates. Its name is
+/// `<play> alone`. The bytes are those a file holding the play would have (the range
+/// [`play_ranges`] gives), so `--text` on such a file trains the same model.
+pub fn shakespeare_play(play: usize) -> Result<Text> {
+    let bytes = gunzip(SHAKESPEARE_GZ)?;
+    let ranges = play_ranges(&bytes)?;
+    let range = ranges.get(play).cloned().ok_or_else(|| {
+        candle_core::Error::Msg(format!("there are {} plays; no play {play}", PLAYS.len()))
+    })?;
+    Text::from_bytes(&format!("{} alone", PLAYS[play].0), &bytes[range], 64)
 }
 
 /// Loads a text file (gunzipped if its name ends in `.gz`) as bytes with the same split as

@@ -207,6 +207,26 @@ fn each_play_can_be_held_out() -> candle_core::Result<()> {
     assert_eq!(experiments::play_index("tempest"), Some(4));
     assert_eq!(experiments::play_index("7"), None);
     assert_eq!(experiments::play_index("x"), None);
+    assert_eq!(experiments::play_from("macb").ok(), Some(1));
+    let err = experiments::play_from("king lear")
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("1 Hamlet, 2 Macbeth"), "{err}");
+    // A play alone: its own bytes split 90/10, its own vocabulary.
+    let alone = experiments::shakespeare_play(1)?;
+    assert_eq!(alone.name, "Macbeth alone");
+    let held_out = experiments::shakespeare_held_out(1)?;
+    assert_eq!(alone.train.len() + alone.val.len(), held_out.val.len());
+    assert_eq!(
+        alone.train.len(),
+        (alone.train.len() + alone.val.len()) * 9 / 10
+    );
+    assert!(
+        alone
+            .decode(&alone.train)
+            .starts_with("MACBETH\n\nby William Shakespeare")
+    );
     let macbeth = experiments::shakespeare_held_out(1)?;
     assert!(
         macbeth
