@@ -214,9 +214,9 @@ pub const NORM_RUN: usize = 256;
 /// multiple of `NORM_RUN` of the parameter) and returns whether every element is finite.
 ///
 /// Each partial is a chain of f64 additions in element order, so one run is latency-bound; runs
-/// of all-finite groups of [`SQUARE_LANES`] are summed side by side, each still in its own order
+/// of all-finite groups of eight are summed side by side, each still in its own order
 /// (the same bits as one at a time: a square of an f32 is exact in f64, and every chain is the
-/// one [`add_squares_runs`] computes).
+/// one the one-run-at-a-time path computes).
 pub fn add_squares(values: &[f32], sum: &mut ExactSum) -> bool {
     let span = NORM_RUN * SQUARE_LANES;
     let whole = values.len() - values.len() % span;
