@@ -4,7 +4,9 @@
 //!
 //! `cargo run --release -p lpmm-candle-examples --example char_lm -- [options]`, options (defaults: the
 //! main command's recipe, `lpmm_candle_examples::experiments::LmRecipe::default_run`):
-//! `--text PATH` (default: the embedded Shakespeare plays), `--preset NAME` (default
+//! `--text PATH` (default: the embedded Shakespeare plays), `--play PLAY` (one of the six plays
+//! alone, split as a `--text` file: 1 to 6 or a name), `--held-out-play PLAY` (train on five of
+//! the six plays, validate on this one), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
 //! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
 //! `--context N`, `--warmup N`, `--final-lr-fraction X`, `--init-std X` (0: candle's own
@@ -19,8 +21,18 @@ use lpmm_candle_examples::process;
 #[derive(Debug, clap::Parser)]
 struct Args {
     /// The text (default: the embedded Shakespeare plays).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["held_out_play", "play"])]
     text: Option<std::path::PathBuf>,
+    /// One of the six embedded plays alone (its first 90% trains, its last 10% validates): its
+    /// number in the text's order (1 Hamlet, 2 Macbeth, 3 Julius Caesar, 4 Romeo and Juliet, 5
+    /// The Tempest, 6 Othello) or its name (`macbeth`, `tempest`, ...).
+    #[arg(long, value_name = "PLAY", conflicts_with = "held_out_play")]
+    play: Option<String>,
+    /// Train on five of the six embedded plays and validate on this one: its number in the
+    /// text's order (1 Hamlet, 2 Macbeth, 3 Julius Caesar, 4 Romeo and Juliet, 5 The Tempest, 6
+    /// Othello) or its name (`macbeth`, `tempest`, ...).
+    #[arg(long, value_name = "PLAY")]
+    held_out_play: Option<String>,
     /// A preset of the comparison's table, or of `experiments::more_presets`.
     #[arg(long, default_value = "f32 AdamW")]
     preset: String,
@@ -75,7 +87,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     recipe.sgd_lr = args.sgd_lr.unwrap_or(recipe.sgd_lr);
     recipe.final_lr_fraction = args.final_lr_fraction.unwrap_or(recipe.final_lr_fraction);
     recipe.init_std = args.init_std.unwrap_or(recipe.init_std);
-    let (text_path, preset_name, seed) = (args.text, args.preset, args.seed);
+    let (text_path, preset_name, seed) = (&args.text, &args.preset, args.seed);
     let mut presets = experiments::presets();
     presets.extend(experiments::more_presets());
     let mut preset = *presets
@@ -86,9 +98,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             format!("no preset {preset_name:?}; presets: {names:?}")
         })?;
     preset.micro_batches = args.micro_batches.unwrap_or(preset.micro_batches);
-    let text = match &text_path {
-        Some(path) => experiments::text_file(path, recipe.context)?,
-        None => experiments::shakespeare()?,
+    let text = match (&text_path, &args.play, &args.held_out_play) {
+        (Some(path), _, _) => experiments::text_file(path, recipe.context)?,
+        (None, Some(play), _) => experiments::shakespeare_play(experiments::play_from(play)?)?,
+        (None, None, Some(play)) => {
+            experiments::shakespeare_held_out(experiments::play_from(play)?)?
+        }
+        (None, None, None) => experiments::shakespeare()?,
     };
     let baselines = experiments::baselines(&text);
     println!("{recipe:?}");
@@ -117,6 +133,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         100.0 * r.val_accuracy,
         r.ms_per_step,
         start.elapsed().as_secs_f64()
+    );
+    let curve: Vec<String> = r.curve.iter().map(|l| format!("{l:.3}")).collect();
+    println!(
+        "training loss every {} steps: {}",
+        r.curve_every,
+        curve.join(" ")
     );
     println!(
         "sample (temperature 0.8, prompt before the `|`):\n{}",

@@ -89,6 +89,25 @@ impl Text {
     /// bytes train, the last 10% validate. Errors if either part is too short for `context`-token
     /// windows.
     pub fn from_bytes(name: &str, bytes: &[u8], context: usize) -> Result<Text> {
+        let cut = bytes.len() * 9 / 10;
+        Text::held_out(name, bytes, cut..bytes.len(), context)
+    }
+
+    /// Tokenizes `bytes` (one token per distinct byte of the whole text, so both parts share the
+    /// vocabulary): the bytes in `val` validate, the others (before it, then after it) train.
+    /// Errors if either part is too short for `context`-token windows.
+    pub fn held_out(
+        name: &str,
+        bytes: &[u8],
+        val: std::ops::Range<usize>,
+        context: usize,
+    ) -> Result<Text> {
+        if val.start > val.end || val.end > bytes.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "the validation range {val:?} is not inside a text of {} bytes",
+                bytes.len()
+            )));
+        }
         let mut vocab: Vec<u8> = bytes.to_vec();
         vocab.sort_unstable();
         vocab.dedup();
@@ -97,21 +116,26 @@ impl Text {
             index[usize::from(b)] = t as u32;
         }
         let tokens: Vec<u32> = bytes.iter().map(|&b| index[usize::from(b)]).collect();
-        let cut = tokens.len() * 9 / 10;
+        let mut train = tokens[..val.start].to_vec();
+        train.extend_from_slice(&tokens[val.end..]);
         let text = Text {
             name: name.to_string(),
             vocab,
-            train: tokens[..cut].to_vec(),
-            val: tokens[cut..].to_vec(),
+            train,
+            val: tokens[val.clone()].to_vec(),
         };
-        if text.val.len() < context + 2 {
-            return Err(candle_core::Error::Msg(format!(
-                "a text of {} bytes is too short: its last 10% ({} bytes) must hold a window of \
-                 {} bytes and one more",
-                bytes.len(),
-                text.val.len(),
-                context + 1
-            )));
+        for (part, len) in [
+            ("validation", text.val.len()),
+            ("training", text.train.len()),
+        ] {
+            if len < context + 2 {
+                return Err(candle_core::Error::Msg(format!(
+                    "a text of {} bytes is too short: its {part} part ({len} bytes) must hold a \
+                     window of {} bytes and one more",
+                    bytes.len(),
+                    context + 1
+                )));
+            }
         }
         Ok(text)
     }
@@ -126,6 +150,105 @@ impl Text {
 /// Loads the six plays (the embedded `data/shakespeare.txt.gz`) with the fixed split.
 pub fn shakespeare() -> Result<Text> {
     Text::from_bytes("shakespeare", &gunzip(SHAKESPEARE_GZ)?, 64)
+}
+
+/// The six plays of the embedded text, in its order: the name each is known by here and its
+/// title as the text spells it, the line before "by William Shakespeare". (The text joins each
+/// play's last line to the next play's title, so a title is found with the line that follows.)
+pub const PLAYS: [(&str, &str); 6] = [
+    ("Hamlet", "HAMLET, PRINCE OF DENMARK"),
+    ("Macbeth", "MACBETH"),
+    ("Julius Caesar", "JULIUS CAESAR"),
+    ("Romeo and Juliet", "ROMEO AND JULIET"),
+    ("The Tempest", "THE TEMPEST"),
+    ("Othello", "OTHELLO, THE MOOR OF VENICE"),
+];
+
+/// The byte range of each of [`PLAYS`] in `bytes` (the embedded text): from its title to the next
+/// play's title (the last to the end).
+pub fn play_ranges(bytes: &[u8]) -> Result<Vec<std::ops::Range<usize>>> {
+    let find = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle);
+    let mut starts = Vec::with_capacity(PLAYS.len());
+    for (name, title) in PLAYS {
+        let needle = format!("{title}\n\nby William Shakespeare");
+        let at = find(needle.as_bytes()).ok_or_else(|| {
+            candle_core::Error::Msg(format!("the text has no title of {name} ({title:?})"))
+        })?;
+        if starts.last().is_some_and(|&s| at <= s) {
+            return Err(candle_core::Error::Msg(format!(
+                "{name} is not after the play before it in the text"
+            )));
+        }
+        starts.push(at);
+    }
+    // Hamlet opens the text: whatever precedes its title (nothing) belongs to it.
+    starts[0] = 0;
+    let ends = starts.iter().skip(1).copied().chain([bytes.len()]);
+    Ok(starts.iter().zip(ends).map(|(&s, e)| s..e).collect())
+}
+
+/// The index into [`PLAYS`] of a play given by its number (1 to 6, the text's order) or its name
+/// (case-insensitive; any unambiguous start, e.g. `macbeth`, `romeo`, `tempest`).
+pub fn play_index(spec: &str) -> Option<usize> {
+    if let Ok(n) = spec.trim().parse::<usize>() {
+        return (1..=PLAYS.len()).contains(&n).then(|| n - 1);
+    }
+    let spec = spec.trim().to_lowercase();
+    let hits: Vec<usize> = PLAYS
+        .iter()
+        .enumerate()
+        .filter(|(_, (name, _))| {
+            let name = name.to_lowercase();
+            !spec.is_empty()
+                && (name.starts_with(&spec) || name.trim_start_matches("the ").starts_with(&spec))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    (hits.len() == 1).then(|| hits[0])
+}
+
+/// [`play_index`], or an error that lists the plays.
+pub fn play_from(spec: &str) -> Result<usize> {
+    play_index(spec).ok_or_else(|| {
+        let names: Vec<String> = PLAYS
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| format!("{} {name}", i + 1))
+            .collect();
+        candle_core::Error::Msg(format!(
+            "no play {spec:?} (a number or an unambiguous name); the plays: {}",
+            names.join(", ")
+        ))
+    })
+}
+
+/// The six plays with one held out: the other five train (in the text's order), play `play` (an
+/// index into [`PLAYS`]) validates. Its name is `shakespeare, <play> held out`.
+pub fn shakespeare_held_out(play: usize) -> Result<Text> {
+    let bytes = gunzip(SHAKESPEARE_GZ)?;
+    let ranges = play_ranges(&bytes)?;
+    let range = ranges.get(play).cloned().ok_or_else(|| {
+        candle_core::Error::Msg(format!("there are {} plays; no play {play}", PLAYS.len()))
+    })?;
+    Text::held_out(
+        &format!("shakespeare, {} held out", PLAYS[play].0),
+        &bytes,
+        range,
+        64,
+    )
+}
+
+/// One of the six plays alone (`play`, an index into [`PLAYS`]) with the fixed split of
+/// [`shakespeare`]: the play's first 90% trains, its last 10% validates. Its name is
+/// `<play> alone`. The bytes are those a file holding the play would have (the range
+/// [`play_ranges`] gives), so `--text` on such a file trains the same model.
+pub fn shakespeare_play(play: usize) -> Result<Text> {
+    let bytes = gunzip(SHAKESPEARE_GZ)?;
+    let ranges = play_ranges(&bytes)?;
+    let range = ranges.get(play).cloned().ok_or_else(|| {
+        candle_core::Error::Msg(format!("there are {} plays; no play {play}", PLAYS.len()))
+    })?;
+    Text::from_bytes(&format!("{} alone", PLAYS[play].0), &bytes[range], 64)
 }
 
 /// Loads a text file (gunzipped if its name ends in `.gz`) as bytes with the same split as
@@ -552,6 +675,27 @@ pub struct Preset {
     /// itself) and the model is evaluated at the optimizer's evaluation point
     /// (`LpmmOptimizer::eval`).
     pub schedule_free: bool,
+    /// What the comparison checks of it ([`crate::judge`]).
+    pub goal: Goal,
+}
+
+/// What the comparison checks of a preset ([`crate::judge::judge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Goal {
+    /// An f32 reference: three seeds, checked for stability; it judges the presets that name it.
+    Reference,
+    /// Within the reference's tolerance (validation loss and accuracy; accuracy for a
+    /// classifier).
+    Quality,
+    /// Within the reference's tolerance, and model memory at least `reduction` (a fraction)
+    /// below the reference's.
+    QualityAndMemory {
+        /// The least memory saving, a fraction of the reference's bytes per parameter.
+        reduction: f64,
+    },
+    /// None in the main table: the naive round-to-nearest baseline, which the low-learning-rate
+    /// condition checks to be visibly worse than its reference.
+    NaiveBaseline,
 }
 
 /// The presets of the comparison, references first.
@@ -564,6 +708,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "f32 SGDM",
@@ -572,6 +717,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 SGDM",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "8-bit AdamW, bf16",
@@ -580,6 +726,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdamW, bf16 SR",
@@ -588,6 +735,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "4-bit AdamW, split f32",
@@ -596,6 +744,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "LPMM-SGDM",
@@ -604,6 +753,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 SGDM",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::QualityAndMemory { reduction: 0.70 },
         },
         Preset {
             name: "bf16 AdamW, round to nearest",
@@ -612,6 +762,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::NaiveBaseline,
         },
         Preset {
             name: "f32 Adafactor",
@@ -626,6 +777,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "Adafactor, LPMM",
@@ -639,6 +791,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 Adafactor",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 CAME",
@@ -647,6 +800,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "CAME, LPMM",
@@ -655,6 +809,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 CAME",
             micro_batches: 4,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 schedule-free AdamW",
@@ -667,6 +822,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: true,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit schedule-free AdamW",
@@ -679,6 +835,7 @@ pub fn presets() -> Vec<Preset> {
             reference: "f32 schedule-free AdamW",
             micro_batches: 1,
             schedule_free: true,
+            goal: Goal::Quality,
         },
     ]
 }
@@ -698,6 +855,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Reference,
         },
         Preset {
             name: "f32 AdEMAMix",
@@ -706,6 +864,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdEMAMix, f32",
@@ -714,6 +873,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit AdamW, f32",
@@ -722,6 +882,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "4-bit AdamW, f32",
@@ -730,6 +891,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 AdamW",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "f32 Lion",
@@ -738,6 +900,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 Lion",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
         Preset {
             name: "8-bit Lion, f32",
@@ -746,6 +909,7 @@ pub fn more_presets() -> Vec<Preset> {
             reference: "f32 Lion",
             micro_batches: 1,
             schedule_free: false,
+            goal: Goal::Quality,
         },
     ]
 }

@@ -184,3 +184,54 @@ fn same_seed_same_bits() -> candle_core::Result<()> {
     assert_ne!(bits(&a), bits(&c), "digits, seeds 0 and 1");
     Ok(())
 }
+
+/// The held-out splits: the six plays are found in the embedded text, tile it, and each split
+/// validates on one whole play and trains on the other five.
+#[test]
+fn each_play_can_be_held_out() -> candle_core::Result<()> {
+    let all = experiments::shakespeare()?;
+    let total = all.train.len() + all.val.len();
+    for (i, (name, _)) in experiments::PLAYS.iter().enumerate() {
+        let t = experiments::shakespeare_held_out(i)?;
+        assert_eq!(t.train.len() + t.val.len(), total, "{name}");
+        assert_eq!(t.vocab, all.vocab, "{name}");
+        assert!(
+            (90_000..200_000).contains(&t.val.len()),
+            "{name}: {} bytes",
+            t.val.len()
+        );
+        assert_eq!(t.name, format!("shakespeare, {name} held out"));
+        assert_eq!(experiments::play_index(&(i + 1).to_string()), Some(i));
+        assert_eq!(experiments::play_index(&name.to_lowercase()), Some(i));
+    }
+    assert_eq!(experiments::play_index("tempest"), Some(4));
+    assert_eq!(experiments::play_index("7"), None);
+    assert_eq!(experiments::play_index("x"), None);
+    assert_eq!(experiments::play_from("macb").ok(), Some(1));
+    let err = experiments::play_from("king lear")
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("1 Hamlet, 2 Macbeth"), "{err}");
+    // A play alone: its own bytes split 90/10, its own vocabulary.
+    let alone = experiments::shakespeare_play(1)?;
+    assert_eq!(alone.name, "Macbeth alone");
+    let held_out = experiments::shakespeare_held_out(1)?;
+    assert_eq!(alone.train.len() + alone.val.len(), held_out.val.len());
+    assert_eq!(
+        alone.train.len(),
+        (alone.train.len() + alone.val.len()) * 9 / 10
+    );
+    assert!(
+        alone
+            .decode(&alone.train)
+            .starts_with("MACBETH\n\nby William Shakespeare")
+    );
+    let macbeth = experiments::shakespeare_held_out(1)?;
+    assert!(
+        macbeth
+            .decode(&macbeth.val)
+            .starts_with("MACBETH\n\nby William Shakespeare")
+    );
+    Ok(())
+}
