@@ -19,7 +19,7 @@
 //! - `--cases`: which of `adamw8`, `adamw4`, `sgdm`, `lion8`, `adamw32` (default: all).
 //! - `--generic`: also each case with the specialized steps off (`CudaOptions::with_specialized`):
 //!   the generic kernel, for the speed-up.
-//! - `--many N`: also N tensors of 4096 to 2^20 elements ([`many_sizes`], the same sizes as
+//! - `--many N`: also N tensors of 4096 to 2^20 elements (`many_sizes`, the same sizes as
 //!   `peers_cuda.py --many N`) in one step, for each case.
 //! - `--json PATH` writes the figures.
 //!
