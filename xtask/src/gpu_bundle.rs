@@ -18,9 +18,10 @@
 //! calls cudarc's `is_culib_present`, which exists only where cudarc loads the libraries at run
 //! time (`dynamic-loading`, the workspace's `fallback-dynamic-loading`): candle's and burn's CUDA
 //! backends do not compile in one build; nor does lpmm-cuda's feature `nvrtc` (its tests turn it
-//! on) beside candle's. So lpmm-burn's and lpmm-cuda's tests are built by a cargo invocation of
-//! their own (`Build::Burn`: nothing CUDA is linked, cudarc loads it at run time), the others by
-//! the first (`Build::Candle`).
+//! on) beside candle's, nor lpmm-dist's `nccl` (it asks cudarc whether NCCL and the driver load).
+//! So lpmm-burn's, lpmm-cuda's and lpmm-dist's tests are built by a cargo invocation of their own
+//! (`Build::Burn`: nothing CUDA is linked, cudarc loads it at run time), candle's and the example
+//! by the first (`Build::Candle`).
 //!
 //! How it builds them without a GPU or a toolkit:
 //!
@@ -30,7 +31,7 @@
 //!   13.0, not newer: the PTX must load on the GPU machine's driver (R580: CUDA 13.0).
 //! - **Link-time libraries** (`target/gpu-bundle/link`, on the linker's path through
 //!   `RUSTFLAGS`): candle asks cudarc for `dynamic-linking`, so the binaries link libcuda,
-//!   libcudart, libcublas, libcublasLt, libcurand, libnvrtc (and lpmm-dist's NCCL test libnccl).
+//!   libcudart, libcublas, libcublasLt, libcurand, libnvrtc.
 //!   No wheel ships libcuda (the driver does): a stub library defining every driver function
 //!   cudarc declares, under the driver's soname `libcuda.so.1`, is generated from cudarc's
 //!   bindings; the others are the wheels' own libraries (sonames `libcublas.so.13` and so on,
@@ -76,9 +77,10 @@ const COMPUTE_CAP: &str = "90";
 /// One cargo invocation of the bundle.
 #[derive(Debug, Clone, Copy)]
 enum Build {
-    /// candle's CUDA backend (cudarc `dynamic-linking`) and NCCL.
+    /// candle's CUDA backend (cudarc `dynamic-linking`).
     Candle,
-    /// burn's CUDA backend and lpmm-cuda's tests (cudarc loads CUDA at run time).
+    /// burn's CUDA backend, lpmm-cuda's and lpmm-dist's NCCL tests (cudarc loads CUDA at run
+    /// time).
     Burn,
 }
 
@@ -86,16 +88,20 @@ impl Build {
     /// Its features.
     fn features(self) -> &'static str {
         match self {
-            Build::Candle => "lpmm-candle/cuda,lpmm-dist/nccl,lpmm-candle-examples/cuda",
-            Build::Burn => "lpmm-burn/cuda-nvrtc",
+            Build::Candle => "lpmm-candle/cuda,lpmm-candle-examples/cuda",
+            Build::Burn => "lpmm-burn/cuda-nvrtc,lpmm-dist/nccl",
         }
     }
 
     /// Its test targets (package, test).
     fn tests(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Build::Candle => &[("lpmm-candle", "cuda"), ("lpmm-dist", "nccl")],
-            Build::Burn => &[("lpmm-cuda", "parity"), ("lpmm-burn", "burn")],
+            Build::Candle => &[("lpmm-candle", "cuda")],
+            Build::Burn => &[
+                ("lpmm-cuda", "parity"),
+                ("lpmm-burn", "burn"),
+                ("lpmm-dist", "nccl"),
+            ],
         }
     }
 
