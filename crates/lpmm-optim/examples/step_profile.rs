@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "{} ({}, {:?}): {n} params, {steps} steps, {ns:.3} ns/param/step",
         args.preset,
-        opt.step_plan(id)?.cpu_kernel(),
+        lpmm_optim::Cpu::kernel_name(&opt.step_plan(id)?),
         lpmm_formats::simd::level(),
     );
     Ok(())

@@ -31,9 +31,10 @@ use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, Format, HostRegion, HostSlot, ParamId, RuleState, SLOTS, SlotKind};
-use crate::config::{MapKind, ParamConfig};
+use crate::config::ParamConfig;
 use crate::cpu::Cpu;
 use crate::error::OptimError;
+use crate::format::MapKind;
 use crate::optimizer::{Lender, LrRule, MAX_COUNTER, Optimizer, OptimizerOptions};
 
 /// The checkpoint format's name and version, checked on load.

@@ -153,7 +153,7 @@ pub enum OptimError {
     },
     /// The backend failed (device lost, out of memory, unsupported, driver error).
     #[error(transparent)]
-    Backend(crate::backend::BackendError),
+    Backend(BackendError),
     /// An error from the quantization layer.
     #[error(transparent)]
     Quant(#[from] QuantError),
@@ -166,4 +166,62 @@ pub(crate) fn name_list(names: &[String], count: usize) -> String {
         list.push_str(&format!(" and {} more", count - names.len()));
     }
     list
+}
+
+/// Why a backend operation failed. After a device is lost every later call returns the same
+/// error; nothing panics.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The device is gone (driver reset, device removed, a previous fatal error).
+    #[error("the {backend} device was lost: {reason}")]
+    DeviceLost {
+        /// The backend.
+        backend: &'static str,
+        /// What the driver said.
+        reason: String,
+    },
+    /// An allocation failed.
+    #[error("the {backend} device is out of memory ({bytes} bytes asked for)")]
+    OutOfMemory {
+        /// The backend.
+        backend: &'static str,
+        /// The size of the failed allocation.
+        bytes: u64,
+    },
+    /// The backend cannot hold or run this ([docs/BACKENDS.md] lists what each supports).
+    ///
+    /// [docs/BACKENDS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BACKENDS.md
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// The backend.
+        backend: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// Host contents do not fit a slot (layout, length, non-finite values).
+    #[error("{slot} slot: {reason}")]
+    SlotMismatch {
+        /// The slot.
+        slot: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+    /// A caller's buffer does not fit (dtype, length, device).
+    #[error("{what}")]
+    Buffer {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A driver call failed.
+    #[error("{backend} driver: {what}")]
+    Driver {
+        /// The backend.
+        backend: &'static str,
+        /// The call and the driver's message.
+        what: String,
+        /// The driver's error, where it has one.
+        #[source]
+        source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
+    },
 }

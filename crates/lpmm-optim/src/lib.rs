@@ -48,19 +48,21 @@ pub mod presets;
 mod rule;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod vocab;
 
 pub use backend::{Backend, BackendError, HostSlot, ParamId, SlotKind};
 pub use checkpoint::{
     Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, LoadPolicy,
     VERSION as CHECKPOINT_VERSION,
 };
-pub use config::{MapKind, ParamConfig, Storage, StoreRounding};
+pub use config::ParamConfig;
 pub use coverage::{
     CoverageCheck, MISSING_NAMES, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
 };
 pub use cpu::Cpu;
 pub use error::OptimError;
 pub use exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
+pub use format::{MapKind, Storage, StoreRounding};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
     GradientSummary, Gradients, Lender, LrRule, MAX_COUNTER, NonFinitePolicy, Optimizer,

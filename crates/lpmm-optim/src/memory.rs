@@ -1,7 +1,7 @@
 //! Memory accounting: the bytes each slot of each parameter allocates.
 
 use crate::backend::{Backend, SLOTS, SlotKind};
-use crate::config::Storage;
+use crate::format::Storage;
 use crate::optimizer::Optimizer;
 
 /// The bytes one parameter's slots allocate.

@@ -11,13 +11,14 @@ use crate::backend::{
     Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
     ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, StepWork, fits,
 };
-use crate::config::{ParamConfig, Storage};
+use crate::config::ParamConfig;
 use crate::coverage::{
     CoverageCheck, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
 };
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
+use crate::format::Storage;
 
 /// The largest value of a step or accumulation counter: 2^53, the largest count the f64 bias
 /// corrections hold exactly (and what checkpoints accept). A step or `accumulate` that would pass
@@ -681,7 +682,7 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// A parameter's step plan: its tensor-wide phases and the kernel of its fused pass
-    /// ([`StepPlan::cpu_kernel`] names the CPU's).
+    /// ([`Cpu::kernel_name`] names the CPU's).
     pub fn step_plan(&self, id: ParamId) -> Result<StepPlan, OptimError> {
         Ok(self.state(id)?.step_plan)
     }

@@ -65,8 +65,9 @@ pub struct StepPlan {
     passes: [usize; 3],
     /// Tensor-wide regions of states 2 and 3 that trade places after the fused pass.
     swaps: [Option<(usize, usize)>; 2],
-    /// The CPU's kernel for the fused pass (`None`: the generic element-wise path).
-    pub(crate) cpu: Option<crate::cpu::Kernel>,
+    /// Whether a backend runs the fused pass with a kernel specialized for the key where it has
+    /// one (`false`: the generic element-wise path everywhere).
+    specialized: bool,
 }
 
 impl StepPlan {
@@ -87,14 +88,17 @@ impl StepPlan {
                 slot_passes(SlotKind::State3),
             ],
             swaps: [swap(SlotKind::State2), swap(SlotKind::State3)],
-            cpu: crate::cpu::Kernel::for_plan(layout),
+            specialized: true,
         }
     }
 
     /// The same plan with the fused pass on the generic element-wise path everywhere (the
     /// reference the specialized kernels are tested against: the same bits, slower).
     pub fn generic(self) -> StepPlan {
-        StepPlan { cpu: None, ..self }
+        StepPlan {
+            specialized: false,
+            ..self
+        }
     }
 
     /// What the plan's kernels are specialized for.
@@ -132,11 +136,10 @@ impl StepPlan {
             .filter_map(move |(slot, s)| s.filter(|_| on).map(|(a, b)| (slot, a, b)))
     }
 
-    /// The name of the fused pass's CPU kernel: its slots' lanes (parameter and states, "bf16 q q
-    /// -"), or "generic" for the element-wise path.
-    pub fn cpu_kernel(&self) -> String {
-        self.cpu
-            .map_or_else(|| "generic".into(), |k| k.describe().to_string())
+    /// Whether a backend may run the fused pass with a kernel specialized for [`StepPlan::key`]
+    /// (`false` after [`StepPlan::generic`]).
+    pub fn specialized(&self) -> bool {
+        self.specialized
     }
 }
 

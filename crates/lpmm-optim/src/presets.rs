@@ -14,7 +14,8 @@
 //! storages can be overridden too (`with_state1`, `with_min_quantized_size`, ...). Which preset
 //! to pick: the README's table (memory per parameter, quality, speed).
 
-use crate::config::{ParamConfig, Storage, StoreRounding};
+use crate::config::ParamConfig;
+use crate::format::{Storage, StoreRounding};
 use crate::rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, ScheduleFreeAdamW, Sgd};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any

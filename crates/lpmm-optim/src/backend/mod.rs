@@ -21,9 +21,10 @@
 use lpmm_formats::bf16;
 use lpmm_quant::RandomStream;
 
+pub use crate::error::BackendError;
 pub use crate::format::{
-    Dtype, Extent, F32_MAX_BITS, FoldInput, Format, HostRegion, HostSlot,
-    KERNELS as FORMAT_KERNELS, LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked, fits,
+    Extent, FoldInput, Format, HostRegion, HostSlot, KERNELS as FORMAT_KERNELS,
+    LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked,
 };
 pub use crate::rule::{
     AdEMAMixConsts, AdafactorConsts, AdamConsts, CameConsts, FieldType, KernelStruct, Limits,
@@ -33,59 +34,9 @@ pub use crate::rule::{
 
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
 pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
-
-/// Slots per parameter: the parameter, its gradient accumulator and three states.
-pub const SLOTS: usize = 5;
+pub use crate::vocab::{Dtype, F32_MAX_BITS, ParamId, SLOTS, SlotKind, fits};
 
 use crate::exact::ExactSum;
-
-/// A registered parameter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ParamId(pub(crate) usize);
-
-impl ParamId {
-    /// The parameter's index in registration order.
-    pub fn index(self) -> usize {
-        self.0
-    }
-}
-
-/// Which slot of a parameter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SlotKind {
-    /// The parameter itself.
-    Param = 0,
-    /// The gradient accumulator.
-    Grad = 1,
-    /// State 1 (momentum, first moment).
-    State1 = 2,
-    /// State 2 (second moment).
-    State2 = 3,
-    /// State 3 (AdEMAMix's slow first moment, CAME's instability).
-    State3 = 4,
-}
-
-impl SlotKind {
-    /// All of them, in checkpoint order.
-    pub const ALL: [SlotKind; SLOTS] = [
-        SlotKind::Param,
-        SlotKind::Grad,
-        SlotKind::State1,
-        SlotKind::State2,
-        SlotKind::State3,
-    ];
-
-    /// The slot's name in checkpoints.
-    pub fn name(self) -> &'static str {
-        match self {
-            SlotKind::Param => "param",
-            SlotKind::Grad => "grad",
-            SlotKind::State1 => "state1",
-            SlotKind::State2 => "state2",
-            SlotKind::State3 => "state3",
-        }
-    }
-}
 
 /// How one parameter is laid out: fixed when it is registered.
 #[derive(Debug, Clone, PartialEq)]
@@ -246,64 +197,6 @@ impl HostValuesMut<'_> {
             HostValuesMut::Bf16(v) => bytemuck::cast_slice_mut(v),
         }
     }
-}
-
-/// Why a backend operation failed. After a device is lost every later call returns the same
-/// error; nothing panics.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum BackendError {
-    /// The device is gone (driver reset, device removed, a previous fatal error).
-    #[error("the {backend} device was lost: {reason}")]
-    DeviceLost {
-        /// The backend.
-        backend: &'static str,
-        /// What the driver said.
-        reason: String,
-    },
-    /// An allocation failed.
-    #[error("the {backend} device is out of memory ({bytes} bytes asked for)")]
-    OutOfMemory {
-        /// The backend.
-        backend: &'static str,
-        /// The size of the failed allocation.
-        bytes: u64,
-    },
-    /// The backend cannot hold or run this ([docs/BACKENDS.md] lists what each supports).
-    ///
-    /// [docs/BACKENDS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/BACKENDS.md
-    #[error("the {backend} backend does not support {what}")]
-    Unsupported {
-        /// The backend.
-        backend: &'static str,
-        /// What was asked.
-        what: String,
-    },
-    /// Host contents do not fit a slot (layout, length, non-finite values).
-    #[error("{slot} slot: {reason}")]
-    SlotMismatch {
-        /// The slot.
-        slot: &'static str,
-        /// What does not fit.
-        reason: String,
-    },
-    /// A caller's buffer does not fit (dtype, length, device).
-    #[error("{what}")]
-    Buffer {
-        /// What is wrong with it.
-        what: String,
-    },
-    /// A driver call failed.
-    #[error("{backend} driver: {what}")]
-    Driver {
-        /// The backend.
-        backend: &'static str,
-        /// The call and the driver's message.
-        what: String,
-        /// The driver's error, where it has one.
-        #[source]
-        source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
-    },
 }
 
 /// What a new parameter starts from.

@@ -14,8 +14,8 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Backend, BackendError, Dtype, FoldInput, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    MAX_STATS, ParamLayout, ParamStep, Phase, PlanRunner, SLOTS, SlotKind, StepFlags, StepWork,
-    run_step,
+    MAX_STATS, ParamLayout, ParamStep, Phase, PlanRunner, SLOTS, SlotKind, StepFlags, StepPlan,
+    StepWork, run_step,
 };
 
 mod tile;
@@ -23,26 +23,30 @@ mod tile;
 use crate::exact::{ExactSum, add_squares};
 use crate::fixed;
 use crate::format::{
-    MAX_REGIONS, Place, Random, Regions, RegionsMut, Walked, bytes_of, bytes_of_mut, fits,
+    MAX_REGIONS, Place, Random, Regions, RegionsMut, Walked, bytes_of, bytes_of_mut,
 };
 use crate::rule::{Chunk, FoldValue, apply_chunk, fold_inputs};
+use crate::vocab::{CHUNK, fits};
 pub use tile::Kernel;
-pub(crate) use tile::TILE;
 
 /// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
 /// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
 /// the per-piece dispatch is noise.
 pub(crate) const PIECE: usize = 1 << 18;
 
-/// Elements the fused step handles at a time: a multiple of every block size (all are powers of
-/// two up to 4096), so every slot's blocks fall whole inside a chunk.
-pub(crate) const CHUNK: usize = 4096;
-
 const NAME: &str = "cpu";
 
 /// The CPU backend (multi-threaded with rayon's global pool, or the pool the caller installs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu;
+
+impl Cpu {
+    /// The name of the CPU kernel that runs `plan`'s fused pass: its slots' lanes (parameter and
+    /// states, "bf16 q q -"), or "generic" for the element-wise path.
+    pub fn kernel_name(plan: &StepPlan) -> String {
+        Kernel::for_plan(plan).map_or_else(|| "generic".into(), |k| k.describe().to_string())
+    }
+}
 
 /// One parameter on the CPU.
 #[derive(Debug)]
@@ -476,7 +480,7 @@ fn fused_step(
     let flags = layout.step_flags(plan.flags);
     let transform = flags.has(StepFlags::TRANSFORM);
     let limits = layout.limits(flags);
-    if let Some(kernel) = plan.plan.cpu.filter(|_| !transform)
+    if let Some(kernel) = Kernel::for_plan(&plan.plan).filter(|_| !transform)
         && let Some(bad) = specialized(
             kernel,
             piece,

@@ -26,14 +26,10 @@ use lpmm_formats::packing::{pack, packed_len, unpack};
 use lpmm_formats::{CodeMap, simd};
 use lpmm_quant::RandomDraws;
 
-use crate::backend::{HostValues, ParamLayout, SlotKind, StepFlags};
+use crate::backend::{HostValues, SlotKind, StepFlags, StepPlan};
 use crate::format::Lanes;
 use crate::rule::{Chunk, Limits, RuleConsts, apply_chunk, apply_chunk_lean};
-
-/// Elements of a tile: the stash holds one tile of the gradient, the parameter, each state and
-/// the increments (2 KiB each, 12 KiB in all; with the random draws, the codes and the next
-/// tile prefetched, within L1: 512 measured faster than 256 and 1024).
-pub(crate) const TILE: usize = 512;
+use crate::vocab::TILE;
 
 /// How a slot is reached, as a kernel's signature names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,19 +122,22 @@ impl PartialEq for Kernel {
 }
 
 impl Kernel {
-    /// The kernel for a parameter of `layout`, if one is specialized for it: every allocated slot
-    /// has lanes (the gradient accumulator's too) and no state is a tensor-wide statistic's
+    /// The kernel for `plan`, if one is specialized for its key and the plan is not
+    /// [`StepPlan::generic`]: every allocated slot has lanes (the gradient accumulator's too) and no state is a tensor-wide statistic's
     /// reconstruction.
-    pub(crate) fn for_plan(layout: &ParamLayout) -> Option<Kernel> {
-        let all_lanes = layout
-            .formats
+    pub(crate) fn for_plan(plan: &StepPlan) -> Option<Kernel> {
+        let formats = plan.key().formats;
+        if !plan.specialized() {
+            return None;
+        }
+        let all_lanes = formats
             .iter()
             .flatten()
             .all(|f| f.lanes().is_some() && f.folds().is_empty());
         if !all_lanes {
             return None;
         }
-        let kind = |slot: SlotKind| Kind::of(layout.format(slot).and_then(|f| f.lanes()));
+        let kind = |slot: SlotKind| Kind::of(formats[slot as usize].and_then(|f| f.lanes()));
         let kinds = [
             kind(SlotKind::Param),
             kind(SlotKind::State1),

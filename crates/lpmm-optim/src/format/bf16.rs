@@ -8,8 +8,8 @@ use super::{
     Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
     u16s,
 };
-use crate::backend::SlotKind;
-use crate::config::{Storage, StoreRounding};
+use super::{Storage, StoreRounding};
+use crate::vocab::SlotKind;
 
 /// bf16 values.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -10,8 +10,8 @@ use lpmm_quant::{BlockSize, Blockwise as Quantizer, QuantRounding};
 use super::{
     Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, check_scales,
 };
-use crate::backend::SlotKind;
-use crate::config::{MapKind, Storage, StoreRounding};
+use super::{MapKind, Storage, StoreRounding};
+use crate::vocab::SlotKind;
 
 /// Block-quantized codes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -103,7 +103,7 @@ impl Codec for Blockwise {
 
     fn lanes(&self) -> Option<Lanes> {
         // Blocks up to the specialized kernels' tile (every shipped block size).
-        (self.block.get() <= crate::cpu::TILE).then(|| Lanes::Quantized {
+        (self.block.get() <= crate::vocab::TILE).then(|| Lanes::Quantized {
             map: self.map.shared(),
             block: self.block.get(),
             stochastic: self.stochastic(),

@@ -1,8 +1,8 @@
 //! f32: 4 bytes per element, the reference storage.
 
+use super::Storage;
 use super::{Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, f32s};
-use crate::backend::SlotKind;
-use crate::config::Storage;
+use crate::vocab::SlotKind;
 
 /// f32 values.
 #[derive(Debug, Clone, Copy, PartialEq)]

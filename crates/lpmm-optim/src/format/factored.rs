@@ -12,14 +12,14 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::Storage;
 use super::{
     Codec, Dtype, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut, check_scales,
     set_wide_f32, wide_f32,
 };
-use crate::backend::SlotKind;
-use crate::config::Storage;
 use crate::fixed;
 use crate::rule::RuleConsts;
+use crate::vocab::SlotKind;
 
 /// The factorized second moment.
 #[derive(Debug, Clone, Copy, PartialEq)]

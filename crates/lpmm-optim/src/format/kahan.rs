@@ -5,11 +5,11 @@
 
 use lpmm_formats::{bf16, float, kahan_add, simd};
 
+use super::Storage;
 use super::{
     Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
 };
-use crate::backend::SlotKind;
-use crate::config::Storage;
+use crate::vocab::SlotKind;
 
 /// Kahan-compensated bf16.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -17,51 +17,16 @@ mod factored;
 mod kahan;
 mod rank1;
 mod split_f32;
+mod storage;
+
+pub use storage::{MapKind, Storage, StoreRounding};
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use lpmm_quant::RandomStream;
 
-use crate::backend::SlotKind;
-use crate::config::Storage;
 use crate::rule::RuleConsts;
-
-/// The element type of a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// IEEE binary32.
-    F32,
-    /// bfloat16.
-    Bf16,
-    /// 16-bit unsigned integers.
-    U16,
-    /// Bytes (packed codes).
-    U8,
-    /// 32-bit unsigned integers.
-    U32,
-}
-
-impl Dtype {
-    /// Bytes per value.
-    pub const fn size(self) -> usize {
-        match self {
-            Dtype::F32 | Dtype::U32 => 4,
-            Dtype::Bf16 | Dtype::U16 => 2,
-            Dtype::U8 => 1,
-        }
-    }
-
-    /// The name in checkpoints and messages ("f32", "bf16", ...).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-            Dtype::U16 => "u16",
-            Dtype::U8 => "u8",
-            Dtype::U32 => "u32",
-        }
-    }
-}
+use crate::vocab::{Dtype, F32_MAX_BITS, SlotKind, fits};
 
 /// How a tensor's elements map onto a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -293,17 +258,6 @@ pub(crate) enum Lanes {
     },
 }
 
-/// The bit pattern of `f32::MAX`: the limit of a format that stores every finite f32.
-pub const F32_MAX_BITS: u32 = 0x7F7F_FFFF;
-
-/// Whether `x` is finite and at most `limit` (an f32 bit pattern) in magnitude: one comparison
-/// of the bits with the sign cleared (NaN and ±Inf patterns exceed every finite one). The same
-/// test in the kernels (`fits`).
-#[inline(always)]
-pub fn fits(x: f32, limit: u32) -> bool {
-    x.to_bits() & 0x7FFF_FFFF <= limit
-}
-
 /// The definition of one storage format.
 pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'static {
     /// The stem of its kernel files and its name in the kernels' dispatch.
@@ -362,7 +316,7 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
         0
     }
     /// The code map it stores codes of (checkpoints record the maps in use).
-    fn map(&self) -> Option<crate::config::MapKind> {
+    fn map(&self) -> Option<MapKind> {
         None
     }
     /// The fold passes of a two-phase step (none for element-wise formats).
@@ -564,7 +518,7 @@ macro_rules! formats {
             }
 
             /// The code map it stores codes of, if any.
-            pub fn map(&self) -> Option<crate::config::MapKind> {
+            pub fn map(&self) -> Option<MapKind> {
                 match &self.0 { $(Inner::$variant(c) => c.map(),)* }
             }
 

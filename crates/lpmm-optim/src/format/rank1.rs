@@ -16,9 +16,9 @@ use super::{
     Codec, Dtype, Extent, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut,
     check_scales, wide_f32,
 };
-use crate::backend::SlotKind;
-use crate::config::{MapKind, Storage, StoreRounding};
-use crate::cpu::CHUNK;
+use super::{MapKind, Storage, StoreRounding};
+use crate::vocab::CHUNK;
+use crate::vocab::SlotKind;
 
 /// Rank-1 normalized codes.
 #[derive(Debug, Clone, Copy, PartialEq)]

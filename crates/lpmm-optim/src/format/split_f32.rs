@@ -5,11 +5,11 @@
 
 use lpmm_formats::{SplitF32 as Split, bf16};
 
+use super::Storage;
 use super::{
     Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, fits, u16s,
 };
-use crate::backend::SlotKind;
-use crate::config::Storage;
+use crate::vocab::SlotKind;
 
 /// Split f32.
 #[derive(Debug, Clone, Copy, PartialEq)]

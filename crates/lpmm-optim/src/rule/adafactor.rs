@@ -10,8 +10,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
-use crate::backend::SlotKind;
 use crate::error::OptimError;
+use crate::vocab::SlotKind;
 
 /// Adafactor's hyperparameters (`transformers`' names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -5,8 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
-use crate::backend::SlotKind;
 use crate::error::OptimError;
+use crate::vocab::SlotKind;
 
 /// Adam's and AdamW's hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

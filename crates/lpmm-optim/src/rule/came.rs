@@ -10,8 +10,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
-use crate::backend::SlotKind;
 use crate::error::OptimError;
+use crate::vocab::SlotKind;
 
 /// CAME's hyperparameters (the reference's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -200,6 +200,11 @@ impl Rule for Came {
 
     fn factorable(slot: SlotKind) -> bool {
         matches!(slot, SlotKind::State2 | SlotKind::State3)
+    }
+
+    /// The instability is an average of squares CAME only reads as a factorized reconstruction.
+    fn needs_factorized(slot: SlotKind) -> Option<&'static str> {
+        (slot == SlotKind::State3).then_some("CAME's instability is factorized")
     }
 
     fn moment(c: &CameConsts, slot: SlotKind) -> Option<Moment> {

@@ -29,9 +29,9 @@ pub use sgd::{Sgd, SgdConsts};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::SlotKind;
 use crate::error::OptimError;
-use crate::format::{F32_MAX_BITS, fits};
+use crate::vocab::SlotKind;
+use crate::vocab::{F32_MAX_BITS, fits};
 
 /// What the step knows besides the constants: bits the kernels read as `flags`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -184,6 +184,11 @@ pub trait Rule:
     /// [`StepFlags::GIVEN_W`]).
     fn factorable(_slot: SlotKind) -> bool {
         false
+    }
+    /// Why `slot` must be factorized on a tensor of two or more dimensions, if it must (the rule
+    /// reads it only as a factorized reconstruction: CAME's instability).
+    fn needs_factorized(_slot: SlotKind) -> Option<&'static str> {
+        None
     }
     /// The moving average a factorized `slot` keeps.
     fn moment(_c: &Self::Consts, _slot: SlotKind) -> Option<Moment> {
@@ -472,6 +477,11 @@ macro_rules! rules {
             /// CAME's second moments, CAME's instability).
             pub fn factorable(&self, slot: SlotKind) -> bool {
                 match self { $(Hyper::$variant(_) => <$config as Rule>::factorable(slot),)* }
+            }
+
+            /// Why `slot` must be factorized on a tensor of two or more dimensions, if it must.
+            pub fn needs_factorized(&self, slot: SlotKind) -> Option<&'static str> {
+                match self { $(Hyper::$variant(_) => <$config as Rule>::needs_factorized(slot),)* }
             }
 
             /// The host state after step `t` from the state before it.
