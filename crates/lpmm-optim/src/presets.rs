@@ -16,7 +16,7 @@
 
 use crate::config::ParamConfig;
 use crate::format::{Storage, StoreRounding};
-use crate::rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, ScheduleFreeAdamW, Sgd};
+use crate::rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, Rule, ScheduleFreeAdamW, Sgd};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any
 /// [`Hyper`]) and the storage of each slot. Converts into [`ParamConfig`] (`.into()` or
@@ -111,168 +111,28 @@ impl<R> Preset<R> {
     }
 }
 
-impl Preset<Adam> {
-    /// With learning rate `lr`.
+impl<R: Rule> Preset<R> {
+    /// With learning rate `lr` (for Adafactor: a fixed rate instead of the relative step,
+    /// parameter scaling kept as set).
     pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|a| Adam { lr, ..a })
-    }
-
-    /// With other betas (first and second moment decay).
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        self.map_rule(|a| a.betas(beta1, beta2))
-    }
-
-    /// With another eps.
-    pub fn eps(self, eps: f64) -> Self {
-        self.map_rule(|a| a.eps(eps))
-    }
-
-    /// With another weight decay (decoupled for the AdamW presets).
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|a| a.weight_decay(weight_decay))
-    }
-}
-
-impl Preset<Lion> {
-    /// With learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|l| Lion { lr, ..l })
-    }
-
-    /// With other betas (interpolation, momentum decay).
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        self.map_rule(|l| l.betas(beta1, beta2))
-    }
-
-    /// With decoupled weight decay.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|l| l.weight_decay(weight_decay))
-    }
-}
-
-impl Preset<Sgd> {
-    /// With learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|s| Sgd { lr, ..s })
-    }
-
-    /// With momentum `mu`.
-    pub fn momentum(self, mu: f64) -> Self {
-        self.map_rule(|s| s.momentum(mu))
-    }
-
-    /// With dampening.
-    pub fn dampening(self, dampening: f64) -> Self {
-        self.map_rule(|s| s.dampening(dampening))
-    }
-
-    /// With Nesterov momentum on or off.
-    pub fn nesterov(self, nesterov: bool) -> Self {
-        self.map_rule(|s| s.nesterov(nesterov))
-    }
-
-    /// With an L2 penalty.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|s| s.weight_decay(weight_decay))
-    }
-}
-
-impl Preset<Adafactor> {
-    /// A fixed learning rate `lr` instead of the relative step (parameter scaling kept as set).
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|a| Adafactor {
-            lr,
-            relative_step: false,
-            ..a
+        self.map_rule(|mut r| {
+            r.fix_lr(lr);
+            r
         })
     }
-
-    /// With a first moment of decay `beta1`.
-    pub fn beta1(self, beta1: f64) -> Self {
-        self.map_rule(|a| a.beta1(beta1))
-    }
-
-    /// With decoupled weight decay (scaled by the step size).
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|a| a.weight_decay(weight_decay))
-    }
-
-    /// With or without the parameter-RMS scaling of the step size.
-    pub fn scale_parameter(self, on: bool) -> Self {
-        self.map_rule(|a| a.scale_parameter(on))
-    }
-
-    /// With warmup of the relative step size.
-    pub fn warmup_init(self, on: bool) -> Self {
-        self.map_rule(|a| a.warmup_init(on))
-    }
 }
 
-impl Preset<Came> {
-    /// With learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|c| Came { lr, ..c })
-    }
-
-    /// With other betas (first moment, second moment, instability).
-    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
-        self.map_rule(|c| c.betas(beta1, beta2, beta3))
-    }
-
-    /// With decoupled weight decay.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|c| c.weight_decay(weight_decay))
-    }
+/// Every setter of rule `R` on `Preset<R>`, from the rule file's `setters!`.
+macro_rules! forward {
+    ($rule:ident { $($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*);)* }) => {
+        impl Preset<$rule> {
+            $($(#[$doc])* pub fn $name(self, $($arg: $ty),*) -> Self {
+                self.map_rule(|r| r.$name($($arg),*))
+            })*
+        }
+    };
 }
-
-impl Preset<AdEMAMix> {
-    /// With learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|a| AdEMAMix { lr, ..a })
-    }
-
-    /// With other betas (fast moment, second moment, slow moment).
-    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
-        self.map_rule(|a| a.betas(beta1, beta2, beta3))
-    }
-
-    /// With another weight of the slow moment.
-    pub fn alpha(self, alpha: f64) -> Self {
-        self.map_rule(|a| a.alpha(alpha))
-    }
-
-    /// With decoupled weight decay.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|a| a.weight_decay(weight_decay))
-    }
-
-    /// With warmups of `alpha` and `beta3` over these many steps.
-    pub fn warmup(self, t_alpha: Option<u64>, t_beta3: Option<u64>) -> Self {
-        self.map_rule(|a| a.warmup(t_alpha, t_beta3))
-    }
-}
-
-impl Preset<ScheduleFreeAdamW> {
-    /// With learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        self.map_rule(|s| ScheduleFreeAdamW { lr, ..s })
-    }
-
-    /// With other betas (interpolation, second moment decay).
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        self.map_rule(|s| s.betas(beta1, beta2))
-    }
-
-    /// With weight decay (applied at `y`).
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.map_rule(|s| s.weight_decay(weight_decay))
-    }
-
-    /// With a linear learning-rate warmup over `steps`.
-    pub fn warmup_steps(self, steps: u64) -> Self {
-        self.map_rule(|s| s.warmup_steps(steps))
-    }
-}
+crate::rule::each_rule_setters!(forward);
 
 impl Preset<Hyper> {
     /// With learning rate `lr`.

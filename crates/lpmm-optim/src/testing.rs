@@ -7,9 +7,8 @@ use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
 use crate::{
-    AdEMAMix, Adafactor, Adam, Backend, Came, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer,
-    OptimizerOptions, ParamConfig, ParamId, ScheduleFreeAdamW, Sgd, SlotKind, Storage,
-    StoreRounding, presets,
+    Backend, Hyper, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId,
+    Sgd, SlotKind, Storage, StoreRounding, presets,
 };
 
 /// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
@@ -124,60 +123,18 @@ pub fn shapes() -> Vec<Vec<usize>> {
     s
 }
 
+/// The rules' own conformance cases ([`Hyper::conformance_cases`]).
 pub fn hypers() -> Vec<(&'static str, Hyper)> {
-    vec![
-        ("sgd", Hyper::sgd(0.05, 0.0)),
-        (
-            "sgd-nesterov-wd",
-            Hyper::Sgd(
-                Sgd::new(0.05)
-                    .momentum(0.9)
-                    .nesterov(true)
-                    .weight_decay(1e-2),
-            ),
-        ),
-        (
-            "sgd-dampening",
-            Hyper::Sgd(Sgd::new(0.05).momentum(0.9).dampening(0.3)),
-        ),
-        ("adam-l2", Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2))),
-        ("adamw", Hyper::adamw(1e-3)),
-        (
-            "adamw-beta1-0.3",
-            Hyper::Adam(
-                Adam::adamw(1e-3)
-                    .betas(0.3, 0.99)
-                    .eps(1e-6)
-                    .weight_decay(0.1),
-            ),
-        ),
-        ("lion", Hyper::Lion(Lion::new(1e-4).weight_decay(0.1))),
-        (
-            "adafactor-beta1-wd",
-            Hyper::Adafactor(Adafactor::new().beta1(0.9).weight_decay(0.1)),
-        ),
-        ("came-wd", Hyper::Came(Came::new(2e-4).weight_decay(0.1))),
-        (
-            "ademamix-warmup",
-            Hyper::AdEMAMix(AdEMAMix::new(1e-3).warmup(Some(2), Some(3))),
-        ),
-        (
-            "schedule-free-warmup-wd",
-            Hyper::ScheduleFreeAdamW(
-                ScheduleFreeAdamW::new(2.5e-3)
-                    .warmup_steps(2)
-                    .weight_decay(0.1),
-            ),
-        ),
-    ]
+    Hyper::conformance_cases()
 }
 
-/// State 3's storage beside state 1's in the storage covers: CAME's instability is factorized;
-/// the other rules' state 3 (AdEMAMix's slow moment) is stored like state 1.
+/// State 3's storage beside state 1's in the storage covers: factorized where the rule demands
+/// it (CAME's instability), else stored like state 1 (AdEMAMix's slow moment).
 fn state3_for(hyper: &Hyper, state1: Storage) -> Storage {
-    match hyper {
-        Hyper::Came(_) => Storage::Factorized,
-        _ => state1,
+    if hyper.needs_factorized(SlotKind::State3).is_some() {
+        Storage::Factorized
+    } else {
+        state1
     }
 }
 
@@ -514,9 +471,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
     }
 }
 
-/// Rank-1 and factorized second moments (tensor-wide statistics, the two-phase step) with
-/// AdamW and Adam-L2 (whose moment gradient folds the penalty in), Adafactor (the rule's sums of
-/// squares: parameter and update RMS) and CAME (a factorized state 3 fed by the rule), clipped
+/// Rank-1 and factorized second moments (tensor-wide statistics, the two-phase step) with every
+/// rule case whose state 2 may be factorized — AdamW and Adam-L2 (whose moment gradient folds the
+/// penalty in), Adafactor (the rule's sums of squares: parameter and update RMS) and CAME (a
+/// factorized state 3 fed by the rule) today —, clipped
 /// and accumulated gradients, released gradients and optimizer accumulation, on matrices, a 3-D
 /// tensor and vectors (which fall back), on several pieces.
 pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
@@ -529,15 +487,11 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
         .with_max_grad_norm(Some(0.5))
         .with_non_finite(NonFinitePolicy::SkipStep);
     for (name, state2) in [("factorized", Storage::Factorized), ("rank-1", rank1)] {
-        for (hname, hyper) in [
-            ("adamw", Hyper::adamw(1e-3)),
-            ("adam-l2", Hyper::Adam(Adam::new(1e-3).weight_decay(1e-2))),
-            (
-                "adafactor-relative-beta1-wd",
-                Hyper::Adafactor(Adafactor::new().beta1(0.9).weight_decay(0.1)),
-            ),
-            ("came-wd", Hyper::Came(Came::new(2e-4).weight_decay(0.1))),
-        ] {
+        // Every rule case whose state 2 may be factorized (Adam's, Adafactor's, CAME's).
+        let factorable = hypers()
+            .into_iter()
+            .filter(|(_, h)| h.factorable(SlotKind::State2));
+        for (hname, hyper) in factorable {
             for (gname, param, grad, options) in [
                 ("bf16 sr, clipped", BF_SR, BF_SR, clipped),
                 (

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 use crate::vocab::SlotKind;
 
@@ -69,60 +69,64 @@ impl Adafactor {
             ..Self::new()
         }
     }
+}
 
-    /// With a first moment of decay `beta1`.
-    pub fn beta1(self, beta1: f64) -> Self {
-        Adafactor {
-            beta1: Some(beta1),
-            ..self
+setters! {
+    $ for Adafactor {
+        /// With a first moment of decay `beta1`.
+        pub fn beta1(self, beta1: f64) -> Self {
+            Adafactor {
+                beta1: Some(beta1),
+                ..self
+            }
         }
-    }
 
-    /// With weight decay `wd`.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Adafactor {
-            weight_decay,
-            ..self
+        /// With weight decay `wd`.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            Adafactor {
+                weight_decay,
+                ..self
+            }
         }
-    }
 
-    /// With or without parameter scaling.
-    pub fn scale_parameter(self, on: bool) -> Self {
-        Adafactor {
-            scale_parameter: on,
-            ..self
+        /// With or without parameter scaling.
+        pub fn scale_parameter(self, on: bool) -> Self {
+            Adafactor {
+                scale_parameter: on,
+                ..self
+            }
         }
-    }
 
-    /// With warmup of the relative step.
-    pub fn warmup_init(self, on: bool) -> Self {
-        Adafactor {
-            warmup_init: on,
-            ..self
+        /// With warmup of the relative step.
+        pub fn warmup_init(self, on: bool) -> Self {
+            Adafactor {
+                warmup_init: on,
+                ..self
+            }
         }
-    }
 
-    /// With another clipping threshold.
-    pub fn clip_threshold(self, d: f64) -> Self {
-        Adafactor {
-            clip_threshold: d,
-            ..self
+        /// With another clipping threshold.
+        pub fn clip_threshold(self, d: f64) -> Self {
+            Adafactor {
+                clip_threshold: d,
+                ..self
+            }
         }
-    }
 
-    /// With another decay rate of `beta2_t`.
-    pub fn decay_rate(self, c: f64) -> Self {
-        Adafactor {
-            decay_rate: c,
-            ..self
+        /// With another decay rate of `beta2_t`.
+        pub fn decay_rate(self, c: f64) -> Self {
+            Adafactor {
+                decay_rate: c,
+                ..self
+            }
         }
-    }
 
-    /// With other `eps1`, `eps2`.
-    pub fn eps(self, eps1: f64, eps2: f64) -> Self {
-        Adafactor {
-            eps: (eps1, eps2),
-            ..self
+        /// With other `eps1`, `eps2`.
+        pub fn eps(self, eps1: f64, eps2: f64) -> Self {
+            Adafactor {
+                eps: (eps1, eps2),
+                ..self
+            }
         }
     }
 }
@@ -185,12 +189,24 @@ impl Rule for Adafactor {
     const NAME: &'static str = "adafactor";
     type Consts = AdafactorConsts;
 
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![(
+            "adafactor-beta1-wd",
+            Adafactor::new().beta1(0.9).weight_decay(0.1),
+        )]
+    }
+
     fn lr(&self) -> f64 {
         self.lr
     }
 
     fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+    }
+
+    fn fix_lr(&mut self, lr: f64) {
+        self.lr = lr;
+        self.relative_step = false;
     }
 
     fn states(&self) -> [bool; 3] {

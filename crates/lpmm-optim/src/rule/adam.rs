@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 use crate::vocab::SlotKind;
 
@@ -44,25 +44,29 @@ impl Adam {
             ..Self::adamw(lr)
         }
     }
+}
 
-    /// With other betas.
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        Adam {
-            betas: (beta1, beta2),
-            ..self
+setters! {
+    $ for Adam {
+        /// With other betas.
+        pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+            Adam {
+                betas: (beta1, beta2),
+                ..self
+            }
         }
-    }
 
-    /// With another eps.
-    pub fn eps(self, eps: f64) -> Self {
-        Adam { eps, ..self }
-    }
+        /// With another eps.
+        pub fn eps(self, eps: f64) -> Self {
+            Adam { eps, ..self }
+        }
 
-    /// With another weight decay.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Adam {
-            weight_decay,
-            ..self
+        /// With another weight decay.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            Adam {
+                weight_decay,
+                ..self
+            }
         }
     }
 }
@@ -96,6 +100,20 @@ kernel_struct! {
 impl Rule for Adam {
     const NAME: &'static str = "adam";
     type Consts = AdamConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![
+            ("adam-l2", Adam::new(1e-3).weight_decay(1e-2)),
+            ("adamw", Adam::adamw(1e-3)),
+            (
+                "adamw-beta1-0.3",
+                Adam::adamw(1e-3)
+                    .betas(0.3, 0.99)
+                    .eps(1e-6)
+                    .weight_decay(0.1),
+            ),
+        ]
+    }
 
     fn lr(&self) -> f64 {
         self.lr

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 
 /// AdEMAMix's hyperparameters (bitsandbytes' names and defaults).
@@ -44,41 +44,6 @@ impl AdEMAMix {
         }
     }
 
-    /// With other betas.
-    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
-        AdEMAMix {
-            betas: (beta1, beta2, beta3),
-            ..self
-        }
-    }
-
-    /// With another alpha.
-    pub fn alpha(self, alpha: f64) -> Self {
-        AdEMAMix { alpha, ..self }
-    }
-
-    /// With weight decay `wd`.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        AdEMAMix {
-            weight_decay,
-            ..self
-        }
-    }
-
-    /// With another eps.
-    pub fn eps(self, eps: f64) -> Self {
-        AdEMAMix { eps, ..self }
-    }
-
-    /// With warmups of `alpha` and `beta3` over these many steps.
-    pub fn warmup(self, t_alpha: Option<u64>, t_beta3: Option<u64>) -> Self {
-        AdEMAMix {
-            t_alpha,
-            t_beta3,
-            ..self
-        }
-    }
-
     /// `alpha` at step `t` (bitsandbytes' `_get_alpha`).
     pub fn alpha_at(&self, t: u64) -> f64 {
         match self.t_alpha {
@@ -98,6 +63,45 @@ impl AdEMAMix {
                 ((ln1 * ln3) / ((1.0 - s) * ln3 + s * ln1)).exp().min(b3)
             }
             _ => b3,
+        }
+    }
+}
+
+setters! {
+    $ for AdEMAMix {
+        /// With other betas.
+        pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
+            AdEMAMix {
+                betas: (beta1, beta2, beta3),
+                ..self
+            }
+        }
+
+        /// With another alpha.
+        pub fn alpha(self, alpha: f64) -> Self {
+            AdEMAMix { alpha, ..self }
+        }
+
+        /// With weight decay `wd`.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            AdEMAMix {
+                weight_decay,
+                ..self
+            }
+        }
+
+        /// With another eps.
+        pub fn eps(self, eps: f64) -> Self {
+            AdEMAMix { eps, ..self }
+        }
+
+        /// With warmups of `alpha` and `beta3` over these many steps.
+        pub fn warmup(self, t_alpha: Option<u64>, t_beta3: Option<u64>) -> Self {
+            AdEMAMix {
+                t_alpha,
+                t_beta3,
+                ..self
+            }
         }
     }
 }
@@ -137,6 +141,13 @@ kernel_struct! {
 impl Rule for AdEMAMix {
     const NAME: &'static str = "ademamix";
     type Consts = AdEMAMixConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![(
+            "ademamix-warmup",
+            AdEMAMix::new(1e-3).warmup(Some(2), Some(3)),
+        )]
+    }
 
     fn lr(&self) -> f64 {
         self.lr

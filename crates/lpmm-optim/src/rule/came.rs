@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 use crate::vocab::SlotKind;
 
@@ -40,36 +40,40 @@ impl Came {
             weight_decay: 0.0,
         }
     }
+}
 
-    /// With other betas.
-    pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
-        Came {
-            betas: (beta1, beta2, beta3),
-            ..self
+setters! {
+    $ for Came {
+        /// With other betas.
+        pub fn betas(self, beta1: f64, beta2: f64, beta3: f64) -> Self {
+            Came {
+                betas: (beta1, beta2, beta3),
+                ..self
+            }
         }
-    }
 
-    /// With weight decay `wd`.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Came {
-            weight_decay,
-            ..self
+        /// With weight decay `wd`.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            Came {
+                weight_decay,
+                ..self
+            }
         }
-    }
 
-    /// With other eps.
-    pub fn eps(self, eps1: f64, eps2: f64) -> Self {
-        Came {
-            eps: (eps1, eps2),
-            ..self
+        /// With other eps.
+        pub fn eps(self, eps1: f64, eps2: f64) -> Self {
+            Came {
+                eps: (eps1, eps2),
+                ..self
+            }
         }
-    }
 
-    /// With another clipping threshold.
-    pub fn clip_threshold(self, d: f64) -> Self {
-        Came {
-            clip_threshold: d,
-            ..self
+        /// With another clipping threshold.
+        pub fn clip_threshold(self, d: f64) -> Self {
+            Came {
+                clip_threshold: d,
+                ..self
+            }
         }
     }
 }
@@ -125,6 +129,10 @@ fn moments(c: &CameConsts, f: StepFlags, g: f32, m: f32, v: &mut f32) -> (f32, f
 impl Rule for Came {
     const NAME: &'static str = "came";
     type Consts = CameConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![("came-wd", Came::new(2e-4).weight_decay(0.1))]
+    }
 
     fn lr(&self) -> f64 {
         self.lr

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 
 /// Lion's hyperparameters.
@@ -27,20 +27,24 @@ impl Lion {
             weight_decay: 0.0,
         }
     }
+}
 
-    /// With other betas.
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        Lion {
-            betas: (beta1, beta2),
-            ..self
+setters! {
+    $ for Lion {
+        /// With other betas.
+        pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+            Lion {
+                betas: (beta1, beta2),
+                ..self
+            }
         }
-    }
 
-    /// With weight decay.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Lion {
-            weight_decay,
-            ..self
+        /// With weight decay.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            Lion {
+                weight_decay,
+                ..self
+            }
         }
     }
 }
@@ -68,6 +72,10 @@ kernel_struct! {
 impl Rule for Lion {
     const NAME: &'static str = "lion";
     type Consts = LionConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![("lion", Lion::new(1e-4).weight_decay(0.1))]
+    }
 
     fn lr(&self) -> f64 {
         self.lr

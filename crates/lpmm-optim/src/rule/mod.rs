@@ -11,13 +11,13 @@
 //!
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
-mod adafactor;
-mod adam;
-mod ademamix;
-mod came;
-mod lion;
-mod schedule_free;
-mod sgd;
+pub(crate) mod adafactor;
+pub(crate) mod adam;
+pub(crate) mod ademamix;
+pub(crate) mod came;
+pub(crate) mod lion;
+pub(crate) mod schedule_free;
+pub(crate) mod sgd;
 
 pub use adafactor::{Adafactor, AdafactorConsts};
 pub use adam::{Adam, AdamConsts};
@@ -113,6 +113,29 @@ macro_rules! kernel_struct {
 }
 pub(crate) use kernel_struct;
 
+/// A rule's setters (`fn name(self, args) -> Self`), declared once in its file: they become
+/// methods of the rule, and the module's `forward_setters!` hands their signatures to a macro
+/// (`$ for Rule { ... }`; the `$` lets this macro define that one). The presets forward every
+/// setter through it ([`each_rule_setters!`]), so a rule's builder has no second list.
+macro_rules! setters {
+    ($d:tt for $rule:ident {
+        $($(#[$doc:meta])* pub fn $name:ident($self:tt $(, $arg:ident: $ty:ty)* $(,)?) -> Self $body:block)*
+    }) => {
+        impl $rule {
+            $($(#[$doc])* pub fn $name($self $(, $arg: $ty)*) -> Self $body)*
+        }
+
+        /// Hands this rule's setters to `$m` (the presets' forwarding).
+        macro_rules! forward_setters {
+            ($d m:ident) => {
+                $d m! { $rule { $($(#[$doc])* fn $name($($arg: $ty),*);)* } }
+            };
+        }
+        pub(crate) use forward_setters;
+    };
+}
+pub(crate) use setters;
+
 /// The exponential moving average of squares a factorized slot keeps (its row and column
 /// means): `new = beta * old + (1 - beta) * (mean(x^2) + eps)`, all f32, `x` the rule's
 /// [`RuleConsts::moment_input`] for the slot.
@@ -157,10 +180,18 @@ pub trait Rule:
     fn lr(&self) -> f64;
     /// Sets the learning rate.
     fn set_lr(&mut self, lr: f64);
+    /// Sets a fixed learning rate as a preset's `lr` does (Adafactor leaves its relative step
+    /// for it; the others set it).
+    fn fix_lr(&mut self, lr: f64) {
+        self.set_lr(lr);
+    }
     /// Which state slots (1, 2, 3) this configuration uses.
     fn states(&self) -> [bool; 3];
     /// Checks every hyperparameter; an invalid one is a typed error naming it.
     fn validate(&self) -> Result<(), OptimError>;
+    /// Settings that exercise the rule's options, by name: the backend conformance suite steps
+    /// each with every storage (`lpmm_optim::testing`), so a rule brings its own cases.
+    fn conformance_cases() -> Vec<(&'static str, Self)>;
     /// The host state after step `t` (1-based) from the state before it.
     fn advance(&self, _t: u64, state: RuleState) -> RuleState {
         state
@@ -412,7 +443,16 @@ fn apply_run<R: Rule, const LEAN: bool>(
 /// The registry: one line per rule generates the [`Hyper`] variant, the [`RuleConsts`] variant
 /// and every dispatch below (the kernels' dispatch is generated from [`RuleConsts::KERNELS`]).
 macro_rules! rules {
-    ($($(#[$meta:meta])* $variant:ident($config:ty),)*) => {
+    ($d:tt $($(#[$meta:meta])* $variant:ident($config:ty) in $module:ident,)*) => {
+        /// Hands every rule's setters to `$m`, one invocation per rule (each rule file's
+        /// `setters!`).
+        macro_rules! each_rule_setters {
+            ($d m:ident) => {
+                $($crate::rule::$module::forward_setters!($d m);)*
+            };
+        }
+        pub(crate) use each_rule_setters;
+
         /// The optimizer and its hyperparameters: one variant per update rule. Defaults are the
         /// reference implementations'. Hyperparameters are f64, as PyTorch's are Python floats:
         /// derived factors such as `1 - beta1` are computed in f64 and rounded to f32 once, as
@@ -438,6 +478,18 @@ macro_rules! rules {
         )*
 
         impl Hyper {
+            /// Every rule's own conformance cases (its file's `conformance_cases`): settings that
+            /// exercise its options, by name, in the registry's order.
+            pub fn conformance_cases() -> Vec<(&'static str, Hyper)> {
+                let mut cases = Vec::new();
+                $(cases.extend(
+                    <$config as Rule>::conformance_cases()
+                        .into_iter()
+                        .map(|(name, rule)| (name, Hyper::$variant(rule))),
+                );)*
+                cases
+            }
+
             /// The learning rate.
             pub fn lr(&self) -> f64 {
                 match self { $(Hyper::$variant(h) => h.lr(),)* }
@@ -615,21 +667,22 @@ pub(crate) enum FoldValue {
 pub const MAX_STATS: usize = 2;
 
 rules! {
+    $
     /// SGD with momentum, `torch.optim.SGD` semantics.
-    Sgd(Sgd),
+    Sgd(Sgd) in sgd,
     /// Adam / AdamW.
-    Adam(Adam),
+    Adam(Adam) in adam,
     /// Lion (Chen et al. 2023; lion-pytorch semantics).
-    Lion(Lion),
+    Lion(Lion) in lion,
     /// Adafactor (Shazeer & Stern 2018; `transformers.optimization.Adafactor` semantics).
-    Adafactor(Adafactor),
+    Adafactor(Adafactor) in adafactor,
     /// CAME (Luo et al. 2023; the authors' `came-pytorch` semantics).
-    Came(Came),
+    Came(Came) in came,
     /// AdEMAMix (Pagliardini et al. 2024; bitsandbytes' `AdEMAMix` semantics).
-    AdEMAMix(AdEMAMix),
+    AdEMAMix(AdEMAMix) in ademamix,
     /// Schedule-free AdamW (Defazio et al. 2024; the `schedulefree` package's
     /// `AdamWScheduleFree`).
-    ScheduleFreeAdamW(ScheduleFreeAdamW),
+    ScheduleFreeAdamW(ScheduleFreeAdamW) in schedule_free,
 }
 
 impl Hyper {

@@ -11,7 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 
 /// Schedule-free AdamW's hyperparameters (the package's names and defaults).
@@ -48,35 +48,6 @@ impl ScheduleFreeAdamW {
         }
     }
 
-    /// With other betas.
-    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        ScheduleFreeAdamW {
-            betas: (beta1, beta2),
-            ..self
-        }
-    }
-
-    /// With weight decay `wd`.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        ScheduleFreeAdamW {
-            weight_decay,
-            ..self
-        }
-    }
-
-    /// With a linear warmup over `steps`.
-    pub fn warmup_steps(self, steps: u64) -> Self {
-        ScheduleFreeAdamW {
-            warmup_steps: steps,
-            ..self
-        }
-    }
-
-    /// With another eps.
-    pub fn eps(self, eps: f64) -> Self {
-        ScheduleFreeAdamW { eps, ..self }
-    }
-
     /// The scheduled learning rate of step `t` (the linear warmup).
     fn scheduled_lr(&self, t: u64) -> f64 {
         let k = t - 1;
@@ -86,6 +57,39 @@ impl ScheduleFreeAdamW {
             1.0
         };
         self.lr * sched
+    }
+}
+
+setters! {
+    $ for ScheduleFreeAdamW {
+        /// With other betas.
+        pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+            ScheduleFreeAdamW {
+                betas: (beta1, beta2),
+                ..self
+            }
+        }
+
+        /// With weight decay `wd`.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            ScheduleFreeAdamW {
+                weight_decay,
+                ..self
+            }
+        }
+
+        /// With a linear warmup over `steps`.
+        pub fn warmup_steps(self, steps: u64) -> Self {
+            ScheduleFreeAdamW {
+                warmup_steps: steps,
+                ..self
+            }
+        }
+
+        /// With another eps.
+        pub fn eps(self, eps: f64) -> Self {
+            ScheduleFreeAdamW { eps, ..self }
+        }
     }
 }
 
@@ -125,6 +129,15 @@ fn lerp(a: f32, b: f32, w: f32) -> f32 {
 impl Rule for ScheduleFreeAdamW {
     const NAME: &'static str = "schedule_free";
     type Consts = ScheduleFreeConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![(
+            "schedule-free-warmup-wd",
+            ScheduleFreeAdamW::new(2.5e-3)
+                .warmup_steps(2)
+                .weight_decay(0.1),
+        )]
+    }
 
     fn lr(&self) -> f64 {
         self.lr

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct};
+use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
 use crate::error::OptimError;
 
 /// SGD's hyperparameters.
@@ -33,30 +33,34 @@ impl Sgd {
             weight_decay: 0.0,
         }
     }
+}
 
-    /// With momentum `mu`.
-    pub fn momentum(self, mu: f64) -> Self {
-        Sgd {
-            momentum: mu,
-            ..self
+setters! {
+    $ for Sgd {
+        /// With momentum `mu`.
+        pub fn momentum(self, mu: f64) -> Self {
+            Sgd {
+                momentum: mu,
+                ..self
+            }
         }
-    }
 
-    /// With dampening.
-    pub fn dampening(self, dampening: f64) -> Self {
-        Sgd { dampening, ..self }
-    }
+        /// With dampening.
+        pub fn dampening(self, dampening: f64) -> Self {
+            Sgd { dampening, ..self }
+        }
 
-    /// With Nesterov momentum on or off.
-    pub fn nesterov(self, nesterov: bool) -> Self {
-        Sgd { nesterov, ..self }
-    }
+        /// With Nesterov momentum on or off.
+        pub fn nesterov(self, nesterov: bool) -> Self {
+            Sgd { nesterov, ..self }
+        }
 
-    /// With an L2 penalty.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Sgd {
-            weight_decay,
-            ..self
+        /// With an L2 penalty.
+        pub fn weight_decay(self, weight_decay: f64) -> Self {
+            Sgd {
+                weight_decay,
+                ..self
+            }
         }
     }
 }
@@ -87,6 +91,20 @@ impl SgdConsts {
 impl Rule for Sgd {
     const NAME: &'static str = "sgd";
     type Consts = SgdConsts;
+
+    fn conformance_cases() -> Vec<(&'static str, Self)> {
+        vec![
+            ("sgd", Sgd::new(0.05).momentum(0.0)),
+            (
+                "sgd-nesterov-wd",
+                Sgd::new(0.05)
+                    .momentum(0.9)
+                    .nesterov(true)
+                    .weight_decay(1e-2),
+            ),
+            ("sgd-dampening", Sgd::new(0.05).momentum(0.9).dampening(0.3)),
+        ]
+    }
 
     fn lr(&self) -> f64 {
         self.lr
