@@ -893,6 +893,46 @@ pub fn more_presets() -> Vec<Preset> {
             schedule_free: false,
             goal: Goal::Quality,
         },
+        // The parameter storages beside 8-bit states, for the low-learning-rate condition
+        // (`char_lm -- --preset NAME --lr 6e-4`): bf16 to nearest and stochastically are the
+        // main table's; Kahan-compensated bf16 and 24-bit master weights (bf16+8) here.
+        Preset {
+            name: "8-bit AdamW, bf16 Kahan",
+            config: |lr| {
+                presets::adamw_8bit_bf16(lr)
+                    .with_param(lpmm_optim::Storage::Bf16Kahan)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Quality,
+        },
+        Preset {
+            name: "8-bit AdamW, bf16+8",
+            config: |lr| presets::adamw_8bit_bf16_plus8(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Quality,
+        },
+        Preset {
+            name: "8-bit AdamW, bf16+8 SR",
+            config: |lr| {
+                presets::adamw_8bit_bf16_plus8(lr)
+                    .with_param(lpmm_optim::Storage::Bf16Plus8(
+                        lpmm_optim::StoreRounding::Stochastic,
+                    ))
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Quality,
+        },
         Preset {
             name: "f32 Lion",
             config: |lr| presets::lion_f32(lr / 10.0).build(),

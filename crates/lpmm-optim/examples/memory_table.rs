@@ -44,7 +44,7 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 5], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 23] = [
+    let rows: [(&str, ParamConfig, &str); 24] = [
         ("f32 SGDM", presets::sgdm_f32(lr, 0.9).build(), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
@@ -75,6 +75,11 @@ fn main() {
         (
             "8-bit AdamW, bf16 SR param+grad",
             presets::adamw_8bit_bf16_sr(lr).build(),
+            "f32 AdamW",
+        ),
+        (
+            "8-bit AdamW, bf16+8 (24-bit) param, bf16 grad",
+            presets::adamw_8bit_bf16_plus8(lr).build(),
             "f32 AdamW",
         ),
         (

@@ -198,6 +198,16 @@ pub fn adamw_8bit_bf16_sr(lr: f64) -> Preset<Adam> {
         .with_grad(Storage::Bf16(StoreRounding::Stochastic))
 }
 
+/// 8-bit AdamW with 24-bit master weights ([`Storage::Bf16Plus8`], to nearest: a bf16 value a
+/// bf16 forward pass reads and an 8-bit correction, 256 times finer than bf16) and bf16
+/// gradients: one byte a parameter more than [`adamw_8bit_bf16`], whose updates below half a
+/// bf16 step are lost.
+pub fn adamw_8bit_bf16_plus8(lr: f64) -> Preset<Adam> {
+    adamw_8bit(lr)
+        .with_param(Storage::Bf16Plus8(StoreRounding::Nearest))
+        .with_grad(Storage::Bf16(StoreRounding::Nearest))
+}
+
 /// 4-bit AdamW (lpmm's maps, blocks of 128) with split-f32 parameters (exactly f32, bf16-readable)
 /// and bf16 gradients.
 pub fn adamw_4bit_split(lr: f64) -> Preset<Adam> {

@@ -219,6 +219,10 @@ pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
         ),
         ("adamw 4-bit split", presets::adamw_4bit_split(1e-3).build()),
         (
+            "adamw 8-bit bf16+8",
+            presets::adamw_8bit_bf16_plus8(1e-3).build(),
+        ),
+        (
             "bf16 nearest lion",
             presets::bf16_nearest(Hyper::lion(1e-4)).build(),
         ),
@@ -251,7 +255,7 @@ pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
-/// 11 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
+/// 11 optimizer settings x 7 parameter storages, cycling 5 gradient storages (the released
 /// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
 pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
     let params = [
@@ -260,6 +264,7 @@ pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
         BF_SR,
         Storage::Bf16Kahan,
         Storage::SplitF32,
+        Storage::Bf16Plus8(StoreRounding::Stochastic),
         Storage::LINEAR8_GROUP64_SR,
     ];
     let grads = [
@@ -633,6 +638,25 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
             shape: vec![n],
             init: with(n, &mut rng, 1.0, &[(0, 3.39e38), (5, -3e38)]),
             steps: vec![vec![with(n, &mut rng, 1.0, &[(0, -1e36), (5, 1e37)])]],
+        },
+        Overflow {
+            name: "bf16+8 (stochastic) past its limit",
+            config: ParamConfig::f32(Hyper::sgd(1.0, 0.0))
+                .with_param(Storage::Bf16Plus8(StoreRounding::Stochastic))
+                .with_grad(Storage::F32),
+            shape: vec![n],
+            init: with(
+                n,
+                &mut rng,
+                1.0,
+                &[(0, 3.39e38), (5, -3e38), (6, 3.3961e38)],
+            ),
+            steps: vec![vec![with(
+                n,
+                &mut rng,
+                1.0,
+                &[(0, -1e36), (5, 1e37), (6, -1e33)],
+            )]],
         },
         Overflow {
             name: "factorized statistics",

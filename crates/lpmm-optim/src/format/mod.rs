@@ -11,6 +11,7 @@
 //! match on formats.
 
 mod bf16;
+mod bf16_plus8;
 mod blockwise;
 mod f32;
 mod factored;
@@ -660,4 +661,5 @@ formats! {
     Blockwise(blockwise::Blockwise),
     Rank1(rank1::Rank1),
     Factored(factored::Factored),
+    Bf16Plus8(bf16_plus8::Bf16Plus8),
 }

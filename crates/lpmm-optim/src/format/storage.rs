@@ -108,6 +108,10 @@ pub enum Storage {
     /// bf16 plus a 16-bit remainder: exactly f32, 4 bytes, of which the bf16 half is readable
     /// as the parameter by a bf16 forward pass (parameters only).
     SplitF32,
+    /// 24-bit master weights: bf16 plus an 8-bit correction of its rounding error (3 bytes;
+    /// parameters only): an f32 rounded to 24 bits (15 mantissa bits), to nearest or
+    /// stochastically, whose bf16 half a bf16 forward pass reads as the parameter.
+    Bf16Plus8(StoreRounding),
     /// Block-wise absmax quantization onto a code map.
     Quantized {
         /// The code map.
