@@ -463,3 +463,48 @@ fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothi
     assert_eq!(model.mlp.bits(), other.mlp.bits());
     assert_eq!(optim.last_report(), reference.last_report());
 }
+
+/// The model of `seed` with fixed burn `ParamId`s (1 to 4), so that a record written in one
+/// build attaches to it in another.
+fn with_fixed_ids(mut model: Mlp) -> Mlp {
+    model.w1.id = 1.into();
+    model.b1.id = 2.into();
+    model.w2.id = 3.into();
+    model.b2.id = 4.into();
+    model
+}
+
+/// The configurations of the committed version-1 records (`tests/data/README.md`): 8-bit AdamW
+/// (parameters lent: their values left to the module record) and 8-bit AdamW on bf16 storage
+/// with stochastic rounding (parameters held by lpmm: their values in the record).
+fn v1_record_configs() -> [(&'static str, LpmmOptimizerConfig); 2] {
+    [
+        ("record_v1_adamw_8bit.bpk", Lpmm8bitAdamWConfig::new().lpmm()),
+        (
+            "record_v1_adamw_8bit_bf16_sr.bpk",
+            LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(3),
+        ),
+    ]
+}
+
+fn v1_record_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+#[test]
+#[ignore = "writes tests/data/record_v1_*.bpk with this build's record writer"]
+fn write_v1_records() {
+    let device = ndarray();
+    for (name, config) in v1_record_configs() {
+        let mut model = with_fixed_ids(Mlp::new(&device, 4));
+        let mut optim = config.init();
+        for step in 0..2 {
+            let g = grads(&model, step, &device);
+            model = optim.step(0.01, model, g).unwrap();
+        }
+        let bytes = optim.to_record().unwrap().into_bytes().unwrap().to_vec();
+        std::fs::write(v1_record_path(name), bytes).unwrap();
+    }
+}
