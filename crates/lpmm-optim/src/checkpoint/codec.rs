@@ -398,8 +398,11 @@ impl Canonical {
                         let kept = |s: &str| !left_out(outside, slot, s);
                         let specs = f.regions(&p.shape).into_iter().filter(|s| s.saved);
                         let specs: Vec<_> = specs.filter(|s| kept(s.suffix)).collect();
-                        let held: Vec<&HostRegion> =
-                            host.regions.iter().filter(|r| kept(r.spec.suffix)).collect();
+                        let held: Vec<&HostRegion> = host
+                            .regions
+                            .iter()
+                            .filter(|r| kept(r.spec.suffix))
+                            .collect();
                         if held.len() != specs.len()
                             || held
                                 .iter()
@@ -407,8 +410,7 @@ impl Canonical {
                                 .any(|(h, s)| h.spec != *s || h.bytes.len() != s.bytes(n))
                         {
                             return Err(what(
-                                "stored layout or length does not match the configuration"
-                                    .into(),
+                                "stored layout or length does not match the configuration".into(),
                             ));
                         }
                     }

@@ -168,7 +168,6 @@ impl Canonical {
         Ok(decoded.canonical)
     }
 
-
     /// Writes the safetensors checkpoint atomically (a temporary file, synced, renamed) after
     /// [`Canonical::check`]; a refused state leaves the old file as it was. Stale temporary files
     /// of `path` (a save killed midway) are removed first.
