@@ -219,10 +219,11 @@ impl LpmmOptimizer {
         }
     }
 
-    /// The optimizer's state as a burn [`OptimizerRecord`] (burnpack): lpmm's canonical slots
-    /// (codes, scales, compensations, counters, configuration) as tensors named
-    /// `{param_id}.{slot}{region}`, keyed by burn's `ParamId`s, with a CRC-32 of the metadata and
-    /// every tensor. Parameters that live in the module's tensors are left to the module record.
+    /// The optimizer's state as a burn [`OptimizerRecord`] (burnpack), encoded by lpmm's
+    /// checkpoint codec (`lpmm_optim::codec`): lpmm's canonical slots (codes, scales,
+    /// compensations, counters, configuration) as tensors named `{param_id}/{slot}{region}`,
+    /// keyed by burn's `ParamId`s, with a CRC-32 of the metadata and every tensor. The values of
+    /// parameters that live in the module's tensors are held outside it, in the module record.
     pub fn to_record(&self) -> Result<OptimizerRecord, BurnError> {
         let pending = self.lock().canonical::<NoModule>(None)?;
         record::encode(pending.as_ref())
@@ -235,7 +236,7 @@ impl LpmmOptimizer {
     ///
     /// A record without its checksum, whose contents do not give it, or whose metadata has a key
     /// this build does not know is a [`BurnError::Record`] (a corrupt record is never loaded as
-    /// another state).
+    /// another state). Records of format version 1 (before lpmm's checkpoint codec) load too.
     pub fn load_record(self, record: OptimizerRecord) -> Result<Self, BurnError> {
         let pending = record::decode(record)?;
         self.lock().set_pending(pending)?;

@@ -1,28 +1,27 @@
-//! lpmm's canonical state inside a burn record (burnpack).
+//! lpmm's canonical state inside a burn record (burnpack): the container only. The layout, the
+//! metadata, the checksum and every check are lpmm's checkpoint codec's (`lpmm_optim::codec`).
 //!
-//! Layout (version 1): one tensor per saved region of every allocated slot, named
-//! `{param_id}.{slot}{suffix}` (`slot` in `param`, `grad`, `state1`, `state2`, `state3`; `suffix` the
-//! region's, as in lpmm's safetensors checkpoint: `""`, `.absmax`, `.comp`, `.rem`, ...) and
-//! carrying the parameter's burn id, in the region's dtype (u8 codes, f32 scales, bf16 values,
-//! ...), 1-D; and metadata key `lpmm` holding the JSON of [`Meta`]: options, step counter,
-//! groups, whether the parameters hold their evaluation point, and per parameter its shape,
-//! configuration, counters, rule state and whether its value is the module's (then its parameter
-//! slot's primary region is not in the record: the module record holds it). Fields added after
-//! version 1 was first written (`state3` tensors, `rule_state`, `eval`) default to nothing, so
-//! older records still load. A metadata key this build does not know is refused: read as absent,
-//! a newer writer's field or a corrupted key would be dropped without a word. Metadata key `crc32`
-//! is the CRC-32 of the metadata (as this build writes it, without the checksum) and of every
-//! tensor in the record, in name order ([`checksum`]); a record without it, or whose contents do
-//! not give it, is refused, so a flipped byte in a state's codes is an error, not a wrong step.
+//! Layout (version 2): every tensor of the codec's encoding as a 1-D burnpack tensor in the
+//! burn dtype of its region (u8 codes, f32 scales, bf16 values, ...), named as the codec names it
+//! (`{param_id}/{slot}{suffix}`, the parameter named by its burn `ParamId`) and carrying the
+//! parameter's burn id; no code maps ([`lpmm_optim::codec::Scheme::maps`]); and burnpack
+//! metadata key `lpmm` holding the codec's metadata (format [`FORMAT`], version [`VERSION`]).
+//! A parameter whose value is the module's tensor is held outside the record (`value_outside`:
+//! its parameter slot's primary region is not in the record; the module record holds it). A
+//! metadata key this build does not know, a record without its checksum, or one whose contents
+//! do not give it, is refused, so a flipped byte in a state's codes is an error, not a wrong step.
+//!
+//! Version 1 records (lpmm-burn's own layout before the codec: tensors `{param_id}.{slot}{suffix}`,
+//! a `from_module` flag per parameter, a CRC-32 over the metadata and the tensors' names and
+//! bytes only) still load: [`v1`] checks their checksum, then hands the codec the same state in
+//! today's layout.
 
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
-use lpmm_optim::backend::SLOTS;
-use lpmm_optim::backend::{Dtype, HostRegion, HostSlot};
-use lpmm_optim::{
-    Canonical, CanonicalParam, LrRule, OptimizerOptions, ParamConfig, RuleState, SlotKind,
-};
-use serde::{Deserialize, Serialize};
+use lpmm_optim::Canonical;
+use lpmm_optim::backend::Dtype;
+use lpmm_optim::codec::{self, Decoded, Scheme, Source, Stored};
+use serde::Deserialize;
 use std::collections::BTreeMap;
 
 use crate::BurnError;
@@ -30,42 +29,17 @@ use crate::core::Pending;
 
 /// The record format's name and version, checked on load.
 pub const FORMAT: &str = "lpmm-burn-record";
-/// Bumped when the layout changes.
-pub const VERSION: u32 = 1;
+/// Bumped when the layout changes (version 1 records still load).
+pub const VERSION: u32 = 2;
 const META_KEY: &str = "lpmm";
 
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Meta {
-    format: String,
-    version: u32,
-    options: OptimizerOptions,
-    global_steps: u64,
-    groups: Vec<ParamConfig>,
-    params: Vec<ParamMeta>,
-    #[serde(default)]
-    eval: bool,
-    /// [`checksum`] of the rest; `None` only while it is computed (and in a corrupt record).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    crc32: Option<u32>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ParamMeta {
-    name: String,
-    shape: Vec<usize>,
-    group: usize,
-    requested: ParamConfig,
-    steps: u64,
-    accumulations: u64,
-    pending: bool,
-    lr_rule: LrRule,
-    #[serde(default)]
-    rule_state: RuleState,
-    /// The parameter's value is the module's tensor (not in this record).
-    from_module: bool,
-}
+/// The codec's scheme for burn records: no code maps (lpmm's own), errors about "the record".
+const SCHEME: Scheme = Scheme {
+    format: FORMAT,
+    version: VERSION,
+    maps: false,
+    noun: "record",
+};
 
 fn burn_dtype(d: Dtype) -> DType {
     match d {
@@ -81,21 +55,10 @@ fn err(e: impl std::fmt::Display) -> BurnError {
     BurnError::Record(e.to_string())
 }
 
-/// The CRC-32 of `json` (the metadata without its checksum) and of every tensor, in name order:
-/// each length (8 bytes, little-endian) before its bytes, so the hashed stream reads one way only
-/// (a name cannot pass for data).
-fn checksum<'a>(json: &str, tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    let mut put = |bytes: &[u8]| {
-        h.update(&(bytes.len() as u64).to_le_bytes());
-        h.update(bytes);
-    };
-    put(json.as_bytes());
-    for (name, bytes) in tensors {
-        put(name.as_bytes());
-        put(bytes);
-    }
-    h.finalize()
+/// The burn `ParamId` a parameter is named by.
+fn burn_id(name: &str) -> Result<u64, BurnError> {
+    name.parse()
+        .map_err(|_| err(format!("parameter {name} is not named by a burn ParamId")))
 }
 
 /// The record of `pending` (an empty record for an optimizer that has not stepped).
@@ -112,75 +75,68 @@ pub(crate) fn encode(pending: Option<&Pending>) -> Result<OptimizerRecord, BurnE
         )
         .map_err(err);
     };
-    let mut tensors = Vec::new();
-    let mut hashed: Vec<(String, &[u8])> = Vec::new();
-    let mut params = Vec::with_capacity(c.params.len());
-    for (p, &from_module) in c.params.iter().zip(from_module) {
-        let id: u64 = p.name.parse().map_err(|_| {
-            err(format!(
-                "parameter {} is not named by a burn ParamId",
-                p.name
-            ))
-        })?;
-        for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
-            for r in &host.regions {
-                if from_module && slot == SlotKind::Param && r.spec.suffix.is_empty() {
-                    continue;
-                }
-                let n = r.bytes.len() / r.spec.dtype.size();
-                let name = format!("{id}.{}{}", slot.name(), r.spec.suffix);
-                hashed.push((name.clone(), &r.bytes));
-                tensors.push(burn_pack::Tensor::new(
-                    name,
-                    burn_dtype(r.spec.dtype),
-                    vec![n],
-                    Some(id),
-                    Bytes::from_bytes_vec(r.bytes.clone()),
-                ));
-            }
-        }
-        params.push(ParamMeta {
-            name: p.name.clone(),
-            shape: p.shape.clone(),
-            group: p.group,
-            requested: p.requested,
-            steps: p.steps,
-            accumulations: p.accumulations,
-            pending: p.pending,
-            lr_rule: p.lr_rule,
-            rule_state: p.rule_state,
-            from_module,
-        });
-    }
-    let mut meta = Meta {
-        format: FORMAT.into(),
-        version: VERSION,
-        options: c.options,
-        global_steps: c.global_steps,
-        groups: c.groups.clone(),
-        params,
-        eval: c.eval,
-        crc32: None,
-    };
-    hashed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    let json = serde_json::to_string(&meta).map_err(err)?;
-    meta.crc32 = Some(checksum(
-        &json,
-        hashed.iter().map(|(n, b)| (n.as_str(), *b)),
-    ));
-    let json = serde_json::to_string(&meta).map_err(err)?;
+    let ids = c
+        .params
+        .iter()
+        .map(|p| burn_id(&p.name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let encoded = c.encode(&SCHEME, from_module).map_err(err)?;
+    let tensors = encoded
+        .tensors
+        .into_iter()
+        .map(|t| {
+            burn_pack::Tensor::new(
+                t.name,
+                burn_dtype(t.dtype),
+                vec![t.len],
+                t.param.map(|i| ids[i]),
+                Bytes::from_bytes_vec(t.bytes.into_owned()),
+            )
+        })
+        .collect();
     let bytes = burn_pack::Writer::new(tensors)
-        .with_metadata(META_KEY, &json)
+        .with_metadata(META_KEY, &encoded.metadata)
         .into_bytes()
         .map_err(err)?;
     OptimizerRecord::from_bytes(bytes).map_err(err)
 }
 
+/// A record's tensors by name, as the codec reads them.
+struct Tensors {
+    map: BTreeMap<String, (String, Vec<usize>, Bytes)>,
+    size: usize,
+}
+
+impl Source for Tensors {
+    fn names(&self) -> Vec<&str> {
+        self.map.keys().map(String::as_str).collect()
+    }
+
+    fn get(&self, name: &str) -> Option<Stored<'_>> {
+        self.map.get(name).map(|(dtype, shape, bytes)| Stored {
+            dtype: dtype.clone(),
+            shape,
+            bytes,
+        })
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+}
+
+/// The version a record's metadata names (its other keys are the codec's to check).
+#[derive(Deserialize)]
+struct Version {
+    version: u32,
+}
+
 /// The state a record holds (`None` for the record of an optimizer that had not stepped).
 pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnError> {
     let bytes = record.into_bytes().map_err(err)?;
+    let size = bytes.len();
     let reader = burn_pack::Reader::from_bytes(bytes).map_err(err)?;
-    let Some(json) = reader.metadata().get(META_KEY) else {
+    let Some(json) = reader.metadata().get(META_KEY).cloned() else {
         if reader.tensor_names().is_empty() {
             return Ok(None);
         }
@@ -188,90 +144,132 @@ pub(crate) fn decode(record: OptimizerRecord) -> Result<Option<Pending>, BurnErr
             "not an lpmm-burn record (no lpmm metadata): a record of burn's own optimizers?",
         ));
     };
-    let mut meta: Meta = serde_json::from_str(json).map_err(|e| err(format!("metadata: {e}")))?;
-    if meta.format != FORMAT || meta.version != VERSION {
-        return Err(err(format!(
-            "{} version {}, this lpmm-burn reads {FORMAT} version {VERSION}",
-            meta.format, meta.version
-        )));
+    let version = serde_json::from_str::<Version>(&json)
+        .map_err(|e| err(format!("metadata: {e}")))?
+        .version;
+    let mut map = BTreeMap::new();
+    for t in reader.into_tensors().map_err(err)? {
+        let (name, dtype, shape, _, bytes) = t.into_parts().map_err(err)?;
+        map.insert(name, (format!("{dtype:?}"), shape.to_vec(), bytes));
     }
-    let want = meta.crc32.take().ok_or_else(|| {
-        err("no checksum in the metadata (every lpmm-burn record has one): the record is corrupt")
-    })?;
-    // Every tensor, read once: the checksum covers them all, and the slots take theirs from here.
-    let mut data = BTreeMap::new();
-    for name in reader.tensor_names() {
-        let bytes = reader
-            .tensor_data(name)
-            .map_err(|e| err(format!("tensor {name}: {e}")))?;
-        data.insert(name.to_string(), bytes);
+    let tensors = Tensors { map, size };
+    let Decoded { canonical, outside } = match version {
+        1 => v1::decode(&json, tensors),
+        VERSION => Canonical::decode(&SCHEME, &json, &tensors),
+        v => Err(format!(
+            "version {v}, this lpmm-burn reads versions 1 and {VERSION}"
+        )),
     }
-    let got = checksum(
-        &serde_json::to_string(&meta).map_err(err)?,
-        data.iter().map(|(n, b)| (n.as_str(), b.as_slice())),
-    );
-    if got != want {
-        return Err(err(format!(
-            "checksum mismatch (the record says {want:#010x}, its contents give {got:#010x}): the record is corrupt"
-        )));
-    }
-    if meta.eval {
+    .map_err(err)?;
+    if canonical.eval {
         // lpmm-burn steps in training mode only (it has no evaluation-point switch).
         return Err(err(
             "the record was saved with the parameters at their evaluation point (schedule-free eval())",
         ));
     }
-    let mut params = Vec::with_capacity(meta.params.len());
-    let mut from_module = Vec::with_capacity(meta.params.len());
-    for p in meta.params {
-        let numel = p
-            .shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .ok_or_else(|| err(format!("parameter {}: shape {:?}", p.name, p.shape)))?;
-        p.requested.validate()?;
-        let formats = p.requested.resolve(numel, &p.shape).formats();
-        let mut slots: [HostSlot; SLOTS] = Default::default();
-        for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
-            let Some(format) = formats[k] else {
-                continue;
-            };
-            for spec in format.regions(&p.shape).into_iter().filter(|r| r.saved) {
-                if p.from_module && slot == SlotKind::Param && spec.suffix.is_empty() {
-                    continue;
-                }
-                let name = format!("{}.{}{}", p.name, slot.name(), spec.suffix);
-                let bytes = data
-                    .remove(&name)
-                    .ok_or_else(|| err(format!("tensor {name}: not in the record")))?;
-                slots[k].regions.push(HostRegion { spec, bytes });
+    Ok(Some(Pending {
+        canonical,
+        from_module: outside,
+    }))
+}
+
+/// Version 1 records: lpmm-burn's layout before the codec.
+pub(crate) mod v1 {
+    use super::*;
+    use lpmm_optim::{LrRule, OptimizerOptions, ParamConfig, RuleState};
+    use serde::Serialize;
+
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Meta {
+        format: String,
+        version: u32,
+        options: OptimizerOptions,
+        global_steps: u64,
+        groups: Vec<ParamConfig>,
+        params: Vec<ParamMeta>,
+        #[serde(default)]
+        eval: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        crc32: Option<u32>,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ParamMeta {
+        name: String,
+        shape: Vec<usize>,
+        group: usize,
+        requested: ParamConfig,
+        steps: u64,
+        accumulations: u64,
+        pending: bool,
+        lr_rule: LrRule,
+        #[serde(default)]
+        rule_state: RuleState,
+        /// The parameter's value is the module's tensor (not in the record).
+        from_module: bool,
+    }
+
+    /// Version 1's CRC-32 of `json` (the metadata without its checksum) and of every tensor's
+    /// name and bytes, in name order, each length (8 bytes, little-endian) before its bytes.
+    fn checksum<'a>(json: &str, tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        let mut put = |bytes: &[u8]| {
+            h.update(&(bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        put(json.as_bytes());
+        for (name, bytes) in tensors {
+            put(name.as_bytes());
+            put(bytes);
+        }
+        h.finalize()
+    }
+
+    /// Checks a version 1 record's own checksum, then decodes the same state in today's layout
+    /// through the codec: tensors renamed (`{id}.{slot}` to `{id}/{slot}`), `from_module` as
+    /// `value_outside`, the version this build writes, and the codec's checksum.
+    pub(super) fn decode(json: &str, tensors: Tensors) -> Result<Decoded, String> {
+        let mut meta: Meta = serde_json::from_str(json).map_err(|e| format!("metadata: {e}"))?;
+        if meta.format != FORMAT {
+            return Err(format!("format {:?}, expected {FORMAT:?}", meta.format));
+        }
+        let want = meta.crc32.take().ok_or(
+            "no checksum in the metadata (every lpmm-burn record has one): the record is corrupt",
+        )?;
+        let got = checksum(
+            &serde_json::to_string(&meta).map_err(|e| format!("metadata: {e}"))?,
+            tensors
+                .map
+                .iter()
+                .map(|(n, (_, _, b))| (n.as_str(), &b[..])),
+        );
+        if got != want {
+            return Err(format!(
+                "checksum mismatch (the record says {want:#010x}, its contents give {got:#010x}): the record is corrupt"
+            ));
+        }
+        let mut today = serde_json::to_value(&meta).map_err(|e| format!("metadata: {e}"))?;
+        today["version"] = VERSION.into();
+        for p in today["params"].as_array_mut().into_iter().flatten() {
+            if let Some(p) = p.as_object_mut()
+                && let Some(outside) = p.remove("from_module")
+            {
+                p.insert("value_outside".into(), outside);
             }
         }
-        from_module.push(p.from_module);
-        params.push(CanonicalParam {
-            name: p.name,
-            shape: p.shape,
-            group: p.group,
-            requested: p.requested,
-            steps: p.steps,
-            accumulations: p.accumulations,
-            pending: p.pending,
-            lr_rule: p.lr_rule,
-            rule_state: p.rule_state,
-            slots,
-        });
+        let Tensors { map, size } = tensors;
+        // Version 1 names have no `/`, so renamed they cannot collide.
+        if let Some(name) = map.keys().find(|n| n.contains('/')) {
+            return Err(format!("tensor {name}: not a version 1 tensor name"));
+        }
+        let map = map
+            .into_iter()
+            .map(|(name, t)| (name.replacen('.', "/", 1), t))
+            .collect();
+        let tensors = Tensors { map, size };
+        let json = codec::seal(&today.to_string(), &tensors)?;
+        Canonical::decode(&SCHEME, &json, &tensors)
     }
-    if params.iter().any(|p| p.group >= meta.groups.len()) {
-        return Err(err("a parameter's group is not in the record"));
-    }
-    Ok(Some(Pending {
-        canonical: Canonical {
-            options: meta.options,
-            global_steps: meta.global_steps,
-            groups: meta.groups,
-            params,
-            eval: meta.eval,
-        },
-        from_module,
-    }))
 }

@@ -53,7 +53,7 @@ mod vocab;
 pub use backend::{Backend, BackendError, HostSlot, ParamId, SlotKind};
 pub use checkpoint::{
     Canonical, CanonicalParam, FORMAT as CHECKPOINT_FORMAT, LoadPolicy,
-    VERSION as CHECKPOINT_VERSION,
+    VERSION as CHECKPOINT_VERSION, codec,
 };
 pub use config::ParamConfig;
 pub use coverage::{

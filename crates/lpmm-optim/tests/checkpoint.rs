@@ -595,3 +595,131 @@ fn the_newer_rules_resume_exactly() {
         }
     }
 }
+
+/// The checkpoint codec (`lpmm_optim::codec`) in a container of the test's own (an in-memory map
+/// of tensors): a parameter whose value is held outside the checkpoint has its parameter slot's
+/// primary region left out and decodes without it, everything else as it was; what it decodes
+/// encodes again to the same metadata and tensors; a flipped byte is refused by the checksum. A
+/// safetensors file holding such a parameter is refused by `load`.
+#[test]
+fn the_codec_holds_values_outside_in_any_container() {
+    use lpmm_optim::backend::Dtype;
+    use lpmm_optim::codec::{Scheme, Source, Stored};
+    use lpmm_optim::{Canonical, SlotKind};
+    use std::collections::BTreeMap;
+
+    struct Tensors(BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, usize);
+    impl Source for Tensors {
+        fn names(&self) -> Vec<&str> {
+            self.0.keys().map(String::as_str).collect()
+        }
+        fn get(&self, name: &str) -> Option<Stored<'_>> {
+            self.0.get(name).map(|(d, s, b)| Stored {
+                dtype: d.clone(),
+                shape: s,
+                bytes: b,
+            })
+        }
+        fn size(&self) -> usize {
+            self.1
+        }
+    }
+    fn dtype(d: Dtype) -> String {
+        match d {
+            Dtype::Bf16 => "BF16".into(),
+            d => format!("{d:?}").to_uppercase(),
+        }
+    }
+    fn store(e: &lpmm_optim::codec::Encoded<'_>) -> Tensors {
+        let map: BTreeMap<_, _> = e
+            .tensors
+            .iter()
+            .map(|t| {
+                let v = (dtype(t.dtype), vec![t.len], t.bytes.to_vec());
+                (t.name.clone(), v)
+            })
+            .collect();
+        let size = e.metadata.len() + map.values().map(|v| v.2.len()).sum::<usize>();
+        Tensors(map, size)
+    }
+
+    let (mut opt, ids) = build();
+    train(&mut opt, &ids, 1..3);
+    let c = opt.canonical().unwrap();
+    let scheme = Scheme {
+        format: "test-container",
+        version: 7,
+        maps: false,
+        noun: "container",
+    };
+    let outside: Vec<bool> = (0..c.params.len()).map(|i| i % 2 == 0).collect();
+    let encoded = c.encode(&scheme, &outside).unwrap();
+    for (i, p) in c.params.iter().enumerate() {
+        let primary = format!("{}/param", p.name);
+        let stored = encoded.tensors.iter().filter(|t| t.param == Some(i));
+        let names: Vec<&str> = stored.map(|t| t.name.as_str()).collect();
+        assert_eq!(names.contains(&primary.as_str()), !outside[i], "{names:?}");
+        let regions: usize = p.slots.iter().map(|s| s.regions.len()).sum();
+        assert_eq!(names.len(), regions - usize::from(outside[i]), "{names:?}");
+    }
+    assert!(encoded.tensors.iter().all(|t| !t.name.starts_with("maps/")));
+
+    let tensors = store(&encoded);
+    let decoded = Canonical::decode(&scheme, &encoded.metadata, &tensors).unwrap();
+    assert_eq!(decoded.outside, outside);
+    let mut want = c.clone();
+    for (p, &o) in want.params.iter_mut().zip(&outside) {
+        if o {
+            p.slots[SlotKind::Param as usize]
+                .regions
+                .retain(|r| !r.spec.suffix.is_empty());
+        }
+    }
+    assert_eq!(decoded.canonical, want);
+    assert!(decoded.canonical.check().is_err(), "values are missing");
+    let again = decoded.canonical.encode(&scheme, &decoded.outside).unwrap();
+    assert_eq!(again, encoded);
+
+    // Another container's scheme, and a flipped byte, are refused.
+    let other = Scheme {
+        version: 8,
+        ..scheme
+    };
+    let e = Canonical::decode(&other, &encoded.metadata, &tensors).unwrap_err();
+    assert!(e.contains("version 7"), "{e}");
+    let mut flipped = store(&encoded);
+    flipped.0.values_mut().next().unwrap().2[0] ^= 1;
+    let e = Canonical::decode(&scheme, &encoded.metadata, &flipped).unwrap_err();
+    assert!(
+        e.starts_with("checksum mismatch (the container says"),
+        "{e}"
+    );
+
+    // lpmm-optim's own file never holds a value outside.
+    let file = Scheme {
+        format: lpmm_optim::CHECKPOINT_FORMAT,
+        version: lpmm_optim::CHECKPOINT_VERSION,
+        maps: true,
+        noun: "file",
+    };
+    let encoded = c.encode(&file, &outside).unwrap();
+    let views: Vec<_> = encoded
+        .tensors
+        .iter()
+        .map(|t| {
+            let d = match t.dtype {
+                Dtype::F32 => safetensors::Dtype::F32,
+                Dtype::Bf16 => safetensors::Dtype::BF16,
+                Dtype::U16 => safetensors::Dtype::U16,
+                Dtype::U8 => safetensors::Dtype::U8,
+                Dtype::U32 => safetensors::Dtype::U32,
+            };
+            let view = safetensors::tensor::TensorView::new(d, vec![t.len], &t.bytes).unwrap();
+            (t.name.clone(), view)
+        })
+        .collect();
+    let info = std::collections::HashMap::from([("lpmm".to_string(), encoded.metadata.clone())]);
+    let bytes = safetensors::tensor::serialize(views, Some(info)).unwrap();
+    let e = Canonical::from_bytes(&bytes).unwrap_err();
+    assert!(e.contains("held outside the file"), "{e}");
+}

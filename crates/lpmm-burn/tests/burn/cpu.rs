@@ -463,3 +463,150 @@ fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothi
     assert_eq!(model.mlp.bits(), other.mlp.bits());
     assert_eq!(optim.last_report(), reference.last_report());
 }
+
+/// The model of `seed` with fixed burn `ParamId`s (1 to 4), so that a record written in one
+/// build attaches to it in another.
+fn with_fixed_ids(mut model: Mlp) -> Mlp {
+    model.w1.id = 1.into();
+    model.b1.id = 2.into();
+    model.w2.id = 3.into();
+    model.b2.id = 4.into();
+    model
+}
+
+/// The configurations of the committed version-1 records (`tests/data/README.md`): 8-bit AdamW
+/// (parameters lent: their values left to the module record) and 8-bit AdamW on bf16 storage
+/// with stochastic rounding (parameters held by lpmm: their values in the record).
+fn v1_record_configs() -> [(&'static str, LpmmOptimizerConfig); 2] {
+    [
+        (
+            "record_v1_adamw_8bit.bpk",
+            Lpmm8bitAdamWConfig::new().lpmm(),
+        ),
+        (
+            "record_v1_adamw_8bit_bf16_sr.bpk",
+            LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(3),
+        ),
+    ]
+}
+
+fn v1_record_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// A version 1 record (lpmm-burn's layout before the checkpoint codec, written by the code of
+/// commit 33409f7: `tests/data/README.md`) still loads: into the state that a version 2 record of
+/// it holds tensor for tensor, field for field, and it resumes as that record does. Its own
+/// checksum is checked.
+#[test]
+fn a_version_1_record_still_loads() {
+    use burn_core::tensor::Bytes;
+    use burn_optim::OptimizerRecord;
+    let device = ndarray();
+    let record = |b: &[u8]| OptimizerRecord::from_bytes(Bytes::from_bytes_vec(b.to_vec())).unwrap();
+    let reader =
+        |b: &[u8]| burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(b.to_vec())).unwrap();
+    let meta = |r: &burn_pack::Reader| -> serde_json::Value {
+        serde_json::from_str(&r.metadata()["lpmm"]).unwrap()
+    };
+    for ((name, config), lent) in v1_record_configs().into_iter().zip([true, false]) {
+        let v1 = std::fs::read(v1_record_path(name)).unwrap();
+        let loaded = config.init().load_record(record(&v1)).unwrap();
+        let v2 = loaded.to_record().unwrap().into_bytes().unwrap().to_vec();
+        let (old, new) = (reader(&v1), reader(&v2));
+        // Every tensor, renamed `{id}.{slot}` to `{id}/{slot}`, with the same bytes, and no other.
+        let renamed: Vec<String> = old
+            .tensor_names()
+            .iter()
+            .map(|n| n.replacen('.', "/", 1))
+            .collect();
+        let mut names: Vec<String> = new.tensor_names().iter().map(|n| n.to_string()).collect();
+        names.sort();
+        let mut sorted = renamed.clone();
+        sorted.sort();
+        assert_eq!(names, sorted, "{name}");
+        for (n, r) in old.tensor_names().iter().zip(&renamed) {
+            assert_eq!(
+                old.tensor_data(n).unwrap(),
+                new.tensor_data(r).unwrap(),
+                "{name}: {n}"
+            );
+        }
+        // The same metadata: `from_module` is `value_outside`, the version 2.
+        let (a, b) = (meta(&old), meta(&new));
+        assert_eq!(
+            (a["version"].as_u64(), b["version"].as_u64()),
+            (Some(1), Some(2))
+        );
+        for key in ["format", "options", "global_steps", "groups"] {
+            assert_eq!(a[key], b[key], "{name}: {key}");
+        }
+        let (pa, pb) = (
+            a["params"].as_array().unwrap(),
+            b["params"].as_array().unwrap(),
+        );
+        assert_eq!(pa.len(), pb.len());
+        for (p, q) in pa.iter().zip(pb) {
+            for key in [
+                "name",
+                "shape",
+                "group",
+                "requested",
+                "steps",
+                "accumulations",
+                "pending",
+                "lr_rule",
+            ] {
+                assert_eq!(p[key], q[key], "{name}: {key}");
+            }
+            assert_eq!(p["from_module"].as_bool(), Some(lent), "{name}");
+            assert_eq!(
+                q["value_outside"].as_bool().unwrap_or(false),
+                lent,
+                "{name}"
+            );
+        }
+        // It resumes as the version 2 record of it does.
+        let model = with_fixed_ids(Mlp::new(&device, 4));
+        let mut from_v1 = loaded;
+        let mut from_v2 = config.init().load_record(record(&v2)).unwrap();
+        let (mut m1, mut m2) = (model.clone(), model);
+        for step in 2..4 {
+            let g = grads(&m1, step, &device);
+            m1 = from_v1.step(0.01, m1, g).unwrap();
+            let g = grads(&m2, step, &device);
+            m2 = from_v2.step(0.01, m2, g).unwrap();
+            assert_eq!(m1.bits(), m2.bits(), "{name}: step {step}");
+        }
+        // A version 1 record with a flipped tensor byte is refused by its own checksum.
+        let mut tensors = reader(&v1).into_tensors().unwrap();
+        let t = tensors.pop().unwrap();
+        let (n, dtype, shape, id, bytes) = t.into_parts().unwrap();
+        let mut bytes = bytes.to_vec();
+        bytes[0] ^= 1;
+        tensors.push(burn_pack::Tensor::new(
+            n,
+            dtype,
+            shape,
+            id,
+            Bytes::from_bytes_vec(bytes),
+        ));
+        let flipped = burn_pack::Writer::new(tensors)
+            .with_metadata("lpmm", &old.metadata()["lpmm"])
+            .into_bytes()
+            .unwrap();
+        let err = match config
+            .init()
+            .load_record(OptimizerRecord::from_bytes(flipped).unwrap())
+        {
+            Ok(_) => panic!("{name}: a flipped version 1 record loaded"),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(&err, BurnError::Record(m) if m.contains("checksum mismatch")),
+            "{name}: {err}"
+        );
+    }
+}

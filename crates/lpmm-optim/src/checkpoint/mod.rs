@@ -1,88 +1,50 @@
 //! Checkpoints: the complete optimizer state (every slot's bytes, scales and code maps, step and
 //! accumulation counters that position the random streams, the configuration) as one safetensors
-//! file with versioned metadata and a checksum, written atomically. Loading builds a new optimizer
-//! and validates everything before anything live changes.
+//! file, written atomically. Loading builds a new optimizer and validates everything before
+//! anything live changes.
 //!
-//! Layout (version 1): per parameter `p` and slot `s` in {param, grad, state1, state2}, one
-//! tensor `p/s<suffix>` per saved region of the slot's format (`crate::backend::RegionSpec`: the
-//! primary region's suffix is empty; `.comp` Kahan compensations, `.rem` split-f32 remainders,
-//! `.absmax` block scales, `.scales` rank-1 maxima, `.row`/`.col` factorized statistics), the
-//! whole tensor, unsharded, in the region's dtype, 1-D; and `maps/<map name>` (F32) for every code
-//! map in use. Metadata key `lpmm` holds the JSON of `CheckpointMeta`, whose `crc32` is the
-//! CRC-32 of that JSON without the field followed by every tensor (name, dtype, shape, bytes) in
-//! name order; a file without it is refused, and so is one whose metadata has a key this build
-//! does not know. A file holds exactly these tensors.
-//!
-//! No name can collide with another: a parameter's tensors are `<name>/<slot><suffix>`, and
-//! neither slot names nor suffixes contain `/`, so the text after the last `/` tells the slot and
-//! the text before it the parameter; a code map's tensor `maps/<map>` would need a slot named
-//! after a map. The loader looks every tensor up by the exact name the configuration gives it.
+//! The file is the checkpoint codec's output ([`codec`]: its metadata, tensor names, dtypes,
+//! checksum and checks; version 1 of [`FORMAT`]) in a safetensors container: every tensor of
+//! [`codec::Encoded`] as a 1-D safetensors tensor, and the metadata under the safetensors
+//! metadata key `lpmm`. A file without that key is refused; a file holds exactly the codec's
+//! tensors, code maps included ([`codec::Scheme::maps`]), and never a parameter whose value is
+//! held outside it.
 //!
 //! The rule: whatever `save` accepts, `load` loads. Both run the same validation
 //! ([`Canonical::check`]) — `save` before writing anything (a typed error, the old file kept),
 //! `load` before allocating anything — and a successful load gives an optimizer whose `save`
 //! writes the same tensors and hyperparameters bit for bit.
 
-use std::collections::{HashMap, HashSet};
+pub mod codec;
+
+use std::collections::HashMap;
 use std::path::Path;
 
 use safetensors::SafeTensors;
-use safetensors::tensor::{Dtype, TensorView};
-use serde::{Deserialize, Serialize};
+use safetensors::tensor::{Dtype, Metadata, TensorView};
 
-use crate::backend::{Backend, Format, HostRegion, HostSlot, ParamId, RuleState, SLOTS, SlotKind};
-use crate::config::ParamConfig;
+use crate::backend::{Backend, HostSlot, ParamId, SLOTS, SlotKind};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
-use crate::format::MapKind;
-use crate::optimizer::{Lender, LrRule, MAX_COUNTER, Optimizer, OptimizerOptions};
+use crate::optimizer::{Lender, Optimizer};
+
+pub use codec::{Canonical, CanonicalParam};
 
 /// The checkpoint format's name and version, checked on load.
 pub const FORMAT: &str = "lpmm-optim-checkpoint";
 /// Bumped whenever the layout changes; older versions get a typed error naming both.
 pub const VERSION: u32 = 1;
 
-/// What the metadata holds besides the tensors. A key the loader does not know is refused, not
-/// skipped: a file from a newer writer, or one whose key was corrupted, must not load as if the
-/// key were absent (a renamed `crc32` would turn the checksum off).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CheckpointMeta {
-    format: String,
-    version: u32,
-    options: OptimizerOptions,
-    global_steps: u64,
-    groups: Vec<ParamConfig>,
-    params: Vec<ParamMeta>,
-    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    eval: bool,
-    /// The checksum (module documentation). Every file carries one; `None` only while it is
-    /// computed (the JSON it covers is the metadata without it), and a file without it is
-    /// refused.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    crc32: Option<u32>,
-}
+/// The safetensors file's scheme: code maps included, errors about "the file".
+const SCHEME: codec::Scheme = codec::Scheme {
+    format: FORMAT,
+    version: VERSION,
+    maps: true,
+    noun: "file",
+};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ParamMeta {
-    name: String,
-    shape: Vec<usize>,
-    group: usize,
-    requested: ParamConfig,
-    steps: u64,
-    accumulations: u64,
-    pending: bool,
-    #[serde(default)]
-    lr_rule: LrRule,
-    #[serde(default, skip_serializing_if = "is_default")]
-    rule_state: RuleState,
-}
-
-fn is_default(s: &RuleState) -> bool {
-    *s == RuleState::default()
-}
+/// The metadata key holding the codec's metadata.
+const META_KEY: &str = "lpmm";
 
 /// What [`Optimizer::load_state_with`] may change besides the state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,408 +88,84 @@ fn st_dtype(d: crate::backend::Dtype) -> Dtype {
     }
 }
 
-/// The element count of a valid shape (no zero dimension, no overflow, at most `usize::MAX / 8`).
-fn numel(shape: &[usize]) -> Option<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .filter(|&n| n > 0 && n <= usize::MAX / 8)
+/// A safetensors file's tensors, as the codec reads them.
+struct Tensors<'a> {
+    header: &'a Metadata,
+    names: Vec<String>,
+    data: &'a [u8],
+    size: usize,
 }
 
-/// The format of each slot of a parameter with this requested configuration and shape (`None`
-/// where the slot is not allocated).
-fn slot_formats(requested: &ParamConfig, shape: &[usize], numel: usize) -> [Option<Format>; SLOTS] {
-    requested.resolve(numel, shape).formats()
-}
-
-fn map_tensor(map: MapKind) -> Vec<u8> {
-    map.shared()
-        .values()
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect()
-}
-
-/// The CRC-32 of the metadata JSON (without its checksum) and of every tensor, in name order.
-fn checksum<'a>(
-    json: &str,
-    tensors: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>,
-) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    let word = |h: &mut crc32fast::Hasher, x: usize| h.update(&(x as u64).to_le_bytes());
-    word(&mut h, json.len());
-    h.update(json.as_bytes());
-    for (name, dtype, shape, bytes) in tensors {
-        word(&mut h, name.len());
-        h.update(name.as_bytes());
-        let dtype = format!("{dtype:?}");
-        word(&mut h, dtype.len());
-        h.update(dtype.as_bytes());
-        word(&mut h, shape.len());
-        for &d in shape {
-            word(&mut h, d);
+impl<'a> Tensors<'a> {
+    /// The tensors of `bytes`, whose header (`header_len` bytes after the length word) is
+    /// `header`.
+    fn new(bytes: &'a [u8], header_len: usize, header: &'a Metadata) -> Self {
+        Tensors {
+            header,
+            names: header.offset_keys(),
+            data: &bytes[8 + header_len..],
+            size: bytes.len(),
         }
-        word(&mut h, bytes.len());
-        h.update(bytes);
     }
-    h.finalize()
 }
 
-/// One parameter in the canonical layout: the whole tensor, unsharded, every slot as
-/// [`HostSlot`], with the counters that position its random streams.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CanonicalParam {
-    /// Name.
-    pub name: String,
-    /// Shape (row-major).
-    pub shape: Vec<usize>,
-    /// Parameter group.
-    pub group: usize,
-    /// The configuration asked for (resolved again on `shape` when loaded).
-    pub requested: ParamConfig,
-    /// Steps taken.
-    pub steps: u64,
-    /// `accumulate` calls so far.
-    pub accumulations: u64,
-    /// Whether the accumulator holds gradients not yet consumed.
-    pub pending: bool,
-    /// How its learning rate follows its group's.
-    pub lr_rule: LrRule,
-    /// The rule's host state ([`RuleState`]: schedule-free AdamW's averaging weights).
-    pub rule_state: RuleState,
-    /// Param, grad, state1, state2, state3.
-    pub slots: [HostSlot; SLOTS],
-}
+impl codec::Source for Tensors<'_> {
+    fn names(&self) -> Vec<&str> {
+        self.names.iter().map(String::as_str).collect()
+    }
 
-/// A whole checkpoint in the canonical layout: what [`Optimizer::save`] writes and
-/// [`Optimizer::load`] reads, also assembled from (and cut into) shards by lpmm-dist.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Canonical {
-    /// The optimizer's options.
-    pub options: OptimizerOptions,
-    /// Steps taken by `step()`.
-    pub global_steps: u64,
-    /// Parameter groups.
-    pub groups: Vec<ParamConfig>,
-    /// Parameters, in registration order.
-    pub params: Vec<CanonicalParam>,
-    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
-    pub eval: bool,
+    fn get(&self, name: &str) -> Option<codec::Stored<'_>> {
+        let info = self.header.info(name)?;
+        let (a, b) = info.data_offsets;
+        Some(codec::Stored {
+            dtype: format!("{:?}", info.dtype),
+            shape: &info.shape,
+            bytes: self.data.get(a..b)?,
+        })
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
 }
 
 impl Canonical {
-    /// Everything a checkpoint must satisfy to load, checked without allocating model memory:
-    /// the options, every group's configuration, unique names, valid shapes and groups, counters
-    /// at most [`MAX_COUNTER`], learning-rate rules, a pending gradient only with an
-    /// accumulator, and every slot's contents against its format (layout, lengths, finite scales;
-    /// values finite and within the format's range, except the gradient accumulator's, which
-    /// the step's non-finite policy handles). `save` refuses what fails it, so every file `save`
-    /// writes loads.
-    pub fn check(&self) -> Result<(), String> {
-        if let Some(n) = self.options.max_grad_norm
-            && !(n.is_finite() && n > 0.0)
-        {
-            return Err(format!("max_grad_norm {n} is not finite and positive"));
-        }
-        if self.global_steps > MAX_COUNTER {
-            return Err("the step counter is beyond 2^53".into());
-        }
-        for (k, g) in self.groups.iter().enumerate() {
-            g.validate().map_err(|e| format!("group {k}: {e}"))?;
-        }
-        let mut names = HashSet::with_capacity(self.params.len());
-        for p in &self.params {
-            let name = &p.name;
-            if !names.insert(name.as_str()) {
-                return Err(format!("two parameters are named {name:?}"));
-            }
-            if p.group >= self.groups.len() {
-                return Err(format!(
-                    "parameter {name}: group {} does not exist",
-                    p.group
-                ));
-            }
-            let n = numel(&p.shape)
-                .ok_or_else(|| format!("parameter {name}: shape {:?} is invalid", p.shape))?;
-            p.requested
-                .validate()
-                .map_err(|e| format!("parameter {name}: {e}"))?;
-            if p.steps > MAX_COUNTER || p.accumulations > MAX_COUNTER {
-                return Err(format!(
-                    "parameter {name}: step or accumulation counter beyond 2^53"
-                ));
-            }
-            if let LrRule::Scaled(k) = p.lr_rule
-                && !(k.is_finite() && k > 0.0)
-            {
-                return Err(format!("parameter {name}: learning-rate scale {k}"));
-            }
-            if !p.rule_state.valid() {
-                return Err(format!(
-                    "parameter {name}: rule state {:?} is not finite and non-negative",
-                    p.rule_state.0
-                ));
-            }
-            let formats = slot_formats(&p.requested, &p.shape, n);
-            if p.pending && formats[1].is_none() {
-                return Err(format!(
-                    "parameter {name}: a pending gradient without an accumulator"
-                ));
-            }
-            for ((slot, format), host) in SlotKind::ALL.into_iter().zip(formats).zip(&p.slots) {
-                let what = |r: String| format!("{name}/{}: {r}", slot.name());
-                match format {
-                    Some(f) => f
-                        .validate(host, &p.shape, n, slot != SlotKind::Grad)
-                        .map_err(what)?,
-                    None if host.is_empty() => {}
-                    None => return Err(what("the configuration has no such slot".into())),
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// The safetensors file, after [`Canonical::check`] (its error names what fails).
     pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
-        self.check()?;
-        let mut tensors: Vec<(String, Dtype, Vec<usize>, &[u8])> = Vec::new();
-        let mut maps: Vec<(MapKind, Vec<u8>)> = Vec::new();
-        for m in &self.params {
-            for (slot, host) in SlotKind::ALL.iter().zip(&m.slots) {
-                for r in &host.regions {
-                    tensors.push((
-                        format!("{}/{}{}", m.name, slot.name(), r.spec.suffix),
-                        st_dtype(r.spec.dtype),
-                        vec![r.bytes.len() / r.spec.dtype.size()],
-                        &r.bytes,
-                    ));
-                }
-            }
-            let n = numel(&m.shape).unwrap_or(0);
-            for f in slot_formats(&m.requested, &m.shape, n).iter().flatten() {
-                if let Some(map) = f.map()
-                    && !maps.iter().any(|(k, _)| *k == map)
-                {
-                    maps.push((map, map_tensor(map)));
-                }
-            }
-        }
-        for (map, bytes) in &maps {
-            tensors.push((
-                format!("maps/{}", map.name()),
-                Dtype::F32,
-                vec![bytes.len() / 4],
-                bytes,
-            ));
-        }
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut meta = CheckpointMeta {
-            format: FORMAT.into(),
-            version: VERSION,
-            options: self.options,
-            global_steps: self.global_steps,
-            groups: self.groups.clone(),
-            params: self
-                .params
-                .iter()
-                .map(|m| ParamMeta {
-                    name: m.name.clone(),
-                    shape: m.shape.clone(),
-                    group: m.group,
-                    requested: m.requested,
-                    steps: m.steps,
-                    accumulations: m.accumulations,
-                    pending: m.pending,
-                    lr_rule: m.lr_rule,
-                    rule_state: m.rule_state,
-                })
-                .collect(),
-            eval: self.eval,
-            crc32: None,
-        };
-        let json = serde_json::to_string(&meta).map_err(|e| e.to_string())?;
-        meta.crc32 = Some(checksum(
-            &json,
-            tensors
-                .iter()
-                .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), *b)),
-        ));
-        let json = serde_json::to_string(&meta).map_err(|e| e.to_string())?;
-        let views = tensors
+        let encoded = self.encode(&SCHEME, &[])?;
+        let views = encoded
+            .tensors
             .iter()
-            .map(|(name, dtype, shape, bytes)| {
-                TensorView::new(*dtype, shape.clone(), bytes)
-                    .map(|v| (name.as_str(), v))
+            .map(|t| {
+                TensorView::new(st_dtype(t.dtype), vec![t.len], &t.bytes)
+                    .map(|v| (t.name.as_str(), v))
                     .map_err(|e| e.to_string())
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let info = HashMap::from([("lpmm".to_string(), json)]);
+        let info = HashMap::from([(META_KEY.to_string(), encoded.metadata)]);
         safetensors::tensor::serialize(views, Some(info)).map_err(|e| e.to_string())
     }
 
-    /// Parses and validates a checkpoint file's bytes: format, version, checksum, the tensors
-    /// (exactly those the configuration names, each with its dtype, shape and length, the code
-    /// maps equal to this build's) and [`Canonical::check`]. Sizes are checked against the file
-    /// before anything is copied, so a load costs time and memory linear in the file.
+    /// Parses and validates a checkpoint file's bytes ([`Canonical::decode`]: format, version,
+    /// checksum, the tensors, [`Canonical::check`]). Sizes are checked against the file before
+    /// anything is copied, so a load costs time and memory linear in the file.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
         let (header_len, header) = SafeTensors::read_metadata(bytes)
             .map_err(|e| format!("not a readable safetensors file: {e}"))?;
         let json = header
             .metadata()
             .as_ref()
-            .and_then(|m| m.get("lpmm"))
+            .and_then(|m| m.get(META_KEY))
             .ok_or("no lpmm metadata: not an lpmm checkpoint")?;
-        let mut meta: CheckpointMeta =
-            serde_json::from_str(json).map_err(|e| format!("metadata: {e}"))?;
-        if meta.format != FORMAT {
-            return Err(format!("format {:?}, expected {FORMAT:?}", meta.format));
-        }
-        if meta.version != VERSION {
+        let tensors = Tensors::new(bytes, header_len, &header);
+        let decoded = Canonical::decode(&SCHEME, json, &tensors)?;
+        if let Some(i) = decoded.outside.iter().position(|&o| o) {
             return Err(format!(
-                "version {}, this lpmm reads version {VERSION}",
-                meta.version
+                "parameter {}: its value is held outside the file (an lpmm checkpoint holds every value)",
+                decoded.canonical.params[i].name
             ));
         }
-        let data = &bytes[8 + header_len..];
-        let tensor = |name: &str| {
-            header.info(name).map(|info| {
-                let (a, b) = info.data_offsets;
-                (info.dtype, info.shape.as_slice(), &data[a..b])
-            })
-        };
-        let mut names = header.offset_keys();
-        {
-            let want = meta.crc32.take().ok_or(
-                "no checksum in the metadata (every lpmm checkpoint has one): the file is corrupt",
-            )?;
-            names.sort_unstable();
-            let json = serde_json::to_string(&meta).map_err(|e| format!("metadata: {e}"))?;
-            let got = checksum(
-                &json,
-                names.iter().filter_map(|n| {
-                    let (d, s, b) = tensor(n)?;
-                    Some((n.as_str(), d, s, b))
-                }),
-            );
-            if got != want {
-                return Err(format!(
-                    "checksum mismatch (the file says {want:#010x}, its contents give {got:#010x}): the file is corrupt"
-                ));
-            }
-        }
-        // Every storage takes at least 4 bits per element: a checkpoint cannot hold more than
-        // 2 elements per byte, in all parameters together. Checked before anything else, so a
-        // forged header cannot make us allocate for it.
-        let mut total = 0usize;
-        for p in &meta.params {
-            total = match numel(&p.shape).and_then(|n| total.checked_add(n)) {
-                Some(t) if t <= 2 * bytes.len() => t,
-                _ => {
-                    return Err(format!(
-                        "parameter {} has shape {:?}: empty, or more elements than the file can hold",
-                        p.name, p.shape
-                    ));
-                }
-            };
-        }
-        // Exactly the tensors the configuration names, each with its dtype and length, checked
-        // before anything is copied.
-        let mut expected = 0usize;
-        let mut maps: Vec<MapKind> = Vec::new();
-        let mut formats = Vec::with_capacity(meta.params.len());
-        for p in &meta.params {
-            p.requested
-                .validate()
-                .map_err(|e| format!("parameter {}: {e}", p.name))?;
-            let n = numel(&p.shape).unwrap_or(0);
-            let slots = slot_formats(&p.requested, &p.shape, n);
-            for (slot, format) in SlotKind::ALL.into_iter().zip(slots) {
-                let Some(format) = format else { continue };
-                if let Some(map) = format.map()
-                    && !maps.contains(&map)
-                {
-                    maps.push(map);
-                }
-                for spec in format.regions(&p.shape).into_iter().filter(|r| r.saved) {
-                    let key = format!("{}/{}{}", p.name, slot.name(), spec.suffix);
-                    let (dtype, shape, data) =
-                        tensor(&key).ok_or_else(|| format!("tensor {key} missing"))?;
-                    let want = st_dtype(spec.dtype);
-                    if dtype != want {
-                        return Err(format!("tensor {key} is {dtype:?}, expected {want:?}"));
-                    }
-                    let len = spec.len(n);
-                    if shape != [len] || data.len() != spec.bytes(n) {
-                        return Err(format!(
-                            "tensor {key} has shape {shape:?}, expected [{len}]"
-                        ));
-                    }
-                    expected += 1;
-                }
-            }
-            formats.push(slots);
-        }
-        for &map in &maps {
-            let key = format!("maps/{}", map.name());
-            let (dtype, shape, data) =
-                tensor(&key).ok_or_else(|| format!("code map {} missing", map.name()))?;
-            let want = map_tensor(map);
-            if dtype != Dtype::F32 || shape != [want.len() / 4] || data != want.as_slice() {
-                return Err(format!("code map {} differs from this build's", map.name()));
-            }
-            expected += 1;
-        }
-        if names.len() != expected {
-            return Err(format!(
-                "{} tensors, of which {expected} belong to the configuration: unexpected tensors",
-                names.len()
-            ));
-        }
-        drop(names);
-        let mut params = Vec::with_capacity(meta.params.len());
-        for (p, slots) in meta.params.into_iter().zip(formats) {
-            let mut hosts: [HostSlot; SLOTS] = Default::default();
-            for ((slot, format), host) in SlotKind::ALL.into_iter().zip(slots).zip(&mut hosts) {
-                let Some(format) = format else { continue };
-                let specs: Vec<_> = format
-                    .regions(&p.shape)
-                    .into_iter()
-                    .filter(|r| r.saved)
-                    .collect();
-                host.regions.reserve_exact(specs.len());
-                for spec in specs {
-                    let key = format!("{}/{}{}", p.name, slot.name(), spec.suffix);
-                    let (_, _, data) =
-                        tensor(&key).ok_or_else(|| format!("tensor {key} missing"))?;
-                    host.regions.push(HostRegion {
-                        spec,
-                        bytes: data.to_vec(),
-                    });
-                }
-            }
-            params.push(CanonicalParam {
-                name: p.name,
-                shape: p.shape,
-                group: p.group,
-                requested: p.requested,
-                steps: p.steps,
-                accumulations: p.accumulations,
-                pending: p.pending,
-                lr_rule: p.lr_rule,
-                rule_state: p.rule_state,
-                slots: hosts,
-            });
-        }
-        let c = Canonical {
-            options: meta.options,
-            global_steps: meta.global_steps,
-            groups: meta.groups,
-            params,
-            eval: meta.eval,
-        };
-        c.check()?;
-        Ok(c)
+        Ok(decoded.canonical)
     }
 
     /// Writes the safetensors checkpoint atomically (a temporary file, synced, renamed) after
@@ -805,35 +443,28 @@ impl<B: Backend> Optimizer<B> {
     }
 }
 
-/// Recomputes a checkpoint file's checksum as the writer would (for tests and fuzzing: a forged
-/// or mutated file then reaches the checks behind the checksum). `None` if the file's header or
-/// metadata does not parse.
+/// Recomputes a checkpoint file's checksum as the writer would ([`codec::seal`]; for tests and
+/// fuzzing: a forged or mutated file then reaches the checks behind the checksum). `None` if the
+/// file's header or metadata does not parse.
 #[cfg(feature = "testing")]
 pub(crate) fn reseal(bytes: &[u8]) -> Option<Vec<u8>> {
+    use codec::Source;
     let (header_len, header) = SafeTensors::read_metadata(bytes).ok()?;
-    let mut meta: CheckpointMeta =
-        serde_json::from_str(header.metadata().as_ref()?.get("lpmm")?).ok()?;
-    meta.crc32 = None;
-    let data = &bytes[8 + header_len..];
-    let mut names = header.offset_keys();
+    let json = header.metadata().as_ref()?.get(META_KEY)?;
+    let tensors = Tensors::new(bytes, header_len, &header);
+    let json = codec::seal(json, &tensors).ok()?;
+    let mut names = tensors.names();
     names.sort_unstable();
-    let tensors: Vec<(&str, Dtype, &[usize], &[u8])> = names
+    let views = names
         .iter()
-        .filter_map(|n| {
+        .filter_map(|&n| {
             let info = header.info(n)?;
-            let (a, b) = info.data_offsets;
-            Some((n.as_str(), info.dtype, info.shape.as_slice(), &data[a..b]))
+            let t = tensors.get(n)?;
+            Some(TensorView::new(info.dtype, t.shape.to_vec(), t.bytes).map(|v| (n, v)))
         })
-        .collect();
-    let json = serde_json::to_string(&meta).ok()?;
-    meta.crc32 = Some(checksum(&json, tensors.iter().copied()));
-    let json = serde_json::to_string(&meta).ok()?;
-    let views = tensors
-        .iter()
-        .map(|&(n, d, s, b)| TensorView::new(d, s.to_vec(), b).map(|v| (n, v)))
         .collect::<Result<Vec<_>, _>>()
         .ok()?;
-    let info = HashMap::from([("lpmm".to_string(), json)]);
+    let info = HashMap::from([(META_KEY.to_string(), json)]);
     safetensors::tensor::serialize(views, Some(info)).ok()
 }
 
