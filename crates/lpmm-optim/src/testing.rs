@@ -7,9 +7,9 @@ use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
 use crate::{
-    AdEMAMix, Adafactor, Adam, Backend, Came, Hyper, Lion, MapKind, NonFinitePolicy, Optimizer,
-    OptimizerOptions, ParamConfig, ParamId, ScheduleFreeAdamW, Sgd, SlotKind, Storage,
-    StoreRounding, presets,
+    AdEMAMix, Adafactor, Adagrad, Adam, Backend, Came, Hyper, Lion, MapKind, NonFinitePolicy,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, RmsProp, ScheduleFreeAdamW, Sgd, SlotKind,
+    Storage, StoreRounding, presets,
 };
 
 /// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
@@ -169,6 +169,28 @@ pub fn hypers() -> Vec<(&'static str, Hyper)> {
                     .weight_decay(0.1),
             ),
         ),
+        (
+            "rmsprop-momentum-centered-wd",
+            Hyper::RmsProp(
+                RmsProp::new(1e-2)
+                    .momentum(0.9)
+                    .centered(true)
+                    .weight_decay(1e-2),
+            ),
+        ),
+        (
+            "rmsprop-alpha-0.4-centered",
+            Hyper::RmsProp(RmsProp::new(1e-3).alpha(0.4).centered(true)),
+        ),
+        (
+            "adagrad-decay-wd-init",
+            Hyper::Adagrad(
+                Adagrad::new(1e-2)
+                    .lr_decay(0.1)
+                    .weight_decay(1e-2)
+                    .initial_accumulator_value(0.1),
+            ),
+        ),
     ]
 }
 
@@ -284,6 +306,21 @@ pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
             "schedule-free 8-bit",
             presets::schedule_free_adamw_8bit(1e-3).build(),
         ),
+        ("rmsprop f32", presets::rmsprop_f32(1e-2).build()),
+        (
+            "rmsprop 8-bit momentum centered",
+            presets::rmsprop_8bit(1e-2)
+                .momentum(0.9)
+                .centered(true)
+                .build(),
+        ),
+        ("adagrad f32", presets::adagrad_f32(1e-2).build()),
+        (
+            "adagrad 8-bit",
+            presets::adagrad_8bit(1e-2)
+                .initial_accumulator_value(0.1)
+                .build(),
+        ),
     ]
 }
 
@@ -294,7 +331,7 @@ pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
-/// 11 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
+/// 14 optimizer settings x 6 parameter storages, cycling 5 gradient storages (the released
 /// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
 pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
     let params = [
