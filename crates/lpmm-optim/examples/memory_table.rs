@@ -44,7 +44,7 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 5], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 24] = [
+    let rows: [(&str, ParamConfig, &str); 28] = [
         ("f32 SGDM", presets::sgdm_f32(lr, 0.9).build(), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
@@ -152,6 +152,26 @@ fn main() {
             "schedule-free AdamW, 8-bit second moment, bf16 SR z",
             presets::schedule_free_adamw_8bit(lr).build(),
             "f32 schedule-free AdamW",
+        ),
+        (
+            "f32 RMSprop",
+            presets::rmsprop_f32(lr).build(),
+            "f32 RMSprop",
+        ),
+        (
+            "8-bit RMSprop, f32 param+grad (bitsandbytes RMSprop8bit layout)",
+            presets::rmsprop_8bit(lr).build(),
+            "f32 RMSprop",
+        ),
+        (
+            "f32 Adagrad",
+            presets::adagrad_f32(lr).build(),
+            "f32 Adagrad",
+        ),
+        (
+            "8-bit Adagrad, f32 param+grad (bitsandbytes Adagrad8bit layout)",
+            presets::adagrad_8bit(lr).build(),
+            "f32 Adagrad",
         ),
     ];
     let reference = |name: &str| {

@@ -68,4 +68,7 @@ pub use optimizer::{
     GradientSummary, Gradients, Lender, LrRule, MAX_COUNTER, NonFinitePolicy, Optimizer,
     OptimizerOptions, StepInProgress, StepReport, TRANSFORM_COUNTER, WithGradient,
 };
-pub use rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, RuleState, ScheduleFreeAdamW, Sgd};
+pub use rule::{
+    AdEMAMix, Adafactor, Adagrad, Adam, Came, Hyper, Lion, RmsProp, RuleState, ScheduleFreeAdamW,
+    Sgd,
+};

@@ -16,7 +16,9 @@
 
 use crate::config::ParamConfig;
 use crate::format::{Storage, StoreRounding};
-use crate::rule::{AdEMAMix, Adafactor, Adam, Came, Hyper, Lion, Rule, ScheduleFreeAdamW, Sgd};
+use crate::rule::{
+    AdEMAMix, Adafactor, Adagrad, Adam, Came, Hyper, Lion, RmsProp, Rule, ScheduleFreeAdamW, Sgd,
+};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any
 /// [`Hyper`]) and the storage of each slot. Converts into [`ParamConfig`] (`.into()` or
@@ -322,6 +324,37 @@ pub fn schedule_free_adamw_8bit(lr: f64) -> Preset<ScheduleFreeAdamW> {
         .with_state2(Storage::DYNAMIC8_UNSIGNED)
 }
 
+/// f32 RMSprop with `torch.optim.RMSprop`'s defaults: the reference for the RMSprop presets (12
+/// bytes per parameter; 16 with momentum, 20 with momentum and centered).
+pub fn rmsprop_f32(lr: f64) -> Preset<RmsProp> {
+    Preset::f32(RmsProp::new(lr))
+}
+
+/// 8-bit RMSprop on an f32 model, bitsandbytes' `RMSprop8bit` layout (blocks of 256): f32
+/// parameters and gradients, the square average 8-bit dynamic unsigned (bitsandbytes stores its
+/// one state with the signed map, a bit of precision less for a value that is never negative),
+/// the momentum buffer and the centered gradient average, when turned on, 8-bit dynamic signed
+/// (bitsandbytes has neither: it ignores `momentum` and refuses `centered`).
+pub fn rmsprop_8bit(lr: f64) -> Preset<RmsProp> {
+    rmsprop_f32(lr)
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+        .with_state3(Storage::DYNAMIC8_SIGNED)
+}
+
+/// f32 Adagrad with `torch.optim.Adagrad`'s defaults: the reference for the Adagrad presets (12
+/// bytes per parameter).
+pub fn adagrad_f32(lr: f64) -> Preset<Adagrad> {
+    Preset::f32(Adagrad::new(lr))
+}
+
+/// 8-bit Adagrad on an f32 model, bitsandbytes' `Adagrad8bit` layout (blocks of 256): f32
+/// parameters and gradients, the sum of squares 8-bit dynamic unsigned (bitsandbytes stores it
+/// with the signed map).
+pub fn adagrad_8bit(lr: f64) -> Preset<Adagrad> {
+    adagrad_f32(lr).with_state2(Storage::DYNAMIC8_UNSIGNED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,6 +410,10 @@ mod tests {
             ademamix_8bit(1e-3).warmup(Some(100), Some(100)).build(),
             schedule_free_adamw_f32(1e-3).warmup_steps(10).build(),
             schedule_free_adamw_8bit(1e-3).build(),
+            rmsprop_f32(1e-2).build(),
+            rmsprop_8bit(1e-2).momentum(0.9).centered(true).build(),
+            adagrad_f32(1e-2).build(),
+            adagrad_8bit(1e-2).lr_decay(1e-3).build(),
         ] {
             c.validate().unwrap();
         }
@@ -384,6 +421,54 @@ mod tests {
         assert_eq!(
             a.hyper,
             Hyper::Adafactor(Adafactor::with_lr(1e-3).beta1(0.9))
+        );
+        let r = rmsprop_8bit(1e-2)
+            .alpha(0.9)
+            .eps(1e-6)
+            .weight_decay(0.1)
+            .momentum(0.5)
+            .centered(true)
+            .lr(1e-3)
+            .build();
+        assert_eq!(
+            r.hyper,
+            Hyper::RmsProp(
+                RmsProp::new(1e-3)
+                    .alpha(0.9)
+                    .eps(1e-6)
+                    .weight_decay(0.1)
+                    .momentum(0.5)
+                    .centered(true)
+            )
+        );
+        assert_eq!(
+            (r.state1, r.state2, r.state3),
+            (
+                Storage::DYNAMIC8_SIGNED,
+                Storage::DYNAMIC8_UNSIGNED,
+                Storage::DYNAMIC8_SIGNED
+            )
+        );
+        let g = adagrad_8bit(1e-2)
+            .lr_decay(0.1)
+            .weight_decay(0.2)
+            .initial_accumulator_value(0.3)
+            .eps(1e-8)
+            .lr(1e-3)
+            .build();
+        assert_eq!(
+            g.hyper,
+            Hyper::Adagrad(
+                Adagrad::new(1e-3)
+                    .lr_decay(0.1)
+                    .weight_decay(0.2)
+                    .initial_accumulator_value(0.3)
+                    .eps(1e-8)
+            )
+        );
+        assert_eq!(
+            (g.state1, g.state2),
+            (Storage::F32, Storage::DYNAMIC8_UNSIGNED)
         );
     }
 }

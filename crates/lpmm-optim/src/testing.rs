@@ -245,6 +245,21 @@ pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
             "schedule-free 8-bit",
             presets::schedule_free_adamw_8bit(1e-3).build(),
         ),
+        ("rmsprop f32", presets::rmsprop_f32(1e-2).build()),
+        (
+            "rmsprop 8-bit momentum centered",
+            presets::rmsprop_8bit(1e-2)
+                .momentum(0.9)
+                .centered(true)
+                .build(),
+        ),
+        ("adagrad f32", presets::adagrad_f32(1e-2).build()),
+        (
+            "adagrad 8-bit",
+            presets::adagrad_8bit(1e-2)
+                .initial_accumulator_value(0.1)
+                .build(),
+        ),
     ]
 }
 
@@ -255,7 +270,7 @@ pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
-/// 11 optimizer settings x 7 parameter storages, cycling 5 gradient storages (the released
+/// 14 optimizer settings x 7 parameter storages, cycling 5 gradient storages (the released
 /// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
 pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
     let params = [

@@ -505,16 +505,17 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
     out
 }
 
-/// Adafactor, CAME, AdEMAMix and schedule-free AdamW at their low-precision presets: state 3,
-/// the factorized statistics, the rules' tensor-wide sums and schedule-free's host state (its
-/// averaging weights) all resume bit for bit; a checkpoint saved at the evaluation point loads
+/// Adafactor, CAME, AdEMAMix, schedule-free AdamW, RMSprop (momentum and centered: all three
+/// states) and Adagrad (its initial accumulator read at the first step only) at their
+/// low-precision presets: state 3, the factorized statistics, the rules' tensor-wide sums and
+/// schedule-free's host state (its averaging weights) all resume bit for bit; a checkpoint saved at the evaluation point loads
 /// there, refuses to step, and trains on after `train()` exactly as the uninterrupted run.
 #[test]
 fn the_newer_rules_resume_exactly() {
     use lpmm_optim::presets;
     let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
-    let configs: [(&str, ParamConfig); 4] = [
+    let configs: [(&str, ParamConfig); 6] = [
         (
             "adafactor",
             presets::adafactor_lpmm().weight_decay(0.01).build(),
@@ -530,6 +531,21 @@ fn the_newer_rules_resume_exactly() {
             "schedule-free",
             presets::schedule_free_adamw_8bit(2.5e-3)
                 .warmup_steps(3)
+                .build(),
+        ),
+        (
+            "rmsprop",
+            presets::rmsprop_8bit(1e-3)
+                .momentum(0.9)
+                .centered(true)
+                .weight_decay(0.01)
+                .build(),
+        ),
+        (
+            "adagrad",
+            presets::adagrad_8bit(1e-2)
+                .lr_decay(0.01)
+                .initial_accumulator_value(0.1)
                 .build(),
         ),
     ];

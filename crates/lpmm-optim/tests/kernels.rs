@@ -100,6 +100,38 @@ fn cases() -> Vec<(&'static str, ParamConfig, Vec<Feed>)> {
             vec![Released, Accumulated],
         ),
         (
+            "rmsprop_f32",
+            presets::rmsprop_f32(1e-3).build(),
+            acc.clone(),
+        ),
+        (
+            "rmsprop_8bit",
+            presets::rmsprop_8bit(1e-3).build(),
+            acc.clone(),
+        ),
+        (
+            "rmsprop_8bit_momentum_centered_l2",
+            presets::rmsprop_8bit(1e-3)
+                .momentum(0.9)
+                .centered(true)
+                .weight_decay(1e-2)
+                .build(),
+            vec![Released, States],
+        ),
+        (
+            "adagrad_f32",
+            presets::adagrad_f32(1e-2).build(),
+            vec![Released],
+        ),
+        (
+            "adagrad_8bit_init_decay",
+            presets::adagrad_8bit(1e-2)
+                .initial_accumulator_value(0.1)
+                .lr_decay(1e-2)
+                .build(),
+            acc.clone(),
+        ),
+        (
             "adamw_8bit_f32_acc_sr_param",
             presets::adamw_8bit(1e-3)
                 .build()

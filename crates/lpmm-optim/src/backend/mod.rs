@@ -27,9 +27,9 @@ pub use crate::format::{
     LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked,
 };
 pub use crate::rule::{
-    AdEMAMixConsts, AdafactorConsts, AdamConsts, CameConsts, FieldType, KernelStruct, Limits,
-    LionConsts, MAX_STATS, Moment, RuleConsts, RuleState, ScheduleFreeConsts, SgdConsts, StepFlags,
-    Updated,
+    AdEMAMixConsts, AdafactorConsts, AdagradConsts, AdamConsts, CameConsts, FieldType,
+    KernelStruct, Limits, LionConsts, MAX_STATS, Moment, RmsPropConsts, RuleConsts, RuleState,
+    ScheduleFreeConsts, SgdConsts, StepFlags, Updated,
 };
 
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};

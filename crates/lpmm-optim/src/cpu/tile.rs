@@ -706,4 +706,8 @@ kernels! {
     "f32 q q q": KF32, KQuant, KQuant, KQuant;
     // schedule_free_adamw_8bit
     "f32 bf16-sr q -": KF32, KBf16Sr, KQuant, KAbsent;
+    // rmsprop_f32, adagrad_f32
+    "f32 - f32 -": KF32, KAbsent, KF32, KAbsent;
+    // rmsprop_8bit, adagrad_8bit
+    "f32 - q -": KF32, KAbsent, KQuant, KAbsent;
 }

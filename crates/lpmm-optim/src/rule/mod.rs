@@ -12,18 +12,22 @@
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
 pub(crate) mod adafactor;
+pub(crate) mod adagrad;
 pub(crate) mod adam;
 pub(crate) mod ademamix;
 pub(crate) mod came;
 pub(crate) mod lion;
+pub(crate) mod rmsprop;
 pub(crate) mod schedule_free;
 pub(crate) mod sgd;
 
 pub use adafactor::{Adafactor, AdafactorConsts};
+pub use adagrad::{Adagrad, AdagradConsts};
 pub use adam::{Adam, AdamConsts};
 pub use ademamix::{AdEMAMix, AdEMAMixConsts};
 pub use came::{Came, CameConsts};
 pub use lion::{Lion, LionConsts};
+pub use rmsprop::{RmsProp, RmsPropConsts};
 pub use schedule_free::{ScheduleFreeAdamW, ScheduleFreeConsts};
 pub use sgd::{Sgd, SgdConsts};
 
@@ -683,6 +687,10 @@ rules! {
     /// Schedule-free AdamW (Defazio et al. 2024; the `schedulefree` package's
     /// `AdamWScheduleFree`).
     ScheduleFreeAdamW(ScheduleFreeAdamW) in schedule_free,
+    /// RMSprop, `torch.optim.RMSprop` semantics.
+    RmsProp(RmsProp) in rmsprop,
+    /// Adagrad, `torch.optim.Adagrad` semantics.
+    Adagrad(Adagrad) in adagrad,
 }
 
 impl Hyper {
@@ -728,5 +736,17 @@ impl Hyper {
     /// decay, no warmup, r 0, weight_lr_power 2.
     pub fn schedule_free_adamw(lr: f64) -> Self {
         Hyper::ScheduleFreeAdamW(ScheduleFreeAdamW::new(lr))
+    }
+
+    /// `torch.optim.RMSprop(lr)` defaults: alpha 0.99, eps 1e-8, no weight decay, no momentum,
+    /// not centered.
+    pub fn rmsprop(lr: f64) -> Self {
+        Hyper::RmsProp(RmsProp::new(lr))
+    }
+
+    /// `torch.optim.Adagrad(lr)` defaults: no learning-rate decay, no weight decay, initial
+    /// accumulator 0, eps 1e-10.
+    pub fn adagrad(lr: f64) -> Self {
+        Hyper::Adagrad(Adagrad::new(lr))
     }
 }
