@@ -7,8 +7,8 @@
 //! Layout: per parameter `p` and slot `s` in {param, grad, state1, state2, state3}, one tensor
 //! `p/s<suffix>` per saved region of the slot's format (`crate::backend::RegionSpec`: the
 //! primary region's suffix is empty; `.comp` Kahan compensations, `.rem` split-f32 remainders,
-//! `.absmax` block scales, `.scales` rank-1 maxima, `.row`/`.col` factorized statistics), the
-//! whole tensor, unsharded, in the region's dtype, 1-D; and, where the container carries them
+//! `.lo` bf16+8 corrections, `.absmax` block scales, `.scales` rank-1 maxima, `.row`/`.col`
+//! factorized statistics), the whole tensor, unsharded, in the region's dtype, 1-D; and, where the container carries them
 //! ([`Scheme::maps`]), `maps/<map name>` (F32) for every code map in use. The metadata is the
 //! JSON of `CheckpointMeta`: the container's format name and version ([`Scheme`]), the options,
 //! the step counter, the groups, per parameter its shape, configuration, counters, learning-rate
