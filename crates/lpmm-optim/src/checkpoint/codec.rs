@@ -8,8 +8,9 @@
 //! `p/s<suffix>` per saved region of the slot's format (`crate::backend::RegionSpec`: the
 //! primary region's suffix is empty; `.comp` Kahan compensations, `.rem` split-f32 remainders,
 //! `.lo` bf16+8 corrections, `.absmax` block scales, `.scales` rank-1 maxima, `.row`/`.col`
-//! factorized statistics), the whole tensor, unsharded, in the region's dtype, 1-D; and, where the container carries them
-//! ([`Scheme::maps`]), `maps/<map name>` (F32) for every code map in use. The metadata is the
+//! factorized statistics), the whole tensor, unsharded, in the region's dtype, 1-D; and, where
+//! the container carries them ([`Scheme::maps`]), `maps/<map name>` (F32) for every code map in
+//! use. The metadata is the
 //! JSON of `CheckpointMeta`: the container's format name and version ([`Scheme`]), the options,
 //! the step counter, the groups, per parameter its shape, configuration, counters, learning-rate
 //! rule and rule state, and `crc32`, the CRC-32 of that JSON without the field followed by every
