@@ -506,6 +506,7 @@ fn run_python_peers(root: &Path, cases: &[Value]) -> Result<(), String> {
                         "pip",
                         "install",
                         "--quiet",
+                        "--no-cache-dir",
                         "torch",
                         "bitsandbytes==0.50.2",
                         "numpy",
