@@ -4,11 +4,11 @@
 //! sizes; per-tensor overhead (10,000 tensors of 1,000 against one of 10M) and 1 vs 2 threads.
 //! Six presets also run at every lower SIMD level and on the generic path (`LEVELS`).
 //!
-//! A step case `step/<preset>/<size>` is `step_param` with an f32 gradient (gradient release: one
+//! A step case `step/<preset>/<size>` is `Step::param` with an f32 gradient (gradient release: one
 //! fused pass that adds the gradient to the accumulator's content, steps, and clears the
 //! accumulator). Bytes per parameter are counted from the formats: every slot is read and written
 //! once, plus the 4 bytes of the f32 gradient read. A case `step/<preset>_acc/<size>` (presets with
-//! a gradient accumulator) times `step()` alone with the gradient already accumulated in the
+//! a gradient accumulator) times `step(Accumulated)` alone with the gradient already accumulated in the
 //! preset's own accumulator format (the accumulation before each step is not timed): every slot
 //! read and written once, 12.06 bytes per parameter for 8-bit AdamW with bf16 parameters and
 //! accumulator. Adafactor and CAME step a matrix (rows of 1024, so their second moments factor);
@@ -102,7 +102,10 @@ fn step(c: &mut Criterion) {
                 preset: Some(name),
             });
             group.bench_function(BenchmarkId::new(name, label(n)), |b| {
-                b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))
+                b.iter(|| {
+                    opt.step(lpmm_optim::Step::param(id, black_box(&grad)))
+                        .expect("step")
+                })
             });
             if LEVELS.contains(&name) {
                 // The same step at each lower SIMD level, and on the generic path at the best.
@@ -126,11 +129,11 @@ fn step(c: &mut Criterion) {
                 opt.set_specialized_kernels(true);
             }
             if config.grad != Storage::None {
-                // `step()` alone, the gradient accumulated beforehand (not timed); every slot,
+                // `step(Accumulated)` alone, the gradient accumulated beforehand (not timed); every slot,
                 // the accumulator included, read and written once.
                 // The accumulator is allocated by the first accumulation: count it after one.
                 opt.accumulate(id, &grad).expect("accumulate");
-                opt.step().expect("step");
+                opt.step(lpmm_optim::Accumulated).expect("step");
                 let slots = opt.memory_report().slot_totals();
                 let acc = format!("{name}_acc");
                 let case_id = format!("step/{acc}/{}", label(n));
@@ -149,7 +152,7 @@ fn step(c: &mut Criterion) {
                         for _ in 0..iters {
                             opt.accumulate(id, black_box(&grad)).expect("accumulate");
                             let start = Instant::now();
-                            opt.step().expect("step");
+                            opt.step(lpmm_optim::Accumulated).expect("step");
                             timed += start.elapsed();
                         }
                         timed
@@ -178,7 +181,7 @@ const LEVELS: [&str; 6] = [
     "lpmm_sgdm",
 ];
 
-/// `step/<preset>@<variant>/<size>`: `step_param` as the main case times it, under a forced SIMD
+/// `step/<preset>@<variant>/<size>`: `Step::param` as the main case times it, under a forced SIMD
 /// level or the generic path.
 #[allow(clippy::too_many_arguments)]
 fn twin(
@@ -201,7 +204,10 @@ fn twin(
         preset: Some(preset),
     });
     group.bench_function(BenchmarkId::new(case, label(n)), |b| {
-        b.iter(|| opt.step_param(id, black_box(grad)).expect("step"))
+        b.iter(|| {
+            opt.step(lpmm_optim::Step::param(id, black_box(grad)))
+                .expect("step")
+        })
     });
 }
 
@@ -295,7 +301,14 @@ fn scaling(c: &mut Criterion) {
         });
         group.bench_function(
             BenchmarkId::new(format!("adamw_8bit_bf16_{}_threads", label(n)), threads),
-            |b| pool.install(|| b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))),
+            |b| {
+                pool.install(|| {
+                    b.iter(|| {
+                        opt.step(lpmm_optim::Step::param(id, black_box(&grad)))
+                            .expect("step")
+                    })
+                })
+            },
         );
     }
     // 10,000 tensors of 1,000 parameters against one tensor of 10M: each iteration accumulates
@@ -342,7 +355,7 @@ fn scaling(c: &mut Criterion) {
                     many.accumulate(id, black_box(&small_grad))
                         .expect("accumulate");
                 }
-                many.step().expect("step")
+                many.step(lpmm_optim::Accumulated).expect("step")
             })
         },
     );
@@ -350,7 +363,7 @@ fn scaling(c: &mut Criterion) {
         b.iter(|| {
             one.accumulate(big, black_box(&big_grad))
                 .expect("accumulate");
-            one.step().expect("step")
+            one.step(lpmm_optim::Accumulated).expect("step")
         })
     });
     group.finish();

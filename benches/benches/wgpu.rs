@@ -1,5 +1,5 @@
 //! The fused 8-bit AdamW step (bf16 parameters) on the wgpu backend beside the same step on the
-//! CPU backend, in the same run: `step_param` with an f32 gradient, which on wgpu includes
+//! CPU backend, in the same run: `Step::param` with an f32 gradient, which on wgpu includes
 //! uploading the gradient and reading back the non-finite flags. On lavapipe the "device" is this
 //! machine's CPU, so the ratio says what the shaders cost there, not what a GPU does.
 //!
@@ -11,7 +11,7 @@ use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
 use lpmm_benches::{CaseInfo, Kind, M, data, describe, label};
-use lpmm_optim::{Backend, Cpu, Optimizer, OptimizerOptions, presets};
+use lpmm_optim::{Cpu, Optimizer, OptimizerOptions, backend::Backend, presets};
 use lpmm_wgpu::Wgpu;
 use std::hint::black_box;
 use std::time::Duration;
@@ -42,9 +42,12 @@ fn case<B: Backend>(
     });
     // One step before timing: lpmm-wgpu compiles each kernel on its first dispatch (seconds on
     // lavapipe), and `--quick` runs would otherwise time that compilation.
-    opt.step_param(id, &grad).expect("step");
+    opt.step(lpmm_optim::Step::param(id, &grad)).expect("step");
     group.bench_function(BenchmarkId::new(name, label(n)), |b| {
-        b.iter(|| opt.step_param(id, black_box(&grad)).expect("step"))
+        b.iter(|| {
+            opt.step(lpmm_optim::Step::param(id, black_box(&grad)))
+                .expect("step")
+        })
     });
 }
 

@@ -13,7 +13,7 @@ use lpmm_optim::backend::{
     HostValuesMut, Init, ParamLayout, ParamStep, Phase, Place, PlanRunner, RegionSpec, SLOTS,
     SlotKind, StepWork, Walked, run_step,
 };
-use lpmm_optim::{ExactSum, add_squares};
+use lpmm_optim::backend::{ExactSum, add_squares};
 
 use crate::abi::{
     Binding, CONST_WORDS, Desc, Entry, F_GIVEN_V, F_GIVEN_W, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16,

@@ -26,7 +26,7 @@ pub use runtime::{Io, Launch, Limits, Runtime, Specialized};
 /// What [`device_backend!`] expands to refers to.
 #[doc(hidden)]
 pub mod reexport {
-    pub use lpmm_optim::ExactSum;
+    pub use lpmm_optim::backend::ExactSum;
     pub use lpmm_optim::backend::{
         Backend, BackendError, Dtype, HostSlot, HostValues, HostValuesMut, Init, ParamLayout,
         SLOTS, SlotKind, StepWork,

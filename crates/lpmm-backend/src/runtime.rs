@@ -1,7 +1,7 @@
 //! The device-runtime trait: the little a device must offer (memory, copies, launching an entry
 //! point over descriptors) for [`crate::Device`] to run every optimizer operation on it.
 
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 use lpmm_optim::backend::Dtype;
 
 use crate::abi::{Binding, Desc, Entry};

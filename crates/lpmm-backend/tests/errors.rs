@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use lpmm_backend::abi::{Binding, Entry};
 use lpmm_backend::{Device, DeviceOptions, Io, Launch, Limits, Runtime};
 use lpmm_optim::backend::Dtype;
-use lpmm_optim::{BackendError, OptimError, Optimizer, OptimizerOptions, presets};
+use lpmm_optim::{OptimError, Optimizer, OptimizerOptions, backend::BackendError, presets};
 
 /// Host memory and launches that do nothing, failing on request.
 #[derive(Debug, Default)]
@@ -128,13 +128,16 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     });
     let w = opt.add_param("w", &[5000], &vec![0.1; 5000], 0).unwrap();
     opt.accumulate(w, &vec![0.01; 5000]).unwrap();
-    let err = opt.step().unwrap_err();
+    let err = opt.step(lpmm_optim::Accumulated).unwrap_err();
     assert!(lost(&err), "{err}");
     // Every later call fails the same way, and none panics.
     assert!(lost(&opt.accumulate(w, &vec![0.01; 5000]).unwrap_err()));
-    assert!(lost(&opt.step().unwrap_err()));
+    assert!(lost(&opt.step(lpmm_optim::Accumulated).unwrap_err()));
     assert!(lost(&opt.read_param(w, &mut vec![0.0; 5000]).unwrap_err()));
-    assert!(lost(&opt.step_param(w, &vec![0.01; 5000]).unwrap_err()));
+    assert!(lost(
+        &opt.step(lpmm_optim::Step::param(w, &vec![0.01; 5000]))
+            .unwrap_err()
+    ));
     assert!(lost(&opt.canonical().unwrap_err()));
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
     let tmp = lpmm_optim::testing::temp_dir("lpmm-backend-errors-");
@@ -165,5 +168,5 @@ fn running_out_of_memory_names_the_size() {
     // Not lost: the optimizer goes on.
     let id = opt.param_id("small").unwrap();
     opt.accumulate(id, &[0.01; 1000]).unwrap();
-    opt.step().unwrap();
+    opt.step(lpmm_optim::Accumulated).unwrap();
 }

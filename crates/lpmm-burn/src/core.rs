@@ -10,8 +10,8 @@ use burn_optim::GradientsParams;
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use lpmm_optim::backend::{Dtype, HostRegion, HostSlot, HostValues};
 use lpmm_optim::{
-    Backend, Canonical, Gradients, Lender, MissingGradientPolicy, OptimError, Optimizer,
-    ParamConfig, ParamId, SlotKind, StepReport, Storage, WithGradient,
+    Gradients, Lender, MissingGradientPolicy, OptimError, Optimizer, ParamConfig, ParamId,
+    SlotKind, StepReport, Storage, WithGradient, backend::Backend, checkpoint::Canonical,
 };
 
 use crate::BurnError;
@@ -204,7 +204,8 @@ impl<L: Lane> Core<L> {
         let (lid, _) = self.external_lid(id)?;
         let mut g = self.lane.take(grad)?;
         self.lane.prepare(&mut g, false)?;
-        self.opt.accumulate_input(lid, self.lane.input(&g)?)?;
+        self.opt
+            .accumulate(lid, lpmm_optim::Grad::Input(self.lane.input(&g)?))?;
         self.lane.settle()?;
         Ok(())
     }
@@ -263,7 +264,7 @@ impl<L: Lane> Core<L> {
     }
 
     /// One step of the whole module with `grads`, taken straight from burn's gradient tensors
-    /// (`Optimizer::step_gradients`): the global decision (clipping, skip) over all of them and
+    /// (`Optimizer::step` with `Step::given`): the global decision (clipping, skip) over all of them and
     /// the layer weights' accumulated gradients, then each parameter stepped in its own tensor,
     /// each gradient dropped as soon as its parameter has stepped.
     pub fn step<M: Module>(
@@ -329,7 +330,9 @@ impl<L: Lane> Core<L> {
             lane: &self.lane,
             prims,
         };
-        let result = self.opt.step_gradients(&mut gradients, Some(&mut lender));
+        let result = self.opt.step(
+            lpmm_optim::Step::given(&mut gradients).lent(lpmm_optim::Lent::Lender(&mut lender)),
+        );
         drop(gradients);
         self.lane.settle()?;
         let report = result?;
@@ -445,7 +448,7 @@ impl<L: Lane> Core<L> {
                     .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
                 fresh.opt.restore_rule_state(lid, p.rule_state)?;
                 for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
-                    fresh.opt.import_slot(lid, slot, host.clone())?;
+                    fresh.opt.import_slot(lid, slot, host, None)?;
                 }
                 continue;
             }
@@ -482,7 +485,7 @@ impl<L: Lane> Core<L> {
                             writes.insert(id, (lid, host.clone()));
                         }
                     }
-                    _ => fresh.opt.import_slot(lid, slot, host.clone())?,
+                    _ => fresh.opt.import_slot(lid, slot, host, None)?,
                 }
             }
         }
@@ -956,7 +959,7 @@ impl<L: Lane> Apply<'_, L> {
                 }
                 let out = core.lane.output(&mut p)?;
                 core.opt
-                    .import_slot_lent(lid, SlotKind::Param, &host, Some(out))?;
+                    .import_slot(lid, SlotKind::Param, &host, Some(out))?;
             }
             (Work::Import(_), None) => {}
         }

@@ -45,8 +45,8 @@ impl BurnError {
     }
 }
 
-impl From<lpmm_optim::BackendError> for BurnError {
-    fn from(e: lpmm_optim::BackendError) -> Self {
+impl From<lpmm_optim::backend::BackendError> for BurnError {
+    fn from(e: lpmm_optim::backend::BackendError) -> Self {
         BurnError::Optim(OptimError::Backend(e))
     }
 }

@@ -9,7 +9,7 @@
 //! operations would make, and says so.
 
 use burn_core::tensor::{Device, Tensor};
-use lpmm_optim::Backend;
+use lpmm_optim::backend::Backend;
 use lpmm_optim::backend::Dtype;
 
 use crate::BurnError;

@@ -8,7 +8,8 @@ use burn_core::tensor::{Device, Tensor};
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn_optim::{GradientsParams, OptimizerRecord};
 use lpmm_optim::{
-    Canonical, CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport,
+    CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport,
+    checkpoint::Canonical,
 };
 
 use crate::core::{Core, Pending, Uncovered};
@@ -220,7 +221,7 @@ impl LpmmOptimizer {
     }
 
     /// The optimizer's state as a burn [`OptimizerRecord`] (burnpack), encoded by lpmm's
-    /// checkpoint codec (`lpmm_optim::codec`): lpmm's canonical slots (codes, scales,
+    /// checkpoint codec (`lpmm_optim::checkpoint::codec`): lpmm's canonical slots (codes, scales,
     /// compensations, counters, configuration) as tensors named `{param_id}/{slot}{region}`,
     /// keyed by burn's `ParamId`s, with a CRC-32 of the metadata and every tensor. The values of
     /// parameters that live in the module's tensors are held outside it, in the module record.

@@ -1,10 +1,10 @@
 //! lpmm's canonical state inside a burn record (burnpack): the container only. The layout, the
-//! metadata, the checksum and every check are lpmm's checkpoint codec's (`lpmm_optim::codec`).
+//! metadata, the checksum and every check are lpmm's checkpoint codec's (`lpmm_optim::checkpoint::codec`).
 //!
 //! Layout (version 2): every tensor of the codec's encoding as a 1-D burnpack tensor in the
 //! burn dtype of its region (u8 codes, f32 scales, bf16 values, ...), named as the codec names it
 //! (`{param_id}/{slot}{suffix}`, the parameter named by its burn `ParamId`) and carrying the
-//! parameter's burn id; no code maps ([`lpmm_optim::codec::Scheme::maps`]); and burnpack
+//! parameter's burn id; no code maps ([`lpmm_optim::checkpoint::codec::Scheme::maps`]); and burnpack
 //! metadata key `lpmm` holding the codec's metadata (format [`FORMAT`], version [`VERSION`]).
 //! A parameter whose value is the module's tensor is held outside the record (`value_outside`:
 //! its parameter slot's primary region is not in the record; the module record holds it). A
@@ -18,9 +18,9 @@
 
 use burn_core::tensor::{Bytes, DType};
 use burn_optim::OptimizerRecord;
-use lpmm_optim::Canonical;
 use lpmm_optim::backend::Dtype;
-use lpmm_optim::codec::{self, Decoded, Scheme, Source, Stored};
+use lpmm_optim::checkpoint::Canonical;
+use lpmm_optim::checkpoint::codec::{self, Decoded, Scheme, Source, Stored};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 

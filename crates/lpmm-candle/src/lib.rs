@@ -185,9 +185,9 @@ use candle_core::{CpuStorage, DType, Error, InplaceOp1, Layout, Result, Storage,
 use candle_nn::VarMap;
 use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
 use lpmm_optim::{
-    Backend, Cpu, Gradients, Lender, MemoryReport, MissingGradientHelp, MissingGradientPolicy,
-    OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind, StepReport,
-    WithGradient,
+    Cpu, Gradients, Lender, MemoryReport, MissingGradientHelp, MissingGradientPolicy, OptimError,
+    Optimizer, OptimizerOptions, ParamConfig, ParamId, SlotKind, StepReport, WithGradient,
+    backend::Backend,
 };
 
 /// The configuration of an [`LpmmOptimizer`]: one lpmm configuration for every parameter, the
@@ -741,7 +741,7 @@ fn step_on<B: Lane>(
         by_id,
         backend,
     };
-    opt.step_gradients(&mut source, Some(&mut lender))
+    opt.step(lpmm_optim::Step::given(&mut source).lent(lpmm_optim::Lent::Lender(&mut lender)))
         .map_err(wrap)
 }
 
@@ -755,7 +755,10 @@ fn accumulate_on<B: Lane>(
     let backend = opt.backend().clone();
     for e in vars {
         if let Some(g) = grads.remove(e.var.as_tensor()) {
-            backend.input(&g, |v| opt.accumulate_input(e.id, v).map_err(wrap))?;
+            backend.input(&g, |v| {
+                opt.accumulate(e.id, lpmm_optim::Grad::Input(v))
+                    .map_err(wrap)
+            })?;
         }
     }
     Ok(())
@@ -776,9 +779,11 @@ fn give_on<B: Lane>(opt: &mut Optimizer<B>, id: ParamId, grad: &Tensor) -> Resul
     let backend = opt.backend().clone();
     backend.input(grad, |g| {
         if released {
-            opt.step_param_input(id, g, None).map(drop).map_err(wrap)
+            opt.step(lpmm_optim::Step::param(id, lpmm_optim::Grad::Input(g)))
+                .map(drop)
+                .map_err(wrap)
         } else {
-            opt.accumulate_input(id, g).map_err(wrap)
+            opt.accumulate(id, lpmm_optim::Grad::Input(g)).map_err(wrap)
         }
     })
 }
@@ -1168,9 +1173,9 @@ impl LpmmOptimizer {
         on_engine!(opt, o => {
             let mut lender = VarLender::new(o, vars, by_id);
             if eval {
-                o.eval_lent(&mut lender).map_err(wrap)
+                o.eval(lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
             } else {
-                o.train_lent(&mut lender).map_err(wrap)
+                o.train(lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
             }
         })?;
         inner.sync()

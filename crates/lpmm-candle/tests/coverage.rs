@@ -165,7 +165,10 @@ fn states(opt: &LpmmOptimizer, m: &Model) -> candle_core::Result<Vec<String>> {
         for name in &names {
             let id = o.param_id(name).unwrap();
             for slot in [SlotKind::State1, SlotKind::State2] {
-                out.push(format!("{name} {:?}", o.export_slot(id, slot).unwrap()));
+                out.push(format!(
+                    "{name} {:?}",
+                    o.export_slot(id, slot, None).unwrap()
+                ));
             }
             out.push(format!("{name} {}", o.received_gradient(id).unwrap()));
         }

@@ -123,7 +123,7 @@ fn address(var: &Var) -> u64 {
 }
 
 /// State `k` (1 or 2) of parameter `name`, as bits.
-fn state_bits<B: lpmm_optim::Backend>(
+fn state_bits<B: lpmm_optim::backend::Backend>(
     opt: &lpmm_optim::Optimizer<B>,
     name: &str,
     k: usize,

@@ -32,7 +32,7 @@ use lpmm_cuda::{Cuda, CudaOptions};
 use lpmm_optim::backend::{
     HostValues, Init, ParamLayout, ParamStep, StepFlags, StepPlan, StepWork,
 };
-use lpmm_optim::{Backend, ParamConfig, Storage, presets};
+use lpmm_optim::{ParamConfig, Storage, backend::Backend, presets};
 
 /// The fused steps against a device copy.
 #[derive(Debug, clap::Parser)]

@@ -13,7 +13,7 @@ use cudarc::driver::{
 };
 use lpmm_backend::abi::{Binding, Entry, THREADS};
 use lpmm_backend::{Io, Launch, Limits, Runtime, Specialized};
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 use lpmm_optim::backend::Dtype;
 
 use crate::{CudaError, CudaView};

@@ -2,7 +2,7 @@
 //! 256 threads as fibers on the calling thread, round-robin between `__syncthreads`.
 
 use lpmm_backend::abi::{Desc, Entry};
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 
 unsafe extern "C" {
     fn lpmm_emulate(

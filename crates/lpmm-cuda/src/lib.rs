@@ -11,14 +11,14 @@
 //!
 //! ```no_run
 //! use lpmm_cuda::Cuda;
-//! use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+//! use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, presets};
 //!
 //! let backend = Cuda::new(0)?;
 //! let mut opt = Optimizer::with_backend(backend, OptimizerOptions::default())?;
 //! opt.add_group(presets::adamw_8bit_bf16(1e-3))?;
 //! let w = opt.add_param("w", &[1024, 1024], &vec![0.01; 1 << 20], 0)?;
 //! opt.accumulate(w, &vec![1e-3; 1 << 20])?;
-//! opt.step()?;
+//! opt.step(Accumulated)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -38,7 +38,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 use lpmm_optim::backend::Dtype;
 
 mod device;

@@ -65,7 +65,7 @@ fn many_small_tensors_share_one_launch() {
             opt.accumulate(id, &rng.spread(64, 1.0)).unwrap();
         }
         let before = d.launches();
-        assert_eq!(opt.step().unwrap().updated, 1000);
+        assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 1000);
         // The finiteness check (SkipStep) decodes every accumulator in one launch, the step is one.
         assert_eq!(d.launches() - before, 2, "one decode and one step launch");
     }
@@ -87,9 +87,9 @@ fn a_large_tensor_moves_through_io_in_several_launches() {
         dev.add_param("big", &[n], &init, 0).unwrap();
         for _ in 0..2 {
             let g = rng.spread(n, 1.0);
-            cpu.step_param(a, &g).unwrap();
+            cpu.step(lpmm_optim::Step::param(a, &g)).unwrap();
             let before = d.launches();
-            dev.step_param(a, &g).unwrap();
+            dev.step(lpmm_optim::Step::param(a, &g)).unwrap();
             assert_eq!(
                 d.launches() - before,
                 5,
@@ -154,7 +154,7 @@ fn a_lent_parameter_is_stepped_in_place() {
         let reserved = d.reserved_words() - before;
         let bytes = dev.memory_report().params[0].bytes;
         assert_eq!(4 * reserved as usize, bytes.iter().sum::<usize>(), "{name}");
-        let primary = cpu.export_slot(a, SlotKind::Param).unwrap().regions[0]
+        let primary = cpu.export_slot(a, SlotKind::Param, None).unwrap().regions[0]
             .bytes
             .len();
         assert_eq!(
@@ -168,18 +168,25 @@ fn a_lent_parameter_is_stepped_in_place() {
             if k == 1 {
                 // A bf16 gradient starting at an odd element of the caller's buffer.
                 let mut g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
-                cpu.accumulate_input(a, HostValues::Bf16(&g16[1..]))
+                cpu.accumulate(a, lpmm_optim::Grad::Input(HostValues::Bf16(&g16[1..])))
                     .unwrap();
                 let gv = CudaView::host(&d, &mut g16[1..]).unwrap();
-                dev.accumulate_input(b, DeviceInput::Device(gv)).unwrap();
+                dev.accumulate(b, lpmm_optim::Grad::Input(DeviceInput::Device(gv)))
+                    .unwrap();
             } else {
                 cpu.accumulate(a, &g[..n]).unwrap();
                 let gv = CudaView::host(&d, &mut g[..n]).unwrap();
-                dev.accumulate_input(b, DeviceInput::Device(gv)).unwrap();
+                dev.accumulate(b, lpmm_optim::Grad::Input(DeviceInput::Device(gv)))
+                    .unwrap();
             }
-            let r1 = cpu.step().unwrap();
+            let r1 = cpu.step(lpmm_optim::Accumulated).unwrap();
             let out = DeviceOutput::Device(lent(&d, f32_param, &mut buf32, &mut buf16));
-            let r2 = dev.step_lent(&mut [(b, out)]).unwrap();
+            let r2 = dev
+                .step(
+                    lpmm_optim::Step::accumulated()
+                        .lent(lpmm_optim::Lent::Buffers(&mut [(b, out)])),
+                )
+                .unwrap();
             assert_eq!(r1, r2, "{name}: step {k}");
         }
         assert_eq!(
@@ -188,7 +195,7 @@ fn a_lent_parameter_is_stepped_in_place() {
             "{name}: the steps reserved memory"
         );
         // The caller's buffer holds the parameter's bits, and every other slot is the same.
-        let want = cpu.export_slot(a, SlotKind::Param).unwrap();
+        let want = cpu.export_slot(a, SlotKind::Param, None).unwrap();
         let have = if f32_param {
             HostValues::F32(&buf32)
         } else {
@@ -196,14 +203,12 @@ fn a_lent_parameter_is_stepped_in_place() {
         };
         assert_eq!(want.regions[0].bytes, have.bytes(), "{name}: parameter");
         let input = DeviceInput::Device(lent(&d, f32_param, &mut buf32, &mut buf16));
-        let got = dev
-            .export_slot_lent(b, SlotKind::Param, Some(input))
-            .unwrap();
+        let got = dev.export_slot(b, SlotKind::Param, Some(input)).unwrap();
         assert_eq!(want, got, "{name}: parameter slot");
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
             let (x, y) = (
-                cpu.export_slot(a, slot).unwrap(),
-                dev.export_slot(b, slot).unwrap(),
+                cpu.export_slot(a, slot, None).unwrap(),
+                dev.export_slot(b, slot, None).unwrap(),
             );
             assert_eq!(x, y, "{name}: {}", slot.name());
             // Decoded into a caller's bf16 buffer, as the CPU rounds it.
@@ -218,7 +223,7 @@ fn a_lent_parameter_is_stepped_in_place() {
         // Without its buffer the step is a typed error, not a panic.
         dev.accumulate(b, &init).unwrap();
         assert!(matches!(
-            dev.step(),
+            dev.step(lpmm_optim::Accumulated),
             Err(lpmm_optim::OptimError::Lent { .. })
         ));
     }
@@ -257,7 +262,12 @@ fn a_lent_buffer_the_kernels_cannot_address_in_words_is_a_typed_error() {
         .unwrap();
     opt.accumulate(id, &[1e-3; 4096]).unwrap();
     let err = opt
-        .step_lent(&mut [(id, DeviceOutput::Device(view))])
+        .step(
+            lpmm_optim::Step::accumulated().lent(lpmm_optim::Lent::Buffers(&mut [(
+                id,
+                DeviceOutput::Device(view),
+            )])),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("multiple of 4 bytes"), "{err}");
     // Without a GPU, a host view is all the emulated device takes, and a GPU takes none.

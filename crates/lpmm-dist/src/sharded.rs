@@ -6,8 +6,10 @@ use std::path::Path;
 
 use lpmm_optim::backend::SLOTS;
 use lpmm_optim::{
-    Backend, Canonical, CanonicalParam, Cpu, ExactSum, LrRule, MemoryReport, NonFinitePolicy,
-    Optimizer, OptimizerOptions, ParamConfig, ParamId, RuleState, SlotKind,
+    Cpu, LrRule, MemoryReport, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId,
+    RuleState, SlotKind,
+    backend::{Backend, ExactSum},
+    checkpoint::{Canonical, CanonicalParam},
 };
 
 use crate::layout::{ParamSpec, ShardLayout};
@@ -320,14 +322,16 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 words.push(summary.non_finite.len() as i64);
                 self.comm.all_reduce_sum_i64(&mut words)?;
                 let any = words.pop().unwrap_or(0) != 0;
-                let w: [i64; lpmm_optim::EXACT_WORDS] = words
+                let w: [i64; lpmm_optim::backend::EXACT_WORDS] = words
                     .try_into()
                     .map_err(|_| DistError::Collective("exact-sum words".into()))?;
                 let sum = ExactSum::from_words(&w);
-                self.opt
-                    .step_with_summary(Some((sum, any)), summary.non_finite)?
+                self.opt.step(lpmm_optim::Step::summarized(
+                    Some((sum, any)),
+                    summary.non_finite,
+                ))?
             } else {
-                self.opt.step()?
+                self.opt.step(lpmm_optim::Accumulated)?
             };
         report.skipped = local.skipped;
         report.grad_norm = local.grad_norm;
@@ -671,7 +675,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 s.opt.restore_rule_state(id, cp.rule_state)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                     let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;
-                    s.opt.import_slot(id, slot, host)?;
+                    s.opt.import_slot(id, slot, &host, None)?;
                 }
             }
         }

@@ -10,7 +10,7 @@
 mod model;
 
 use lpmm_dist::{Collective, Nccl, NcclId, Reduction, ShardOptions, ShardedOptimizer, Zero};
-use lpmm_optim::{Canonical, NonFinitePolicy, OptimizerOptions};
+use lpmm_optim::{NonFinitePolicy, OptimizerOptions, checkpoint::Canonical};
 use model::{configs, grads, init, model, numels, reference, same_canonical};
 
 /// Rank 0 of a new world of one on GPU 0, or `None` with a message when NCCL, the driver or a
@@ -81,7 +81,7 @@ fn a_sharded_optimizer_on_nccl_steps_like_the_unsharded_one() {
                 for (&id, v) in ids.iter().zip(&g) {
                     want.accumulate(id, v).unwrap();
                 }
-                let expected = want.step().unwrap();
+                let expected = want.step(lpmm_optim::Accumulated).unwrap();
                 let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
                 let report = opt.step(&refs).unwrap();
                 let what = format!("{name}, {zero:?}, step {}", step + 1);

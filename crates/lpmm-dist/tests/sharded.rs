@@ -9,7 +9,9 @@ mod model;
 use lpmm_dist::{
     Collective, Reduction, ShardOptions, ShardedOptimizer, Threads, UNIT, Zero, rank_order_sum,
 };
-use lpmm_optim::{Canonical, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, presets};
+use lpmm_optim::{
+    NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets,
+};
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 /// Runs `f` on `world` ranks (threads) and returns their results in rank order.
@@ -46,7 +48,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
             let parts: Vec<&[f32]> = per_rank.iter().map(|g| g[p].as_slice()).collect();
             refopt.accumulate(id, &rank_order_sum(&parts)).unwrap();
         }
-        let report = refopt.step().unwrap();
+        let report = refopt.step(lpmm_optim::Accumulated).unwrap();
         let values: Vec<Vec<u32>> = ids
             .iter()
             .zip(numels())
@@ -151,7 +153,7 @@ fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
             let parts: Vec<&[f32]> = per_rank.iter().map(|g| g[p].as_slice()).collect();
             refopt.accumulate(id, &rank_order_sum(&parts)).unwrap();
         }
-        let want = refopt.step().unwrap();
+        let want = refopt.step(lpmm_optim::Accumulated).unwrap();
         let got = ranks(world, |comm| {
             let shard = ShardOptions::default();
             let mut opt =
@@ -241,7 +243,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         for (&id, g) in ids.iter().zip(total(step)) {
             refopt.accumulate(id, &g).unwrap();
         }
-        refopt.step().unwrap();
+        refopt.step(lpmm_optim::Accumulated).unwrap();
     }
     for (w, w2) in [(2usize, 3usize), (4, 1), (1, 4), (3, 2)] {
         let path = dir.join(format!("{w}-to-{w2}.safetensors"));
@@ -356,7 +358,7 @@ fn threads_collectives_match_their_definitions() {
 
 /// Shards on a device backend (`make` gives each rank's backend) against the unsharded CPU run:
 /// random words keyed by logical element through the backend's descriptors.
-fn check_backend<B: lpmm_optim::Backend>(make: impl Fn() -> B + Sync, label: &str) {
+fn check_backend<B: lpmm_optim::backend::Backend>(make: impl Fn() -> B + Sync, label: &str) {
     let options = OptimizerOptions::default()
         .with_seed(11)
         .with_max_grad_norm(Some(50.0))
@@ -369,7 +371,7 @@ fn check_backend<B: lpmm_optim::Backend>(make: impl Fn() -> B + Sync, label: &st
             for (&id, g) in ids.iter().zip(&total) {
                 refopt.accumulate(id, g).unwrap();
             }
-            refopt.step().unwrap();
+            refopt.step(lpmm_optim::Accumulated).unwrap();
         }
         let got = ranks(world, |comm| {
             let mut opt = ShardedOptimizer::with_backend(

@@ -44,7 +44,7 @@ fn bytes(config: ParamConfig) -> (usize, [usize; 5], usize) {
 
 fn main() {
     let lr = 1e-3;
-    let rows: [(&str, ParamConfig, &str); 28] = [
+    let rows: [(&str, ParamConfig, &str); 30] = [
         ("f32 SGDM", presets::sgdm_f32(lr, 0.9).build(), "f32 SGDM"),
         (
             "LPMM-SGDM (8-bit param, grad, momentum; SR)",
@@ -172,6 +172,12 @@ fn main() {
             "8-bit Adagrad, f32 param+grad (bitsandbytes Adagrad8bit layout)",
             presets::adagrad_8bit(lr).build(),
             "f32 Adagrad",
+        ),
+        ("f32 LAMB", presets::lamb_f32(lr).build(), "f32 LAMB"),
+        (
+            "8-bit LAMB, f32 param+grad (bitsandbytes LAMB8bit layout)",
+            presets::lamb_8bit(lr).build(),
+            "f32 LAMB",
         ),
     ];
     let reference = |name: &str| {

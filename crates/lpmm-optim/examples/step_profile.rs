@@ -22,7 +22,7 @@ struct Args {
     #[arg(long)]
     generic: bool,
     /// Time `step()` from the preset's gradient accumulator (the gradient accumulated before
-    /// each step, untimed) instead of `step_param` with the f32 gradient.
+    /// each step, untimed) instead of `Step::param` with the f32 gradient.
     #[arg(long)]
     acc: bool,
 }
@@ -66,17 +66,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-5).collect();
     let id = opt.add_param("w", &shape, &init, g)?;
     // One step first: the slots' pages are touched (faulted in) by it, not timed.
-    opt.step_param(id, &grad)?;
+    opt.step(lpmm_optim::Step::param(id, &grad))?;
     let mut timed = std::time::Duration::ZERO;
     for _ in 0..steps {
         if args.acc {
             opt.accumulate(id, &grad)?;
             let t = Instant::now();
-            opt.step()?;
+            opt.step(lpmm_optim::Accumulated)?;
             timed += t.elapsed();
         } else {
             let t = Instant::now();
-            opt.step_param(id, &grad)?;
+            opt.step(lpmm_optim::Step::param(id, &grad))?;
             timed += t.elapsed();
         }
     }

@@ -44,7 +44,7 @@ pub struct MissingGradients {
     /// How many parameters that expect a gradient received none in this step.
     pub count: usize,
     /// How many parameters were checked: the registered parameters that expect a gradient (0 for
-    /// a step that is not a coverage check: a released step, `step_param`, covers one parameter
+    /// a step that is not a coverage check: a released step, `Step::param`, covers one parameter
     /// by design).
     pub checked: usize,
     /// The names of the first [`MISSING_NAMES`] of them, in registration order.

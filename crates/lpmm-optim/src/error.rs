@@ -81,10 +81,10 @@ pub enum OptimError {
         /// The value it would take.
         value: u64,
     },
-    /// The parameter has no gradient accumulator (`Storage::None`): use `step_param` or
-    /// `accumulate_states`.
+    /// The parameter has no gradient accumulator (`Storage::None`): use `Step::param` or
+    /// `Step::states_only`.
     #[error(
-        "parameter {0} has no gradient accumulator (gradient storage None): use step_param or accumulate_states"
+        "parameter {0} has no gradient accumulator (gradient storage None): use Step::param or Step::states_only"
     )]
     NoAccumulator(String),
     /// No parameter group has this index.

@@ -15,10 +15,11 @@ use lpmm_quant::{BlockSize, Blockwise, QuantError, QuantRounding, RandomStream};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 
+use crate::checkpoint::Canonical;
 use crate::testing::Rng;
 use crate::{
-    Adam, Canonical, Cpu, Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage,
-    StoreRounding, presets,
+    Adam, Cpu, Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage, StoreRounding,
+    presets,
 };
 
 /// What the checkpoint oracle saw.
@@ -236,13 +237,13 @@ fn seed(config: ParamConfig) -> Vec<u8> {
         for &(id, n) in &ids {
             let grad = rng.spread(n, 1.0);
             if released {
-                opt.step_param(id, &grad).expect("step_param");
+                opt.step(crate::Step::param(id, &grad)).expect("step_param");
             } else {
                 opt.accumulate(id, &grad).expect("accumulate");
             }
         }
         if step < 2 && !released {
-            opt.step().expect("step");
+            opt.step(crate::Accumulated).expect("step");
         }
         opt.set_lr(1e-3 / (2.0 + f64::from(step))).expect("lr");
     }

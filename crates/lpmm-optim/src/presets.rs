@@ -16,9 +16,9 @@
 
 use crate::config::ParamConfig;
 use crate::format::{Storage, StoreRounding};
-use crate::rule::{
-    AdEMAMix, Adafactor, Adagrad, Adam, Came, Hyper, Lion, RmsProp, Rule, ScheduleFreeAdamW, Sgd,
-};
+// Every rule's configuration type (the registry's list), for `forward!` and the presets.
+use crate::rule::configs::*;
+use crate::rule::{Hyper, Rule};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any
 /// [`Hyper`]) and the storage of each slot. Converts into [`ParamConfig`] (`.into()` or
@@ -241,8 +241,8 @@ pub fn bf16_nearest<R>(rule: R) -> Preset<R> {
 }
 
 /// The smallest AdamW: bf16 parameters with stochastic rounding, 4-bit states, and no gradient
-/// memory at all: gradients are released in the backward pass (`step_param`) or folded into the
-/// states (`accumulate_states`).
+/// memory at all: gradients are released in the backward pass (`Step::param`) or folded into the
+/// states (`Step::states_only`).
 pub fn adamw_4bit_bf16_sr_released(lr: f64) -> Preset<Adam> {
     adamw_4bit(lr)
         .with_param(Storage::Bf16(StoreRounding::Stochastic))
@@ -355,6 +355,21 @@ pub fn adagrad_8bit(lr: f64) -> Preset<Adagrad> {
     adagrad_f32(lr).with_state2(Storage::DYNAMIC8_UNSIGNED)
 }
 
+/// f32 LAMB with `torch_optimizer.Lamb`'s defaults: the reference for the LAMB presets (12 bytes
+/// per parameter).
+pub fn lamb_f32(lr: f64) -> Preset<Lamb> {
+    Preset::f32(Lamb::new(lr))
+}
+
+/// 8-bit LAMB on an f32 model, in the layout of bitsandbytes' `LAMB8bit` states (first moment
+/// 8-bit dynamic signed, second unsigned, blocks of 256; bitsandbytes' LAMB is AdamW whose update
+/// is scaled down, never up, to at most the parameter's norm: docs/OPTIMIZERS.md, "LAMB").
+pub fn lamb_8bit(lr: f64) -> Preset<Lamb> {
+    lamb_f32(lr)
+        .with_state1(Storage::DYNAMIC8_SIGNED)
+        .with_state2(Storage::DYNAMIC8_UNSIGNED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,6 +429,8 @@ mod tests {
             rmsprop_8bit(1e-2).momentum(0.9).centered(true).build(),
             adagrad_f32(1e-2).build(),
             adagrad_8bit(1e-2).lr_decay(1e-3).build(),
+            lamb_f32(1e-3).build(),
+            lamb_8bit(1e-3).weight_decay(0.01).debias(true).build(),
         ] {
             c.validate().unwrap();
         }

@@ -6,9 +6,10 @@
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
+use crate::backend::Backend;
 use crate::{
-    Backend, Hyper, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId,
-    Sgd, SlotKind, Storage, StoreRounding, presets,
+    Hyper, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd,
+    SlotKind, Storage, StoreRounding, presets,
 };
 
 /// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
@@ -58,8 +59,8 @@ pub fn assert_same<A: Backend, B: Backend>(
     for &id in ids {
         for slot in SlotKind::ALL {
             let (x, y) = (
-                a.export_slot(id, slot).unwrap(),
-                b.export_slot(id, slot).unwrap(),
+                a.export_slot(id, slot, None).unwrap(),
+                b.export_slot(id, slot, None).unwrap(),
             );
             let name = a.name(id).unwrap();
             assert_eq!(
@@ -179,13 +180,13 @@ pub fn compare<B: Backend>(
                 // Odd steps: optimizer accumulation (states only) before the released step.
                 if step % 2 == 1 {
                     let g = rng.spread(n, 1.0);
-                    let r1 = cpu.accumulate_states(id, &g).unwrap();
-                    let r2 = dev.accumulate_states(id, &g).unwrap();
-                    assert_eq!(r1, r2, "{name}: accumulate_states reports");
+                    let r1 = cpu.step(crate::Step::states_only(id, &g)).unwrap();
+                    let r2 = dev.step(crate::Step::states_only(id, &g)).unwrap();
+                    assert_eq!(r1, r2, "{name}: Step::states_only reports");
                 }
                 let g = rng.spread(n, 1.0);
-                let r1 = cpu.step_param(id, &g).unwrap();
-                let r2 = dev.step_param(id, &g).unwrap();
+                let r1 = cpu.step(crate::Step::param(id, &g)).unwrap();
+                let r2 = dev.step(crate::Step::param(id, &g)).unwrap();
                 assert_eq!(r1, r2, "{name}: step reports");
             }
         } else {
@@ -196,8 +197,8 @@ pub fn compare<B: Backend>(
                     dev.accumulate(id, &g).unwrap();
                 }
             }
-            let r1 = cpu.step().unwrap();
-            let r2 = dev.step().unwrap();
+            let r1 = cpu.step(crate::Accumulated).unwrap();
+            let r2 = dev.step(crate::Accumulated).unwrap();
             assert_eq!(r1, r2, "{name}: step reports");
         }
         assert_same(&cpu, &dev, &only, &format!("{name}, step {}", step + 1));
@@ -258,6 +259,14 @@ pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
             "adagrad 8-bit",
             presets::adagrad_8bit(1e-2)
                 .initial_accumulator_value(0.1)
+                .build(),
+        ),
+        ("lamb f32", presets::lamb_f32(1e-3).build()),
+        (
+            "lamb 8-bit wd debias",
+            presets::lamb_8bit(1e-3)
+                .weight_decay(0.01)
+                .debias(true)
                 .build(),
         ),
     ]
@@ -347,8 +356,8 @@ pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
             }
             cpu.accumulate(a, &g).unwrap();
             dev.accumulate(a, &g).unwrap();
-            let r1 = cpu.step().unwrap();
-            let r2 = dev.step().unwrap();
+            let r1 = cpu.step(crate::Accumulated).unwrap();
+            let r2 = dev.step(crate::Accumulated).unwrap();
             assert_eq!(r1, r2, "{policy:?} step {step}");
             assert_same(&cpu, &dev, &[a], &format!("{policy:?} step {step}"));
         }
@@ -381,12 +390,15 @@ pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
                 cpu.accumulate(id, &g).unwrap();
                 dev.accumulate(id, &g).unwrap();
             }
-            assert_eq!(cpu.step().unwrap(), dev.step().unwrap());
-            cpu.eval().unwrap();
-            dev.eval().unwrap();
+            assert_eq!(
+                cpu.step(crate::Accumulated).unwrap(),
+                dev.step(crate::Accumulated).unwrap()
+            );
+            cpu.eval(crate::Lent::None).unwrap();
+            dev.eval(crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} eval {round}"));
-            cpu.train().unwrap();
-            dev.train().unwrap();
+            cpu.train(crate::Lent::None).unwrap();
+            dev.train(crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} train {round}"));
         }
     }
@@ -405,8 +417,8 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let a = cpu.add_param("w", &[n], &init, 0).unwrap();
     dev.add_param("w", &[n], &init, 0).unwrap();
     let g = rng.spread(n, 1.0);
-    cpu.step_param(a, &g).unwrap();
-    dev.step_param(a, &g).unwrap();
+    cpu.step(crate::Step::param(a, &g)).unwrap();
+    dev.step(crate::Step::param(a, &g)).unwrap();
     let (mut x, mut y) = (vec![0f32; n], vec![0f32; n]);
     cpu.read_param(a, &mut x).unwrap();
     dev.read_param(a, &mut y).unwrap();
@@ -448,7 +460,7 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         for (&id, g) in ids.iter().zip(&g) {
             cpu.accumulate(id, g).unwrap();
         }
-        cpu.step().unwrap();
+        cpu.step(crate::Accumulated).unwrap();
         // A pending micro-batch travels too.
         let g = grads(&mut rng);
         cpu.accumulate(ids[0], &g[0]).unwrap();
@@ -467,7 +479,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
                 cpu.accumulate(id, g).unwrap();
                 dev.accumulate(id, g).unwrap();
             }
-            assert_eq!(cpu.step().unwrap(), dev.step().unwrap());
+            assert_eq!(
+                cpu.step(crate::Accumulated).unwrap(),
+                dev.step(crate::Accumulated).unwrap()
+            );
             assert_same(&cpu, &dev, &ids, &format!("{name}: resumed step {round}"));
         }
         // And back: saved on wgpu, loaded on the CPU.
@@ -485,8 +500,8 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
             back.accumulate(id, g).unwrap();
             dev.accumulate(id, g).unwrap();
         }
-        back.step().unwrap();
-        dev.step().unwrap();
+        back.step(crate::Accumulated).unwrap();
+        dev.step(crate::Accumulated).unwrap();
         assert_same(&back, &dev, &ids, &format!("{name}: after the round trip"));
     }
 }
@@ -551,8 +566,8 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
     for _ in 0..3 {
         // Squares of these are subnormal or underflow.
         let g = rng.spread(n, 1e-19);
-        cpu.step_param(a, &g).unwrap();
-        dev.step_param(a, &g).unwrap();
+        cpu.step(crate::Step::param(a, &g)).unwrap();
+        dev.step(crate::Step::param(a, &g)).unwrap();
     }
     let mut v = vec![0f32; n];
     cpu.read_state(a, 2, &mut v).unwrap();
@@ -569,7 +584,7 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
 }
 
 /// One overflow scenario: a configuration, initial values, and per step the micro-batches to
-/// accumulate (empty: released gradients through `step_param`).
+/// accumulate (empty: released gradients through `Step::param`).
 struct Overflow {
     name: &'static str,
     config: ParamConfig,
@@ -728,8 +743,8 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
                         &[(1, 3.3e38), (2, -3.39e38), (3, 1e38)],
                     );
                     (
-                        cpu.step_param(a, &g).unwrap(),
-                        dev.step_param(a, &g).unwrap(),
+                        cpu.step(crate::Step::param(a, &g)).unwrap(),
+                        dev.step(crate::Step::param(a, &g)).unwrap(),
                     )
                 } else {
                     for g in micro {
@@ -737,7 +752,10 @@ pub fn overflow_is_bit_exact<B: Backend>(gpu: &B) {
                         assert_eq!(x.is_ok(), y.is_ok(), "{what}: accumulate {x:?} vs {y:?}");
                         refused |= x.is_err();
                     }
-                    (cpu.step().unwrap(), dev.step().unwrap())
+                    (
+                        cpu.step(crate::Accumulated).unwrap(),
+                        dev.step(crate::Accumulated).unwrap(),
+                    )
                 };
                 assert_eq!(r1, r2, "{what}: step {k} reports");
                 flagged |= !r1.non_finite.is_empty();
@@ -778,11 +796,11 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
         for _ in 0..3 {
             let g = rng.spread(120, 0.1);
             assert_eq!(
-                cpu.step_param(a, &g).unwrap(),
-                dev.step_param(b, &g).unwrap()
+                cpu.step(crate::Step::param(a, &g)).unwrap(),
+                dev.step(crate::Step::param(b, &g)).unwrap()
             );
         }
-        let mut near = cpu.export_slot(a, slot).unwrap();
+        let mut near = cpu.export_slot(a, slot, None).unwrap();
         for r in &mut near.regions {
             let value: f32 = if r.spec.suffix == ".row" {
                 1.0
@@ -793,18 +811,18 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
                 c.copy_from_slice(&value.to_le_bytes());
             }
         }
-        cpu.import_slot(a, slot, near.clone()).unwrap();
-        dev.import_slot(b, slot, near.clone()).unwrap();
+        cpu.import_slot(a, slot, &near, None).unwrap();
+        dev.import_slot(b, slot, &near, None).unwrap();
         let mut g = rng.spread(120, 1e-3);
         g[..10].fill(100.0);
         let (r1, r2) = (
-            cpu.step_param(a, &g).unwrap(),
-            dev.step_param(b, &g).unwrap(),
+            cpu.step(crate::Step::param(a, &g)).unwrap(),
+            dev.step(crate::Step::param(b, &g)).unwrap(),
         );
         assert_eq!(r1, r2, "{name}: reports");
         assert_eq!(r1.non_finite, [a], "{name}: the step reports the parameter");
         assert_eq!(
-            cpu.export_slot(a, slot).unwrap(),
+            cpu.export_slot(a, slot, None).unwrap(),
             near,
             "{name}: statistics kept"
         );

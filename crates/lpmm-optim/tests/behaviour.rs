@@ -22,7 +22,7 @@ fn underflow_run(param: Storage) -> Vec<f32> {
     let id = opt.add_param("p", &[N], &[1.0; N], group).unwrap();
     for _ in 0..1000 {
         opt.accumulate(id, &[-1.0; N]).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut out = vec![0f32; N];
     opt.read_param(id, &mut out).unwrap();
@@ -101,7 +101,7 @@ fn accumulated_micro_batches_equal_their_sum() {
         for g in micro {
             opt.accumulate(id, g).unwrap();
         }
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
         let mut out = vec![0f32; 8];
         opt.read_param(id, &mut out).unwrap();
         out
@@ -119,9 +119,9 @@ fn a_step_consumes_the_accumulator() {
     let group = opt.add_group(ParamConfig::f32(sgd(1.0))).unwrap();
     let id = opt.add_param("p", &[4], &[0.0; 4], group).unwrap();
     opt.accumulate(id, &[1.0; 4]).unwrap();
-    assert_eq!(opt.step().unwrap().updated, 1);
+    assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 1);
     // Nothing accumulated since: the next step updates nothing.
-    assert_eq!(opt.step().unwrap().updated, 0);
+    assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 0);
     let mut out = [0f32; 4];
     opt.read_param(id, &mut out).unwrap();
     assert_eq!(out, [-1.0; 4]);
@@ -135,7 +135,7 @@ fn non_finite_gradients_skip_the_step_by_default_and_never_poison_states() {
     let b = opt.add_param("b", &[4], &[1.0; 4], group).unwrap();
     opt.accumulate(a, &[0.1, f32::NAN, 0.1, 0.1]).unwrap();
     opt.accumulate(b, &[0.1; 4]).unwrap();
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert!(report.skipped);
     assert_eq!(report.non_finite, vec![a]);
     assert_eq!(report.updated, 0);
@@ -144,7 +144,7 @@ fn non_finite_gradients_skip_the_step_by_default_and_never_poison_states() {
     assert_eq!(out, [1.0; 4], "a skipped step changes no parameter");
     // The gradients were consumed: a clean step afterwards works from clean states.
     opt.accumulate(a, &[0.1; 4]).unwrap();
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert!(!report.skipped);
     let mut m = [0f32; 4];
     opt.read_state(a, 1, &mut m).unwrap();
@@ -161,7 +161,7 @@ fn skip_elements_policy_leaves_only_the_bad_elements_unchanged() {
         .unwrap();
     let id = opt.add_param("p", &[3], &[1.0; 3], group).unwrap();
     opt.accumulate(id, &[1.0, f32::INFINITY, 1.0]).unwrap();
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert!(!report.skipped);
     assert_eq!(report.non_finite, vec![id]);
     let (mut p, mut m) = ([0f32; 3], [0f32; 3]);
@@ -180,7 +180,7 @@ fn global_norm_clipping_scales_every_gradient() {
     let b = opt.add_param("b", &[1], &[0.0], group).unwrap();
     opt.accumulate(a, &[3.0]).unwrap();
     opt.accumulate(b, &[4.0]).unwrap();
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert_eq!(report.grad_norm, Some(5.0));
     let (mut pa, mut pb) = ([0f32], [0f32]);
     opt.read_param(a, &mut pa).unwrap();
@@ -215,8 +215,8 @@ fn gradient_release_equals_accumulate_then_step() {
     let p2 = two.add_param("w", &[50, 100], &init, g2).unwrap();
     for g in &grads {
         one.accumulate(p1, g).unwrap();
-        one.step().unwrap();
-        two.step_param(p2, g).unwrap();
+        one.step(lpmm_optim::Accumulated).unwrap();
+        two.step(lpmm_optim::Step::param(p2, g)).unwrap();
     }
     let (mut a, mut b) = (vec![0f32; 5000], vec![0f32; 5000]);
     one.read_param(p1, &mut a).unwrap();
@@ -238,10 +238,10 @@ fn a_released_negative_zero_gradient_steps_like_an_accumulated_one() {
         let group = opt.add_group(ParamConfig::f32(sgd(1.0))).unwrap();
         let id = opt.add_param("z", &[6], &init, group).unwrap();
         if release {
-            opt.step_param(id, &grad).unwrap();
+            opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
         } else {
             opt.accumulate(id, &grad).unwrap();
-            opt.step().unwrap();
+            opt.step(lpmm_optim::Accumulated).unwrap();
         }
         let mut out = [0f32; 6];
         opt.read_param(id, &mut out).unwrap();
@@ -363,7 +363,7 @@ fn the_learning_rate_can_change_every_step() {
     for lr in [1.0, 0.5, 0.25] {
         opt.set_lr(lr).unwrap();
         opt.accumulate(id, &[1.0]).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut out = [0f32];
     opt.read_param(id, &mut out).unwrap();
@@ -393,7 +393,7 @@ fn optimizer_accumulation_folds_micro_batches_into_the_states() {
     let group = opt.add_group(config).unwrap();
     let id = opt.add_param("p", &[3], &[1.0, 2.0, 3.0], group).unwrap();
     let (g1, g2) = ([0.5f32, -0.25, 2.0], [1.0f32, 1.0, -1.0]);
-    opt.accumulate_states(id, &g1).unwrap();
+    opt.step(lpmm_optim::Step::states_only(id, &g1)).unwrap();
     let mut p = [0f32; 3];
     opt.read_param(id, &mut p).unwrap();
     assert_eq!(
@@ -401,7 +401,7 @@ fn optimizer_accumulation_folds_micro_batches_into_the_states() {
         [1.0, 2.0, 3.0],
         "accumulation does not move the parameter"
     );
-    opt.step_param(id, &g2).unwrap();
+    opt.step(lpmm_optim::Step::param(id, &g2)).unwrap();
     opt.read_param(id, &mut p).unwrap();
     for i in 0..3 {
         let m = g2[i].mul_add(1.0, g1[i] * 0.9);
@@ -422,7 +422,8 @@ fn optimizer_accumulation_skips_weight_decay_and_counts_steps() {
         .add_group(ParamConfig::f32(Hyper::adamw(1e-2)).with_grad(Storage::None))
         .unwrap();
     let id = opt.add_param("p", &[2], &[1.0, -1.0], group).unwrap();
-    opt.accumulate_states(id, &[0.5, 0.5]).unwrap();
+    opt.step(lpmm_optim::Step::states_only(id, &[0.5, 0.5]))
+        .unwrap();
     let (mut p, mut m, mut v) = ([0f32; 2], [0f32; 2], [0f32; 2]);
     opt.read_param(id, &mut p).unwrap();
     opt.read_state(id, 1, &mut m).unwrap();
@@ -462,7 +463,7 @@ fn larger_micro_batches_accumulate_with_less_error_and_no_bias() {
             let sum: Vec<f32> = (0..n).map(|i| batch.iter().map(|s| s[i]).sum()).collect();
             opt.accumulate(id, &sum).unwrap();
         }
-        opt.step().unwrap(); // p = 0 - 1 * accumulated gradient, exactly
+        opt.step(lpmm_optim::Accumulated).unwrap(); // p = 0 - 1 * accumulated gradient, exactly
         let mut p = vec![0f32; n];
         opt.read_param(id, &mut p).unwrap();
         let err: Vec<f64> = p
@@ -507,7 +508,7 @@ fn a_huge_finite_gradient_never_poisons_the_states() {
         let mut grad = vec![1e-3f32; n];
         grad[300] = 1e21; // finite, but its square overflows f32
         opt.accumulate(id, &grad).unwrap();
-        let report = opt.step().unwrap();
+        let report = opt.step(lpmm_optim::Accumulated).unwrap();
         assert_eq!(report.non_finite, vec![id], "{state1:?}");
         let (mut p, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
         opt.read_param(id, &mut p).unwrap();
@@ -521,7 +522,12 @@ fn a_huge_finite_gradient_never_poisons_the_states() {
         assert!(p[0] < 0.5 && p[511] < 0.5, "the other elements are updated");
         // The next, ordinary step works from finite states everywhere.
         opt.accumulate(id, &vec![1e-3f32; n]).unwrap();
-        assert!(opt.step().unwrap().non_finite.is_empty());
+        assert!(
+            opt.step(lpmm_optim::Accumulated)
+                .unwrap()
+                .non_finite
+                .is_empty()
+        );
     }
 }
 
@@ -533,14 +539,18 @@ fn gradient_release_skips_when_the_accumulator_holds_a_non_finite_value() {
         .unwrap();
     let id = opt.add_param("p", &[3], &[0.0; 3], g).unwrap();
     opt.accumulate(id, &[0.0, f32::NAN, 0.0]).unwrap();
-    let report = opt.step_param(id, &[1.0; 3]).unwrap();
+    let report = opt.step(lpmm_optim::Step::param(id, &[1.0; 3])).unwrap();
     assert!(report.skipped);
     assert_eq!(report.non_finite, vec![id]);
     let mut p = [0f32; 3];
     opt.read_param(id, &mut p).unwrap();
     assert_eq!(p, [0.0; 3]);
     // The bad gradient was consumed: the next release step is clean.
-    assert!(!opt.step_param(id, &[1.0; 3]).unwrap().skipped);
+    assert!(
+        !opt.step(lpmm_optim::Step::param(id, &[1.0; 3]))
+            .unwrap()
+            .skipped
+    );
     opt.read_param(id, &mut p).unwrap();
     assert_eq!(p, [-1.0; 3]);
 }
@@ -558,7 +568,7 @@ fn clipping_still_applies_to_finite_gradients_under_skip_elements() {
         .unwrap();
     let id = opt.add_param("p", &[3], &[0.0; 3], g).unwrap();
     opt.accumulate(id, &[f32::INFINITY, 100.0, 100.0]).unwrap();
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     let norm = (2.0f64 * 100.0 * 100.0).sqrt();
     assert_eq!(
         report.grad_norm,
@@ -604,7 +614,7 @@ fn a_per_parameter_learning_rate_survives_schedule_changes() {
     for id in [follows, doubled, frozen] {
         opt.accumulate(id, &[1.0]).unwrap();
     }
-    opt.step().unwrap();
+    opt.step(lpmm_optim::Accumulated).unwrap();
     let read = |id| {
         let mut p = [0f32];
         opt.read_param(id, &mut p).unwrap();
@@ -670,7 +680,7 @@ fn adam_with_beta1_zero_keeps_exactly_the_gradient() {
     let grads = [[0.3f32, -1.7, 2.9e-5], [0.11, 0.7, -3.0]];
     for grad in &grads {
         opt.accumulate(id, grad).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut m = [0f32; 3];
     opt.read_state(id, 1, &mut m).unwrap();
@@ -700,8 +710,8 @@ fn the_8bit_first_moment_is_bitsandbytes_cpu_quantization_without_the_sign_fix()
     // SGD's first step stores the gradient as the momentum.
     let mut grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
     grad[5] = -1e-9;
-    opt.step_param(id, &grad).unwrap();
-    let stored = opt.export_slot(id, SlotKind::State1).unwrap();
+    opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
+    let stored = opt.export_slot(id, SlotKind::State1, None).unwrap();
     let q = |fix: bool| {
         let b =
             Blockwise::new(MapKind::DynamicSigned8.shared(), BlockSize::B256).with_sign_fix(fix);

@@ -78,7 +78,7 @@ fn train(opt: &mut Optimizer, ids: &[(ParamId, usize)], steps: std::ops::Range<u
             opt.accumulate(id, &g).unwrap();
         }
         opt.set_lr(1e-3 / (1.0 + t as f64)).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
 }
 
@@ -444,7 +444,7 @@ fn a_state_after_overflow_saves_and_loads() {
         opt.accumulate(s, &[3e38, 0.25, 0.0, 0.0]),
         Err(OptimError::AccumulatorOverflow { .. })
     ));
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert_eq!(report.non_finite, vec![a], "the overflow is reported");
     opt.accumulate(a, &[f32::INFINITY, 0.0, 0.0, 0.0]).unwrap();
     opt.save(&path).unwrap();
@@ -497,7 +497,7 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for &(id, _) in ids {
         for slot in lpmm_optim::SlotKind::ALL {
-            for r in opt.export_slot(id, slot).unwrap().regions {
+            for r in opt.export_slot(id, slot, None).unwrap().regions {
                 out.push(r.bytes);
             }
         }
@@ -571,7 +571,7 @@ fn the_newer_rules_resume_exactly() {
         train(&mut first, &ids, 1..4);
         let eval = name == "schedule-free";
         if eval {
-            first.eval().unwrap();
+            first.eval(lpmm_optim::Lent::None).unwrap();
         }
         let path = dir.join(format!("{name}.safetensors"));
         first.save(&path).unwrap();
@@ -590,15 +590,18 @@ fn the_newer_rules_resume_exactly() {
             );
         }
         if eval {
-            assert!(matches!(resumed.step(), Err(OptimError::EvalMode)));
-            resumed.train().unwrap();
+            assert!(matches!(
+                resumed.step(lpmm_optim::Accumulated),
+                Err(OptimError::EvalMode)
+            ));
+            resumed.train(lpmm_optim::Lent::None).unwrap();
         }
         train(&mut resumed, &ids, 4..8);
         let (mut reference, ids2) = make();
         train(&mut reference, &ids2, 1..4);
         if eval {
-            reference.eval().unwrap();
-            reference.train().unwrap();
+            reference.eval(lpmm_optim::Lent::None).unwrap();
+            reference.train(lpmm_optim::Lent::None).unwrap();
         }
         train(&mut reference, &ids2, 4..8);
         assert_eq!(
@@ -612,7 +615,7 @@ fn the_newer_rules_resume_exactly() {
     }
 }
 
-/// The checkpoint codec (`lpmm_optim::codec`) in a container of the test's own (an in-memory map
+/// The checkpoint codec (`lpmm_optim::checkpoint::codec`) in a container of the test's own (an in-memory map
 /// of tensors): a parameter whose value is held outside the checkpoint has its parameter slot's
 /// primary region left out and decodes without it, everything else as it was; what it decodes
 /// encodes again to the same metadata and tensors; a flipped byte is refused by the checksum. A
@@ -620,8 +623,8 @@ fn the_newer_rules_resume_exactly() {
 #[test]
 fn the_codec_holds_values_outside_in_any_container() {
     use lpmm_optim::backend::Dtype;
-    use lpmm_optim::codec::{Scheme, Source, Stored};
-    use lpmm_optim::{Canonical, SlotKind};
+    use lpmm_optim::checkpoint::codec::{Scheme, Source, Stored};
+    use lpmm_optim::{SlotKind, checkpoint::Canonical};
     use std::collections::BTreeMap;
 
     struct Tensors(BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, usize);
@@ -646,7 +649,7 @@ fn the_codec_holds_values_outside_in_any_container() {
             d => format!("{d:?}").to_uppercase(),
         }
     }
-    fn store(e: &lpmm_optim::codec::Encoded<'_>) -> Tensors {
+    fn store(e: &lpmm_optim::checkpoint::codec::Encoded<'_>) -> Tensors {
         let map: BTreeMap<_, _> = e
             .tensors
             .iter()

@@ -79,7 +79,7 @@ fn everything(opt: &Optimizer, ids: &[ParamId]) -> Vec<String> {
     let mut out = vec![format!("steps {}", opt.steps())];
     for &id in ids {
         for slot in SlotKind::ALL {
-            out.push(format!("{:?}", opt.export_slot(id, slot).unwrap()));
+            out.push(format!("{:?}", opt.export_slot(id, slot, None).unwrap()));
         }
         out.push(format!("received {}", opt.received_gradient(id).unwrap()));
     }
@@ -91,19 +91,19 @@ fn everything(opt: &Optimizer, ids: &[ParamId]) -> Vec<String> {
 enum Entry {
     /// `accumulate` then `step`.
     Step,
-    /// `accumulate` then `begin_step` / `finish_step`.
-    Split,
-    /// `accumulate`, `gradient_summary` then `step_with_summary` (lpmm-dist's path).
+    /// `accumulate` then `step` with a lender (no parameter here is lent).
+    Lender,
+    /// `accumulate`, `gradient_summary` then `Step::summarized` (lpmm-dist's path).
     Summary,
-    /// `step_gradients` with the gradients given.
+    /// `Step::given` with the gradients given.
     Given,
-    /// `step_gradients`: the first accumulated, the others given.
+    /// `Step::given`: the first accumulated, the others given.
     Mixed,
 }
 
 const ENTRIES: [Entry; 5] = [
     Entry::Step,
-    Entry::Split,
+    Entry::Lender,
     Entry::Summary,
     Entry::Given,
     Entry::Mixed,
@@ -131,17 +131,20 @@ fn prepare(opt: &mut Optimizer, ids: &[ParamId], entry: Entry, with: &[usize], t
 /// The step itself, through `entry`.
 fn run(opt: &mut Optimizer, entry: Entry, grads: &mut Grads) -> Result<StepReport, OptimError> {
     match entry {
-        Entry::Step => opt.step(),
-        Entry::Split => {
-            let s = opt.begin_step()?;
-            opt.finish_step(s)
+        Entry::Step => opt.step(lpmm_optim::Accumulated),
+        Entry::Lender => {
+            let mut buffers: Vec<Vec<f32>> = Vec::new();
+            opt.step(lpmm_optim::Step::accumulated().lent(lpmm_optim::Lent::Lender(&mut buffers)))
         }
         Entry::Summary => {
             let s = opt.gradient_summary()?;
             let any = !s.non_finite.is_empty();
-            opt.step_with_summary(Some((s.sum, any)), s.non_finite)
+            opt.step(lpmm_optim::Step::summarized(
+                Some((s.sum, any)),
+                s.non_finite,
+            ))
         }
-        Entry::Given | Entry::Mixed => opt.step_gradients(grads, None),
+        Entry::Given | Entry::Mixed => opt.step(lpmm_optim::Step::given(grads)),
     }
 }
 
@@ -176,7 +179,9 @@ fn every_entry_point_reports_the_parameters_without_a_gradient() {
         assert!(r.missing_gradients.is_empty(), "{entry:?}: {r:?}");
         assert_eq!(r.missing_gradients.checked, 3);
         // A released step is not a check, and covers its parameter in the next step (once).
-        let released = opt.step_param(ids[2], &grad(2, 2)).unwrap();
+        let released = opt
+            .step(lpmm_optim::Step::param(ids[2], &grad(2, 2)))
+            .unwrap();
         assert_eq!(released.missing_gradients.checked, 0);
         let r = step(&mut opt, &ids, entry, &[0, 1], 2).unwrap();
         assert!(r.missing_gradients.is_empty(), "{entry:?}: {r:?}");

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lpmm_optim::testing::Rng;
-use lpmm_optim::{Canonical, Optimizer, OptimizerOptions, ParamId, presets};
+use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, checkpoint::Canonical, presets};
 
 const CHILD: &str = "LPMM_CRASH_CHILD";
 const FIRST: &str = "LPMM_CRASH_FIRST";
@@ -35,7 +35,7 @@ fn state(which: u64) -> Optimizer {
         for &(id, n) in &ids {
             opt.accumulate(id, &rng.spread(n, 1.0)).unwrap();
         }
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     opt
 }

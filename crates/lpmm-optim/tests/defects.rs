@@ -40,7 +40,9 @@ fn item1_bf16_momentum_overflow_is_reported() {
         )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
-    let r = opt.step_param(id, &[1.0, 3.4e38]).unwrap();
+    let r = opt
+        .step(lpmm_optim::Step::param(id, &[1.0, 3.4e38]))
+        .unwrap();
     let mut m = [0f32; 2];
     opt.read_state(id, 1, &mut m).unwrap();
     assert!(
@@ -56,7 +58,7 @@ fn item2_accumulated_overflow_in_8bit_is_not_silent() {
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
     opt.accumulate(id, &[0.5, 3e38]).unwrap();
     let second = opt.accumulate(id, &[0.25, 3e38]);
-    let report = opt.step().unwrap();
+    let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert!(
         second.is_err() || !report.non_finite.is_empty(),
         "accumulate {second:?}, step report {report:?}"
@@ -195,7 +197,9 @@ fn item1_adamw_bf16_second_moment_overflow_is_reported() {
         )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.1, 0.1], g).unwrap();
-    let r = opt.step_param(id, &[0.01, 5.832e20]).unwrap();
+    let r = opt
+        .step(lpmm_optim::Step::param(id, &[0.01, 5.832e20]))
+        .unwrap();
     let mut v = [0f32; 2];
     opt.read_state(id, 2, &mut v).unwrap();
     assert!(
@@ -217,7 +221,7 @@ fn item3_a_save_after_overflow_loads() {
         )
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
-    let _ = opt.step_param(id, &[1.0, 3.4e38]);
+    let _ = opt.step(lpmm_optim::Step::param(id, &[1.0, 3.4e38]));
     opt.save(&path).unwrap();
     Optimizer::load(&path).unwrap();
 }

@@ -56,7 +56,7 @@ fn run(opt: &mut Optimizer, steps: std::ops::Range<usize>) {
     let id = opt.param_id("w").unwrap();
     for t in steps {
         opt.accumulate(id, &grad(t)).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
 }
 

@@ -1,4 +1,4 @@
-//! A step taken straight from the caller's gradient buffers (`Optimizer::step_gradients`): the
+//! A step taken straight from the caller's gradient buffers (`Optimizer::step` with `Step::given`): the
 //! same bits as accumulating the same gradients into exact (f32) accumulators and stepping, the
 //! global policies over all gradients, every gradient released once its parameter has stepped.
 
@@ -55,8 +55,8 @@ fn same(a: &Optimizer, b: &Optimizer, what: &str) {
         let id = a.param_id(&format!("p{k}")).unwrap();
         for slot in SlotKind::ALL {
             assert_eq!(
-                a.export_slot(id, slot).unwrap(),
-                b.export_slot(id, slot).unwrap(),
+                a.export_slot(id, slot, None).unwrap(),
+                b.export_slot(id, slot, None).unwrap(),
                 "{what}: p{k} {}",
                 slot.name()
             );
@@ -89,12 +89,12 @@ fn stepping_from_the_callers_gradients_equals_accumulating_them() {
             for (k, g) in grads.iter().enumerate() {
                 acc.accumulate(id(&acc, k), g).unwrap();
             }
-            let r1 = acc.step().unwrap();
+            let r1 = acc.step(lpmm_optim::Accumulated).unwrap();
             let mut g = Grads {
                 grads,
                 consumed: Vec::new(),
             };
-            let r2 = direct.step_gradients(&mut g, None).unwrap();
+            let r2 = direct.step(lpmm_optim::Step::given(&mut g)).unwrap();
             assert_eq!(r1, r2, "{name} step {step}");
             assert!(r1.grad_norm.unwrap() > 0.5, "the case must clip");
             assert_eq!(g.consumed.len(), SIZES.len());
@@ -119,7 +119,7 @@ fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
         &mut rng,
     );
     let before: Vec<_> = (0..SIZES.len())
-        .map(|k| opt.export_slot(id(&opt, k), SlotKind::Param).unwrap())
+        .map(|k| opt.export_slot(id(&opt, k), SlotKind::Param, None).unwrap())
         .collect();
     let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
     grads[2][17] = f32::NAN;
@@ -129,13 +129,13 @@ fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
         grads,
         consumed: Vec::new(),
     };
-    let report = opt.step_gradients(&mut g, None).unwrap();
+    let report = opt.step(lpmm_optim::Step::given(&mut g)).unwrap();
     assert!(report.skipped);
     assert_eq!(report.non_finite, vec![id(&opt, 2)]);
     assert_eq!(g.consumed.len(), 3, "every given gradient released");
     for (k, b) in before.iter().enumerate() {
         assert_eq!(
-            &opt.export_slot(id(&opt, k), SlotKind::Param).unwrap(),
+            &opt.export_slot(id(&opt, k), SlotKind::Param, None).unwrap(),
             b,
             "nothing moved"
         );
@@ -159,16 +159,17 @@ fn a_lent_parameter_steps_in_the_lenders_buffer() {
     for _ in 0..2 {
         let grad = rng.spread(5000, 1.0);
         held.accumulate(a, &grad).unwrap();
-        held.step().unwrap();
+        held.step(lpmm_optim::Accumulated).unwrap();
         let mut g = vec![grad];
-        lent.step_gradients(&mut g, Some(&mut buffers)).unwrap();
+        lent.step(lpmm_optim::Step::given(&mut g).lent(lpmm_optim::Lent::Lender(&mut buffers)))
+            .unwrap();
     }
-    let want = held.export_slot(a, SlotKind::Param).unwrap();
+    let want = held.export_slot(a, SlotKind::Param, None).unwrap();
     assert_eq!(want.regions[0].bytes, HostValues::F32(&buffers[0]).bytes());
     // Without a lender the lent parameter is a typed error.
     let mut g = vec![rng.spread(5000, 1.0)];
     assert!(matches!(
-        lent.step_gradients(&mut g, None),
+        lent.step(lpmm_optim::Step::given(&mut g)),
         Err(lpmm_optim::OptimError::Lent { .. })
     ));
     let _ = b;
@@ -184,7 +185,7 @@ fn a_pending_accumulated_gradient_is_refused() {
     );
     opt.accumulate(id(&opt, 1), &rng.spread(5000, 1.0)).unwrap();
     let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
-    let err = opt.step_gradients(&mut grads, None).unwrap_err();
+    let err = opt.step(lpmm_optim::Step::given(&mut grads)).unwrap_err();
     assert!(matches!(err, lpmm_optim::OptimError::Lent { .. }), "{err}");
     assert_eq!(opt.steps(), 0);
 }
@@ -205,15 +206,105 @@ fn given_and_accumulated_gradients_step_together_under_one_norm() {
         for (k, g) in grads.iter().enumerate() {
             acc.accumulate(id(&acc, k), g).unwrap();
         }
-        let r1 = acc.step().unwrap();
+        let r1 = acc.step(lpmm_optim::Accumulated).unwrap();
         // Parameters 0 and 2 accumulated, 1 and 3 given.
         let mut given = grads.clone();
         for k in [0, 2] {
             mixed.accumulate(id(&mixed, k), &grads[k]).unwrap();
             given[k] = Vec::new();
         }
-        let r2 = mixed.step_gradients(&mut given, None).unwrap();
+        let r2 = mixed.step(lpmm_optim::Step::given(&mut given)).unwrap();
         assert_eq!(r1, r2, "step {step}");
         same(&acc, &mixed, &format!("step {step}"));
     }
+}
+
+/// Bad lent buffers (none, one for a parameter lpmm holds, the same parameter twice, the wrong
+/// size or dtype) are typed errors before anything moves: every slot keeps its bits, the
+/// gradients stay pending, and the step with the right buffer then equals one that never failed.
+#[test]
+fn bad_lent_buffers_are_refused_before_anything_moves() {
+    use lpmm_optim::backend::HostValuesMut;
+    use lpmm_optim::{Accumulated, Lent, OptimError, Step};
+    let config = presets::adamw_8bit(1e-3);
+    let n = 5000;
+    let mut rng = Rng::new(6);
+    let init = rng.spread(n, 0.5);
+    let grads = [rng.spread(n, 1.0), rng.spread(n, 1.0)];
+    // `tried` sees every bad step first; `clean` never does.
+    let build = |buf: &[f32]| {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        opt.add_group(config).unwrap();
+        let h = opt.add_param("held", &[n], &init, 0).unwrap();
+        let l = opt
+            .add_lent_param("lent", &[n], HostValues::F32(buf), 0, config)
+            .unwrap();
+        opt.accumulate(h, &grads[0]).unwrap();
+        opt.accumulate(l, &grads[1]).unwrap();
+        (opt, h, l)
+    };
+    let mut buf = init.clone();
+    let mut clean_buf = init.clone();
+    let (mut tried, h, l) = build(&buf);
+    let (mut clean, ..) = build(&clean_buf);
+    let slots = |opt: &Optimizer, buf: &[f32]| {
+        let mut all = Vec::new();
+        for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
+            all.push(opt.export_slot(h, slot, None).unwrap());
+            all.push(opt.export_slot(l, slot, None).unwrap());
+        }
+        all.push(opt.export_slot(h, SlotKind::Param, None).unwrap());
+        all.push(
+            opt.export_slot(l, SlotKind::Param, Some(HostValues::F32(buf)))
+                .unwrap(),
+        );
+        all
+    };
+    let before = slots(&tried, &buf);
+    let mut other = init.clone();
+    let mut short = vec![0f32; n - 1];
+    let mut b16 = vec![lpmm_formats::bf16::from_f32(0.0); n];
+    let (first, second) = buf.split_at_mut(n / 2);
+    let refusals = [
+        tried.step(Accumulated).unwrap_err(),
+        tried
+            .step(
+                Step::accumulated().lent(Lent::Buffers(&mut [(h, HostValuesMut::F32(&mut other))])),
+            )
+            .unwrap_err(),
+        tried
+            .step(Step::accumulated().lent(Lent::Buffers(&mut [
+                (l, HostValuesMut::F32(first)),
+                (l, HostValuesMut::F32(second)),
+            ])))
+            .unwrap_err(),
+        tried
+            .step(
+                Step::accumulated().lent(Lent::Buffers(&mut [(l, HostValuesMut::F32(&mut short))])),
+            )
+            .unwrap_err(),
+        tried
+            .step(
+                Step::accumulated().lent(Lent::Buffers(&mut [(l, HostValuesMut::Bf16(&mut b16))])),
+            )
+            .unwrap_err(),
+        tried.step(Step::param(l, &grads[0])).unwrap_err(),
+    ];
+    for e in &refusals {
+        assert!(matches!(e, OptimError::Lent { .. }), "{e}");
+    }
+    assert_eq!(slots(&tried, &buf), before, "nothing moved");
+    assert_eq!(tried.steps(), 0);
+    let r1 = tried
+        .step(Step::accumulated().lent(Lent::Buffers(&mut [(l, HostValuesMut::F32(&mut buf))])))
+        .unwrap();
+    let r2 = clean
+        .step(Step::accumulated().lent(Lent::Buffers(&mut [(
+            l,
+            HostValuesMut::F32(&mut clean_buf),
+        )])))
+        .unwrap();
+    assert_eq!(r1.updated, 2);
+    assert_eq!(r1, r2);
+    assert_eq!(slots(&tried, &buf), slots(&clean, &clean_buf));
 }

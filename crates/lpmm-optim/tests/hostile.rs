@@ -115,15 +115,23 @@ fn overflow(config: ParamConfig, init: &[f32], grads: &[&[f32]], released: bool)
     let mut refusals = Vec::new();
     if released {
         for g in grads {
-            reported |= !opt.step_param(id, g).unwrap().non_finite.is_empty();
+            reported |= !opt
+                .step(lpmm_optim::Step::param(id, *g))
+                .unwrap()
+                .non_finite
+                .is_empty();
         }
     } else {
         for g in grads {
-            if let Err(e) = opt.accumulate(id, g) {
+            if let Err(e) = opt.accumulate(id, *g) {
                 refusals.push(variant(&e));
             }
         }
-        reported |= !opt.step().unwrap().non_finite.is_empty();
+        reported |= !opt
+            .step(lpmm_optim::Accumulated)
+            .unwrap()
+            .non_finite
+            .is_empty();
     }
     let stored_finite = finite(&opt, id, n);
     match (reported, refusals.first(), stored_finite) {
@@ -181,7 +189,7 @@ fn saved(path: &Path) -> Vec<u8> {
                 .collect();
             opt.accumulate(id, &grad).unwrap();
         }
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     opt.save(path).unwrap();
     std::fs::read(path).unwrap()
@@ -294,7 +302,7 @@ fn factorized_after_three_steps(config: ParamConfig) -> (Optimizer, ParamId) {
         let grad: Vec<f32> = (0..120)
             .map(|i| ((i + k) % 7) as f32 * 0.01 - 0.03)
             .collect();
-        opt.step_param(id, &grad).unwrap();
+        opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
     }
     (opt, id)
 }
@@ -687,7 +695,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             let id = opt.add_param("w", &[10, 30], &[0.1; 300], g).unwrap();
             let mut grad = vec![0.01f32; 300];
             grad[..30].fill(3e21);
-            let r = opt.step_param(id, &grad).unwrap();
+            let r = opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
             if !r.non_finite.is_empty() && finite(&opt, id, 300) {
                 Seen::Reported("step report lists the parameter; statistics kept".into())
             } else {
@@ -782,7 +790,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
                 .unwrap();
             let id = opt.add_param("w", &[300], &[0.1; 300], g).unwrap();
             opt.accumulate(id, &spike(3, 3.4e38)).unwrap();
-            let r = opt.step().unwrap();
+            let r = opt.step(lpmm_optim::Accumulated).unwrap();
             if !r.non_finite.is_empty() && finite(&opt, id, 300) {
                 Seen::Reported("reported; the element left unchanged".into())
             } else {
@@ -798,7 +806,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         opt.set_missing_gradient(policy);
         opt.accumulate(a, &[0.1; 4]).unwrap();
         let what = format!("a parameter without a gradient in a step ({policy:?} policy)");
-        let seen = match opt.step() {
+        let seen = match opt.step(lpmm_optim::Accumulated) {
             Ok(r)
                 if r.missing_gradients.names == ["b"] && policy != MissingGradientPolicy::Error =>
             {
@@ -823,7 +831,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "steps",
             "released gradient of the wrong length",
-            refused(opt.step_param(id, &[0.0; 3])),
+            refused(opt.step(lpmm_optim::Step::param(id, &[0.0; 3]))),
         );
         let (mut other, _) = one(presets::adamw_f32(1e-3).build(), 4);
         other.add_param("x", &[1], &[0.0], 0).unwrap();
@@ -879,14 +887,14 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "counters",
             "a step past 2^53 (global counter)",
-            refused(opt.step()),
+            refused(opt.step(lpmm_optim::Accumulated)),
         );
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         opt.restore(id, 1 << 53, 0, false, LrRule::Group).unwrap();
         add(
             "counters",
             "a step past 2^53 (parameter counter)",
-            refused(opt.step_param(id, &[0.1; 4])),
+            refused(opt.step(lpmm_optim::Step::param(id, &[0.1; 4]))),
         );
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         opt.restore(id, 0, 1 << 53, false, LrRule::Group).unwrap();
@@ -927,27 +935,27 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         // Schedule-free AdamW at its evaluation point: no step of any kind until train().
         let (mut sf, sid) = one(presets::schedule_free_adamw_f32(1e-3).build(), 4);
         sf.accumulate(sid, &[0.1; 4]).unwrap();
-        sf.step().unwrap();
-        sf.eval().unwrap();
+        sf.step(lpmm_optim::Accumulated).unwrap();
+        sf.eval(lpmm_optim::Lent::None).unwrap();
         add(
             "evaluation mode",
-            "step() at the evaluation point",
-            refused(sf.step()),
+            "step(Accumulated) at the evaluation point",
+            refused(sf.step(lpmm_optim::Accumulated)),
         );
         add(
             "evaluation mode",
-            "step_param() at the evaluation point",
-            refused(sf.step_param(sid, &[0.1; 4])),
+            "Step::param at the evaluation point",
+            refused(sf.step(lpmm_optim::Step::param(sid, &[0.1; 4]))),
         );
         add(
             "evaluation mode",
-            "accumulate_states() at the evaluation point",
-            refused(sf.accumulate_states(sid, &[0.1; 4])),
+            "Step::states_only at the evaluation point",
+            refused(sf.step(lpmm_optim::Step::states_only(sid, &[0.1; 4]))),
         );
         let twice = {
             let mut v = [0f32; 4];
             sf.read_param(sid, &mut v).unwrap();
-            sf.eval().unwrap();
+            sf.eval(lpmm_optim::Lent::None).unwrap();
             let mut w = [0f32; 4];
             sf.read_param(sid, &mut w).unwrap();
             v == w
@@ -978,20 +986,20 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "set_group_lr on a missing group",
             refused(opt.set_group_lr(3, 0.1)),
         );
-        let host = opt.export_slot(id, SlotKind::Param).unwrap();
+        let host = opt.export_slot(id, SlotKind::Param, None).unwrap();
         let mut bad = host.clone();
         bad.regions[0].bytes[..4].copy_from_slice(&f32::NAN.to_le_bytes());
         add(
             "state access",
             "import_slot of a NaN parameter",
-            refused(opt.import_slot(id, SlotKind::Param, bad)),
+            refused(opt.import_slot(id, SlotKind::Param, &bad, None)),
         );
         let mut short = host;
         short.regions[0].bytes.truncate(8);
         add(
             "state access",
             "import_slot of the wrong length",
-            refused(opt.import_slot(id, SlotKind::Param, short)),
+            refused(opt.import_slot(id, SlotKind::Param, &short, None)),
         );
         let (mut b16, bid) = one(
             presets::adamw_f32(1e-3)
@@ -999,12 +1007,12 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
                 .build(),
             4,
         );
-        let mut inf = b16.export_slot(bid, SlotKind::State1).unwrap();
+        let mut inf = b16.export_slot(bid, SlotKind::State1, None).unwrap();
         inf.regions[0].bytes[..2].copy_from_slice(&0x7F80u16.to_le_bytes());
         add(
             "state access",
             "import_slot of a bf16 +Inf momentum",
-            refused(b16.import_slot(bid, SlotKind::State1, inf)),
+            refused(b16.import_slot(bid, SlotKind::State1, &inf, None)),
         );
     }
     // Factorized statistics that are finite but rebuild +Inf (issue 46), or negative: refused,
@@ -1015,10 +1023,10 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             ("a negative row", ".row", 0, -1.0),
         ] {
             let (mut opt, id) = factorized_after_three_steps(config);
-            let before = opt.export_slot(id, slot).unwrap();
+            let before = opt.export_slot(id, slot, None).unwrap();
             let bad = with_value(&before, region, at, value);
-            let seen = match opt.import_slot(id, slot, bad) {
-                Err(e) if opt.export_slot(id, slot).unwrap() != before => {
+            let seen = match opt.import_slot(id, slot, &bad, None) {
+                Err(e) if opt.export_slot(id, slot, None).unwrap() != before => {
                     Seen::Silent(format!("refused ({e}), but the slot changed"))
                 }
                 Err(e) if !e.to_string().contains("w") || !e.to_string().contains(slot.name()) => {
@@ -1057,17 +1065,17 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let (mut opt, id) = factorized_after_three_steps(config);
         // Equal rows (each rebuilt value is its column) and columns at the largest f32: finite.
         let near = with_all(
-            &with_all(&opt.export_slot(id, slot).unwrap(), ".row", 1.0),
+            &with_all(&opt.export_slot(id, slot, None).unwrap(), ".row", 1.0),
             ".col",
             f32::MAX,
         );
-        opt.import_slot(id, slot, near.clone()).unwrap();
+        opt.import_slot(id, slot, &near, None).unwrap();
         // Gradients in one row only: that row's average grows past the others, and so would
         // (row / mean) x column, past f32::MAX.
         let mut grad = vec![1e-3f32; 120];
         grad[..10].fill(100.0);
-        let report = opt.step_param(id, &grad).unwrap();
-        let kept = opt.export_slot(id, slot).unwrap() == near;
+        let report = opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
+        let kept = opt.export_slot(id, slot, None).unwrap() == near;
         let seen = if !report.non_finite.is_empty() && kept && finite(&opt, id, 120) {
             Seen::Reported("step report lists the parameter; statistics kept".into())
         } else {

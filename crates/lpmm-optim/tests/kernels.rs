@@ -15,16 +15,16 @@ use lpmm_optim::{
 /// How a case feeds its gradients.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Feed {
-    /// `step_param` with an f32 gradient (read where it is held).
+    /// `Step::param` with an f32 gradient (read where it is held).
     Released,
-    /// `step_param_input` with a bf16 gradient.
+    /// `Step::param` with a bf16 gradient.
     ReleasedBf16,
     /// `accumulate` twice, then `step()` from the accumulator.
     Accumulated,
-    /// `accumulate` once, then `step_param` (accumulator plus released gradient).
+    /// `accumulate` once, then `Step::param` (accumulator plus released gradient).
     Both,
-    /// `accumulate_states` (optimizer accumulation: the parameter does not move) then a
-    /// `step_param`.
+    /// `Step::states_only` (optimizer accumulation: the parameter does not move) then a
+    /// `Step::param`.
     States,
 }
 
@@ -209,12 +209,15 @@ fn run(config: ParamConfig, feed: Feed, specialized: bool) -> (Vec<HostSlot>, Ve
         for (k, &(id, n)) in ids.iter().enumerate() {
             let grad = gradient(k, step, n, bounded);
             let report = match feed {
-                Feed::Released => opt.step_param(id, &grad).unwrap(),
+                Feed::Released => opt.step(lpmm_optim::Step::param(id, &grad)).unwrap(),
                 Feed::ReleasedBf16 => {
                     let b: Vec<half::bf16> =
                         grad.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                    opt.step_param_input(id, lpmm_optim::backend::HostValues::Bf16(&b), None)
-                        .unwrap()
+                    opt.step(lpmm_optim::Step::param(
+                        id,
+                        lpmm_optim::Grad::Input(lpmm_optim::backend::HostValues::Bf16(&b)),
+                    ))
+                    .unwrap()
                 }
                 Feed::Accumulated => {
                     opt.accumulate(id, &grad).unwrap();
@@ -225,23 +228,23 @@ fn run(config: ParamConfig, feed: Feed, specialized: bool) -> (Vec<HostSlot>, Ve
                 Feed::Both => {
                     opt.accumulate(id, &grad).unwrap();
                     let again: Vec<f32> = grad.iter().map(|x| -x * 0.25).collect();
-                    opt.step_param(id, &again).unwrap()
+                    opt.step(lpmm_optim::Step::param(id, &again)).unwrap()
                 }
                 Feed::States => {
-                    opt.accumulate_states(id, &grad).unwrap();
-                    opt.step_param(id, &grad).unwrap()
+                    opt.step(lpmm_optim::Step::states_only(id, &grad)).unwrap();
+                    opt.step(lpmm_optim::Step::param(id, &grad)).unwrap()
                 }
             };
             reports.push(format!("{report:?}"));
         }
         if feed == Feed::Accumulated {
-            reports.push(format!("{:?}", opt.step().unwrap()));
+            reports.push(format!("{:?}", opt.step(lpmm_optim::Accumulated).unwrap()));
         }
     }
     let mut slots = Vec::new();
     for &(id, _) in &ids {
         for slot in SlotKind::ALL {
-            slots.push(opt.export_slot(id, slot).unwrap());
+            slots.push(opt.export_slot(id, slot, None).unwrap());
         }
     }
     (slots, reports)
@@ -340,7 +343,8 @@ fn load_state_keeps_the_generic_path_when_it_was_chosen() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_8bit(1e-3)).unwrap();
     let id = opt.add_param("w", &[5000], &vec![0.1; 5000], g).unwrap();
-    opt.step_param(id, &vec![1e-3; 5000]).unwrap();
+    opt.step(lpmm_optim::Step::param(id, &vec![1e-3; 5000]))
+        .unwrap();
     opt.set_specialized_kernels(false);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("opt.safetensors");

@@ -87,14 +87,19 @@ fn a_lent_parameter_is_stepped_in_place_without_a_copy() {
         for (k, g) in grads.iter().enumerate() {
             owned.accumulate(a, g).unwrap();
             lent.accumulate(b, g).unwrap();
-            let r1 = owned.step().unwrap();
+            let r1 = owned.step(lpmm_optim::Accumulated).unwrap();
             let calls = CALLS.load(Ordering::SeqCst);
             let out = if f32_param {
                 HostValuesMut::F32(&mut buf32)
             } else {
                 HostValuesMut::Bf16(&mut buf16)
             };
-            let r2 = lent.step_lent(&mut [(b, out)]).unwrap();
+            let r2 = lent
+                .step(
+                    lpmm_optim::Step::accumulated()
+                        .lent(lpmm_optim::Lent::Buffers(&mut [(b, out)])),
+                )
+                .unwrap();
             if k > 0 {
                 assert_eq!(
                     CALLS.load(Ordering::SeqCst) - calls,
@@ -105,21 +110,19 @@ fn a_lent_parameter_is_stepped_in_place_without_a_copy() {
             assert_eq!(r1, r2, "{name}");
         }
         // The caller's buffer holds the parameter's bits, and the other slots are the same.
-        let want = owned.export_slot(a, SlotKind::Param).unwrap();
+        let want = owned.export_slot(a, SlotKind::Param, None).unwrap();
         let have = if f32_param {
             HostValues::F32(&buf32)
         } else {
             HostValues::Bf16(&buf16)
         };
         assert_eq!(want.regions[0].bytes, have.bytes(), "{name}: parameter");
-        let got = lent
-            .export_slot_lent(b, SlotKind::Param, Some(have))
-            .unwrap();
+        let got = lent.export_slot(b, SlotKind::Param, Some(have)).unwrap();
         assert_eq!(want, got, "{name}: parameter slot");
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
             assert_eq!(
-                owned.export_slot(a, slot).unwrap(),
-                lent.export_slot(b, slot).unwrap(),
+                owned.export_slot(a, slot, None).unwrap(),
+                lent.export_slot(b, slot, None).unwrap(),
                 "{name}: {}",
                 slot.name()
             );
@@ -127,7 +130,7 @@ fn a_lent_parameter_is_stepped_in_place_without_a_copy() {
         // Without its buffer the step is a typed error, not a panic.
         lent.accumulate(b, &grads[0]).unwrap();
         assert!(matches!(
-            lent.step(),
+            lent.step(lpmm_optim::Accumulated),
             Err(lpmm_optim::OptimError::Lent { .. })
         ));
     }

@@ -81,10 +81,10 @@ fn accounting_equals_allocation_and_step_allocates_nothing() {
         );
 
         opt.accumulate(id, &grad).unwrap();
-        opt.step().unwrap(); // warms up the thread pool
+        opt.step(lpmm_optim::Accumulated).unwrap(); // warms up the thread pool
         opt.accumulate(id, &grad).unwrap();
         let calls = CALLS.load(Ordering::SeqCst);
-        let step = opt.step().unwrap();
+        let step = opt.step(lpmm_optim::Accumulated).unwrap();
         assert_eq!(
             CALLS.load(Ordering::SeqCst) - calls,
             0,

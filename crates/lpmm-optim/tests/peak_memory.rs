@@ -29,7 +29,7 @@ fn peak_resident_memory_equals_the_accounting() {
     let id = opt.add_param("w", &[N], &x, g).unwrap();
     for _ in 0..3 {
         opt.accumulate(id, &x).unwrap();
-        opt.step().unwrap();
+        opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let accounted = opt.memory_report().total();
     let (peak, baseline) = if reset {

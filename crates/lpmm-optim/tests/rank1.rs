@@ -35,7 +35,7 @@ fn the_first_step_stores_exactly_the_rank1_quantization_of_the_new_second_moment
     let id = opt.add_param("w", &SHAPE, &vec![0.1; n], g).unwrap();
     let grad = grad(1);
     opt.accumulate(id, &grad).unwrap();
-    opt.step().unwrap();
+    opt.step(lpmm_optim::Accumulated).unwrap();
     // v after one step from zero: fma((1 - b2) * g, g, 0 * b2).
     let w2 = (1.0f64 - 0.999) as f32;
     let v: Vec<f32> = grad.iter().map(|&g| (w2 * g).mul_add(g, 0.0)).collect();
@@ -60,7 +60,7 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
         let id = opt.param_id("w").unwrap();
         for t in steps {
             opt.accumulate(id, &grad(t)).unwrap();
-            opt.step().unwrap();
+            opt.step(lpmm_optim::Accumulated).unwrap();
         }
     };
     let fresh = || {

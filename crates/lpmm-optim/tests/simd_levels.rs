@@ -78,13 +78,13 @@ fn run(config: ParamConfig) -> Vec<u32> {
             // A quantized accumulator refuses NaN (a typed error); the others hold it for the step.
             grad[n / 2] = if step == 1 && nan_ok { f32::NAN } else { 3e19 };
             if released {
-                opt.step_param(id, &grad).unwrap();
+                opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
             } else {
                 opt.accumulate(id, &grad).unwrap();
             }
         }
         if !released {
-            opt.step().unwrap();
+            opt.step(lpmm_optim::Accumulated).unwrap();
         }
     }
     let mut bits = Vec::new();

@@ -7,7 +7,7 @@
 //! [docs/BACKENDS.md] states what is supported and the bounds.
 //!
 //! ```no_run
-//! use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+//! use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, presets};
 //! use lpmm_wgpu::Wgpu;
 //!
 //! let backend = Wgpu::new(Default::default())?;
@@ -15,7 +15,7 @@
 //! opt.add_group(presets::adamw_8bit_bf16(1e-3))?;
 //! let w = opt.add_param("w", &[1024, 1024], &vec![0.01; 1 << 20], 0)?;
 //! opt.accumulate(w, &vec![1e-3; 1 << 20])?;
-//! opt.step()?;
+//! opt.step(Accumulated)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 
 use lpmm_backend::abi::{Binding, Entry};
 use lpmm_backend::{DeviceOptions, Io, Launch, Limits, Runtime, Specialized};
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 use lpmm_optim::backend::Dtype;
 
 mod probe;

@@ -3,7 +3,7 @@
 //! subnormals kept), by running `arith_main` (kernels/float.wgsl) on inputs whose correctly
 //! rounded results are known on the host.
 
-use lpmm_optim::BackendError;
+use lpmm_optim::backend::BackendError;
 use wgpu::util::DeviceExt;
 
 use crate::{Arithmetic, WgpuRuntime};

@@ -26,7 +26,7 @@ fn many_small_tensors_share_one_dispatch() {
         opt.accumulate(id, &rng.spread(64, 1.0)).unwrap();
     }
     let before = gpu.dispatches();
-    assert_eq!(opt.step().unwrap().updated, 1000);
+    assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 1000);
     assert_eq!(gpu.segments(), 1);
     // The finiteness check (SkipStep) decodes every accumulator in one dispatch, the step in one.
     assert_eq!(
@@ -63,8 +63,8 @@ fn a_tensor_larger_than_a_segment_is_cut_into_pieces() {
         let g = rng.spread(n, 1.0);
         cpu.accumulate(a, &g).unwrap();
         dev.accumulate(a, &g).unwrap();
-        cpu.step().unwrap();
-        dev.step().unwrap();
+        cpu.step(lpmm_optim::Accumulated).unwrap();
+        dev.step(lpmm_optim::Accumulated).unwrap();
     }
     assert!(gpu.segments() >= 2);
     assert_same(&cpu, &dev, &[a], "a tensor over several segments");
@@ -97,10 +97,10 @@ fn backends_on_one_device_keep_their_own_memory_and_step_the_same_bits() {
         let g = rng.spread(20_000, 1.0);
         for opt in [&mut a, &mut b] {
             opt.accumulate(w, &g).unwrap();
-            opt.step().unwrap();
+            opt.step(lpmm_optim::Accumulated).unwrap();
         }
         cpu.accumulate(w, &g).unwrap();
-        cpu.step().unwrap();
+        cpu.step(lpmm_optim::Accumulated).unwrap();
     }
     // Each steps its own tensors: the first's memory grew by no segment of the second's.
     assert_eq!(first.segments(), segments);

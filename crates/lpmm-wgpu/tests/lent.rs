@@ -87,32 +87,41 @@ fn a_lent_parameter_is_stepped_in_place_in_the_callers_buffer() {
             len: n,
             dtype: Dtype::F32,
         };
-        dev.accumulate_input(b, DeviceInput::Device(grad_view))
+        dev.accumulate(b, lpmm_optim::Grad::Input(DeviceInput::Device(grad_view)))
             .unwrap();
         let reads = gpu.host_reads();
         let r2 = dev
-            .step_lent(&mut [(b, DeviceOutput::Device(view))])
+            .step(
+                lpmm_optim::Step::accumulated().lent(lpmm_optim::Lent::Buffers(&mut [(
+                    b,
+                    DeviceOutput::Device(view),
+                )])),
+            )
             .unwrap();
         // Only the flags come back.
         assert_eq!(gpu.host_reads() - reads, 1, "step {step}: host reads");
-        assert_eq!(cpu.step().unwrap(), r2, "step {step}");
+        assert_eq!(
+            cpu.step(lpmm_optim::Accumulated).unwrap(),
+            r2,
+            "step {step}"
+        );
     }
     // The caller's buffer holds the parameter's bits; the other slots are the CPU's.
-    let want = cpu.export_slot(a, SlotKind::Param).unwrap();
+    let want = cpu.export_slot(a, SlotKind::Param, None).unwrap();
     let got = dev
-        .export_slot_lent(b, SlotKind::Param, Some(DeviceInput::Device(view)))
+        .export_slot(b, SlotKind::Param, Some(DeviceInput::Device(view)))
         .unwrap();
     assert_eq!(want, got);
     for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
         assert_eq!(
-            cpu.export_slot(a, slot).unwrap(),
-            dev.export_slot(b, slot).unwrap()
+            cpu.export_slot(a, slot, None).unwrap(),
+            dev.export_slot(b, slot, None).unwrap()
         );
     }
     // A step without the buffer is a typed error.
     dev.accumulate(b, &rng.spread(n, 1.0)).unwrap();
     assert!(matches!(
-        dev.step(),
+        dev.step(lpmm_optim::Accumulated),
         Err(lpmm_optim::OptimError::Lent { .. })
     ));
 }

@@ -69,15 +69,15 @@ fn every_plan_steps_the_cpus_bits() {
                         cpu.accumulate(id, &g).unwrap();
                         dev.accumulate(id, &g).unwrap();
                     }
-                    let r1 = cpu.step().unwrap();
-                    let r2 = dev.step().unwrap();
+                    let r1 = cpu.step(lpmm_optim::Accumulated).unwrap();
+                    let r2 = dev.step(lpmm_optim::Accumulated).unwrap();
                     assert_eq!(r1, r2, "{}: step reports", plan.name);
                 }
                 GradInput::F32 => {
                     for &(id, n) in &ids {
                         let g = gradient(&mut rng, n, step, true);
-                        let r1 = cpu.step_param(id, &g).unwrap();
-                        let r2 = dev.step_param(id, &g).unwrap();
+                        let r1 = cpu.step(lpmm_optim::Step::param(id, &g)).unwrap();
+                        let r2 = dev.step(lpmm_optim::Step::param(id, &g)).unwrap();
                         assert_eq!(r1, r2, "{}: step reports", plan.name);
                     }
                 }
@@ -86,7 +86,10 @@ fn every_plan_steps_the_cpus_bits() {
                         let g = gradient(&mut rng, n, step, true);
                         let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
                         let r1 = cpu
-                            .step_param_input(id, HostValues::Bf16(&g16), None)
+                            .step(lpmm_optim::Step::param(
+                                id,
+                                lpmm_optim::Grad::Input(HostValues::Bf16(&g16)),
+                            ))
                             .unwrap();
                         let mut bytes: Vec<u8> = bytemuck::cast_slice(&g16).to_vec();
                         bytes.resize(bytes.len().div_ceil(4) * 4, 0);
@@ -106,7 +109,10 @@ fn every_plan_steps_the_cpus_bits() {
                             dtype: Dtype::Bf16,
                         };
                         let r2 = dev
-                            .step_param_input(id, DeviceInput::Device(view), None)
+                            .step(lpmm_optim::Step::param(
+                                id,
+                                lpmm_optim::Grad::Input(DeviceInput::Device(view)),
+                            ))
                             .unwrap();
                         assert_eq!(r1, r2, "{}: step reports", plan.name);
                     }

@@ -5,14 +5,14 @@
 //! bits) and [`optim`] (the optimizer core and its CPU reference).
 //!
 //! ```
-//! use lpmm::optim::{Optimizer, OptimizerOptions, presets};
+//! use lpmm::optim::{Accumulated, Optimizer, OptimizerOptions, presets};
 //!
 //! // 8-bit AdamW states over bf16 parameters (bitsandbytes' AdamW8bit with bf16 weights).
 //! let mut opt = Optimizer::new(OptimizerOptions::default())?;
 //! let group = opt.add_group(presets::adamw_8bit_bf16(1e-3))?;
 //! let w = opt.add_param("layer.weight", &[256, 256], &vec![0.02; 256 * 256], group)?;
 //! opt.accumulate(w, &vec![1e-3; 256 * 256])?;
-//! let report = opt.step()?;
+//! let report = opt.step(Accumulated)?;
 //! assert!(!report.skipped);
 //! let mut weight = vec![0f32; 256 * 256];
 //! opt.read_param(w, &mut weight)?;

@@ -5,8 +5,8 @@
 
 use lpmm_dist::{ParamDef, UNIT, slots};
 use lpmm_optim::{
-    Canonical, Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage,
-    StoreRounding, presets,
+    Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, StoreRounding,
+    checkpoint::Canonical, presets,
 };
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;

@@ -11,7 +11,7 @@
 mod model;
 
 use lpmm_dist::{Collective, Mpi, Reduction, ShardOptions, ShardedOptimizer, Zero, rank_order_sum};
-use lpmm_optim::{Canonical, NonFinitePolicy, OptimizerOptions, ParamConfig, presets};
+use lpmm_optim::{NonFinitePolicy, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets};
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 fn options() -> OptimizerOptions {
@@ -43,7 +43,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
                 .accumulate(id, &rank_order_sum(&parts))
                 .expect("accumulate");
         }
-        let want = refopt.step().expect("step");
+        let want = refopt.step(lpmm_optim::Accumulated).expect("step");
         let mine: Vec<&[f32]> = all[rank].iter().map(|v| v.as_slice()).collect();
         let got = opt.step(&mine).expect("sharded step");
         let what = format!("{name} {shard:?} rank {rank}/{world} step {}", step + 1);
@@ -167,7 +167,7 @@ fn main() {
                 for (&id, g) in ids.iter().zip(grads(1, 0, step, true)) {
                     refopt.accumulate(id, &g).expect("accumulate");
                 }
-                refopt.step().expect("step");
+                refopt.step(lpmm_optim::Accumulated).expect("step");
             }
             same_canonical(
                 &Canonical::read(&args[2]).expect("read"),

@@ -27,16 +27,14 @@ pub use crate::format::{
     LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked,
 };
 pub use crate::rule::{
-    AdEMAMixConsts, AdafactorConsts, AdagradConsts, AdamConsts, CameConsts, FieldType,
-    KernelStruct, Limits, LionConsts, MAX_STATS, Moment, RmsPropConsts, RuleConsts, RuleState,
-    ScheduleFreeConsts, SgdConsts, StepFlags, Updated,
+    FieldType, KernelStruct, Limits, MAX_STATS, Moment, RuleConsts, RuleState, StepFlags, Updated,
 };
 
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
 pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
 pub use crate::vocab::{Dtype, F32_MAX_BITS, ParamId, SLOTS, SlotKind, fits};
 
-use crate::exact::ExactSum;
+pub use crate::exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
 
 /// How one parameter is laid out: fixed when it is registered.
 #[derive(Debug, Clone, PartialEq)]

@@ -25,7 +25,7 @@
 //! (`crate::optimizer::Lender`), a burn module's tensor, which the module's own record saves.
 //! Its other regions (a Kahan compensation, a split-f32 remainder) and slots are stored as
 //! usual. The decoded parameter slot then lacks its primary region; whoever joins the value to
-//! the state checks the whole slot then (`Optimizer::import_slot_lent`).
+//! the state checks the whole slot then (`Optimizer::import_slot` with the buffer).
 //!
 //! No name can collide with another: a parameter's tensors are `<name>/<slot><suffix>`, and
 //! neither slot names nor suffixes contain `/`, so the text after the last `/` tells the slot and

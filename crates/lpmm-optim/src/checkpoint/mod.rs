@@ -320,7 +320,7 @@ impl<B: Backend> Optimizer<B> {
             opt.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
             opt.restore_rule_state(id, p.rule_state)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(p.slots) {
-                opt.import_slot(id, slot, host)?;
+                opt.import_slot(id, slot, &host, None)?;
             }
         }
         Ok(opt)
@@ -435,7 +435,7 @@ impl<B: Backend> Optimizer<B> {
                         Ok(backend.import(param, layout, slot, host, Some(buf))?)
                     })?;
                 } else {
-                    self.import_slot_lent(id, slot, host, None)?;
+                    self.import_slot(id, slot, host, None)?;
                 }
             }
         }

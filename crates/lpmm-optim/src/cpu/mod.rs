@@ -69,7 +69,7 @@ struct Piece {
     bytes: [[usize; MAX_REGIONS]; SLOTS],
     /// Whether the gradient accumulator's element regions are allocated. They are allocated on
     /// the first accumulation (or import): a parameter stepped only from given gradients
-    /// (`step_gradients`, released steps) never holds an accumulator. Unallocated, it reads as
+    /// (`Step::given`, released steps) never holds an accumulator. Unallocated, it reads as
     /// zeros, which is what a fresh accumulator holds.
     grad_held: bool,
     /// Results of the last pass, kept here so a step allocates nothing.

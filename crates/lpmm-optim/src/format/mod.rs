@@ -10,14 +10,6 @@
 //! between backends and the conformance suite's bit comparison all work on regions and never
 //! match on formats.
 
-mod bf16;
-mod bf16_plus8;
-mod blockwise;
-mod f32;
-mod factored;
-mod kahan;
-mod rank1;
-mod split_f32;
 mod storage;
 
 pub use storage::{MapKind, Storage, StoreRounding};
@@ -436,10 +428,13 @@ pub(crate) fn check_scales(host: &HostSlot, suffix: &str) -> Result<(), String> 
 }
 
 macro_rules! formats {
-    ($($variant:ident($ty:ty),)*) => {
+    ($($variant:ident($ty:ident) in $module:ident,)*) => {
+        // Each format's file.
+        $(mod $module;)*
+
         #[derive(Debug, Clone, Copy, PartialEq)]
         enum Inner {
-            $($variant($ty),)*
+            $($variant($module::$ty),)*
         }
 
         /// A storage format: how one slot is stored (see the module documentation). Built from
@@ -448,17 +443,17 @@ macro_rules! formats {
         pub struct Format(Inner);
 
         /// Every format, in kernel-id order: the stems of their kernel files.
-        pub const KERNELS: &[&str] = &[$(<$ty as Codec>::NAME,)*];
+        pub const KERNELS: &[&str] = &[$(<$module::$ty as Codec>::NAME,)*];
 
         /// Every format's [`Format::limit`] as f32 bits, in kernel-id order (the kernels'
         /// `fmt_limit` is generated from it).
-        pub const LIMITS: &[u32] = &[$(<$ty as Codec>::LIMIT,)*];
+        pub const LIMITS: &[u32] = &[$(<$module::$ty as Codec>::LIMIT,)*];
 
         impl Format {
             /// The format of `storage` (`None` for [`Storage::None`]).
             pub fn of(storage: Storage) -> Option<Format> {
                 $(
-                    if let Some(c) = <$ty as Codec>::from_storage(storage) {
+                    if let Some(c) = <$module::$ty as Codec>::from_storage(storage) {
                         return Some(Format(Inner::$variant(c)));
                     }
                 )*
@@ -484,7 +479,7 @@ macro_rules! formats {
 
             /// The format's name (its kernel stem).
             pub fn name(&self) -> &'static str {
-                match self.0 { $(Inner::$variant(_) => <$ty as Codec>::NAME,)* }
+                match self.0 { $(Inner::$variant(_) => <$module::$ty as Codec>::NAME,)* }
             }
 
             /// Every region of a tensor of `shape`: element regions first, then tensor-wide ones.
@@ -559,7 +554,7 @@ macro_rules! formats {
 
             /// [`Format::limit`] as f32 bits.
             pub fn limit_bits(&self) -> u32 {
-                match &self.0 { $(Inner::$variant(_) => <$ty as Codec>::LIMIT,)* }
+                match &self.0 { $(Inner::$variant(_) => <$module::$ty as Codec>::LIMIT,)* }
             }
 
             /// Whether it holds ±Inf and NaN (f32, bf16): a gradient accumulator that does not
@@ -654,12 +649,12 @@ macro_rules! formats {
 
 // The registry: one line per format, in kernel-id order (ids start at 1).
 formats! {
-    F32(f32::F32),
-    Bf16(bf16::Bf16),
-    Kahan(kahan::Kahan),
-    SplitF32(split_f32::SplitF32),
-    Blockwise(blockwise::Blockwise),
-    Rank1(rank1::Rank1),
-    Factored(factored::Factored),
-    Bf16Plus8(bf16_plus8::Bf16Plus8),
+    F32(F32) in f32,
+    Bf16(Bf16) in bf16,
+    Kahan(Kahan) in kahan,
+    SplitF32(SplitF32) in split_f32,
+    Blockwise(Blockwise) in blockwise,
+    Rank1(Rank1) in rank1,
+    Factored(Factored) in factored,
+    Bf16Plus8(Bf16Plus8) in bf16_plus8,
 }

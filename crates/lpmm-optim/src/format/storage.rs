@@ -96,8 +96,8 @@ pub enum StoreRounding {
 /// How one slot of model memory (parameter, gradient accumulator or optimizer state) is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Storage {
-    /// Nothing stored (gradient slot only): gradients arrive with `step_param` or
-    /// `accumulate_states` (gradient release) and no accumulator is allocated.
+    /// Nothing stored (gradient slot only): gradients arrive with `Step::param` or
+    /// `Step::states_only` (gradient release) and no accumulator is allocated.
     None,
     /// 4 bytes per element.
     F32,

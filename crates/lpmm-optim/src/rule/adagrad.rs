@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
+use super::{Rule, RuleState, StepFlags, Updated, check};
 use crate::error::OptimError;
 
 /// Adagrad's hyperparameters. State 2 is the sum of squared gradients.

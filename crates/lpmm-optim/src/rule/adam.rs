@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Moment, Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
+use super::{Moment, Rule, RuleState, StepFlags, Updated, check};
 use crate::error::OptimError;
 use crate::vocab::SlotKind;
 

@@ -11,26 +11,6 @@
 //!
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 
-pub(crate) mod adafactor;
-pub(crate) mod adagrad;
-pub(crate) mod adam;
-pub(crate) mod ademamix;
-pub(crate) mod came;
-pub(crate) mod lion;
-pub(crate) mod rmsprop;
-pub(crate) mod schedule_free;
-pub(crate) mod sgd;
-
-pub use adafactor::{Adafactor, AdafactorConsts};
-pub use adagrad::{Adagrad, AdagradConsts};
-pub use adam::{Adam, AdamConsts};
-pub use ademamix::{AdEMAMix, AdEMAMixConsts};
-pub use came::{Came, CameConsts};
-pub use lion::{Lion, LionConsts};
-pub use rmsprop::{RmsProp, RmsPropConsts};
-pub use schedule_free::{ScheduleFreeAdamW, ScheduleFreeConsts};
-pub use sgd::{Sgd, SgdConsts};
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
@@ -138,7 +118,6 @@ macro_rules! setters {
         pub(crate) use forward_setters;
     };
 }
-pub(crate) use setters;
 
 /// The exponential moving average of squares a factorized slot keeps (its row and column
 /// means): `new = beta * old + (1 - beta) * (mean(x^2) + eps)`, all f32, `x` the rule's
@@ -447,7 +426,17 @@ fn apply_run<R: Rule, const LEAN: bool>(
 /// The registry: one line per rule generates the [`Hyper`] variant, the [`RuleConsts`] variant
 /// and every dispatch below (the kernels' dispatch is generated from [`RuleConsts::KERNELS`]).
 macro_rules! rules {
-    ($d:tt $($(#[$meta:meta])* $variant:ident($config:ty) in $module:ident,)*) => {
+    ($d:tt $($(#[$meta:meta])* $variant:ident($config:ident) in $module:ident,)*) => {
+        // Each rule's file, and its configuration type.
+        $(pub(crate) mod $module;)*
+        $(pub use $module::$config;)*
+
+        /// Every rule's configuration type, for the crate root's re-export (`pub use
+        /// rule::configs::*`): the registry line is the only list.
+        pub mod configs {
+            $(pub use super::$module::$config;)*
+        }
+
         /// Hands every rule's setters to `$m`, one invocation per rule (each rule file's
         /// `setters!`).
         macro_rules! each_rule_setters {
@@ -691,6 +680,8 @@ rules! {
     RmsProp(RmsProp) in rmsprop,
     /// Adagrad, `torch.optim.Adagrad` semantics.
     Adagrad(Adagrad) in adagrad,
+    /// LAMB (You et al. 2019; `torch_optimizer.Lamb` semantics).
+    Lamb(Lamb) in lamb,
 }
 
 impl Hyper {

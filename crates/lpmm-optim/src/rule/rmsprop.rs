@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
+use super::{Rule, RuleState, StepFlags, Updated, check};
 use crate::error::OptimError;
 
 /// RMSprop's hyperparameters. State 1 is the momentum buffer (with `momentum > 0`), state 2 the

@@ -11,7 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Rule, RuleState, StepFlags, Updated, check, kernel_struct, setters};
+use super::{Rule, RuleState, StepFlags, Updated, check};
 use crate::error::OptimError;
 
 /// Schedule-free AdamW's hyperparameters (the package's names and defaults).

@@ -112,7 +112,7 @@ pub fn compare_in(
             opt.accumulate(id, &grad(tid, t, shape.iter().product()))
                 .unwrap();
         }
-        assert_eq!(opt.step().unwrap().updated, 4);
+        assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 4);
         for (&id, (name, shape)) in ids.iter().zip(TENSORS.iter()) {
             // Not every tensor is stored at every step (file size); the last step always is.
             let key = format!("{anchor}.step{t}.{name}");

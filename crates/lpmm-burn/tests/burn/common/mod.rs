@@ -169,7 +169,7 @@ pub fn reference(
 }
 
 /// One step of the reference at `lr` on `grads` (host vectors in visiting order), taken with
-/// `Optimizer::step_gradients` as lpmm-burn takes it from burn's tensors. (With an f32
+/// `Optimizer::step` with `Step::given` as lpmm-burn takes it from burn's tensors. (With an f32
 /// accumulator or none this equals accumulating and stepping, lpmm-optim's `tests/gradients.rs`;
 /// with a lossy gradient storage the norm is of the gradients as given, before their rounding
 /// into the accumulator.)
@@ -184,7 +184,7 @@ pub fn reference_step(
     for (&id, g) in ids.iter().zip(grads) {
         given[id.index()] = g;
     }
-    r.step_gradients(&mut given, None).unwrap()
+    r.step(lpmm_optim::Step::given(&mut given)).unwrap()
 }
 
 /// The same step as accumulating the gradients and stepping (`Optimizer::accumulate`,
@@ -199,7 +199,7 @@ pub fn reference_accumulated_step(
     for (&id, g) in ids.iter().zip(grads) {
         r.accumulate(id, &g).unwrap();
     }
-    r.step().unwrap()
+    r.step(lpmm_optim::Accumulated).unwrap()
 }
 
 /// The reference's parameters as f32 bits.

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{
     Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
-    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, StepWork, fits,
+    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, fits,
 };
 use crate::config::ParamConfig;
 use crate::coverage::{
@@ -19,6 +19,10 @@ use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
 use crate::format::Storage;
+
+mod step;
+
+pub use step::{Accumulated, Grad, Gradients, Lender, Lent, Step, WithGradient};
 
 /// The largest value of a step or accumulation counter: 2^53, the largest count the f64 bias
 /// corrections hold exactly (and what checkpoints accept). A step or `accumulate` that would pass
@@ -129,10 +133,10 @@ pub struct StepReport {
     /// The global gradient norm, when it was computed (clipping or the skip policy).
     pub grad_norm: Option<f64>,
     /// The parameters that expect a gradient and received none in this step: a step from
-    /// accumulators (`step`, `step_lent`, `begin_step`, `step_with_summary`) counts those not
-    /// accumulated since the last step; `step_gradients` those the source has no gradient for
-    /// and that hold none accumulated. A parameter stepped by a released step (`step_param`,
-    /// `accumulate_states`) since the last step counts as covered; a released step itself is
+    /// accumulators ([`Step::accumulated`], [`Step::summarized`]) counts those not accumulated
+    /// since the last step; [`Step::given`] those the source has no gradient for and that hold
+    /// none accumulated. A parameter stepped by a released step ([`Step::param`],
+    /// [`Step::states_only`]) since the last step counts as covered; a released step itself is
     /// not a check (`checked` 0). Parameters excluded with
     /// [`Optimizer::set_expects_gradient`] are not counted.
     pub missing_gradients: MissingGradients,
@@ -160,95 +164,6 @@ pub enum LrRule {
     Fixed,
 }
 
-/// A step begun with [`Optimizer::begin_step`]: its decision (skipped or not, the clip factor)
-/// and what it has done so far. Finish it with [`Optimizer::finish_step`].
-#[derive(Debug)]
-#[must_use = "a begun step must be finished with Optimizer::finish_step"]
-pub struct StepInProgress {
-    report: StepReport,
-    clip: f32,
-}
-
-impl StepInProgress {
-    /// Whether the step was skipped (a non-finite gradient under `SkipStep`): nothing moves.
-    pub fn skipped(&self) -> bool {
-        self.report.skipped
-    }
-
-    /// The factor gradients are multiplied by (global-norm clipping; 1 if none).
-    pub fn clip(&self) -> f32 {
-        self.clip
-    }
-}
-
-/// Lends the buffers of lent parameters ([`Optimizer::add_lent_param`]) to operations that need
-/// them: a framework hands out its tensors' memory only inside a callback (candle's in-place
-/// operations), so the optimizer asks for one buffer at a time.
-pub trait Lender<B: Backend> {
-    /// Calls `f` with parameter `id`'s buffer, read-only.
-    fn lend(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Input<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-    /// Calls `f` with parameter `id`'s buffer, writable.
-    fn lend_mut(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Output<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-}
-
-/// What [`Gradients::gradient`] calls with a parameter's gradient (`None`: no gradient).
-pub type WithGradient<'f, B> =
-    dyn FnMut(Option<<B as Backend>::Input<'_>>) -> Result<(), OptimError> + 'f;
-
-/// The gradients of a step taken straight from the caller's gradient buffers
-/// ([`Optimizer::step_gradients`]): a framework's gradient tensors, read where they are, each
-/// released as soon as its parameter has stepped.
-pub trait Gradients<B: Backend> {
-    /// Calls `f` with parameter `id`'s gradient, or `None` if it has none this step.
-    fn gradient(&mut self, id: ParamId, f: &mut WithGradient<'_, B>) -> Result<(), OptimError>;
-    /// Parameter `id` has stepped (or the step was skipped): its gradient may be dropped.
-    fn consumed(&mut self, _id: ParamId) {}
-}
-
-/// Host slices as gradients (for tests and host training loops): `grads[id.index()]`, empty for
-/// none.
-impl Gradients<Cpu> for Vec<Vec<f32>> {
-    fn gradient(&mut self, id: ParamId, f: &mut WithGradient<'_, Cpu>) -> Result<(), OptimError> {
-        match self.get(id.0) {
-            Some(g) if !g.is_empty() => f(Some(HostValues::F32(g))),
-            _ => f(None),
-        }
-    }
-}
-
-/// Host slices as lent buffers (for tests and host training loops): `buffers[id.index()]`.
-impl Lender<Cpu> for Vec<Vec<f32>> {
-    fn lend(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(HostValues<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError> {
-        let b = self
-            .get(id.0)
-            .ok_or(OptimError::UnknownParam(format!("#{}", id.0)))?;
-        f(HostValues::F32(b))
-    }
-
-    fn lend_mut(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(HostValuesMut<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError> {
-        let b = self
-            .get_mut(id.0)
-            .ok_or(OptimError::UnknownParam(format!("#{}", id.0)))?;
-        f(HostValuesMut::F32(b))
-    }
-}
-
 /// The optimizer's bookkeeping of one parameter.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamState {
@@ -272,7 +187,7 @@ pub(crate) struct ParamState {
     /// Whether a step without a gradient for it counts as missing one
     /// ([`Optimizer::set_expects_gradient`]; not saved in checkpoints).
     pub expects_gradient: bool,
-    /// A released step (`step_param`, `accumulate_states`) took a gradient for it since the last
+    /// A released step (`Step::param`, `Step::states_only`) took a gradient for it since the last
     /// step: it counts as covered.
     pub released: bool,
 }
@@ -314,7 +229,7 @@ fn missing_gradients(states: &[ParamState], covered: impl Fn(usize) -> bool) -> 
 
 /// The random-stream counters of [`Optimizer::eval`] and [`Optimizer::train`] start here:
 /// `2^62 + 2 steps + 1` for the move to evaluation, `2^62 + 2 steps` back.
-pub const TRANSFORM_COUNTER: u64 = 1 << 62;
+pub(crate) const TRANSFORM_COUNTER: u64 = 1 << 62;
 
 /// The optimizer over all registered parameters, on backend `B` (the CPU by default).
 #[derive(Debug)]
@@ -332,8 +247,7 @@ pub struct Optimizer<B: Backend = Cpu> {
     /// backend's statistics, the step's participants and plans, the non-finite flags.
     stats: Vec<(ExactSum, bool)>,
     select: Vec<bool>,
-    /// The plans of a begun step's participants not yet stepped.
-    pending_plans: Vec<Option<ParamStep>>,
+    given: Vec<bool>,
     /// Whether plans use the specialized kernels ([`Optimizer::set_specialized_kernels`]).
     specialized: bool,
     plans: Vec<Option<ParamStep>>,
@@ -386,7 +300,7 @@ impl<B: Backend> Optimizer<B> {
             global_steps: 0,
             stats: Vec::new(),
             select: Vec::new(),
-            pending_plans: Vec::new(),
+            given: Vec::new(),
             specialized: true,
             plans: Vec::new(),
             flags: Vec::new(),
@@ -487,8 +401,7 @@ impl<B: Backend> Optimizer<B> {
     /// a split remainder), gradient accumulator and states. Its storage must be a framework
     /// dtype ([`crate::backend::Format::lendable`]: f32 for `F32`; bf16 for `Bf16`,
     /// `Bf16Kahan`, `SplitF32`) and `values` that buffer, whose values must be finite. Every
-    /// later operation that touches the parameter takes the buffer again ([`Optimizer::step_lent`],
-    /// [`Optimizer::begin_step`], [`Lender`]).
+    /// later operation that touches the parameter takes the buffer again ([`Lent`]).
     pub fn add_lent_param(
         &mut self,
         name: &str,
@@ -664,7 +577,7 @@ impl<B: Backend> Optimizer<B> {
         self.params.push(param);
         self.stats.push((ExactSum::new(), true));
         self.select.push(false);
-        self.pending_plans.push(None);
+        self.given.push(false);
         self.plans.push(None);
         self.flags.push(false);
         self.call_flags.push(false);
@@ -870,74 +783,6 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Adds a micro-batch gradient into the parameter's gradient accumulator (in its storage
-    /// format, stochastically rounded if configured so). The next step consumes and resets it.
-    /// A float accumulator (f32, bf16) keeps what it cannot represent as ±Inf or NaN — a
-    /// non-finite micro-batch, or a sum beyond its range — for the step's non-finite policy,
-    /// which reports the parameter. A quantized accumulator cannot hold such values: a
-    /// non-finite micro-batch ([`OptimError::Quant`] naming the element), or one whose sum with
-    /// what the accumulator holds would overflow ([`OptimError::AccumulatorOverflow`]), is
-    /// refused and nothing changes.
-    pub fn accumulate(&mut self, id: ParamId, grad: &[f32]) -> Result<(), OptimError> {
-        self.check_len(id, "gradient", grad.len())?;
-        if self.layouts[id.0]
-            .format(SlotKind::Grad)
-            .is_some_and(|f| !f.holds_non_finite())
-            && let Some(index) = grad.iter().position(|v| !v.is_finite())
-        {
-            return Err(lpmm_quant::QuantError::NonFinite {
-                index,
-                value: grad[index],
-            }
-            .into());
-        }
-        let grad = self.backend.host_input(HostValues::F32(grad));
-        self.accumulate_input(id, grad)
-    }
-
-    /// [`Optimizer::accumulate`] from a buffer in the backend's memory (a framework's gradient
-    /// tensor: no copy through the host on a device backend), f32 or bf16.
-    pub fn accumulate_input(&mut self, id: ParamId, grad: B::Input<'_>) -> Result<(), OptimError> {
-        let (_, len) = self.backend.input_info(&grad);
-        self.check_len(id, "gradient", len)?;
-        let state = &self.states[id.0];
-        let Some(format) = self.layouts[id.0].format(SlotKind::Grad) else {
-            return Err(OptimError::NoAccumulator(state.name.clone()));
-        };
-        check_counter(
-            || format!("parameter {}'s accumulation counter", state.name),
-            state.accumulations + 1,
-        )?;
-        if !format.holds_non_finite() {
-            if !self.backend.finite(grad)? {
-                return Err(OptimError::NonFiniteGradient {
-                    param: state.name.clone(),
-                });
-            }
-            if !self
-                .backend
-                .accumulate_fits(&self.params[id.0], &self.layouts[id.0], grad)?
-            {
-                return Err(OptimError::AccumulatorOverflow {
-                    param: state.name.clone(),
-                    storage: state.config.grad.describe(),
-                    limit: format.limit(),
-                });
-            }
-        }
-        self.backend.accumulate(
-            &mut self.params[id.0],
-            &self.layouts[id.0],
-            state.accumulations,
-            grad,
-            self.options.seed,
-        )?;
-        let state = &mut self.states[id.0];
-        state.accumulations += 1;
-        state.pending = true;
-        Ok(())
-    }
-
     /// Reads the parameter's current value as f32 into `out`.
     pub fn read_param(&self, id: ParamId, out: &mut [f32]) -> Result<(), OptimError> {
         self.read_slot(id, SlotKind::Param, out)
@@ -967,13 +812,9 @@ impl<B: Backend> Optimizer<B> {
 
     /// One slot of the parameter in the canonical host layout (the stored bits, unsharded): what a
     /// checkpoint holds, and how two backends are compared bit for bit. A lent parameter's
-    /// parameter slot needs its buffer: [`Optimizer::export_slot_lent`].
-    pub fn export_slot(&self, id: ParamId, slot: SlotKind) -> Result<HostSlot, OptimError> {
-        self.export_slot_lent(id, slot, None)
-    }
-
-    /// [`Optimizer::export_slot`] with a lent parameter's buffer.
-    pub fn export_slot_lent(
+    /// parameter slot is read from its buffer, `lent` (`None` for every other slot and
+    /// parameter).
+    pub fn export_slot(
         &self,
         id: ParamId,
         slot: SlotKind,
@@ -1017,24 +858,15 @@ impl<B: Backend> Optimizer<B> {
     /// refused ([`OptimError::EvalMode`]) until [`Optimizer::train`]. Stored values round as the
     /// parameter's storage rounds (stochastic rounding draws from a stream no step uses), so a
     /// low-precision `y` comes back within its rounding, not bit for bit. A no-op in
-    /// evaluation mode. Lent parameters need their buffers: [`Optimizer::eval_lent`].
-    pub fn eval(&mut self) -> Result<(), OptimError> {
-        self.transform(true, None)
+    /// evaluation mode. Lent parameters that move need their buffers in `lent` ([`Lent::None`]
+    /// when no parameter is lent).
+    pub fn eval(&mut self, lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
+        self.transform(true, lent)
     }
 
     /// Back to the training point ([`Optimizer::eval`]'s inverse: `train()`).
-    pub fn train(&mut self) -> Result<(), OptimError> {
-        self.transform(false, None)
-    }
-
-    /// [`Optimizer::eval`] with the buffers of lent parameters.
-    pub fn eval_lent(&mut self, lender: &mut dyn Lender<B>) -> Result<(), OptimError> {
-        self.transform(true, Some(lender))
-    }
-
-    /// [`Optimizer::train`] with the buffers of lent parameters.
-    pub fn train_lent(&mut self, lender: &mut dyn Lender<B>) -> Result<(), OptimError> {
-        self.transform(false, Some(lender))
+    pub fn train(&mut self, lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
+        self.transform(false, lent)
     }
 
     /// The parameters a mode change moves.
@@ -1059,18 +891,14 @@ impl<B: Backend> Optimizer<B> {
             .collect()
     }
 
-    fn transform(
-        &mut self,
-        eval: bool,
-        mut lender: Option<&mut dyn Lender<B>>,
-    ) -> Result<(), OptimError> {
+    fn transform(&mut self, eval: bool, mut lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
         if self.eval == eval {
             return Ok(());
         }
         let moves = self.transforms(eval);
         if let Some(&(i, _)) = moves
             .iter()
-            .find(|(i, _)| self.layouts[*i].lent && lender.is_none())
+            .find(|(i, _)| self.layouts[*i].lent && !lent.has(ParamId(*i)))
         {
             return Err(self.unlent(i));
         }
@@ -1087,13 +915,9 @@ impl<B: Backend> Optimizer<B> {
             if !self.layouts[i].lent {
                 continue;
             }
-            let id = ParamId(i);
-            let lender = lender.as_deref_mut().expect("checked above");
-            lender.lend_mut(id, &mut |buf| {
-                self.plans.iter_mut().for_each(|p| *p = None);
-                self.plans[i] = Some(plan);
-                self.run_plans(None, &mut [(id, buf)])
-            })?;
+            self.plans.iter_mut().for_each(|p| *p = None);
+            self.plans[i] = Some(plan);
+            self.run_lent(&mut lent, i, None)?;
         }
         self.eval = eval;
         Ok(())
@@ -1112,18 +936,10 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Replaces one slot of a parameter with host contents in the canonical layout of its
-    /// storage (checkpoints, shards assembled by lpmm-dist); a mismatch leaves it unchanged.
+    /// storage (checkpoints, shards assembled by lpmm-dist); a mismatch leaves it unchanged. A
+    /// lent parameter's parameter slot is written to its buffer, `lent` (`None` for every other
+    /// slot and parameter).
     pub fn import_slot(
-        &mut self,
-        id: ParamId,
-        slot: SlotKind,
-        host: HostSlot,
-    ) -> Result<(), OptimError> {
-        self.import_slot_lent(id, slot, &host, None)
-    }
-
-    /// [`Optimizer::import_slot`] with a lent parameter's buffer.
-    pub fn import_slot_lent(
         &mut self,
         id: ParamId,
         slot: SlotKind,
@@ -1191,549 +1007,6 @@ impl<B: Backend> Optimizer<B> {
         check_counter(|| "the step counter".into(), steps)?;
         self.global_steps = steps;
         Ok(())
-    }
-
-    /// Refuses a step that would take the global counter, or the step counter of a parameter
-    /// with `takes_part`, past [`MAX_COUNTER`] (before anything changes).
-    /// In evaluation mode no parameter steps.
-    fn check_training(&self) -> Result<(), OptimError> {
-        if self.eval {
-            return Err(OptimError::EvalMode);
-        }
-        Ok(())
-    }
-
-    fn check_step_counters(&self, takes_part: impl Fn(usize) -> bool) -> Result<(), OptimError> {
-        self.check_training()?;
-        check_counter(|| "the step counter".into(), self.global_steps + 1)?;
-        for (i, m) in self.states.iter().enumerate() {
-            if takes_part(i) {
-                check_counter(
-                    || format!("parameter {}'s step counter", m.name),
-                    m.steps + 1,
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Steps every parameter whose accumulator holds gradients, consuming them. Lent parameters
-    /// need their buffers: [`Optimizer::step_lent`].
-    pub fn step(&mut self) -> Result<StepReport, OptimError> {
-        let step = self.begin_step()?;
-        self.finish_step(step)
-    }
-
-    /// [`Optimizer::step`] with the buffers of lent parameters (each stepped in place).
-    pub fn step_lent(
-        &mut self,
-        lent: &mut [(ParamId, B::Output<'_>)],
-    ) -> Result<StepReport, OptimError> {
-        let step = self.begin_step()?;
-        if !step.skipped() {
-            self.step_part(&step, lent)?;
-        }
-        self.finish_step(step)
-    }
-
-    /// The first part of a step that a caller drives parameter by parameter (a framework that
-    /// lends one tensor at a time): the gradient pre-pass and its decision (skip, clip), with no
-    /// parameter moved yet. Then [`Optimizer::step_part`] for lent parameters (in any order,
-    /// each at most once) and [`Optimizer::finish_step`], which steps every other participant.
-    pub fn begin_step(&mut self) -> Result<StepInProgress, OptimError> {
-        // Pre-pass over the gradients when the norm is needed (clipping) or the step may be
-        // skipped: one read of each accumulator.
-        if self.options.max_grad_norm.is_some()
-            || self.options.non_finite == NonFinitePolicy::SkipStep
-        {
-            let local = self.gradient_summary()?;
-            let any = !local.non_finite.is_empty();
-            self.begin_with_summary(Some((local.sum, any)), local.non_finite)
-        } else {
-            for (s, m) in self.select.iter_mut().zip(&self.states) {
-                *s = m.pending;
-            }
-            self.begin_with_summary(None, Vec::new())
-        }
-    }
-
-    /// Steps the given participants of a begun step, lent ones in their buffers.
-    pub fn step_part(
-        &mut self,
-        step: &StepInProgress,
-        part: &mut [(ParamId, B::Output<'_>)],
-    ) -> Result<(), OptimError> {
-        if step.skipped() {
-            return Ok(());
-        }
-        for (id, _) in part.iter() {
-            self.state(*id)?;
-            if self.pending_plans[id.0].is_none() {
-                return Err(OptimError::Lent {
-                    param: self.states[id.0].name.clone(),
-                    reason: "it has no gradient in this step, or was stepped already".into(),
-                });
-            }
-        }
-        self.plans.iter_mut().for_each(|p| *p = None);
-        for (id, _) in part.iter() {
-            self.plans[id.0] = self.pending_plans[id.0].take();
-        }
-        self.run_plans(None, part)
-    }
-
-    /// Finishes a begun step: steps every participant not stepped by [`Optimizer::step_part`]
-    /// (a lent one left out is an error naming it) and reports.
-    pub fn finish_step(&mut self, step: StepInProgress) -> Result<StepReport, OptimError> {
-        let StepInProgress { mut report, .. } = step;
-        if report.skipped {
-            return Ok(report);
-        }
-        if let Some(i) = self
-            .pending_plans
-            .iter()
-            .zip(&self.layouts)
-            .position(|(p, l)| p.is_some() && l.lent)
-        {
-            return Err(OptimError::Lent {
-                param: self.states[i].name.clone(),
-                reason: "it takes part in this step but its buffer was not lent (step_lent or step_part)"
-                    .into(),
-            });
-        }
-        std::mem::swap(&mut self.plans, &mut self.pending_plans);
-        self.run_plans(None, &mut [])?;
-        for (index, state) in self.states.iter_mut().enumerate() {
-            if self.select[index] {
-                self.select[index] = false;
-                if self.flags[index] && !report.non_finite.contains(&ParamId(index)) {
-                    report.non_finite.push(ParamId(index));
-                }
-                report.updated += 1;
-                state.stepped();
-                state.pending = false;
-            }
-        }
-        self.global_steps += 1;
-        Ok(report)
-    }
-
-    /// Runs the backend's step on `self.plans` (cleared after), folding its non-finite flags
-    /// into `self.flags` (cleared when a step begins).
-    fn run_plans(
-        &mut self,
-        released: Option<(usize, B::Input<'_>)>,
-        lent: &mut [(ParamId, B::Output<'_>)],
-    ) -> Result<(), OptimError> {
-        let result = self.backend.step(StepWork {
-            params: &mut self.params,
-            layouts: &self.layouts,
-            plans: &self.plans,
-            released,
-            lent,
-            seed: self.options.seed,
-            non_finite: &mut self.call_flags,
-        });
-        for ((f, &c), p) in self.flags.iter_mut().zip(&self.call_flags).zip(&self.plans) {
-            if p.is_some() {
-                *f |= c;
-            }
-        }
-        self.plans.iter_mut().for_each(|p| *p = None);
-        Ok(result?)
-    }
-
-    /// A step whose gradients come from the caller's buffers (a framework's gradient tensors
-    /// after a backward pass: no accumulator is needed and no copy is made), together with
-    /// every parameter whose accumulator holds gradients (e.g. accumulated during the backward
-    /// pass by a layer over an lpmm parameter). The policies keep their meaning over all of them
-    /// — the exact global norm for clipping, all or nothing under SkipStep — and each given
-    /// gradient is released (`Gradients::consumed`) as soon as its parameter has stepped, so the
-    /// caller can drop it parameter by parameter. Lent parameters get their buffers from
-    /// `lender`. A parameter cannot take both a given gradient and an accumulated one (an error
-    /// naming it; nothing moves).
-    pub fn step_gradients(
-        &mut self,
-        grads: &mut dyn Gradients<B>,
-        mut lender: Option<&mut dyn Lender<B>>,
-    ) -> Result<StepReport, OptimError> {
-        let n = self.len();
-        let need_stats = self.options.max_grad_norm.is_some()
-            || self.options.non_finite == NonFinitePolicy::SkipStep;
-        let mut report = StepReport::default();
-        let mut sum = ExactSum::new();
-        let mut given = vec![false; n];
-        for (i, given) in given.iter_mut().enumerate() {
-            let id = ParamId(i);
-            let (numel, pending, name) = (
-                self.layouts[i].numel,
-                self.states[i].pending,
-                &self.states[i].name,
-            );
-            let backend = &self.backend;
-            grads.gradient(id, &mut |g| {
-                let Some(g) = g else { return Ok(()) };
-                let (_, len) = backend.input_info(&g);
-                if len != numel {
-                    return Err(OptimError::Length {
-                        param: name.clone(),
-                        what: "gradient",
-                        expected: numel,
-                        actual: len,
-                    });
-                }
-                if pending {
-                    return Err(OptimError::Lent {
-                        param: name.clone(),
-                        reason: "it holds an accumulated gradient and was given another: pass all of its gradient one way".into(),
-                    });
-                }
-                *given = true;
-                if need_stats {
-                    let (s, finite) = backend.input_stats(g)?;
-                    sum.merge(&s);
-                    if !finite {
-                        report.non_finite.push(id);
-                    }
-                }
-                Ok(())
-            })?;
-        }
-        // Every parameter taking part (given or accumulated) must have a step left.
-        self.check_step_counters(|i| given[i] || self.states[i].pending)?;
-        // Coverage, before anything moves (no gradient has been consumed yet).
-        let missing = missing_gradients(&self.states, |i| given[i] || self.states[i].pending);
-        self.coverage.check(&missing, self.global_steps + 1)?;
-        self.forget_released();
-        report.missing_gradients = missing;
-        // The accumulated ones.
-        for (s, m) in self.select.iter_mut().zip(&self.states) {
-            *s = m.pending;
-        }
-        if need_stats && self.select.iter().any(|&s| s) {
-            self.backend.gradient_stats(
-                &mut self.params,
-                &self.layouts,
-                &self.select,
-                &mut self.stats,
-            )?;
-            for (i, (&s, (part, finite))) in self.select.iter().zip(&self.stats).enumerate() {
-                if s {
-                    sum.merge(part);
-                    if !finite {
-                        report.non_finite.push(ParamId(i));
-                    }
-                }
-            }
-            report.non_finite.sort();
-        }
-        let mut clip = 1.0f32;
-        if need_stats {
-            let norm = sum.to_f64().sqrt();
-            report.grad_norm = Some(norm);
-            if let Some(max) = self.options.max_grad_norm
-                && norm.is_finite()
-                && norm > max
-            {
-                clip = (max / (norm + 1e-6)) as f32;
-            }
-            if !report.non_finite.is_empty() && self.options.non_finite == NonFinitePolicy::SkipStep
-            {
-                report.skipped = true;
-                for (i, &g) in given.iter().enumerate() {
-                    if g {
-                        grads.consumed(ParamId(i));
-                    }
-                }
-                for (m, s) in self.states.iter_mut().zip(self.select.iter_mut()) {
-                    m.pending = false;
-                    *s = false;
-                }
-                self.backend
-                    .clear_gradients(&mut self.params, &self.layouts, None)?;
-                return Ok(report);
-            }
-        }
-        let plan = |state: &ParamState| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip);
-        self.flags.iter_mut().for_each(|f| *f = false);
-        // Accumulated gradients: every held parameter in one call, lent ones one at a time.
-        self.plans.iter_mut().for_each(|p| *p = None);
-        for i in 0..n {
-            if self.select[i] && !self.layouts[i].lent {
-                self.plans[i] = Some(plan(&self.states[i]));
-            }
-        }
-        if self.plans.iter().any(Option::is_some) {
-            self.run_plans(None, &mut [])?;
-        }
-        for i in 0..n {
-            if !(self.select[i] && self.layouts[i].lent) {
-                continue;
-            }
-            let id = ParamId(i);
-            self.plans[i] = Some(plan(&self.states[i]));
-            let Some(lender) = lender.as_deref_mut() else {
-                return Err(self.unlent(i));
-            };
-            lender.lend_mut(id, &mut |buf| self.run_plans(None, &mut [(id, buf)]))?;
-        }
-        // Given gradients, released as they are consumed.
-        for i in (0..n).filter(|&i| given[i]) {
-            let id = ParamId(i);
-            self.plans.iter_mut().for_each(|p| *p = None);
-            self.plans[i] = Some(plan(&self.states[i]));
-            let lent = self.layouts[i].lent;
-            grads.gradient(id, &mut |g| {
-                let Some(g) = g else { return Ok(()) };
-                if !lent {
-                    return self.run_plans(Some((i, g)), &mut []);
-                }
-                let Some(lender) = lender.as_deref_mut() else {
-                    return Err(self.unlent(i));
-                };
-                lender.lend_mut(id, &mut |buf| {
-                    self.run_plans(Some((i, g)), &mut [(id, buf)])
-                })
-            })?;
-            grads.consumed(id);
-        }
-        for (i, &was_given) in given.iter().enumerate().take(n) {
-            if was_given || self.select[i] {
-                let id = ParamId(i);
-                if self.flags[i] && !report.non_finite.contains(&id) {
-                    report.non_finite.push(id);
-                }
-                let m = &mut self.states[i];
-                m.stepped();
-                m.pending = false;
-                self.select[i] = false;
-                report.updated += 1;
-            }
-        }
-        self.global_steps += 1;
-        Ok(report)
-    }
-
-    fn unlent(&self, i: usize) -> OptimError {
-        OptimError::Lent {
-            param: self.states[i].name.clone(),
-            reason: "it takes part in this step but no lender was given".into(),
-        }
-    }
-
-    /// The first half of a step split across ranks (lpmm-dist): marks every parameter with
-    /// pending gradients as taking part and returns the exact sum of squares of their finite
-    /// gradient values and the parameters whose gradients are not all finite. Sums from several
-    /// optimizers (the shards of one model) add exactly ([`ExactSum::merge`], or an integer
-    /// all-reduce of [`ExactSum::to_words`]) to the unsharded model's sum, bit for bit.
-    pub fn gradient_summary(&mut self) -> Result<GradientSummary, OptimError> {
-        for (s, m) in self.select.iter_mut().zip(&self.states) {
-            *s = m.pending;
-        }
-        self.backend.gradient_stats(
-            &mut self.params,
-            &self.layouts,
-            &self.select,
-            &mut self.stats,
-        )?;
-        let mut summary = GradientSummary::default();
-        for (index, (&s, (sum, finite))) in self.select.iter().zip(&self.stats).enumerate() {
-            if s {
-                summary.sum.merge(sum);
-                if !finite {
-                    summary.non_finite.push(ParamId(index));
-                }
-            }
-        }
-        Ok(summary)
-    }
-
-    /// The second half of a split step, after [`Optimizer::gradient_summary`]: steps with the
-    /// whole model's sum of squares (the norm for clipping) and whether any part of the model
-    /// has a non-finite gradient (the SkipStep decision), as `step` would on the unsharded
-    /// model. `local_non_finite` is this optimizer's part, reported back. `global` is `None`
-    /// when neither clipping nor SkipStep needs the pre-pass.
-    pub fn step_with_summary(
-        &mut self,
-        global: Option<(ExactSum, bool)>,
-        local_non_finite: Vec<ParamId>,
-    ) -> Result<StepReport, OptimError> {
-        let step = self.begin_with_summary(global, local_non_finite)?;
-        self.finish_step(step)
-    }
-
-    /// The decision of a step from the global summary: the norm, the clip factor, a skip (which
-    /// consumes every gradient), or the plans of the participants (`self.select`).
-    fn begin_with_summary(
-        &mut self,
-        global: Option<(ExactSum, bool)>,
-        local_non_finite: Vec<ParamId>,
-    ) -> Result<StepInProgress, OptimError> {
-        self.check_step_counters(|i| self.select[i])?;
-        let missing = missing_gradients(&self.states, |i| self.select[i]);
-        if let Err(e) = self.coverage.check(&missing, self.global_steps + 1) {
-            // Refused before anything moved; the participants are chosen again next time.
-            self.select.iter_mut().for_each(|s| *s = false);
-            return Err(e);
-        }
-        self.forget_released();
-        let mut report = StepReport {
-            non_finite: local_non_finite,
-            missing_gradients: missing,
-            ..StepReport::default()
-        };
-        let mut clip = 1.0f32;
-        if let Some((sum, any_non_finite)) = global {
-            let norm = sum.to_f64().sqrt();
-            report.grad_norm = Some(norm);
-            if let Some(max) = self.options.max_grad_norm
-                && norm.is_finite()
-                && norm > max
-            {
-                clip = (max / (norm + 1e-6)) as f32;
-            }
-            if any_non_finite && self.options.non_finite == NonFinitePolicy::SkipStep {
-                report.skipped = true;
-                for (m, s) in self.states.iter_mut().zip(self.select.iter_mut()) {
-                    m.pending = false;
-                    *s = false;
-                }
-                self.backend
-                    .clear_gradients(&mut self.params, &self.layouts, None)?;
-                return Ok(StepInProgress { report, clip });
-            }
-        }
-        self.flags.iter_mut().for_each(|f| *f = false);
-        for ((plan, &s), state) in self
-            .pending_plans
-            .iter_mut()
-            .zip(&self.select)
-            .zip(&self.states)
-        {
-            *plan = s.then(|| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip));
-        }
-        Ok(StepInProgress { report, clip })
-    }
-
-    /// Gradient release: steps one parameter now with `grad` (plus anything its accumulator
-    /// holds), so a training loop can step each parameter from its backward hook and never hold
-    /// all gradients. Global-norm clipping needs every gradient and is not applied here.
-    pub fn step_param(&mut self, id: ParamId, grad: &[f32]) -> Result<StepReport, OptimError> {
-        self.check_len(id, "gradient", grad.len())?;
-        let grad = self.backend.host_input(HostValues::F32(grad));
-        self.release_step(id, grad, true, None)
-    }
-
-    /// [`Optimizer::step_param`] with the gradient in the backend's memory and, for a lent
-    /// parameter, its buffer.
-    pub fn step_param_input<'l>(
-        &mut self,
-        id: ParamId,
-        grad: B::Input<'l>,
-        lent: Option<B::Output<'l>>,
-    ) -> Result<StepReport, OptimError> {
-        self.release_step(id, grad, true, lent)
-    }
-
-    /// Optimizer accumulation (optimi's, after Zhang et al.'s AdamAccumulation): folds a
-    /// micro-batch gradient straight into the optimizer states — the rule's state update with
-    /// this gradient, the step counter advancing — without weight decay and without moving the
-    /// parameter. Finish the accumulation with [`Optimizer::step_param`] on the last micro-batch.
-    /// With gradient storage `None` no gradient memory is ever held.
-    pub fn accumulate_states(
-        &mut self,
-        id: ParamId,
-        grad: &[f32],
-    ) -> Result<StepReport, OptimError> {
-        self.check_len(id, "gradient", grad.len())?;
-        let grad = self.backend.host_input(HostValues::F32(grad));
-        self.release_step(id, grad, false, None)
-    }
-
-    /// [`Optimizer::accumulate_states`] with the gradient in the backend's memory and, for a
-    /// lent parameter, its buffer (read for Adam's L2 penalty; not moved).
-    pub fn accumulate_states_input<'l>(
-        &mut self,
-        id: ParamId,
-        grad: B::Input<'l>,
-        lent: Option<B::Output<'l>>,
-    ) -> Result<StepReport, OptimError> {
-        self.release_step(id, grad, false, lent)
-    }
-
-    fn release_step<'l>(
-        &mut self,
-        id: ParamId,
-        grad: B::Input<'l>,
-        update_param: bool,
-        lent: Option<B::Output<'l>>,
-    ) -> Result<StepReport, OptimError> {
-        let (_, len) = self.backend.input_info(&grad);
-        self.check_len(id, "gradient", len)?;
-        if self.layouts[id.0].lent != lent.is_some() {
-            return Err(OptimError::Lent {
-                param: self.states[id.0].name.clone(),
-                reason: if lent.is_some() {
-                    "a buffer was lent for a parameter lpmm holds".into()
-                } else {
-                    "it is lent: pass its buffer".into()
-                },
-            });
-        }
-        self.check_training()?;
-        let name = &self.states[id.0].name;
-        check_counter(
-            || format!("parameter {name}'s step counter"),
-            self.states[id.0].steps + 1,
-        )?;
-        let mut report = StepReport::default();
-        for (i, s) in self.select.iter_mut().enumerate() {
-            *s = i == id.0;
-        }
-        // The gradient is `grad` plus whatever the accumulator holds: both must be finite.
-        let mut finite = self.backend.finite(grad)?;
-        if self.states[id.0].pending {
-            self.backend.gradient_stats(
-                &mut self.params,
-                &self.layouts,
-                &self.select,
-                &mut self.stats,
-            )?;
-            finite &= self.stats[id.0].1;
-        }
-        self.select[id.0] = false;
-        if !finite {
-            report.non_finite.push(id);
-            if self.options.non_finite == NonFinitePolicy::SkipStep {
-                // Skipped and consumed, as `step` does.
-                report.skipped = true;
-                self.backend
-                    .clear_gradients(&mut self.params, &self.layouts, Some(id.0))?;
-                self.states[id.0].pending = false;
-                self.states[id.0].released = true;
-                return Ok(report);
-            }
-        }
-        let state = &self.states[id.0];
-        self.plans.iter_mut().for_each(|p| *p = None);
-        self.plans[id.0] = Some(state.plan(
-            StepFlags(0).with(StepFlags::UPDATE_PARAM, update_param),
-            1.0,
-        ));
-        self.flags[id.0] = false;
-        match lent {
-            Some(l) => self.run_plans(Some((id.0, grad)), &mut [(id, l)])?,
-            None => self.run_plans(Some((id.0, grad)), &mut [])?,
-        }
-        if self.flags[id.0] && !report.non_finite.contains(&id) {
-            report.non_finite.push(id);
-        }
-        let m = &mut self.states[id.0];
-        m.stepped();
-        m.pending = false;
-        m.released = true;
-        report.updated = 1;
-        Ok(report)
     }
 }
 
