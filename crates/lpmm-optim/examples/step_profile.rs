@@ -2,7 +2,7 @@
 //! `cargo run --release -p lpmm-optim --example step_profile -- [preset] [params] [steps]`
 //! (e.g. `perf record -g target/release/examples/step_profile adamw8bit_bf16 16777216 20`).
 
-use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, Step, presets};
 use std::time::Instant;
 
 /// The fused step of one preset, over and over.
@@ -66,17 +66,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-5).collect();
     let id = opt.add_param("w", &shape, &init, g)?;
     // One step first: the slots' pages are touched (faulted in) by it, not timed.
-    opt.step(lpmm_optim::Step::param(id, &grad))?;
+    opt.step(Step::param(id, &grad))?;
     let mut timed = std::time::Duration::ZERO;
     for _ in 0..steps {
         if args.acc {
             opt.accumulate(id, &grad)?;
             let t = Instant::now();
-            opt.step(lpmm_optim::Accumulated)?;
+            opt.step(Accumulated)?;
             timed += t.elapsed();
         } else {
             let t = Instant::now();
-            opt.step(lpmm_optim::Step::param(id, &grad))?;
+            opt.step(Step::param(id, &grad))?;
             timed += t.elapsed();
         }
     }

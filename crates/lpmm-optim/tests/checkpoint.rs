@@ -506,7 +506,8 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
 }
 
 /// Adafactor, CAME, AdEMAMix, schedule-free AdamW, RMSprop (momentum and centered: all three
-/// states) and Adagrad (its initial accumulator read at the first step only) at their
+/// states), Adagrad (its initial accumulator read at the first step only) and LAMB (its trust
+/// ratio from two tensor-wide sums) at their
 /// low-precision presets: state 3, the factorized statistics, the rules' tensor-wide sums and
 /// schedule-free's host state (its averaging weights) all resume bit for bit; a checkpoint saved at the evaluation point loads
 /// there, refuses to step, and trains on after `train()` exactly as the uninterrupted run.
@@ -515,7 +516,7 @@ fn the_newer_rules_resume_exactly() {
     use lpmm_optim::presets;
     let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
     let dir = tmp.path();
-    let configs: [(&str, ParamConfig); 6] = [
+    let configs: [(&str, ParamConfig); 7] = [
         (
             "adafactor",
             presets::adafactor_lpmm().weight_decay(0.01).build(),
@@ -546,6 +547,13 @@ fn the_newer_rules_resume_exactly() {
             presets::adagrad_8bit(1e-2)
                 .lr_decay(0.01)
                 .initial_accumulator_value(0.1)
+                .build(),
+        ),
+        (
+            "lamb",
+            presets::lamb_8bit(1e-3)
+                .weight_decay(0.01)
+                .debias(true)
                 .build(),
         ),
     ];

@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use lpmm_optim::{Optimizer, OptimizerOptions, presets};
+use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, presets};
 use lpmm_wgpu::{Wgpu, WgpuOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -54,11 +54,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         opt.accumulate(w, &grad)?;
         let added = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        opt.step(lpmm_optim::Accumulated)?;
+        opt.step(Accumulated)?;
         let first = t1.elapsed().as_secs_f64();
         opt.accumulate(w, &grad)?;
         let t2 = Instant::now();
-        opt.step(lpmm_optim::Accumulated)?;
+        opt.step(Accumulated)?;
         let second = t2.elapsed().as_secs_f64();
         println!(
             "{name:16} add+accumulate {added:8.3} s, first step {first:8.3} s, second step {second:8.3} s; {:.3} s since start",

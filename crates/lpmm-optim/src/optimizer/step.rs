@@ -330,27 +330,22 @@ impl<B: Backend> Optimizer<B> {
         id: ParamId,
         grad: impl Into<Grad<'a, B>>,
     ) -> Result<(), OptimError> {
-        let grad = match grad.into() {
-            Grad::Host(host) => {
-                self.check_len(id, "gradient", host.info().1)?;
-                if let HostValues::F32(values) = host
-                    && self.layouts[id.0]
-                        .format(SlotKind::Grad)
-                        .is_some_and(|f| !f.holds_non_finite())
-                    && let Some(index) = values.iter().position(|v| !v.is_finite())
-                {
-                    return Err(lpmm_quant::QuantError::NonFinite {
-                        index,
-                        value: values[index],
-                    }
-                    .into());
+        let grad = grad.into();
+        if let Grad::Host(HostValues::F32(values)) = grad {
+            self.check_len(id, "gradient", values.len())?;
+            if self.layouts[id.0]
+                .format(SlotKind::Grad)
+                .is_some_and(|f| !f.holds_non_finite())
+                && let Some(index) = values.iter().position(|v| !v.is_finite())
+            {
+                return Err(lpmm_quant::QuantError::NonFinite {
+                    index,
+                    value: values[index],
                 }
-                self.backend.host_input(host)
+                .into());
             }
-            Grad::Input(input) => input,
-        };
-        let (_, len) = self.backend.input_info(&grad);
-        self.check_len(id, "gradient", len)?;
+        }
+        let grad = self.grad_input(id, grad)?;
         let state = &self.states[id.0];
         let Some(format) = self.layouts[id.0].format(SlotKind::Grad) else {
             return Err(OptimError::NoAccumulator(state.name.clone()));
@@ -412,6 +407,21 @@ impl<B: Backend> Optimizer<B> {
                 local_non_finite,
             } => self.step_all(None, Some((global, local_non_finite)), &mut lent),
         }
+    }
+
+    /// `grad` as a buffer of the backend's (host values copied in where the backend's memory is
+    /// elsewhere), of the parameter's length (checked before any copy).
+    fn grad_input<'a>(&self, id: ParamId, grad: Grad<'a, B>) -> Result<B::Input<'a>, OptimError> {
+        let input = match grad {
+            Grad::Host(host) => {
+                self.check_len(id, "gradient", host.info().1)?;
+                self.backend.host_input(host)
+            }
+            Grad::Input(input) => input,
+        };
+        let (_, len) = self.backend.input_info(&input);
+        self.check_len(id, "gradient", len)?;
+        Ok(input)
     }
 
     /// Buffers are for known, lent parameters, each at most once, of the parameter's dtype and
@@ -747,15 +757,7 @@ impl<B: Backend> Optimizer<B> {
         update_param: bool,
         lent: &mut Lent<'_, '_, B>,
     ) -> Result<StepReport, OptimError> {
-        let grad = match grad {
-            Grad::Host(host) => {
-                self.check_len(id, "gradient", host.info().1)?;
-                self.backend.host_input(host)
-            }
-            Grad::Input(input) => input,
-        };
-        let (_, len) = self.backend.input_info(&grad);
-        self.check_len(id, "gradient", len)?;
+        let grad = self.grad_input(id, grad)?;
         if self.layouts[id.0].lent && !lent.has(id) {
             return Err(self.unlent(id.0));
         }
