@@ -164,7 +164,7 @@ impl ParamConfig {
                 return Err(OptimError::StorageNotAllowed {
                     slot: name,
                     storage: format!(
-                        "factorized (only an average of squares: Adam's, Adafactor's and CAME's state 2, CAME's state 3; not {})",
+                        "factorized ({}'s {name} is not an average of squares it reads factorized)",
                         self.hyper.name()
                     ),
                 });

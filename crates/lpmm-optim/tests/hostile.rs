@@ -483,6 +483,17 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
                 .with_state2(Storage::Factorized)
                 .build(),
         ),
+        (
+            "LAMB clamp_value = 0",
+            presets::lamb_f32(1e-3).clamp_value(0.0).build(),
+        ),
+        ("LAMB eps = 0", presets::lamb_f32(1e-3).eps(0.0).build()),
+        (
+            "LAMB factorized second moment",
+            presets::lamb_f32(1e-3)
+                .with_state2(Storage::Factorized)
+                .build(),
+        ),
     ] {
         add("configuration", what, group(c));
     }
@@ -952,6 +963,72 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "Step::states_only at the evaluation point",
             refused(sf.step(lpmm_optim::Step::states_only(sid, &[0.1; 4]))),
         );
+        // Lent parameters' buffers (tests/gradients.rs checks that nothing moves).
+        {
+            use lpmm_optim::backend::{HostValues, HostValuesMut};
+            use lpmm_optim::{Lent, Step};
+            let config = presets::adamw_8bit(1e-3).build();
+            let mut lo = Optimizer::new(OptimizerOptions::default()).unwrap();
+            let g = lo.add_group(config).unwrap();
+            let held = lo.add_param("held", &[8], &[0.5; 8], g).unwrap();
+            let buf = vec![0.5f32; 8];
+            let lent = lo
+                .add_lent_param("lent", &[8], HostValues::F32(&buf), g, config)
+                .unwrap();
+            lo.accumulate(lent, &[0.1; 8]).unwrap();
+            add(
+                "lent buffers",
+                "a step of a lent parameter without its buffer",
+                refused(lo.step(lpmm_optim::Accumulated)),
+            );
+            let mut other = [0f32; 8];
+            add(
+                "lent buffers",
+                "a buffer for a parameter lpmm holds",
+                refused(
+                    lo.step(
+                        Step::accumulated()
+                            .lent(Lent::Buffers(&mut [(held, HostValuesMut::F32(&mut other))])),
+                    ),
+                ),
+            );
+            let (mut a, mut b) = ([0.5f32; 8], [0.5f32; 8]);
+            add(
+                "lent buffers",
+                "the same parameter's buffer twice",
+                refused(lo.step(Step::accumulated().lent(Lent::Buffers(&mut [
+                    (lent, HostValuesMut::F32(&mut a)),
+                    (lent, HostValuesMut::F32(&mut b)),
+                ])))),
+            );
+            let mut short = [0f32; 7];
+            add(
+                "lent buffers",
+                "a lent buffer one element short",
+                refused(
+                    lo.step(
+                        Step::accumulated()
+                            .lent(Lent::Buffers(&mut [(lent, HostValuesMut::F32(&mut short))])),
+                    ),
+                ),
+            );
+            let mut b16 = [lpmm_formats::bf16::from_f32(0.5); 8];
+            add(
+                "lent buffers",
+                "a bf16 buffer for an f32 parameter",
+                refused(
+                    lo.step(
+                        Step::accumulated()
+                            .lent(Lent::Buffers(&mut [(lent, HostValuesMut::Bf16(&mut b16))])),
+                    ),
+                ),
+            );
+            add(
+                "lent buffers",
+                "Step::param of a lent parameter without its buffer",
+                refused(lo.step(Step::param(lent, &[0.1; 8]))),
+            );
+        }
         let twice = {
             let mut v = [0f32; 4];
             sf.read_param(sid, &mut v).unwrap();
@@ -962,7 +1039,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         };
         add(
             "evaluation mode",
-            "eval() twice",
+            "eval(Lent::None) twice",
             if twice {
                 Seen::Correct("a no-op: the parameters stay at x".into())
             } else {
