@@ -679,6 +679,26 @@ pub struct Preset {
     pub goal: Goal,
 }
 
+impl Preset {
+    /// A preset judged for quality against `reference`: not SGD, one micro-batch per step, not
+    /// schedule-free.
+    const fn quality(
+        name: &'static str,
+        config: fn(f64) -> ParamConfig,
+        reference: &'static str,
+    ) -> Self {
+        Preset {
+            name,
+            config,
+            sgd: false,
+            reference,
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Quality,
+        }
+    }
+}
+
 /// What the comparison checks of a preset ([`crate::judge::judge`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum Goal {
@@ -719,33 +739,21 @@ pub fn presets() -> Vec<Preset> {
             schedule_free: false,
             goal: Goal::Reference,
         },
-        Preset {
-            name: "8-bit AdamW, bf16",
-            config: |lr| presets::adamw_8bit_bf16(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit AdamW, bf16 SR",
-            config: |lr| presets::adamw_8bit_bf16_sr(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "4-bit AdamW, split f32",
-            config: |lr| presets::adamw_4bit_split(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+        Preset::quality(
+            "8-bit AdamW, bf16",
+            |lr| presets::adamw_8bit_bf16(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16 SR",
+            |lr| presets::adamw_8bit_bf16_sr(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "4-bit AdamW, split f32",
+            |lr| presets::adamw_4bit_split(lr).build(),
+            "f32 AdamW",
+        ),
         Preset {
             name: "LPMM-SGDM",
             config: |lr| presets::lpmm_sgdm(lr, 0.9).build(),
@@ -764,21 +772,17 @@ pub fn presets() -> Vec<Preset> {
             schedule_free: false,
             goal: Goal::NaiveBaseline,
         },
-        Preset {
-            name: "f32 Adafactor",
-            config: |lr| {
+        Preset::quality(
+            "f32 Adafactor",
+            |lr| {
                 presets::adafactor_f32()
                     .beta1(0.9)
                     .lr(lr)
                     .scale_parameter(false)
                     .build()
             },
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+            "f32 AdamW",
+        ),
         Preset {
             name: "Adafactor, LPMM",
             config: |lr| {
@@ -793,15 +797,11 @@ pub fn presets() -> Vec<Preset> {
             schedule_free: false,
             goal: Goal::Quality,
         },
-        Preset {
-            name: "f32 CAME",
-            config: |lr| presets::came_f32(lr / 3.0).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+        Preset::quality(
+            "f32 CAME",
+            |lr| presets::came_f32(lr / 3.0).build(),
+            "f32 AdamW",
+        ),
         Preset {
             name: "CAME, LPMM",
             config: |lr| presets::came_lpmm(lr / 3.0).build(),
@@ -858,161 +858,101 @@ pub fn more_presets() -> Vec<Preset> {
             schedule_free: false,
             goal: Goal::Reference,
         },
-        Preset {
-            name: "f32 AdEMAMix",
-            config: |lr| presets::ademamix_f32(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit AdEMAMix, f32",
-            config: |lr| presets::ademamix_8bit(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit AdamW, f32",
-            config: |lr| presets::adamw_8bit(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "4-bit AdamW, f32",
-            config: |lr| presets::adamw_4bit(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+        Preset::quality(
+            "f32 AdEMAMix",
+            |lr| presets::ademamix_f32(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdEMAMix, f32",
+            |lr| presets::ademamix_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, f32",
+            |lr| presets::adamw_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "4-bit AdamW, f32",
+            |lr| presets::adamw_4bit(lr).build(),
+            "f32 AdamW",
+        ),
         // The parameter storages beside 8-bit states, for the low-learning-rate condition
         // (`char_lm -- --preset NAME --lr 6e-4`): bf16 to nearest and stochastically are the
         // main table's; Kahan-compensated bf16 and 24-bit master weights (bf16+8) here.
-        Preset {
-            name: "8-bit AdamW, bf16 Kahan",
-            config: |lr| {
+        Preset::quality(
+            "8-bit AdamW, bf16 Kahan",
+            |lr| {
                 presets::adamw_8bit_bf16(lr)
                     .with_param(lpmm_optim::Storage::Bf16Kahan)
                     .build()
             },
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit AdamW, bf16+8",
-            config: |lr| presets::adamw_8bit_bf16_plus8(lr).build(),
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit AdamW, bf16+8 SR",
-            config: |lr| {
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16+8",
+            |lr| presets::adamw_8bit_bf16_plus8(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16+8 SR",
+            |lr| {
                 presets::adamw_8bit_bf16_plus8(lr)
                     .with_param(lpmm_optim::Storage::Bf16Plus8(
                         lpmm_optim::StoreRounding::Stochastic,
                     ))
                     .build()
             },
-            sgd: false,
-            reference: "f32 AdamW",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "f32 Lion",
-            config: |lr| presets::lion_f32(lr / 10.0).build(),
-            sgd: false,
-            reference: "f32 Lion",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit Lion, f32",
-            config: |lr| presets::lion_8bit(lr / 10.0).build(),
-            sgd: false,
-            reference: "f32 Lion",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "f32 Lion",
+            |lr| presets::lion_f32(lr / 10.0).build(),
+            "f32 Lion",
+        ),
+        Preset::quality(
+            "8-bit Lion, f32",
+            |lr| presets::lion_8bit(lr / 10.0).build(),
+            "f32 Lion",
+        ),
         // RMSprop at half the AdamW rate (3e-3) and Adagrad at five times it (3e-2), the best
         // of a sweep (`char_lm -- --preset "f32 RMSprop" --lr X`, seed 0): RMSprop 1e-3 1.9788,
         // 2e-3 1.9621, 3e-3 1.8717, 4e-3 1.9266, 6e-3 2.2224, 1e-2 2.4527; Adagrad 1e-2 2.1401,
         // 2e-2 2.1015, 3e-2 1.9485, 5e-2 1.9929, 1e-1 2.4559.
-        Preset {
-            name: "f32 RMSprop",
-            config: |lr| presets::rmsprop_f32(lr / 2.0).build(),
-            sgd: false,
-            reference: "f32 RMSprop",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit RMSprop, f32",
-            config: |lr| presets::rmsprop_8bit(lr / 2.0).build(),
-            sgd: false,
-            reference: "f32 RMSprop",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "f32 Adagrad",
-            config: |lr| presets::adagrad_f32(lr * 5.0).build(),
-            sgd: false,
-            reference: "f32 Adagrad",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit Adagrad, f32",
-            config: |lr| presets::adagrad_8bit(lr * 5.0).build(),
-            sgd: false,
-            reference: "f32 Adagrad",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+        Preset::quality(
+            "f32 RMSprop",
+            |lr| presets::rmsprop_f32(lr / 2.0).build(),
+            "f32 RMSprop",
+        ),
+        Preset::quality(
+            "8-bit RMSprop, f32",
+            |lr| presets::rmsprop_8bit(lr / 2.0).build(),
+            "f32 RMSprop",
+        ),
+        Preset::quality(
+            "f32 Adagrad",
+            |lr| presets::adagrad_f32(lr * 5.0).build(),
+            "f32 Adagrad",
+        ),
+        Preset::quality(
+            "8-bit Adagrad, f32",
+            |lr| presets::adagrad_8bit(lr * 5.0).build(),
+            "f32 Adagrad",
+        ),
         // LAMB at 10/3 of the AdamW rate (0.02): its trust ratio makes each tensor's step `lr`
         // times its norm. Swept with `char_lm -- --preset "f32 LAMB" --lr X`, seed 0: 0.01 1.9078,
         // 0.015 1.7890, 0.02 1.7646, 0.03 1.8215, 0.05 1.8688, 0.1 1.9517.
-        Preset {
-            name: "f32 LAMB",
-            config: |lr| presets::lamb_f32(lr * 10.0 / 3.0).build(),
-            sgd: false,
-            reference: "f32 LAMB",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
-        Preset {
-            name: "8-bit LAMB, f32",
-            config: |lr| presets::lamb_8bit(lr * 10.0 / 3.0).build(),
-            sgd: false,
-            reference: "f32 LAMB",
-            micro_batches: 1,
-            schedule_free: false,
-            goal: Goal::Quality,
-        },
+        Preset::quality(
+            "f32 LAMB",
+            |lr| presets::lamb_f32(lr * 10.0 / 3.0).build(),
+            "f32 LAMB",
+        ),
+        Preset::quality(
+            "8-bit LAMB, f32",
+            |lr| presets::lamb_8bit(lr * 10.0 / 3.0).build(),
+            "f32 LAMB",
+        ),
     ]
 }
 

@@ -40,21 +40,10 @@ impl<B: Backend> std::fmt::Debug for Grad<'_, B> {
     }
 }
 
-impl<'a, B: Backend> From<&'a [f32]> for Grad<'a, B> {
-    fn from(values: &'a [f32]) -> Self {
-        Grad::Host(HostValues::F32(values))
-    }
-}
-
-impl<'a, B: Backend> From<&'a Vec<f32>> for Grad<'a, B> {
-    fn from(values: &'a Vec<f32>) -> Self {
-        Grad::Host(HostValues::F32(values))
-    }
-}
-
-impl<'a, B: Backend, const N: usize> From<&'a [f32; N]> for Grad<'a, B> {
-    fn from(values: &'a [f32; N]) -> Self {
-        Grad::Host(HostValues::F32(values))
+/// Host f32 values: `&[f32]`, `&Vec<f32>`, `&[f32; N]`.
+impl<'a, B: Backend, T: AsRef<[f32]> + ?Sized> From<&'a T> for Grad<'a, B> {
+    fn from(values: &'a T) -> Self {
+        Grad::Host(HostValues::F32(values.as_ref()))
     }
 }
 
