@@ -8,6 +8,7 @@
 //! | [`Variant::LpmmUnfused`] | [`layer_norm_from_output`] | [`softmax_dropout`], then `matmul` | [`gelu_from_output`] |
 //! | [`Variant::Lpmm`] | [`layer_norm_from_output`] | [`softmax_dropout_matmul`] | [`gelu_from_output`] |
 //! | [`Variant::LpmmFewBit`] | [`layer_norm_from_output`] | [`softmax_dropout_matmul`] | [`gelu_few_bit`], 2 bits |
+//! | [`Variant::LpmmCompressed`] | [`layer_norm_from_output`] | [`softmax_dropout_matmul`] | [`gelu_few_bit`], 2 bits; the output projection and the MLP's down projection keep their inputs 8-bit ([`matmul_compressed`]) |
 //!
 //! Everything else (the linear layers, the head split, the residuals, the loss) is the same burn
 //! code in every variant, and the parameters are identical.
@@ -19,8 +20,8 @@ use lpmm_act::Table;
 use lpmm_quant::RandomStream;
 
 use crate::{
-    gelu_few_bit, gelu_from_output, gelu_table, layer_norm_from_output, softmax_dropout,
-    softmax_dropout_matmul,
+    gelu_few_bit, gelu_from_output, gelu_table, layer_norm_from_output, matmul_compressed,
+    softmax_dropout, softmax_dropout_matmul,
 };
 
 /// Which operators the block uses (see the module's table).
@@ -35,15 +36,19 @@ pub enum Variant {
     Lpmm,
     /// As [`Variant::Lpmm`] with the 2-bit few-bit GELU instead of GELU from its output.
     LpmmFewBit,
+    /// As [`Variant::LpmmFewBit`], with the attention output projection and the MLP's down
+    /// projection keeping their inputs compressed to 8 bits per element ([`matmul_compressed`]).
+    LpmmCompressed,
 }
 
 impl Variant {
-    /// All four, the baseline first.
-    pub const ALL: [Variant; 4] = [
+    /// All five, the baseline first.
+    pub const ALL: [Variant; 5] = [
         Variant::Baseline,
         Variant::LpmmUnfused,
         Variant::Lpmm,
         Variant::LpmmFewBit,
+        Variant::LpmmCompressed,
     ];
 
     /// A short name.
@@ -53,6 +58,7 @@ impl Variant {
             Variant::LpmmUnfused => "lpmm-act, unfused attention",
             Variant::Lpmm => "lpmm-act",
             Variant::LpmmFewBit => "lpmm-act, 2-bit GELU",
+            Variant::LpmmCompressed => "lpmm-act, 2-bit GELU, 8-bit projection inputs",
         }
     }
 }
@@ -149,8 +155,18 @@ impl Linear {
     /// matmul against the broadcast weight would make burn's backward build a per-batch weight
     /// gradient, `batch` times the weight's size, before summing it).
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_with(x, None)
+    }
+
+    /// [`Linear::forward`], keeping `x` compressed to 8 bits for the weight gradient when
+    /// `compress` gives the random stream.
+    fn forward_with(&self, x: Tensor<3>, compress: Option<RandomStream>) -> Tensor<3> {
         let [b, s, d] = x.dims();
-        let y = x.reshape([b * s, d]).matmul(self.w.clone()) + self.b.clone().unsqueeze();
+        let x = x.reshape([b * s, d]);
+        let y = match compress {
+            Some(stream) => matmul_compressed(x, self.w.clone(), 8, &stream),
+            None => x.matmul(self.w.clone()),
+        } + self.b.clone().unsqueeze();
         let d_out = y.dims()[1];
         y.reshape([b, s, d_out])
     }
@@ -271,20 +287,25 @@ impl Block {
                 (probs * mask).mul_scalar(1.0 / keep).matmul(v)
             }
             Variant::LpmmUnfused => softmax_dropout(scores, c.dropout, &stream).matmul(v),
-            Variant::Lpmm | Variant::LpmmFewBit => {
+            Variant::Lpmm | Variant::LpmmFewBit | Variant::LpmmCompressed => {
                 softmax_dropout_matmul(scores, v, c.dropout, &stream)
             }
         };
         let ctx = ctx.swap_dims(1, 2).reshape([c.batch, c.seq, c.d_model]);
-        let x = x + self.o.forward(ctx);
+        // The compressed projections draw from their own streams (tensor ids after the mask's).
+        let compress = |k: u64| {
+            (variant == Variant::LpmmCompressed)
+                .then(|| RandomStream::new(stream.seed, stream.tensor.wrapping_add(k), stream.step))
+        };
+        let x = x + self.o.forward_with(ctx, compress(1));
         // MLP.
         let h = self.up.forward(self.ln2.forward(x.clone(), variant, c.eps));
         let h = match variant {
             Variant::Baseline => activation::gelu(h),
             Variant::LpmmUnfused | Variant::Lpmm => gelu_from_output(h),
-            Variant::LpmmFewBit => gelu_few_bit(h, &self.table),
+            Variant::LpmmFewBit | Variant::LpmmCompressed => gelu_few_bit(h, &self.table),
         };
-        x + self.down.forward(h)
+        x + self.down.forward_with(h, compress(2))
     }
 
     /// One training step's forward and backward pass: mean squared error against `target`, the

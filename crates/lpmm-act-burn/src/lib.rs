@@ -7,16 +7,19 @@
 //! the graph. [`ops`] implements the operators on burn-autodiff's primitives for any inner backend
 //! `B`; the functions here apply them to burn's high-level [`Tensor`] on the backend of its device
 //! (with or without `.autodiff()`, either checkpointing strategy): burn-flex, burn 0.22's CPU
-//! backend (`Device::flex()`), and with feature `wgpu` burn's cubecl backend (`Device::wgpu(..)`;
-//! the lpmm-act kernels run on the host, so each operator reads its tensors back and writes its
-//! result: correct on any device, a host round trip per operator on a GPU):
+//! backend (`Device::flex()`, lpmm-act's host kernels), and with feature `wgpu` burn's cubecl
+//! backend (`Device::wgpu(..)` and every cubecl runtime: the operators' CubeCL kernels,
+//! [`cube`], on the device's buffers, no host read; [`kernels`] says what each backend keeps):
 //!
-//! - [`gelu_few_bit`]: GELU saving the packed `b`-bit codes of its input ([`Table`]).
+//! - [`few_bit`] ([`gelu_few_bit`]): an activation ([`FewBit`]: GELU, SiLU, tanh, sigmoid, ReLU)
+//!   saving the packed `b`-bit codes of its input ([`Table`]).
 //! - [`gelu_from_output`]: exact GELU saving a 1-bit branch mask beside its output, which the next
 //!   layer saves anyway (the op holds a handle to the same buffer).
 //! - [`layer_norm_from_output`]: LayerNorm saving one rstd per row beside its output (shared
 //!   likewise); γ and β are parameters.
 //! - [`softmax_dropout`]: softmax and dropout saving the softmax output and a 1-bit keep mask.
+//! - [`matmul_compressed`]: a matmul keeping its input compressed to 2, 4 or 8 bits per element
+//!   (stochastic rounding: the weight gradient is unbiased) instead of the input.
 //! - [`softmax_dropout_matmul`]: the same followed by `· v`, fused so that the dropout output
 //!   (which the matmul would save) is recomputed from the softmax output and the mask instead.
 //!
@@ -29,6 +32,9 @@
 //! memory and time comparison of `examples/block_memory.rs`.
 
 pub mod block;
+#[cfg(feature = "wgpu")]
+pub mod cube;
+pub mod kernels;
 pub mod ops;
 
 use std::sync::Arc;
@@ -39,8 +45,10 @@ use burn_autodiff::{
 };
 use burn_dispatch::DispatchDevice;
 use burn_tensor::{GradientCheckpointingStrategy, Tensor};
+pub use kernels::host_reads;
 pub use lpmm_act::{Activation, Grid, Table, Weight};
-pub use lpmm_quant::RandomStream;
+pub use lpmm_quant::{BlockSize, RandomStream};
+pub use ops::FewBit;
 
 /// The CPU backend the high-level functions run on: burn-flex (burn 0.22's CPU backend; burn's
 /// ndarray backend is deprecated).
@@ -128,9 +136,15 @@ fn lifted<const D: usize>(x: Tensor<D>, op: impl FnOnce(Tensor<D>) -> Tensor<D>)
 /// GELU (exact forward) whose backward multiplies by `table`'s piecewise-constant derivative; the
 /// graph keeps `table.bits` bits per element. See [`ops::gelu_few_bit`].
 pub fn gelu_few_bit<const D: usize>(x: Tensor<D>, table: &Arc<Table>) -> Tensor<D> {
+    few_bit(x, FewBit::Gelu, table)
+}
+
+/// `act` (the backend's exact forward) whose backward multiplies by `table`'s piecewise-constant
+/// derivative; the graph keeps `table.bits` bits per element. See [`ops::few_bit`].
+pub fn few_bit<const D: usize>(x: Tensor<D>, act: FewBit, table: &Arc<Table>) -> Tensor<D> {
     lifted(x, |x| {
         with_backend!(x, B, C => {
-            let y = ops::gelu_few_bit::<B, C>(primitive!(x, B, C), table.clone());
+            let y = ops::few_bit::<B, C>(primitive!(x, B, C), act, table.clone());
             wrap!(y, B, C)
         })
     })
@@ -175,6 +189,29 @@ pub fn softmax_dropout<const D: usize>(x: Tensor<D>, p: f32, stream: &RandomStre
     lifted(x, |x| {
         with_backend!(x, B, C => {
             let y = ops::softmax_dropout::<B, C>(primitive!(x, B, C), p, stream);
+            wrap!(y, B, C)
+        })
+    })
+}
+
+/// `x · w` (`x` `[.., k]`, `w` `[k, m]`) keeping `x` compressed to `bits` (2, 4 or 8) per element
+/// in blocks of 256 (stochastic rounding from `stream`) for `dw`. See [`ops::matmul_compressed`].
+pub fn matmul_compressed<const D: usize>(
+    x: Tensor<D>,
+    w: Tensor<2>,
+    bits: u32,
+    stream: &RandomStream,
+) -> Tensor<D> {
+    lifted(x, |x| {
+        let w = w.autodiff();
+        with_backend!(x, B, C => {
+            let y = ops::matmul_compressed::<B, C>(
+                primitive!(x, B, C),
+                primitive!(w, B, C),
+                bits,
+                BlockSize::new(256).expect("256 is a block size"),
+                stream,
+            );
             wrap!(y, B, C)
         })
     })

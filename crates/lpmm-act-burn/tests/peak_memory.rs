@@ -30,8 +30,10 @@ fn lpmm_act_block_peaks_lower_than_the_baseline() {
     let target = rng.tensor(shape, 1.0, &device);
     let base = counting::measure(&block, &x, &target, Variant::Baseline, 3);
     eprintln!("{:?}: {base:?}", Variant::Baseline);
-    for v in [Variant::LpmmUnfused, Variant::Lpmm, Variant::LpmmFewBit] {
+    let mut held = Vec::new();
+    for v in Variant::ALL.into_iter().skip(1) {
         let m = counting::measure(&block, &x, &target, v, 3);
+        held.push(m.held_after_forward);
         eprintln!("{v:?}: {m:?}");
         assert!(m.loss.is_finite() && m.median_ms >= 0.0);
         assert!(
@@ -47,4 +49,10 @@ fn lpmm_act_block_peaks_lower_than_the_baseline() {
             base.held_after_forward
         );
     }
+    // The 8-bit projection inputs hold less than the same block keeping them in f32.
+    let (few_bit, compressed) = (held[2], held[3]);
+    assert!(
+        compressed < few_bit,
+        "compressed {compressed} >= few-bit {few_bit}"
+    );
 }
