@@ -474,9 +474,12 @@ pub fn dropout_apply(s: &[f32], mask: &[u32], out: &mut [f32], scale: f32) {
 }
 
 /// Block absmax for compression: thread `b` writes `max |x|` over elements
-/// `b · block .. (b + 1) · block` (the last block may be partial).
+/// `b · block .. (b + 1) · block` (the last block may be partial), or `nan` (a kernel argument:
+/// WGSL has no NaN literal) where the block holds a non-finite value, which then decompresses to
+/// NaN: the host kernel refuses such input, the device cannot without a host read, and a block of
+/// NaN must not decompress to zeros.
 #[cube(launch)]
-pub fn block_absmax(x: &[f32], absmax: &mut [f32], block: u32) {
+pub fn block_absmax(x: &[f32], absmax: &mut [f32], block: u32, nan: f32) {
     let b = ABSOLUTE_POS;
     if b < absmax.len() {
         let start = b * (block as usize);
@@ -486,10 +489,14 @@ pub fn block_absmax(x: &[f32], absmax: &mut [f32], block: u32) {
             start + (block as usize),
         );
         let mut m = 0.0f32;
+        let mut finite = true;
         for i in start..end {
-            m = f32::max(m, f32::abs(x[i]));
+            let a = f32::abs(x[i]);
+            // False for NaN and infinity alike (a GPU's max may drop a NaN operand).
+            finite = finite && a <= f32::MAX;
+            m = f32::max(m, a);
         }
-        absmax[b] = m;
+        absmax[b] = select(finite, m, nan);
     }
 }
 

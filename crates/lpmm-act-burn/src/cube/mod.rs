@@ -480,6 +480,7 @@ impl ActBackend for Cube {
                 x.clone().into_buffer_arg(),
                 absmax.clone().into_buffer_arg(),
                 count(b),
+                f32::NAN,
             );
             let key = upload(&x, &stream_key(stream), 10, DType::U32);
             let (cubes, dim) = grid(&x, n.div_ceil(32));
