@@ -46,6 +46,47 @@ struct Args {
     device: String,
 }
 
+/// The block, its input and its target on `device` (the same on every backend).
+fn setup(device: &Device) -> (BlockConfig, Block, Tensor<3>, Tensor<3>) {
+    let cfg = BlockConfig::default();
+    let block = Block::new(cfg, device, 1);
+    let mut rng = Rng::new(2);
+    let shape = [cfg.batch, cfg.seq, cfg.d_model];
+    let x = rng.tensor(shape, 1.0, device);
+    let target = rng.tensor(shape, 1.0, device);
+    (cfg, block, x, target)
+}
+
+/// The table's heading: what ran, where.
+fn heading(backend: &str, cfg: &BlockConfig, steps: usize, device: &str) {
+    println!("## Transformer block training step: burn 0.22.1 ({backend}) vs lpmm-act\n");
+    println!(
+        "pre-LN block, d_model {}, {} heads, d_ff {}, sequence {}, batch {}, attention dropout {}; \
+         forward + backward of an MSE loss; median of {steps} steps after a warm-up{device}.\n",
+        cfg.d_model, cfg.heads, cfg.d_ff, cfg.seq, cfg.batch, cfg.dropout
+    );
+}
+
+/// Writes `report` (with the block's configuration and the step count added) to
+/// `target/lpmm-report/{file}`.
+fn write_report(
+    file: &str,
+    mut report: serde_json::Value,
+    cfg: &BlockConfig,
+    steps: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    report["config"] = serde_json::json!({
+        "d_model": cfg.d_model, "heads": cfg.heads, "d_ff": cfg.d_ff, "seq": cfg.seq,
+        "batch": cfg.batch, "dropout": short(cfg.dropout), "eps": short(cfg.eps),
+    });
+    report["steps"] = serde_json::json!(steps);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(file), serde_json::to_string_pretty(&report)?)?;
+    println!("(written to target/lpmm-report/{file})");
+    Ok(())
+}
+
 /// Device memory in use (cubecl's memory report, every stream), bytes.
 fn device_bytes(device: &Device) -> u64 {
     match device.clone().inner().as_dispatch() {
@@ -79,18 +120,7 @@ fn device_step(
     let held = device_bytes(&device).saturating_sub(base);
     let grads = loss.backward();
     let reads = lpmm_act_burn::host_reads() - reads;
-    let (vectors, matrices) = block.parameters();
-    let mut sq = 0.0f32;
-    for p in vectors {
-        if let Some(g) = p.grad(&grads) {
-            sq += g.square().sum().into_scalar::<f32>();
-        }
-    }
-    for p in matrices {
-        if let Some(g) = p.grad(&grads) {
-            sq += g.square().sum().into_scalar::<f32>();
-        }
-    }
+    let sq = block.grad_square_sum(&grads);
     assert!(
         sq.is_finite() && sq > 0.0,
         "gradients are finite and nonzero"
@@ -147,24 +177,14 @@ fn device_measure(
 
 fn run_wgpu(steps: usize) -> Result<(), Box<dyn std::error::Error>> {
     let device = Device::wgpu_options().init()?.autodiff();
-    let cfg = BlockConfig::default();
-    let block = Block::new(cfg, &device, 1);
-    let mut rng = Rng::new(2);
-    let shape = [cfg.batch, cfg.seq, cfg.d_model];
-    let x = rng.tensor(shape, 1.0, &device);
-    let target = rng.tensor(shape, 1.0, &device);
+    let (cfg, block, x, target) = setup(&device);
     let adapter = format!("{device:?}");
     let results: Vec<_> = Variant::ALL
         .iter()
         .map(|&v| (v, device_measure(&block, &x, &target, v, steps)))
         .collect();
     let base = results[0].1;
-    println!("## Transformer block training step: burn 0.22.1 (wgpu) vs lpmm-act\n");
-    println!(
-        "pre-LN block, d_model {}, {} heads, d_ff {}, sequence {}, batch {}, attention dropout {}; \
-         forward + backward of an MSE loss; median of {steps} steps after a warm-up; device {adapter}.\n",
-        cfg.d_model, cfg.heads, cfg.d_ff, cfg.seq, cfg.batch, cfg.dropout
-    );
+    heading("wgpu", &cfg, steps, &format!("; device {adapter}"));
     println!(
         "| variant | device memory held after forward | of baseline | host reads by the operators | ms/step | vs baseline |"
     );
@@ -202,21 +222,9 @@ fn run_wgpu(steps: usize) -> Result<(), Box<dyn std::error::Error>> {
         "command": "cargo run --profile bench -p lpmm-act-burn --example block_memory -- --device wgpu",
         "backend": "burn 0.22.1 Autodiff<Cube> (wgpu)",
         "device": adapter,
-        "config": {
-            "d_model": cfg.d_model, "heads": cfg.heads, "d_ff": cfg.d_ff, "seq": cfg.seq,
-            "batch": cfg.batch, "dropout": short(cfg.dropout), "eps": short(cfg.eps),
-        },
-        "steps": steps,
         "results": rows,
     });
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(
-        dir.join("act_memory_wgpu.json"),
-        serde_json::to_string_pretty(&report)?,
-    )?;
-    println!("(written to target/lpmm-report/act_memory_wgpu.json)");
-    Ok(())
+    write_report("act_memory_wgpu.json", report, &cfg, steps)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -228,12 +236,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--device flex or wgpu, not {other}").into()),
     }
     let device = Device::flex().autodiff();
-    let cfg = BlockConfig::default();
-    let block = Block::new(cfg, &device, 1);
-    let mut rng = Rng::new(2);
-    let shape = [cfg.batch, cfg.seq, cfg.d_model];
-    let x = rng.tensor(shape, 1.0, &device);
-    let target = rng.tensor(shape, 1.0, &device);
+    let (cfg, block, x, target) = setup(&device);
 
     let results: Vec<_> = Variant::ALL
         .iter()
@@ -241,12 +244,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let base = results[0].1;
 
-    println!("## Transformer block training step: burn 0.22.1 (flex, CPU) vs lpmm-act\n");
-    println!(
-        "pre-LN block, d_model {}, {} heads, d_ff {}, sequence {}, batch {}, attention dropout {}; \
-         forward + backward of an MSE loss; median of {steps} steps after a warm-up.\n",
-        cfg.d_model, cfg.heads, cfg.d_ff, cfg.seq, cfg.batch, cfg.dropout
-    );
+    heading("flex, CPU", &cfg, steps, "");
     println!("| variant | held after forward | saving | peak during step | saving | ms/step |");
     println!("|---|---|---|---|---|---|");
     let mut rows = Vec::new();
@@ -285,19 +283,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "command": "cargo run --profile bench -p lpmm-act-burn --example block_memory",
         "backend": "burn 0.22.1 Autodiff<Flex> (CPU)",
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "config": {
-            "d_model": cfg.d_model, "heads": cfg.heads, "d_ff": cfg.d_ff, "seq": cfg.seq,
-            "batch": cfg.batch, "dropout": short(cfg.dropout), "eps": short(cfg.eps),
-        },
-        "steps": steps,
         "results": rows,
     });
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/lpmm-report");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(
-        dir.join("act_memory.json"),
-        serde_json::to_string_pretty(&report)?,
-    )?;
-    println!("(written to target/lpmm-report/act_memory.json)");
-    Ok(())
+    write_report("act_memory.json", report, &cfg, steps)
 }

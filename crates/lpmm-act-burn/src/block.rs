@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use burn_tensor::{Device, Distribution, Tensor, TensorData, activation, module};
+use burn_tensor::{Device, Distribution, Gradients, Tensor, TensorData, activation, module};
 use lpmm_act::Table;
 use lpmm_quant::RandomStream;
 
@@ -93,6 +93,21 @@ impl Default for BlockConfig {
             batch: 8,
             dropout: 0.1,
             eps: 1e-5,
+        }
+    }
+}
+
+impl BlockConfig {
+    /// d_model 64, 4 heads, d_ff 256, sequence 32, batch 4 (the rest as the default): the block
+    /// the tests step, small enough for a debug build and for lavapipe.
+    pub fn small() -> Self {
+        Self {
+            d_model: 64,
+            heads: 4,
+            d_ff: 256,
+            seq: 32,
+            batch: 4,
+            ..Self::default()
         }
     }
 }
@@ -322,18 +337,20 @@ impl Block {
         let diff = out - target.clone();
         let loss = (diff.clone() * diff).mean();
         let grads = loss.backward();
-        let (vectors, matrices) = self.parameters();
-        let mut sq = 0.0f32;
-        for p in vectors {
-            if let Some(g) = p.grad(&grads) {
-                sq += g.square().sum().into_scalar::<f32>();
-            }
-        }
-        for p in matrices {
-            if let Some(g) = p.grad(&grads) {
-                sq += g.square().sum().into_scalar::<f32>();
-            }
-        }
+        let sq = self.grad_square_sum(&grads);
         (loss.into_scalar::<f32>(), sq)
+    }
+
+    /// The sum of the squared entries of every parameter's gradient in `grads` (each read back).
+    pub fn grad_square_sum(&self, grads: &Gradients) -> f32 {
+        let (vectors, matrices) = self.parameters();
+        let vectors = vectors.iter().filter_map(|p| p.grad(grads));
+        let matrices = matrices.iter().filter_map(|p| p.grad(grads));
+        vectors
+            .map(|g| g.square().sum().into_scalar::<f32>())
+            .sum::<f32>()
+            + matrices
+                .map(|g| g.square().sum().into_scalar::<f32>())
+                .sum::<f32>()
     }
 }

@@ -14,15 +14,7 @@ static ALLOC: Counting = Counting;
 #[test]
 fn lpmm_act_block_peaks_lower_than_the_baseline() {
     let device = Device::flex().autodiff();
-    // Small enough for a debug build.
-    let cfg = BlockConfig {
-        d_model: 64,
-        heads: 4,
-        d_ff: 256,
-        seq: 32,
-        batch: 4,
-        ..BlockConfig::default()
-    };
+    let cfg = BlockConfig::small();
     let block = Block::new(cfg, &device, 1);
     let mut rng = Rng::new(2);
     let shape = [cfg.batch, cfg.seq, cfg.d_model];

@@ -4,6 +4,31 @@
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 
+/// Packs 32 `bits`-bit codes into words `bits t .. bits t + bits` (bit `i % 32` of word `i / 32`
+/// of the code stream).
+#[cube]
+fn pack32(codes: &Array<u32>, words: &mut [u32], t: usize, #[comptime] bits: u32) {
+    let mut acc = 0u32;
+    let mut filled = 0u32;
+    let mut out = t * (bits as usize);
+    for j in 0..32usize {
+        let code = codes[j];
+        acc |= code << filled;
+        let total = filled + bits;
+        if total >= 32 {
+            words[out] = acc;
+            out += 1;
+            acc = 0;
+            if total > 32 {
+                acc = code >> (32 - filled);
+            }
+            filled = total - 32;
+        } else {
+            filled = total;
+        }
+    }
+}
+
 /// Few-bit codes: thread `t` packs the `bits`-bit codes of elements `32 t .. 32 t + 32` (the
 /// number of `thresholds <= x`; 0 past the end) into words `bits t .. bits t + bits`.
 #[cube(launch)]
@@ -16,11 +41,9 @@ pub fn few_bit_encode(
 ) {
     let t = ABSOLUTE_POS;
     if t * (bits as usize) < words.len() {
-        let mut acc = 0u32;
-        let mut filled = 0u32;
-        let mut out = t * (bits as usize);
-        for j in 0..32u32 {
-            let i = t * 32 + j as usize;
+        let mut codes = Array::<u32>::new(32usize);
+        for j in 0..32usize {
+            let i = t * 32 + j;
             let mut code = 0u32;
             if i < n as usize {
                 let v = x[i];
@@ -30,20 +53,9 @@ pub fn few_bit_encode(
                     }
                 }
             }
-            acc |= code << filled;
-            let total = filled + bits;
-            if total >= 32 {
-                words[out] = acc;
-                out += 1;
-                acc = 0;
-                if total > 32 {
-                    acc = code >> (32 - filled);
-                }
-                filled = total - 32;
-            } else {
-                filled = total;
-            }
+            codes[j] = code;
         }
+        pack32(&codes, words, t, bits);
     }
 }
 
@@ -524,18 +536,17 @@ pub fn compress(
         let mut draws = Array::<u32>::new(16usize);
         chacha8_block(key, t as u32, &mut draws);
         let last = values.len() - 1;
-        let mut acc = 0u32;
-        let mut filled = 0u32;
-        let mut out = t * (bits as usize);
-        for j in 0..32u32 {
-            let i = t * 32 + j as usize;
+        let mut codes = Array::<u32>::new(32usize);
+        for j in 0..32usize {
+            let i = t * 32 + j;
             let mut code = 0u32;
             if i < n as usize {
                 let a = absmax[i / (block as usize)];
                 let y = select(a == 0.0f32, 0.0f32, x[i] / a);
-                // The largest code whose value is at or below y: the linear map's values are
-                // k / L (k = -L..=L, code k + L), so floor((y + 1) L) is that code to within one,
-                // settled by comparing with the values themselves.
+                // The largest code whose value is at or below y (y >= -1, the first value): the
+                // linear map's values are k / L (k = -L..=L, code k + L), so floor((y + 1) L) is
+                // that code to within one, settled by comparing with the values themselves. (A
+                // NaN y, from a block with a non-finite value, gives code 0; its absmax is NaN.)
                 let guess = f32::floor((y + 1.0f32) * f32::cast_from(side));
                 let mut lo = 0usize;
                 if guess > 0.0f32 {
@@ -551,39 +562,25 @@ pub fn compress(
                         lo += 1;
                     }
                 }
-                let above = select(values[lo] <= y, lo + 1, 0usize);
-                let word = draws[(j / 2) as usize];
-                let draw = select(j % 2 == 0, word << 16u32, (word >> 16u32) << 16u32);
-                if above > 0 {
-                    let lo = above - 1;
-                    code = lo as u32;
-                    if lo < last {
-                        let frac = (y - values[lo]) / (values[lo + 1] - values[lo]);
-                        let scaled = frac * 4_294_967_296.0f32;
-                        let mut cut = 0xFFFF_FFFFu32;
-                        if scaled < 4_294_967_296.0f32 {
-                            cut = u32::cast_from(scaled);
-                        }
-                        if draw < cut {
-                            code += 1;
-                        }
+                code = lo as u32;
+                if lo < last {
+                    // Up with probability frac: lpmm-formats' `CodeMap::stochastic`.
+                    let word = draws[j / 2];
+                    let draw = select(j % 2 == 0, word << 16u32, (word >> 16u32) << 16u32);
+                    let frac = (y - values[lo]) / (values[lo + 1] - values[lo]);
+                    let scaled = frac * 4_294_967_296.0f32;
+                    let mut cut = 0xFFFF_FFFFu32;
+                    if scaled < 4_294_967_296.0f32 {
+                        cut = u32::cast_from(scaled);
+                    }
+                    if draw < cut {
+                        code += 1;
                     }
                 }
             }
-            acc |= code << filled;
-            let total = filled + bits;
-            if total >= 32 {
-                words[out] = acc;
-                out += 1;
-                acc = 0;
-                if total > 32 {
-                    acc = code >> (32 - filled);
-                }
-                filled = total - 32;
-            } else {
-                filled = total;
-            }
+            codes[j] = code;
         }
+        pack32(&codes, words, t, bits);
     }
 }
 

@@ -111,18 +111,7 @@ fn step(
     let loss = (diff.clone() * diff).mean();
     let held = current().saturating_sub(base);
     let grads = loss.backward();
-    let (vectors, matrices) = block.parameters();
-    let mut sq = 0.0f32;
-    for p in vectors {
-        if let Some(g) = p.grad(&grads) {
-            sq += g.square().sum().into_scalar::<f32>();
-        }
-    }
-    for p in matrices {
-        if let Some(g) = p.grad(&grads) {
-            sq += g.square().sum().into_scalar::<f32>();
-        }
-    }
+    let sq = block.grad_square_sum(&grads);
     assert!(
         sq.is_finite() && sq > 0.0,
         "gradients are finite and nonzero"

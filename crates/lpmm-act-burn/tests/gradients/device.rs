@@ -363,14 +363,7 @@ fn the_block_holds_less_device_memory_after_its_forward_pass() {
     use lpmm_act_burn::block::{Block, BlockConfig, Variant};
     let Some(dev) = wgpu() else { return };
     let dev = dev.autodiff();
-    let cfg = BlockConfig {
-        d_model: 64,
-        heads: 4,
-        d_ff: 256,
-        seq: 32,
-        batch: 4,
-        ..BlockConfig::default()
-    };
+    let cfg = BlockConfig::small();
     let block = Block::new(cfg, &dev, 1);
     let mut rng = Rng::new(2);
     let x = rng.tensor([cfg.batch, cfg.seq, cfg.d_model], 1.0, &dev);
