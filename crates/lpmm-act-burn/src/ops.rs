@@ -10,13 +10,12 @@
 //!
 //! | op | saved state (beside shapes and scalars) |
 //! |---|---|
-//! | [`gelu_few_bit`] | the packed `b`-bit codes of the input (`b / 8` bytes per element) |
-//! | [`gelu_from_output`] | a handle to the output (shared with the next layer, which saves it anyway) and a 1-bit branch mask (per 64 Ki-element chunk) |
-//! | [`layer_norm_from_output`] | a handle to the output (shared likewise), one f32 rstd per row, handles to γ and β (parameters) |
+//! | [`few_bit`] ([`gelu_few_bit`]) | the packed `b`-bit codes of the input (`b / 8` bytes per element) |
+//! | [`gelu_from_output`] | a handle to the output (shared with the next layer, which saves it anyway) and a 1-bit branch mask |
+//! | [`layer_norm_from_output`] | a handle to the output (shared likewise), one f32 rstd per row (and `x̂` of the columns whose γ is below lpmm-act's guard in magnitude), handles to γ and β (parameters) |
 //! | [`softmax_dropout`] | the softmax output (4 bytes per element) and a 1-bit keep mask; the dropout output is returned, not saved |
 //! | [`matmul_compressed`] | the input compressed to 2, 4 or 8 bits per element (+ one f32 per block) and a handle to the weight |
 //! | [`softmax_dropout_matmul`] | the softmax output, the 1-bit keep mask and a handle to `v` (its own input, the value projection); the dropout output is recomputed in the backward pass and never saved |
-
 //!
 //! The few-bit op takes any activation of [`FewBit`] (GELU, SiLU, tanh, sigmoid, ReLU) with its
 //! table.
