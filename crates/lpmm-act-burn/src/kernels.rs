@@ -168,7 +168,7 @@ pub struct HostCompressed {
 /// A host bit mask as the host kernels make it: one [`BitMask`] per chunk.
 pub type HostMask = Arc<Vec<BitMask>>;
 
-/// The host kernels on a backend whose tensors live in host memory.
+/// `f` applied to a tensor's host values: a tensor of the same shape, dtype and device.
 fn host_unary<B: Backend>(
     grad: FloatTensor<B>,
     f: impl FnOnce(&[f32]) -> Vec<f32>,
@@ -178,6 +178,7 @@ fn host_unary<B: Backend>(
     from_host::<B>(f(&dy), shape, dtype, &device)
 }
 
+/// Chunked masks as one mask of `len` bits in lpmm-act's packing.
 fn mask_to_bytes(masks: &[BitMask], len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len.div_ceil(8)];
     let mut i = 0;

@@ -8,7 +8,7 @@
 //!
 //! Where the host kernels compute in f64 (GELU and its inversion, LayerNorm's moments,
 //! softmax's sum) these compute in f32, with CubeCL's `erf` (an approximation to 1.5e-7): the
-//! values agree with the host kernels within the bounds `tests/device.rs` states; codes, masks
+//! values agree with the host kernels within the bounds `tests/gradients/device.rs` states; codes, masks
 //! and packing are bit for bit the host's.
 
 // CubeCL's kernel language has indexed loops and shifts, not iterators and `rotate_left`.
@@ -36,7 +36,7 @@ type Tensor = FloatTensor<Cube>;
 /// kernels have no such cap).
 pub const GUARDED_COLUMNS: u32 = 8;
 
-/// The smallest f32 at or above GELU's minimum: `x >= ARGMIN_F32` exactly when
+/// The smallest f32 at or above GELU's minimum: `x >= argmin_f32()` exactly when
 /// `f64::from(x) >= GELU_ARGMIN`, the host kernels' branch test.
 fn argmin_f32() -> f32 {
     let t = GELU_ARGMIN as f32;
