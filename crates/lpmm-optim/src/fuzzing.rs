@@ -67,12 +67,12 @@ pub fn load_round_trip(bytes: &[u8]) -> Outcome {
     let first = canonical
         .to_bytes()
         .unwrap_or_else(|e| panic!("a checkpoint that loads must save: {e}"));
-    let opt = match Optimizer::from_canonical(Cpu, canonical) {
+    let opt = match canonical.into_optimizer(Cpu) {
         Ok(o) => o,
         Err(e) => panic!("validated, then refused while building (must not happen): {e:?}"),
     };
-    let saved = opt
-        .canonical()
+    let saved = crate::Parts::of(&opt)
+        .canonical(None)
         .unwrap_or_else(|e| panic!("a loaded optimizer must export: {e}"))
         .to_bytes()
         .unwrap_or_else(|e| panic!("a loaded optimizer must save: {e}"));
@@ -247,7 +247,8 @@ fn seed(config: ParamConfig) -> Vec<u8> {
         }
         opt.set_lr(1e-3 / (2.0 + f64::from(step))).expect("lr");
     }
-    opt.canonical()
+    crate::Parts::of(&opt)
+        .canonical(None)
         .expect("canonical")
         .to_bytes()
         .expect("a fresh optimizer saves")

@@ -7,7 +7,7 @@
 //! here; lpmm-wgpu and lpmm-cuda for GPUs). Backend implementors work against [`backend`].
 //!
 //! ```
-//! use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, presets};
+//! use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, SlotKind, presets};
 //!
 //! // AdamW with bf16 parameters and 8-bit block-wise states, on the CPU reference backend.
 //! let mut opt = Optimizer::new(OptimizerOptions::default())?;
@@ -19,7 +19,7 @@
 //!     opt.step(Accumulated)?;
 //! }
 //! let mut values = vec![0f32; n];
-//! opt.read_param(w, &mut values)?;
+//! opt.read(w, SlotKind::Param, &mut values)?;
 //! assert!(values.iter().all(|&v| v < 0.5)); // a positive gradient moves the weights down
 //! // Parameters, gradient accumulator and states: bytes per element (f32 AdamW holds 16).
 //! let bytes = opt.memory_report().bytes_per_param();
@@ -37,6 +37,7 @@ mod coverage;
 mod cpu;
 mod error;
 mod exact;
+mod exec;
 mod fixed;
 mod format;
 #[cfg(feature = "testing")]
@@ -51,7 +52,9 @@ pub mod testing;
 mod vocab;
 
 pub use backend::{HostSlot, ParamId, SlotKind};
-pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, LoadPolicy, VERSION as CHECKPOINT_VERSION};
+pub use checkpoint::{
+    Checkpoint, FORMAT as CHECKPOINT_FORMAT, LoadPolicy, VERSION as CHECKPOINT_VERSION,
+};
 pub use config::ParamConfig;
 pub use coverage::{
     CoverageCheck, MISSING_NAMES, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
@@ -61,8 +64,9 @@ pub use error::OptimError;
 pub use format::{MapKind, Storage, StoreRounding};
 pub use memory::{MemoryReport, ParamMemory};
 pub use optimizer::{
-    Accumulated, Grad, GradientSummary, Gradients, Lender, Lent, LrRule, MAX_COUNTER,
-    NonFinitePolicy, Optimizer, OptimizerOptions, Step, StepReport, WithGradient,
+    Accumulated, Grad, GradientSummary, Gradients, Lender, Lent, LrRule, MAX_COUNTER, Mode,
+    NonFinitePolicy, Optimizer, OptimizerOptions, Out, ParamInfo, ParamKey, Parts, PartsMut,
+    Settings, Status, Step, StepReport, WithGradient,
 };
 pub use rule::configs::*;
 pub use rule::{Hyper, RuleState};

@@ -3,6 +3,9 @@
 //! every optimizer and storage, clipping, non-finite gradients, reads, checkpoints moved between
 //! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
 
+use crate::Checkpoint;
+use crate::Mode;
+use crate::{Cpu, Parts, PartsMut, checkpoint::Canonical};
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
@@ -59,10 +62,10 @@ pub fn assert_same<A: Backend, B: Backend>(
     for &id in ids {
         for slot in SlotKind::ALL {
             let (x, y) = (
-                a.export_slot(id, slot, None).unwrap(),
-                b.export_slot(id, slot, None).unwrap(),
+                Parts::of(&a).export_slot(id, slot, None).unwrap(),
+                Parts::of(&b).export_slot(id, slot, None).unwrap(),
             );
-            let name = a.name(id).unwrap();
+            let name = a.param(id).unwrap().name;
             assert_eq!(
                 x.regions.len(),
                 y.regions.len(),
@@ -394,17 +397,17 @@ pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
                 cpu.step(crate::Accumulated).unwrap(),
                 dev.step(crate::Accumulated).unwrap()
             );
-            cpu.eval(crate::Lent::None).unwrap();
-            dev.eval(crate::Lent::None).unwrap();
+            cpu.set_mode(Mode::Eval, crate::Lent::None).unwrap();
+            dev.set_mode(Mode::Eval, crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} eval {round}"));
-            cpu.train(crate::Lent::None).unwrap();
-            dev.train(crate::Lent::None).unwrap();
+            cpu.set_mode(Mode::Train, crate::Lent::None).unwrap();
+            dev.set_mode(Mode::Train, crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} train {round}"));
         }
     }
 }
 
-/// `read_param` / `read_state` decode as the CPU does.
+/// `Optimizer::read` decodes as the CPU does.
 pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let config = presets::adamw_4bit_split(1e-3);
     let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -420,12 +423,12 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     cpu.step(crate::Step::param(a, &g)).unwrap();
     dev.step(crate::Step::param(a, &g)).unwrap();
     let (mut x, mut y) = (vec![0f32; n], vec![0f32; n]);
-    cpu.read_param(a, &mut x).unwrap();
-    dev.read_param(a, &mut y).unwrap();
+    cpu.read(a, SlotKind::Param, &mut x).unwrap();
+    dev.read(a, SlotKind::Param, &mut y).unwrap();
     assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
-    for state in [1, 2, 3] {
-        cpu.read_state(a, state, &mut x).unwrap();
-        dev.read_state(a, state, &mut y).unwrap();
+    for state in [SlotKind::State1, SlotKind::State2, SlotKind::State3] {
+        cpu.read(a, state, &mut x).unwrap();
+        dev.read(a, state, &mut y).unwrap();
         assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
     }
     assert_eq!(cpu.memory_report().numel(), dev.memory_report().numel());
@@ -465,8 +468,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         let g = grads(&mut rng);
         cpu.accumulate(ids[0], &g[0]).unwrap();
         let path = temp(&format!("{name}-cpu-{}.safetensors", gpu.name()));
-        cpu.save(&path).unwrap();
-        let mut dev = Optimizer::load_with(gpu.clone(), &path).unwrap();
+        cpu.save(&path, Checkpoint::new()).unwrap();
+        let mut dev = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(gpu.clone()))
+            .unwrap();
         assert_same(
             &cpu,
             &dev,
@@ -487,8 +492,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         }
         // And back: saved on wgpu, loaded on the CPU.
         let path = temp(&format!("{name}-{}.safetensors", gpu.name()));
-        dev.save(&path).unwrap();
-        let mut back = Optimizer::load(&path).unwrap();
+        dev.save(&path, Checkpoint::new()).unwrap();
+        let mut back = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
         assert_same(
             &dev,
             &back,
@@ -570,7 +577,7 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
         dev.step(crate::Step::param(a, &g)).unwrap();
     }
     let mut v = vec![0f32; n];
-    cpu.read_state(a, 2, &mut v).unwrap();
+    cpu.read(a, SlotKind::State2, &mut v).unwrap();
     let subnormal = v.iter().filter(|x| x.is_subnormal()).count();
     assert!(
         subnormal > 1000,
@@ -800,7 +807,7 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
                 dev.step(crate::Step::param(b, &g)).unwrap()
             );
         }
-        let mut near = cpu.export_slot(a, slot, None).unwrap();
+        let mut near = Parts::of(&cpu).export_slot(a, slot, None).unwrap();
         for r in &mut near.regions {
             let value: f32 = if r.spec.suffix == ".row" {
                 1.0
@@ -811,8 +818,12 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
                 c.copy_from_slice(&value.to_le_bytes());
             }
         }
-        cpu.import_slot(a, slot, &near, None).unwrap();
-        dev.import_slot(b, slot, &near, None).unwrap();
+        PartsMut::of(&mut cpu)
+            .import_slot(a, slot, &near, None)
+            .unwrap();
+        PartsMut::of(&mut dev)
+            .import_slot(b, slot, &near, None)
+            .unwrap();
         let mut g = rng.spread(120, 1e-3);
         g[..10].fill(100.0);
         let (r1, r2) = (
@@ -822,7 +833,7 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
         assert_eq!(r1, r2, "{name}: reports");
         assert_eq!(r1.non_finite, [a], "{name}: the step reports the parameter");
         assert_eq!(
-            cpu.export_slot(a, slot, None).unwrap(),
+            Parts::of(&cpu).export_slot(a, slot, None).unwrap(),
             near,
             "{name}: statistics kept"
         );

@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use rayon::prelude::*;
 
 use crate::backend::{
-    Backend, BackendError, Dtype, FoldInput, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    MAX_STATS, ParamLayout, ParamStep, Phase, PlanRunner, SLOTS, SlotKind, StepFlags, StepPlan,
-    StepWork, run_step,
+    Backend, BackendError, Dtype, FoldInput, Folded, HostRegion, HostSlot, HostValues,
+    HostValuesMut, Init, MAX_STATS, ParamLayout, ParamStep, Phase, SLOTS, STAT_WORDS, SlotKind,
+    StepFlags, StepPlan, StepWork,
 };
 
 mod tile;
@@ -279,10 +279,6 @@ fn decode_slot(
         None => out.fill(0.0),
     }
 }
-
-/// Words of a parameter's sums of squares: `MAX_STATS` exponents, then `MAX_STATS` 64-bit sums
-/// (the layout of the kernels' flag words after the non-finite flag).
-const STAT_WORDS: usize = 3 * MAX_STATS;
 
 /// The f32 scratch of one chunk: gradient, parameter, the three states and the increments.
 struct Scratch {
@@ -695,134 +691,45 @@ fn fold_all(
     }
 }
 
-/// One parameter's step on the CPU, as the shared schedule runs it ([`run_step`]): the
-/// tensor-wide phases (folds over every piece in parallel, the combine on the host), the fused
-/// pass, the swaps.
-struct Runner<'a, 'r, 'l> {
-    pieces: &'a mut [Piece],
-    wide: &'a mut [Vec<Box<[AtomicU32]>>; SLOTS],
-    stats: &'a [AtomicU32; STAT_WORDS],
-    layout: &'a ParamLayout,
-    /// The step (its rule's constants change as the rule's sums are combined).
-    plan: ParamStep,
-    seed: u64,
-    released: Option<HostValues<'r>>,
-    lent: Option<&'l mut [u8]>,
-    /// A tensor-wide statistic that would not fit kept its old value: the parameter is reported.
-    kept: bool,
-}
-
-impl PlanRunner for Runner<'_, '_, '_> {
-    type Error = std::convert::Infallible;
-
-    fn passes(&self, phase: Phase) -> usize {
-        self.plan.plan.passes(phase, self.plan.flags)
-    }
-
-    fn begin(&mut self, phase: Phase) -> Result<(), Self::Error> {
-        let zero = |w: &AtomicU32| w.store(0, Ordering::Relaxed);
-        match phase {
-            Phase::Stats => self.stats.iter().for_each(zero),
-            Phase::Slot(slot) => {
-                if let Some(f) = self.layout.format(slot) {
-                    for &k in f.fold_targets() {
-                        self.wide[slot as usize][k].iter().for_each(zero);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn fold(&mut self, phase: Phase, pass: usize) -> Result<(), Self::Error> {
-        fold_all(
-            self.pieces,
-            self.layout,
-            self.wide,
-            self.stats,
-            &self.plan,
-            phase,
-            pass,
-            self.released,
-            self.lent.as_deref(),
-        );
-        Ok(())
-    }
-
-    fn combine(&mut self, phase: Phase) -> Result<(), Self::Error> {
-        let layout = self.layout;
-        match phase {
-            Phase::Stats => {
-                let (exp, sum) = self.stats.split_at(MAX_STATS);
-                // On the stack: the step allocates nothing.
-                let mut sums = [0f64; MAX_STATS];
-                let n = self.plan.rule.stats().min(MAX_STATS);
-                for (k, s) in sums[..n].iter_mut().enumerate() {
-                    *s = fixed::total(exp, sum, k, layout.numel);
-                }
-                self.plan.rule.combine_stats(&sums[..n], layout.numel);
-            }
-            Phase::Slot(slot) => {
-                if let Some(f) = layout.format(slot) {
-                    let wide = &self.wide[slot as usize];
-                    self.kept |= f.combine(wide, &layout.shape, &self.plan.rule, slot);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn fused(&mut self) -> Result<(), Self::Error> {
-        let (layout, plan, seed, released) = (self.layout, &self.plan, self.seed, self.released);
-        let wide = &*self.wide;
-        match self.lent.as_deref_mut() {
-            Some(l) => for_pieces_lent(self.pieces, l, lent_stride(layout), |piece, l| {
-                piece.saw_non_finite =
-                    fused_step(piece, layout, wide, plan, seed, released, Some(l));
-            }),
-            None => for_pieces(self.pieces, |piece| {
-                piece.saw_non_finite = fused_step(piece, layout, wide, plan, seed, released, None);
-            }),
-        }
-        Ok(())
-    }
-
-    fn swap(&mut self) -> Result<(), Self::Error> {
-        for (slot, a, b) in self.plan.plan.swaps(self.plan.flags) {
-            self.wide[slot as usize].swap(a, b);
-        }
-        Ok(())
-    }
-}
-
-/// Steps one parameter ([`Runner`]); whether an element was left unchanged or a tensor-wide
-/// statistic kept its old value.
-fn step_param(
-    param: &mut CpuParam,
-    layout: &ParamLayout,
-    plan: &ParamStep,
-    seed: u64,
-    released: Option<HostValues<'_>>,
-    lent: Option<&mut [u8]>,
-) -> bool {
-    let CpuParam {
-        pieces,
-        wide,
-        stats,
-    } = param;
-    let mut runner = Runner {
-        pieces,
-        wide,
-        stats,
-        layout,
-        plan: *plan,
-        seed,
-        released,
-        lent,
-        kept: false,
+/// Runs `f` on every parameter of a batch that steps, with its plan, its part of the released
+/// gradient and its lent buffer: those lpmm holds in parallel (each over its pieces in parallel
+/// too), then the lent ones one after another, each over its pieces in parallel. Allocates
+/// nothing.
+fn for_stepping<F>(work: &mut StepWork<'_, '_, '_, Cpu>, f: F)
+where
+    F: Fn(&mut CpuParam, &ParamLayout, &ParamStep, Option<HostValues<'_>>, Option<&mut [u8]>)
+        + Sync
+        + Send,
+{
+    let released = work.released;
+    let extra = |index: usize| match released {
+        Some((i, g)) if i == index => Some(g),
+        _ => None,
     };
-    let Ok(()) = run_step(&mut runner);
-    runner.kept | runner.pieces.iter().any(|p| p.saw_non_finite)
+    work.params
+        .par_iter_mut()
+        .zip(work.layouts.par_iter())
+        .zip(work.plans.par_iter())
+        .enumerate()
+        .for_each(|(i, ((param, layout), plan))| {
+            if let Some(plan) = plan
+                && !layout.lent
+            {
+                f(param, layout, plan, extra(i), None);
+            }
+        });
+    for (id, buffer) in work.lent.iter_mut() {
+        let i = id.index();
+        if let Some(plan) = &work.plans[i] {
+            f(
+                &mut work.params[i],
+                &work.layouts[i],
+                plan,
+                extra(i),
+                Some(buffer.bytes_mut()),
+            );
+        }
+    }
 }
 
 impl Backend for Cpu {
@@ -1096,68 +1003,107 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
-        let StepWork {
-            params,
-            layouts,
-            plans,
-            released,
-            lent,
-            seed,
-            non_finite,
-        } = work;
-        for (id, buffer) in lent.iter() {
-            let index = id.index();
-            if !layouts[index].lent {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{index} is not lent, but a buffer was lent for it"),
-                });
+    fn begin_phase(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+    ) -> Result<(), BackendError> {
+        let zero = |w: &AtomicU32| w.store(0, Ordering::Relaxed);
+        for ((p, layout), plan) in work.params.iter_mut().zip(work.layouts).zip(work.plans) {
+            if !plan.is_some_and(|p| p.plan.passes(phase, p.flags) > 0) {
+                continue;
             }
-            check_lent(&layouts[index], buffer.info())?;
-        }
-        let is_lent = |i: usize| lent.iter().any(|(k, _)| k.index() == i);
-        for (i, (layout, plan)) in layouts.iter().zip(plans).enumerate() {
-            if plan.is_some() && layout.lent && !is_lent(i) {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{i} is lent: its buffer must be lent to the step"),
-                });
-            }
-        }
-        let extra = |index: usize| match released {
-            Some((i, g)) if i == index => Some(g),
-            _ => None,
-        };
-        non_finite.iter_mut().for_each(|f| *f = false);
-        // Parameters in lpmm's memory, in parallel.
-        params
-            .par_iter_mut()
-            .zip(layouts.par_iter())
-            .zip(plans.par_iter())
-            .zip(non_finite.par_iter_mut())
-            .enumerate()
-            .for_each(|(index, (((param, layout), plan), flag))| {
-                if let Some(plan) = plan
-                    && !layout.lent
-                    && !is_lent(index)
-                {
-                    *flag = step_param(param, layout, plan, seed, extra(index), None);
+            match phase {
+                Phase::Stats => p.stats.iter().for_each(zero),
+                Phase::Slot(slot) => {
+                    if let Some(f) = layout.format(slot) {
+                        for &k in f.fold_targets() {
+                            p.wide[slot as usize][k].iter().for_each(zero);
+                        }
+                    }
                 }
-            });
-        // Lent parameters, each with its buffer.
-        for (id, buffer) in lent.iter_mut() {
-            let i = id.index();
-            if let Some(plan) = &plans[i] {
-                non_finite[i] = step_param(
-                    &mut params[i],
-                    &layouts[i],
-                    plan,
-                    seed,
-                    extra(i),
-                    Some(buffer.bytes_mut()),
+            }
+        }
+        Ok(())
+    }
+
+    fn fold(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+        pass: usize,
+    ) -> Result<(), BackendError> {
+        for_stepping(work, |param, layout, plan, released, lent| {
+            if pass < plan.plan.passes(phase, plan.flags) {
+                let CpuParam {
+                    pieces,
+                    wide,
+                    stats,
+                } = &*param;
+                let lent = lent.as_deref();
+                fold_all(
+                    pieces, layout, wide, stats, plan, phase, pass, released, lent,
+                );
+            }
+        });
+        Ok(())
+    }
+
+    fn folded(
+        &self,
+        params: &mut [CpuParam],
+        _layouts: &[ParamLayout],
+        ran: &[bool],
+        phase: Phase,
+        combine: &mut dyn FnMut(usize, Folded<'_>),
+    ) -> Result<(), BackendError> {
+        for (i, (p, &ran)) in params.iter().zip(ran).enumerate() {
+            if ran {
+                combine(
+                    i,
+                    match phase {
+                        Phase::Stats => Folded::Stats(&p.stats),
+                        Phase::Slot(slot) => Folded::Wide(&p.wide[slot as usize]),
+                    },
                 );
             }
         }
         Ok(())
+    }
+
+    fn fused(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        non_finite: &mut [bool],
+    ) -> Result<(), BackendError> {
+        let seed = work.seed;
+        for_stepping(work, |param, layout, plan, released, lent| {
+            let CpuParam { pieces, wide, .. } = param;
+            let wide = &*wide;
+            match lent {
+                Some(l) => for_pieces_lent(pieces, l, lent_stride(layout), |piece, l| {
+                    piece.saw_non_finite =
+                        fused_step(piece, layout, wide, plan, seed, released, Some(l));
+                }),
+                None => for_pieces(pieces, |piece| {
+                    piece.saw_non_finite =
+                        fused_step(piece, layout, wide, plan, seed, released, None);
+                }),
+            }
+        });
+        for ((p, plan), f) in work
+            .params
+            .iter()
+            .zip(work.plans)
+            .zip(non_finite.iter_mut())
+        {
+            *f = plan.is_some() && p.pieces.iter().any(|piece| piece.saw_non_finite);
+        }
+        Ok(())
+    }
+
+    fn swap_wide(&self, param: &mut CpuParam, slot: SlotKind, a: usize, b: usize) {
+        param.wide[slot as usize].swap(a, b);
     }
 
     fn clear_gradients(
