@@ -133,12 +133,12 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     // Every later call fails the same way, and none panics.
     assert!(lost(&opt.accumulate(w, &vec![0.01; 5000]).unwrap_err()));
     assert!(lost(&opt.step(lpmm_optim::Accumulated).unwrap_err()));
-    assert!(lost(&opt.read_param(w, &mut vec![0.0; 5000]).unwrap_err()));
+    assert!(lost(&opt.read(w, SlotKind::Param, &mut vec![0.0; 5000]).unwrap_err()));
     assert!(lost(
         &opt.step(lpmm_optim::Step::param(w, &vec![0.01; 5000]))
             .unwrap_err()
     ));
-    assert!(lost(&opt.canonical().unwrap_err()));
+    assert!(lost(&Parts::of(&opt).canonical(None).unwrap_err()));
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
     let tmp = lpmm_optim::testing::temp_dir("lpmm-backend-errors-");
     let dir = tmp.path();
@@ -166,7 +166,7 @@ fn running_out_of_memory_names_the_size() {
         "{err}"
     );
     // Not lost: the optimizer goes on.
-    let id = opt.param_id("small").unwrap();
+    let id = opt.param("small").map(|p| p.id).unwrap();
     opt.accumulate(id, &[0.01; 1000]).unwrap();
     opt.step(lpmm_optim::Accumulated).unwrap();
 }

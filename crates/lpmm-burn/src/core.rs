@@ -112,7 +112,7 @@ fn optimizer<L: Lane>(
     options: lpmm_optim::OptimizerOptions,
 ) -> Result<Optimizer<L::B>, BurnError> {
     let mut opt = Optimizer::with_backend(lane.backend().clone(), options)?;
-    opt.set_missing_gradient(MissingGradientPolicy::Ignore);
+    opt.settings_mut().missing_gradient = MissingGradientPolicy::Ignore;
     Ok(opt)
 }
 
@@ -144,7 +144,7 @@ impl<L: Lane> Core<L> {
         weights.sort_by_key(|id| id.val());
         for id in weights {
             *checked += 1;
-            if !self.opt.received_gradient(self.index[&id])? {
+            if !self.opt.param(self.index[&id]).map(|p| p.received_gradient)? {
                 missing.push(format!("{} (an LpmmLinear weight)", id.val()));
             }
         }
@@ -193,7 +193,7 @@ impl<L: Lane> Core<L> {
         self.lane.prepare(&mut p, true)?;
         {
             let out = self.lane.output(&mut p)?;
-            self.opt.read_into(lid, SlotKind::Param, out)?;
+            self.opt.read(lid, SlotKind::Param, Out::Backend( out))?;
         }
         self.lane.settle()?;
         Ok(self.lane.give(p))
@@ -446,9 +446,9 @@ impl<L: Lane> Core<L> {
                 fresh
                     .opt
                     .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
-                fresh.opt.restore_rule_state(lid, p.rule_state)?;
+                PartsMut::of(&mut fresh.opt).restore_rule_state(lid, p.rule_state)?;
                 for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
-                    fresh.opt.import_slot(lid, slot, host, None)?;
+                    PartsMut::of(&mut fresh.opt).import_slot(lid, slot, host, None)?;
                 }
                 continue;
             }
@@ -472,7 +472,7 @@ impl<L: Lane> Core<L> {
             fresh
                 .opt
                 .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
-            fresh.opt.restore_rule_state(lid, p.rule_state)?;
+            PartsMut::of(&mut fresh.opt).restore_rule_state(lid, p.rule_state)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
                 match slot {
                     SlotKind::Param if !held => {
@@ -485,11 +485,11 @@ impl<L: Lane> Core<L> {
                             writes.insert(id, (lid, host.clone()));
                         }
                     }
-                    _ => fresh.opt.import_slot(lid, slot, host, None)?,
+                    _ => PartsMut::of(&mut fresh.opt).import_slot(lid, slot, host, None)?,
                 }
             }
         }
-        fresh.opt.set_steps(c.global_steps)?;
+        PartsMut::of(&mut fresh.opt).set_steps(c.global_steps)?;
         drop(prims);
         if let Some(id) = external.keys().find(|id| !fresh.external.contains_key(id)) {
             return Err(BurnError::Record(format!(
@@ -556,7 +556,7 @@ impl<L: Lane> Core<L> {
             core: self,
             prims: prims.unwrap_or_default(),
         };
-        Ok(self.opt.canonical_lent(Some(&mut lender))?)
+        Ok(Parts::of(&self.opt).canonical(Some(&mut lender))?)
     }
 }
 
@@ -885,7 +885,7 @@ impl<L: Lane> ModuleMapper for Take<'_, L> {
                 Tensor::empty([0; D], &device)
             }
         };
-        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
+        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(out, id), mapper)
     }
 }
 
@@ -903,7 +903,7 @@ impl<L: Lane> ModuleMapper for Restore<'_, L> {
         let (id, tensor, mapper) = param.consume();
         let ctx = Ctx::capture(&tensor);
         drop(tensor);
-        Param::from_mapped_value(id, ctx.restore(self.lane.give(p), id), mapper)
+        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(self.lane.give(p), id), mapper)
     }
 }
 
@@ -939,7 +939,7 @@ impl<L: Lane> Apply<'_, L> {
         match (&self.work, host) {
             (Work::Decode, _) => {
                 let out = core.lane.output(&mut p)?;
-                core.opt.read_into(lid, SlotKind::Param, out)?;
+                core.opt.read(lid, SlotKind::Param, Out::Backend( out))?;
             }
             (Work::Import(_), Some(mut host)) => {
                 if host.region("").is_none() {
@@ -994,7 +994,7 @@ impl<L: Lane> ModuleMapper for Apply<'_, L> {
                 Tensor::zeros(dims, &device)
             }
         };
-        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
+        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(out, id), mapper)
     }
 }
 

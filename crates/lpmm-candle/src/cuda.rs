@@ -63,12 +63,12 @@ impl CudaEngine {
             if matches!(var.dtype(), DType::F32 | DType::BF16) {
                 backend
                     .output(var.as_tensor(), &mut |out| {
-                        self.opt.read_into(id, SlotKind::Param, out)
+                        self.opt.read(id, SlotKind::Param, Out::Backend( out))
                     })
                     .map_err(wrap)?;
             } else {
                 let mut values = vec![0f32; var.elem_count()];
-                self.opt.read_param(id, &mut values).map_err(wrap)?;
+                self.opt.read(id, SlotKind::Param, &mut values).map_err(wrap)?;
                 let t =
                     Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
                 var.set(&t)?;

@@ -236,8 +236,8 @@ const MISSING_GRADIENT_HELP: MissingGradientHelp = MissingGradientHelp::new(
 
 /// Applies `config`'s missing-gradient policy, with lpmm-candle's help, to `opt`.
 fn configure<B: Backend>(opt: &mut Optimizer<B>, config: &LpmmConfig) {
-    opt.set_missing_gradient(config.missing_gradient);
-    opt.set_missing_gradient_help(MISSING_GRADIENT_HELP);
+    opt.settings_mut().missing_gradient = config.missing_gradient;
+    opt.settings_mut().missing_gradient_help = MISSING_GRADIENT_HELP;
 }
 
 impl<R: Into<lpmm_optim::Hyper>> From<lpmm_optim::presets::Preset<R>> for LpmmConfig {
@@ -768,7 +768,7 @@ fn accumulate_on<B: Lane>(
 fn decode_on<B: Lane>(opt: &Optimizer<B>, id: ParamId, t: &Tensor) -> Result<()> {
     let backend = opt.backend().clone();
     backend
-        .output(t, &mut |out| opt.read_into(id, SlotKind::Param, out))
+        .output(t, &mut |out| opt.read(id, SlotKind::Param, Out::Backend( out)))
         .map_err(wrap)
 }
 
@@ -929,7 +929,7 @@ impl Inner {
         let opt = self.opt.cpu()?;
         for e in self.vars.iter().filter(|e| !e.lent) {
             let mut values = vec![0f32; e.var.elem_count()];
-            opt.read_param(e.id, &mut values).map_err(wrap)?;
+            opt.read(e.id, SlotKind::Param, &mut values).map_err(wrap)?;
             let t =
                 Tensor::from_vec(values, e.var.shape(), e.var.device())?.to_dtype(e.var.dtype())?;
             e.var.set(&t)?;
@@ -1148,12 +1148,12 @@ impl LpmmOptimizer {
         } = &mut *inner;
         on_engine!(opt, o => {
             let mut lender = VarLender::new(o, vars, by_id);
-            o.save_lent(path, &mut lender).map_err(wrap)
+            o.save(path, Checkpoint::new().lender( &mut lender).map_err(wrap)
         })
     }
 
     /// Moves the `Var`s to the point the optimizer evaluates at (schedule-free AdamW: the average
-    /// `x`, as the `schedulefree` package's `optimizer.eval()`); parameters of other rules do not
+    /// `x`, as the `schedulefree` package's `optimizer.eval()`)); parameters of other rules do not
     /// change. Steps are refused until [`LpmmOptimizer::train`]. Call it before evaluating or
     /// saving the model for inference; a no-op when already there.
     pub fn eval(&mut self) -> Result<()> {
@@ -1173,9 +1173,9 @@ impl LpmmOptimizer {
         on_engine!(opt, o => {
             let mut lender = VarLender::new(o, vars, by_id);
             if eval {
-                o.eval(lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
+                o.set_mode(Mode::Eval, lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
             } else {
-                o.train(lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
+                o.set_mode(Mode::Train, lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
             }
         })?;
         inner.sync()
@@ -1191,8 +1191,8 @@ impl LpmmOptimizer {
         } = &mut *inner;
         on_engine!(opt, o => {
             let mut lender = VarLender::new(o, vars, by_id);
-            o.load_state_lent(path, &mut lender).map_err(wrap)
-        })?;
+            o.load(path, Checkpoint::new().lender( &mut lender).map_err(wrap)
+        }))?;
         inner.sync()
     }
 }

@@ -163,14 +163,14 @@ fn states(opt: &LpmmOptimizer, m: &Model) -> candle_core::Result<Vec<String>> {
     opt.with_optimizer(|o| {
         let mut out = vec![format!("steps {}", o.steps())];
         for name in &names {
-            let id = o.param_id(name).unwrap();
+            let id = o.param(name).map(|p| p.id).unwrap();
             for slot in [SlotKind::State1, SlotKind::State2] {
                 out.push(format!(
                     "{name} {:?}",
-                    o.export_slot(id, slot, None).unwrap()
+                    Parts::of(&o).export_slot(id, slot, None).unwrap()
                 ));
             }
-            out.push(format!("{name} {}", o.received_gradient(id).unwrap()));
+            out.push(format!("{name} {}", o.param(id).map(|p| p.received_gradient).unwrap()));
         }
         out
     })

@@ -130,7 +130,7 @@ fn state_bits<B: lpmm_optim::backend::Backend>(
     n: usize,
 ) -> Vec<u32> {
     let mut v = vec![0f32; n];
-    opt.read_state(opt.param_id(name).unwrap(), k, &mut v)
+    opt.read_state(opt.param(name).map(|p| p.id).unwrap(), k, &mut v)
         .unwrap();
     v.into_iter().map(f32::to_bits).collect()
 }

@@ -377,7 +377,7 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
     let numel = o * i;
     let stepped = opt_held.with_optimizer(|opt| {
         let mut wv = vec![0f32; numel];
-        opt.read_param(opt.param_id("fc.weight").unwrap(), &mut wv)
+        opt.read_param_MIG(opt.param("fc.weight").map(|p| p.id).unwrap(), &mut wv)
             .unwrap();
         wv
     })?;
@@ -407,7 +407,7 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
     opt_e.step_grads(&mut grads)?;
     let after = opt_e.with_optimizer(|o| {
         let mut v = vec![0f32; 15];
-        o.read_param(o.param_id("emb.weight").unwrap(), &mut v)
+        o.read_param_MIG(o.param("emb.weight").map(|p| p.id).unwrap(), &mut v)
             .unwrap();
         v
     })?;

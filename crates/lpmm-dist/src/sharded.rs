@@ -243,7 +243,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         for s in self.layout.shards(self.comm.rank()) {
             let d = &self.defs[s.param];
             let config = d.config.unwrap_or(self.groups[d.group]);
-            let id = self.opt.add_param_shard(
+            let id = PartsMut::of(&mut self.opt).add_param_shard(
                 &format!("{}@{}", d.name, s.range.start),
                 &d.shape,
                 s.range.clone(),
@@ -316,7 +316,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         let mut report = ShardedReport::default();
         let local =
             if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
-                let summary = self.opt.gradient_summary()?;
+                let summary = PartsMut::of(&mut self.opt).gradient_summary()?;
                 // The exact sums add as integers: any all-reduce gives the unsharded model's sum.
                 let mut words = summary.sum.to_words().to_vec();
                 words.push(summary.non_finite.len() as i64);
@@ -410,7 +410,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         for (p, shards) in self.local.iter().enumerate() {
             for (id, range) in shards {
                 let mut v = vec![0f32; range.len()];
-                self.opt.read_param(*id, &mut v)?;
+                self.opt.read(*id, SlotKind::Param, &mut v)?;
                 match l.flat_offset(p) {
                     Some(o) => {
                         let at = o + range.start - rank * per;
@@ -450,7 +450,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     /// by `Optimizer::load`) from every rank's shards; rank 0 writes the file. Every rank must
     /// call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
-        let local = self.opt.canonical()?;
+        let local = Parts::of(&self.opt).canonical(None)?;
         // This rank's shards: (param, start, counters, rule state, the slots).
         let mut blob = Vec::new();
         for (k, c) in local.params.iter().enumerate() {
@@ -667,15 +667,15 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             .collect();
         let mut s = Self::skeleton(backend, comm, c.options, shard, c.groups.clone(), defs)?;
         s.register(|_, range| vec![0f32; range.len()])?;
-        s.opt.set_steps(c.global_steps)?;
+        PartsMut::of(&mut s.opt).set_steps(c.global_steps)?;
         for (p, cp) in c.params.iter().enumerate() {
             for (id, range) in s.local[p].clone() {
                 s.opt
                     .restore(id, cp.steps, cp.accumulations, cp.pending, cp.lr_rule)?;
-                s.opt.restore_rule_state(id, cp.rule_state)?;
+                PartsMut::of(&mut s.opt).restore_rule_state(id, cp.rule_state)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                     let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;
-                    s.opt.import_slot(id, slot, &host, None)?;
+                    PartsMut::of(&mut s.opt).import_slot(id, slot, &host, None)?;
                 }
             }
         }

@@ -54,7 +54,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
             .zip(numels())
             .map(|(&id, n)| {
                 let mut v = vec![0f32; n];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 v.iter().map(|x| x.to_bits()).collect()
             })
             .collect();
@@ -105,7 +105,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
     let saved = Canonical::read(&path).unwrap();
     same_canonical(
         &saved,
-        &refopt.canonical().expect("canonical"),
+        &Parts::of(&refopt).canonical(None).expect("canonical"),
         &format!("{name}, {world} ranks, {zero:?}: checkpoint"),
     );
 }
@@ -168,7 +168,7 @@ fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
             assert_eq!(report.skipped, want.skipped, "{policy:?}");
             for (p, &id) in ids.iter().enumerate() {
                 let mut v = vec![0f32; params[p].len()];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 assert!(
                     v.iter()
                         .zip(&params[p])
@@ -259,11 +259,11 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
             opt.save(&path).unwrap();
         });
         // The unsharded optimizer reads the same file.
-        let plain = Optimizer::load(&path).unwrap();
+        let plain = Canonical::read(&path).and_then(|c| c.into_optimizer(Cpu)).unwrap();
         assert_eq!(plain.steps(), 2);
         let path2 = dir.join(format!("{w}-to-{w2}-end.safetensors"));
         ranks(w2, |comm| {
-            let mut opt = ShardedOptimizer::load(comm, &path, shard).unwrap();
+            let mut opt = ShardedCanonical::read(comm, &path, shard).and_then(|c| c.into_optimizer(Cpu)).unwrap();
             for step in 2..4 {
                 let g = split_grads(w2, opt.rank(), step);
                 let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
@@ -273,7 +273,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         });
         same_canonical(
             &Canonical::read(&path2).unwrap(),
-            &refopt.canonical().expect("canonical"),
+            &Parts::of(&refopt).canonical(None).expect("canonical"),
             &format!("saved at {w} ranks, resumed at {w2}"),
         );
     }
@@ -394,7 +394,7 @@ fn check_backend<B: lpmm_optim::backend::Backend>(make: impl Fn() -> B + Sync, l
         for (r, params) in got.iter().enumerate() {
             for (p, &id) in ids.iter().enumerate() {
                 let mut v = vec![0f32; params[p].len()];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 assert!(
                     v.iter()
                         .zip(&params[p])

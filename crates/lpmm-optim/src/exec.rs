@@ -25,7 +25,7 @@ use crate::backend::{
 };
 use crate::error::OptimError;
 use crate::fixed;
-use crate::optimizer::{Lender, Lent};
+use crate::lent::{Lender, Lent};
 
 /// The per-parameter scratch of the executor, sized at registration so a step allocates nothing.
 #[derive(Debug, Default)]
@@ -159,7 +159,8 @@ impl<F: Fn(usize) -> String> Lents<'_, F> {
 }
 
 /// One step's batches: the optimizer's parameters and the plans of those that step.
-pub(crate) struct Batches<'a, B: Backend> {
+pub(crate) struct Batches<'a, B: Backend, F: Fn(usize) -> String> {
+    pub lents: Lents<'a, F>,
     pub backend: &'a B,
     pub params: &'a mut [B::Param],
     pub layouts: &'a [ParamLayout],
@@ -168,7 +169,7 @@ pub(crate) struct Batches<'a, B: Backend> {
     pub scratch: &'a mut Scratch,
 }
 
-impl<B: Backend> Batches<'_, B> {
+impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
     /// Runs every plan whose parameter has not stepped yet in this step: the parameters lpmm
     /// holds in one batch, then the lent ones — in one batch from [`Lent::Buffers`], one at a
     /// time inside a [`Lender`]'s callback. The caller has obtained and checked every lent
@@ -216,6 +217,10 @@ impl<B: Backend> Batches<'_, B> {
             let id = ParamId(i);
             let released = released.filter(|(r, _)| *r == i);
             lender.lend_mut(id, &mut |buf| {
+                // Lent again: checked again (a lender may hand out another buffer than the one
+                // `Lents::obtain` checked).
+                let (dtype, len) = self.backend.output_info(&buf);
+                self.lents.check_buffer(i, dtype, len)?;
                 self.batch(released, &mut [(id, buf)], |_, k| k == i)
             })?;
         }

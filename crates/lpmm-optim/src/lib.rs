@@ -42,6 +42,7 @@ mod fixed;
 mod format;
 #[cfg(feature = "testing")]
 pub mod fuzzing;
+mod lent;
 mod memory;
 mod optimizer;
 mod plan;

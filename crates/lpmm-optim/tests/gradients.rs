@@ -322,3 +322,113 @@ fn bad_lent_buffers_are_refused_before_anything_moves() {
     assert_eq!(r1, r2);
     assert_eq!(slots(&tried, &buf), slots(&clean, &clean_buf));
 }
+
+/// A [`Lender`] lends the buffers of a step one at a time: one that hands out a short buffer for
+/// the *second* lent parameter must be refused before the first moves (a retry with good buffers
+/// then gives one clean step's bits, not two steps of the first parameter).
+#[test]
+fn a_lender_with_a_short_second_buffer_moves_nothing() {
+    use lpmm_optim::backend::HostValuesMut;
+    use lpmm_optim::{Accumulated, Lender, Lent, OptimError, Step};
+
+    /// Lends `buffers[id]`; for `short`, only its first `n - 1` values.
+    struct Shorting<'a> {
+        buffers: &'a mut [Vec<f32>],
+        short: Option<usize>,
+    }
+    impl Lender<lpmm_optim::Cpu> for Shorting<'_> {
+        fn lend(
+            &mut self,
+            id: ParamId,
+            f: &mut dyn FnMut(HostValues<'_>) -> Result<(), OptimError>,
+        ) -> Result<(), OptimError> {
+            let b = &self.buffers[id.index()];
+            let n = if self.short == Some(id.index()) {
+                b.len() - 1
+            } else {
+                b.len()
+            };
+            f(HostValues::F32(&b[..n]))
+        }
+        fn lend_mut(
+            &mut self,
+            id: ParamId,
+            f: &mut dyn FnMut(HostValuesMut<'_>) -> Result<(), OptimError>,
+        ) -> Result<(), OptimError> {
+            let b = &mut self.buffers[id.index()];
+            let n = if self.short == Some(id.index()) {
+                b.len() - 1
+            } else {
+                b.len()
+            };
+            f(HostValuesMut::F32(&mut b[..n]))
+        }
+    }
+
+    let config = presets::adamw_8bit(1e-3);
+    let n = 5000;
+    let mut rng = Rng::new(7);
+    let init = [rng.spread(n, 0.5), rng.spread(n, 0.5)];
+    let grads = [rng.spread(n, 1.0), rng.spread(n, 1.0)];
+    let build = |bufs: &[Vec<f32>]| {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        opt.add_group(config).unwrap();
+        let ids: Vec<ParamId> = ["a", "b"]
+            .iter()
+            .zip(bufs)
+            .map(|(name, b)| {
+                opt.add_lent_param(name, &[n], HostValues::F32(b), 0, config)
+                    .unwrap()
+            })
+            .collect();
+        for (id, g) in ids.iter().zip(&grads) {
+            opt.accumulate(*id, g).unwrap();
+        }
+        (opt, ids)
+    };
+    let mut tried_bufs = init.to_vec();
+    let mut clean_bufs = init.to_vec();
+    let (mut tried, ids) = build(&tried_bufs);
+    let (mut clean, _) = build(&clean_bufs);
+    let slots = |opt: &Optimizer, bufs: &[Vec<f32>]| {
+        let mut all = Vec::new();
+        for (&id, b) in ids.iter().zip(bufs) {
+            for slot in SlotKind::ALL {
+                let lent = (slot == SlotKind::Param).then(|| HostValues::F32(b));
+                all.push(Parts::of(opt).export_slot(id, slot, lent).unwrap());
+            }
+        }
+        all
+    };
+    let before = slots(&tried, &tried_bufs);
+    let e = tried
+        .step(Step::accumulated().lent(Lent::Lender(&mut Shorting {
+            buffers: &mut tried_bufs,
+            short: Some(ids[1].index()),
+        })))
+        .unwrap_err();
+    assert!(matches!(e, OptimError::Lent { .. }), "{e}");
+    assert_eq!(slots(&tried, &tried_bufs), before, "nothing moved");
+    assert!(
+        tried.param(ids[0]).unwrap().received_gradient,
+        "still pending"
+    );
+    assert_eq!(tried.param(ids[0]).unwrap().steps, 0);
+    // The retry and a clean optimizer's one step: the same bits.
+    let mut good = Shorting {
+        buffers: &mut tried_bufs,
+        short: None,
+    };
+    tried
+        .step(Step::accumulated().lent(Lent::Lender(&mut good)))
+        .unwrap();
+    let mut good = Shorting {
+        buffers: &mut clean_bufs,
+        short: None,
+    };
+    clean
+        .step(Step::from(Accumulated).lent(Lent::Lender(&mut good)))
+        .unwrap();
+    assert_eq!(slots(&tried, &tried_bufs), slots(&clean, &clean_bufs));
+    assert_eq!(tried_bufs, clean_bufs);
+}

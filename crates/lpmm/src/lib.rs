@@ -15,7 +15,7 @@
 //! let report = opt.step(Accumulated)?;
 //! assert!(!report.skipped);
 //! let mut weight = vec![0f32; 256 * 256];
-//! opt.read_param(w, &mut weight)?;
+//! opt.read(w, SlotKind::Param, &mut weight)?;
 //! assert!(weight[0] < 0.02);
 //! # Ok::<(), lpmm::optim::OptimError>(())
 //! ```

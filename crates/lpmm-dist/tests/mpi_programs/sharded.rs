@@ -55,7 +55,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
         );
         for (p, (&id, n)) in ids.iter().zip(numels()).enumerate() {
             let mut v = vec![0f32; n];
-            refopt.read_param(id, &mut v).expect("read");
+            refopt.read(id, SlotKind::Param, &mut v).expect("read");
             if let Some(k) = v
                 .iter()
                 .zip(&opt.params()[p])
@@ -78,7 +78,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
     opt.save(&path).expect("save");
     same_canonical(
         &Canonical::read(&path).expect("read"),
-        &refopt.canonical().expect("canonical"),
+        &Parts::of(&refopt).canonical(None).expect("canonical"),
         &format!("{name} {shard:?} at {world} ranks"),
     );
 }
@@ -155,7 +155,7 @@ fn main() {
             println!("rank {rank}/{world}: saved");
         }
         Some("resume") => {
-            let mut opt = ShardedOptimizer::load(&mpi, &args[1], shard).expect("load");
+            let mut opt = ShardedCanonical::read(&mpi, &args[1], shard).and_then(|c| c.into_optimizer(Cpu)).expect("load");
             for step in 2..4 {
                 let g = split_grads(world, rank, step);
                 let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
@@ -171,7 +171,7 @@ fn main() {
             }
             same_canonical(
                 &Canonical::read(&args[2]).expect("read"),
-                &refopt.canonical().expect("canonical"),
+                &Parts::of(&refopt).canonical(None).expect("canonical"),
                 "resumed",
             );
             println!("rank {rank}/{world}: resumed bit-identically");

@@ -22,9 +22,10 @@ mod info;
 mod parts;
 mod step;
 
+pub use crate::lent::{Lender, Lent};
 pub use info::{Mode, Out, ParamInfo, ParamKey, Settings, Status};
 pub use parts::{Parts, PartsMut};
-pub use step::{Accumulated, Grad, Gradients, Lender, Lent, Step, WithGradient};
+pub use step::{Accumulated, Grad, Gradients, Step, WithGradient};
 
 /// The largest value of a step or accumulation counter: 2^53, the largest count the f64 bias
 /// corrections hold exactly (and what checkpoints accept). A step or `accumulate` that would pass

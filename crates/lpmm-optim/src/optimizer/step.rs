@@ -8,6 +8,7 @@ use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
 use crate::exec::{Batches, Lents};
+use crate::lent::{Lender, Lent};
 
 use crate::coverage::MissingGradients;
 
@@ -53,48 +54,6 @@ impl<'a, B: Backend, T: AsRef<[f32]> + ?Sized> From<&'a T> for Grad<'a, B> {
 impl<'a, B: Backend> From<HostValues<'a>> for Grad<'a, B> {
     fn from(values: HostValues<'a>) -> Self {
         Grad::Host(values)
-    }
-}
-
-/// Lends the buffers of lent parameters ([`Optimizer::add_lent_param`]) to operations that need
-/// them: a framework hands out its tensors' memory only inside a callback (candle's in-place
-/// operations), so the optimizer asks for one buffer at a time.
-pub trait Lender<B: Backend> {
-    /// Calls `f` with parameter `id`'s buffer, read-only.
-    fn lend(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Input<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-    /// Calls `f` with parameter `id`'s buffer, writable.
-    fn lend_mut(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Output<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-}
-
-/// Where the buffers of lent parameters ([`Optimizer::add_lent_param`]) are, for the operations
-/// that move parameters: [`Optimizer::step`], [`Optimizer::eval`], [`Optimizer::train`].
-pub enum Lent<'s, 'a: 's, B: Backend> {
-    /// No buffers: no lent parameter may move (an error naming the first that would).
-    None,
-    /// The buffers, each with its parameter (at most once each).
-    Buffers(&'s mut [(ParamId, B::Output<'a>)]),
-    /// Buffers lent one at a time, on request.
-    Lender(&'s mut dyn Lender<B>),
-}
-
-impl<B: Backend> std::fmt::Debug for Lent<'_, '_, B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Lent::None => f.write_str("None"),
-            Lent::Buffers(b) => {
-                let ids: Vec<ParamId> = b.iter().map(|(id, _)| *id).collect();
-                f.debug_tuple("Buffers").field(&ids).finish()
-            }
-            Lent::Lender(_) => f.write_str("Lender(..)"),
-        }
     }
 }
 
@@ -441,6 +400,10 @@ impl<B: Backend> Optimizer<B> {
         self.lents()
             .obtain(&self.backend, lent, |i| plans[i].is_some())?;
         let result = Batches {
+            lents: Lents {
+                name: |i| self.states[i].name.clone(),
+                layouts: &self.layouts,
+            },
             backend: &self.backend,
             params: &mut self.params,
             layouts: &self.layouts,

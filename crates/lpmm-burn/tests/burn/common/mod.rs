@@ -208,7 +208,7 @@ pub fn read(r: &lpmm_optim::Optimizer, ids: &[lpmm_optim::ParamId]) -> Vec<Vec<u
         .zip(shapes())
         .map(|(&id, s)| {
             let mut out = vec![0f32; s.iter().product()];
-            r.read_param(id, &mut out).unwrap();
+            r.read(id, SlotKind::Param, &mut out).unwrap();
             out.into_iter().map(f32::to_bits).collect()
         })
         .collect()
