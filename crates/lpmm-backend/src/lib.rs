@@ -15,13 +15,21 @@
 //! This crate touches no GPU API: runtimes do.
 
 pub mod abi;
+mod arena;
 pub mod codegen;
 mod device;
+#[cfg(test)]
+mod fake;
+mod launch;
 pub mod plans;
 mod runtime;
+mod step;
+mod views;
 
-pub use device::{Device, DeviceInput, DeviceOptions, DeviceOutput, DeviceParam};
+pub use arena::DeviceParam;
+pub use device::{Device, DeviceOptions};
 pub use runtime::{Io, Launch, Limits, Runtime, Specialized};
+pub use views::{DeviceInput, DeviceOutput};
 
 /// What [`device_backend!`] expands to refers to.
 #[doc(hidden)]
