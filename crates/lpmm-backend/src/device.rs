@@ -15,16 +15,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lpmm_optim::backend::{
-    Backend, BackendError, Dtype, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    ParamLayout, ParamStep, Place, SLOTS, SlotKind, StepWork, Walked, run_step,
+    Backend, BackendError, Dtype, Folded, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
+    ParamLayout, Phase, Place, SLOTS, SlotKind, StepWork, Walked,
 };
 use lpmm_optim::backend::{ExactSum, add_squares};
 
-use crate::abi::{Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, STAT_WORDS, TILE, map_table};
+use crate::abi::{Desc, Entry, F_INPUT, F_INPUT_BF16, F_OUTPUT_BF16, TILE, map_table};
 use crate::arena::{DeviceParam, Piece, Pool, State, elem_specs, wide_specs};
 use crate::launch::Item;
 use crate::runtime::{Runtime, Specialized};
-use crate::step::Runner;
 use crate::views::{DeviceInput, DeviceOutput};
 
 /// How a [`Device`] lays out memory.
@@ -518,77 +517,48 @@ impl<R: Runtime> Backend for Device<R> {
         Ok(())
     }
 
-    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
-        self.check()?;
-        let StepWork {
-            params,
-            layouts,
-            plans,
-            released,
-            lent,
-            seed,
-            non_finite,
-        } = work;
-        // One lifetime for the caller's lent and released buffers (both outlive this call).
-        let released = released.map(|(i, g)| {
-            let g = match g {
-                DeviceInput::Host(v) => DeviceInput::Host(v),
-                DeviceInput::Device(v) => DeviceInput::Device(R::shorten(v)),
-            };
-            (i, g)
-        });
-        let mut views: Vec<Option<R::View<'_>>> = vec![None; params.len()];
-        for (id, out) in lent.iter() {
-            let DeviceOutput::Device(view) = out else {
-                return Err(BackendError::Buffer {
-                    what: "a lent parameter on a device is a device buffer".into(),
-                });
-            };
-            let i = id.index();
-            if !layouts[i].lent {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{i} is not lent, but a buffer was lent for it"),
-                });
-            }
-            views[i] = self.lent_view(&layouts[i], Some(R::shorten(*view)))?;
-        }
-        for (i, (l, p)) in layouts.iter().zip(plans).enumerate() {
-            if p.is_some() && l.lent && views[i].is_none() {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{i} is lent: its buffer must be lent to the step"),
-                });
-            }
-        }
-        if let Some((i, g)) = released {
-            self.check_input(&g, layouts[i].numel)?;
-        }
-        non_finite.iter_mut().for_each(|f| *f = false);
-        if plans.iter().all(Option::is_none) {
-            return Ok(());
-        }
-        let mut state = self.inner.lock();
-        // One flag per parameter, then each parameter's block of the rule's fold words.
-        let n = params.len();
-        self.ensure_flags(&mut state, n * (1 + STAT_WORDS as usize))?;
-        // The plans' constants change as the rule's sums are combined.
-        let stepping: Vec<(usize, ParamStep)> = plans
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| p.map(|p| (i, p)))
-            .collect();
-        let mut runner = Runner {
-            device: self,
-            state: &mut state,
-            params,
-            layouts,
-            stepping,
-            released,
-            views: &views,
-            seed,
-            kept: vec![false; n],
-            non_finite,
-        };
-        run_step(&mut runner)
+    fn prepare(&self, work: &mut StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
+        self.step_prepare(work)
+    }
+
+    fn begin_phase(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+    ) -> Result<(), BackendError> {
+        self.step_begin(work, phase)
+    }
+
+    fn fold(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+        pass: usize,
+    ) -> Result<(), BackendError> {
+        self.step_fold(work, phase, pass)
+    }
+
+    fn folded(
+        &self,
+        params: &mut [DeviceParam<R>],
+        _layouts: &[ParamLayout],
+        ran: &[bool],
+        phase: Phase,
+        combine: &mut dyn FnMut(usize, Folded<'_>),
+    ) -> Result<(), BackendError> {
+        self.step_folded(params, ran, phase, combine)
+    }
+
+    fn fused(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        non_finite: &mut [bool],
+    ) -> Result<(), BackendError> {
+        self.step_fused(work, non_finite)
+    }
+
+    fn swap_wide(&self, param: &mut DeviceParam<R>, slot: SlotKind, a: usize, b: usize) {
+        param.wide_regions[slot as usize].swap(a, b);
     }
 
     fn clear_gradients(

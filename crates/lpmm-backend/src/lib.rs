@@ -36,8 +36,25 @@ pub use views::{DeviceInput, DeviceOutput};
 pub mod reexport {
     pub use lpmm_optim::backend::ExactSum;
     pub use lpmm_optim::backend::{
-        Backend, BackendError, Dtype, HostSlot, HostValues, HostValuesMut, Init, ParamLayout,
-        SLOTS, SlotKind, StepWork,
+        Backend, BackendError, Dtype, Folded, HostSlot, HostValues, HostValuesMut, Init,
+        ParamLayout, Phase, SLOTS, SlotKind, StepWork,
+    };
+}
+
+/// A backend newtype's [`StepWork`](lpmm_optim::backend::StepWork) as its [`Device`]'s (the same
+/// buffers; [`device_backend!`]'s forwarding).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! forward_work {
+    ($w:expr) => {
+        $crate::reexport::StepWork {
+            params: &mut *$w.params,
+            layouts: $w.layouts,
+            plans: $w.plans,
+            released: $w.released,
+            lent: &mut *$w.lent,
+            seed: $w.seed,
+        }
     };
 }
 
@@ -141,19 +158,52 @@ macro_rules! device_backend {
             ) -> Result<(), $crate::reexport::BackendError> {
                 self.0.gradient_stats(params, layouts, select, out)
             }
-            fn step(
+            fn prepare(
                 &self,
-                w: $crate::reexport::StepWork<'_, '_, '_, Self>,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
             ) -> Result<(), $crate::reexport::BackendError> {
-                self.0.step($crate::reexport::StepWork {
-                    params: w.params,
-                    layouts: w.layouts,
-                    plans: w.plans,
-                    released: w.released,
-                    lent: w.lent,
-                    seed: w.seed,
-                    non_finite: w.non_finite,
-                })
+                $crate::reexport::Backend::prepare(&self.0, &mut $crate::forward_work!(w))
+            }
+            fn begin_phase(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                phase: $crate::reexport::Phase,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::begin_phase(&self.0, &mut $crate::forward_work!(w), phase)
+            }
+            fn fold(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                phase: $crate::reexport::Phase,
+                pass: usize,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::fold(&self.0, &mut $crate::forward_work!(w), phase, pass)
+            }
+            fn folded(
+                &self,
+                params: &mut [Self::Param],
+                _layouts: &[$crate::reexport::ParamLayout],
+                ran: &[bool],
+                phase: $crate::reexport::Phase,
+                combine: &mut dyn FnMut(usize, $crate::reexport::Folded<'_>),
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::folded(&self.0, params, _layouts, ran, phase, combine)
+            }
+            fn fused(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                non_finite: &mut [bool],
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::fused(&self.0, &mut $crate::forward_work!(w), non_finite)
+            }
+            fn swap_wide(
+                &self,
+                param: &mut Self::Param,
+                slot: $crate::reexport::SlotKind,
+                a: usize,
+                b: usize,
+            ) {
+                $crate::reexport::Backend::swap_wide(&self.0, param, slot, a, b)
             }
             fn clear_gradients(
                 &self,

@@ -1,24 +1,24 @@
 //! A step on the device: the items of the stepping parameters with their plans (and the
-//! specialized step each may take), and the [`Runner`] of lpmm-optim's shared schedule
-//! ([`run_step`](lpmm_optim::backend::run_step)): each phase's fold passes batched over every
-//! stepping parameter, the host combine, the fused pass and the swaps.
+//! specialized step each may take), and the step primitives lpmm-optim's executor runs in the
+//! shared schedule: each phase's fold passes batched over every stepping parameter, the folds
+//! read back for the host combine, the fused pass.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use lpmm_optim::backend::{
-    BackendError, Dtype, FoldInput, ParamLayout, ParamStep, Phase, PlanRunner,
+    BackendError, Dtype, FoldInput, Folded, ParamLayout, ParamStep, Phase, StepWork,
 };
 
 use crate::abi::{
     CONST_WORDS, Entry, F_GIVEN_V, F_GIVEN_W, F_TRANSFORM, F_UPDATE_PARAM, FOLD_MOMENT, FOLD_STATS,
-    FOLD_UPDATED, STAT_SUM, STAT_WORDS,
+    FOLD_UPDATED, STAT_WORDS,
 };
 use crate::arena::{DeviceParam, State};
 use crate::device::Device;
 use crate::launch::Item;
 use crate::plans::{self, GradInput};
 use crate::runtime::{Io, Runtime, Specialized};
-use crate::views::DeviceInput;
+use crate::views::{DeviceInput, DeviceOutput};
 
 /// What the step's items are made of.
 struct StepCtx<'a, 'v, R: Runtime> {
@@ -109,83 +109,129 @@ impl<R: Runtime> Device<R> {
     }
 }
 
-/// One step's plans on a device: each phase of the shared schedule
-/// ([`run_step`](lpmm_optim::backend::run_step)) batched over every stepping parameter into as
-/// few launches as the bindings allow.
-pub(crate) struct Runner<'d, 's, 'a, 'v, R: Runtime> {
-    pub(crate) device: &'d Device<R>,
-    pub(crate) state: &'s mut State<R::Buffer>,
-    pub(crate) params: &'a mut [DeviceParam<R>],
-    pub(crate) layouts: &'a [ParamLayout],
-    /// The stepping parameters and their plans (the constants change as the rule's sums are
-    /// combined).
-    pub(crate) stepping: Vec<(usize, ParamStep)>,
-    pub(crate) released: Option<(usize, DeviceInput<'v, R>)>,
-    pub(crate) views: &'a [Option<R::View<'v>>],
-    pub(crate) seed: u64,
-    /// Parameters whose tensor-wide statistics kept an old value (reported as non-finite).
-    pub(crate) kept: Vec<bool>,
-    pub(crate) non_finite: &'a mut [bool],
-}
-
-impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
-    type Error = BackendError;
-
-    fn passes(&self, phase: Phase) -> usize {
-        self.stepping
-            .iter()
-            .map(|(_, p)| p.plan.passes(phase, p.flags))
-            .max()
-            .unwrap_or(0)
+/// The device's step primitives ([`Backend`](lpmm_optim::backend::Backend)'s `prepare`,
+/// `begin_phase`, `fold`, `folded`, `fused`, `swap_wide`), each batched over every stepping
+/// parameter of the batch into as few launches as the bindings allow. lpmm-optim's step
+/// executor runs them in the shared schedule and combines the folds on the host.
+impl<R: Runtime> Device<R> {
+    /// The batch's lent buffers as views, by parameter index, and its released gradient, each
+    /// checked as a device takes them (a lent parameter's buffer is a device buffer of its size).
+    #[allow(clippy::type_complexity)]
+    fn step_views<'w>(
+        &self,
+        work: &'w StepWork<'_, '_, '_, Self>,
+    ) -> Result<
+        (
+            Vec<Option<R::View<'w>>>,
+            Option<(usize, DeviceInput<'w, R>)>,
+        ),
+        BackendError,
+    > {
+        // One lifetime for the caller's lent and released buffers (both outlive the batch).
+        let released = work.released.map(|(i, g)| {
+            let g = match g {
+                DeviceInput::Host(v) => DeviceInput::Host(v),
+                DeviceInput::Device(v) => DeviceInput::Device(R::shorten(v)),
+            };
+            (i, g)
+        });
+        let mut views: Vec<Option<R::View<'w>>> = vec![None; work.params.len()];
+        for (id, out) in work.lent.iter() {
+            let DeviceOutput::Device(view) = out else {
+                return Err(BackendError::Buffer {
+                    what: "a lent parameter on a device is a device buffer".into(),
+                });
+            };
+            let i = id.index();
+            views[i] = self.lent_view(&work.layouts[i], Some(R::shorten(*view)))?;
+        }
+        if let Some((i, g)) = &released {
+            self.check_input(g, work.layouts[*i].numel)?;
+        }
+        Ok((views, released))
     }
 
-    fn begin(&mut self, phase: Phase) -> Result<(), BackendError> {
-        // The rule's fold words follow each parameter's flag word: `ensure_flags` zeroed them.
+    /// The stepping parameters of a batch and their plans.
+    fn stepping(work: &StepWork<'_, '_, '_, Self>) -> Vec<(usize, ParamStep)> {
+        work.plans
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.map(|p| (i, p)))
+            .collect()
+    }
+
+    /// Checks the batch's buffers and zeroes the flag buffer: one flag per parameter, then each
+    /// parameter's block of the rule's fold words.
+    pub(crate) fn step_prepare(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+    ) -> Result<(), BackendError> {
+        self.check()?;
+        self.step_views(work)?;
+        let mut state = self.inner.lock();
+        self.ensure_flags(&mut state, work.params.len() * (1 + STAT_WORDS as usize))
+    }
+
+    /// Zeroes a slot phase's fold targets (the rule's fold words were zeroed by
+    /// [`Device::step_prepare`]).
+    pub(crate) fn step_begin(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+    ) -> Result<(), BackendError> {
+        self.check()?;
         let Phase::Slot(slot) = phase else {
             return Ok(());
         };
-        for (i, p) in &self.stepping {
+        let state = self.inner.lock();
+        for (i, p) in Self::stepping(work) {
             if p.plan.passes(phase, p.flags) == 0 {
                 continue;
             }
-            let f = self.layouts[*i].format(slot).expect("folds");
+            let Some(f) = work.layouts[i].format(slot) else {
+                continue;
+            };
             let targets = f.fold_targets();
-            let regions = self.params[*i].wide_regions[slot as usize].clone();
-            self.device
-                .write_wide(self.state, &self.params[*i], slot as usize, &mut |r| {
-                    targets.contains(&r).then(|| vec![0u32; regions[r].1])
-                })?;
+            let regions = work.params[i].wide_regions[slot as usize].clone();
+            self.write_wide(&state, &work.params[i], slot as usize, &mut |r| {
+                targets.contains(&r).then(|| vec![0u32; regions[r].1])
+            })?;
         }
         Ok(())
     }
 
-    fn fold(&mut self, phase: Phase, pass: usize) -> Result<(), BackendError> {
-        let n = self.params.len();
+    /// Fold pass `pass` of `phase`, for every parameter whose plan takes it, in one batch of
+    /// launches.
+    pub(crate) fn step_fold(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+        pass: usize,
+    ) -> Result<(), BackendError> {
+        self.check()?;
+        let n = work.params.len();
+        let (views, released) = self.step_views(work)?;
+        let stepping = Self::stepping(work);
+        let mut state = self.inner.lock();
         let mut items = Vec::new();
         let ctx = StepCtx {
-            params: self.params,
-            layouts: self.layouts,
-            stepping: &self.stepping,
-            released: self.released,
-            views: self.views,
-            seed: self.seed,
+            params: work.params,
+            layouts: work.layouts,
+            stepping: &stepping,
+            released,
+            views: &views,
+            seed: work.seed,
         };
-        let passes = self.passes_of_all(phase);
-        self.device
-            .step_items(self.state, &ctx, &|i| pass < passes[i], false, &mut items);
-        // Each parameter's step, by parameter index.
-        let mut steps: Vec<Option<&ParamStep>> = vec![None; n];
-        for (i, p) in &self.stepping {
-            steps[*i] = Some(p);
-        }
+        let takes = |i: usize| work.plans[i].is_some_and(|p| pass < p.plan.passes(phase, p.flags));
+        self.step_items(&state, &ctx, &takes, false, &mut items);
         for it in &mut items {
             // `pass | target << 8 | input << 16` (entries' `lpmm_fold`).
             let i = it.desc.flag_index as usize;
-            let Some(step) = steps[i] else { continue };
+            let Some(step) = work.plans[i] else { continue };
             it.desc.mode = match phase {
                 Phase::Stats => {
                     // The sums' count, as fractional bits, and how many.
-                    let frac = lpmm_optim::backend::fixed_frac_bits(self.layouts[i].numel) as u32;
+                    let frac = lpmm_optim::backend::fixed_frac_bits(work.layouts[i].numel) as u32;
                     let stats = step.rule.stats() as u32;
                     // The fold writes no flag: its words are the parameter's block.
                     it.desc.flag_index = (n + i * STAT_WORDS as usize) as u32;
@@ -200,105 +246,82 @@ impl<R: Runtime> PlanRunner for Runner<'_, '_, '_, '_, R> {
                 }
             };
         }
-        self.device.run(self.state, Entry::Fold, &mut items)?;
+        self.run(&mut state, Entry::Fold, &mut items)?;
         Ok(())
     }
 
-    fn combine(&mut self, phase: Phase) -> Result<(), BackendError> {
-        let n = self.params.len();
+    /// What `phase` folded, read back for the host combine (`combine`), and what the combine
+    /// wrote into a slot's tensor-wide regions written back.
+    pub(crate) fn step_folded(
+        &self,
+        params: &mut [DeviceParam<R>],
+        ran: &[bool],
+        phase: Phase,
+        combine: &mut dyn FnMut(usize, Folded<'_>),
+    ) -> Result<(), BackendError> {
+        self.check()?;
+        let n = params.len();
+        let state = self.inner.lock();
         match phase {
             Phase::Stats => {
-                let flags = self.state.flags.as_ref().expect("allocated");
+                let flags = state.flags.as_ref().expect("allocated");
                 let stat_words = STAT_WORDS as usize;
-                let rt = &self.device.inner.rt;
-                let words = self.device.guard(rt.read(flags, n, n * stat_words))?;
-                for (i, plan) in self.stepping.iter_mut() {
-                    if plan.plan.passes(phase, plan.flags) == 0 {
-                        continue;
-                    }
-                    let base = *i * stat_words;
-                    let scratch: Vec<AtomicU32> = words[base..base + stat_words]
-                        .iter()
-                        .map(|&w| AtomicU32::new(w))
-                        .collect();
-                    let (exp, sum) = scratch.split_at(STAT_SUM as usize);
-                    let numel = self.layouts[*i].numel;
-                    let sums: Vec<f64> = (0..plan.rule.stats())
-                        .map(|k| lpmm_optim::backend::fixed_total(exp, sum, k, numel))
-                        .collect();
-                    plan.rule.combine_stats(&sums, numel);
+                let rt = &self.inner.rt;
+                let words = self.guard(rt.read(flags, n, n * stat_words))?;
+                let words: Vec<AtomicU32> = words.into_iter().map(AtomicU32::new).collect();
+                for (i, _) in ran.iter().enumerate().filter(|(_, r)| **r) {
+                    combine(i, Folded::Stats(&words[i * stat_words..][..stat_words]));
                 }
             }
             Phase::Slot(slot) => {
-                for (i, plan) in &self.stepping {
-                    let i = *i;
-                    if plan.plan.passes(phase, plan.flags) == 0 {
-                        continue;
-                    }
-                    let f = self.layouts[i].format(slot).expect("folds");
-                    let wide =
-                        self.device
-                            .wide_words(self.state, &self.params[i], slot as usize)?;
-                    self.kept[i] |= f.combine(&wide, &self.layouts[i].shape, &plan.rule, slot);
-                    self.device.write_wide(
-                        self.state,
-                        &self.params[i],
-                        slot as usize,
-                        &mut |r| Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect()),
-                    )?;
+                for (i, _) in ran.iter().enumerate().filter(|(_, r)| **r) {
+                    let wide = self.wide_words(&state, &params[i], slot as usize)?;
+                    combine(i, Folded::Wide(&wide));
+                    self.write_wide(&state, &params[i], slot as usize, &mut |r| {
+                        Some(wide[r].iter().map(|w| w.load(Ordering::Relaxed)).collect())
+                    })?;
                 }
             }
         }
         Ok(())
     }
 
-    fn fused(&mut self) -> Result<(), BackendError> {
-        let n = self.params.len();
+    /// The fused pass of every stepping parameter (specialized steps where they apply), then
+    /// the non-finite flags read back.
+    pub(crate) fn step_fused(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        non_finite: &mut [bool],
+    ) -> Result<(), BackendError> {
+        self.check()?;
+        let n = work.params.len();
+        let (views, released) = self.step_views(work)?;
+        let stepping = Self::stepping(work);
+        let mut state = self.inner.lock();
         let mut items = Vec::new();
         let ctx = StepCtx {
-            params: self.params,
-            layouts: self.layouts,
-            stepping: &self.stepping,
-            released: self.released,
-            views: self.views,
-            seed: self.seed,
+            params: work.params,
+            layouts: work.layouts,
+            stepping: &stepping,
+            released,
+            views: &views,
+            seed: work.seed,
         };
-        self.device
-            .step_items(self.state, &ctx, &|_| true, true, &mut items);
-        self.device.run(self.state, Entry::Step, &mut items)?;
-        let flags = self.state.flags.as_ref().expect("allocated");
-        let rt = &self.device.inner.rt;
-        let words = self.device.guard(rt.read(flags, 0, n.max(1)))?;
-        for ((f, w), k) in self.non_finite.iter_mut().zip(words).zip(&self.kept) {
-            *f = w != 0 || *k;
+        self.step_items(&state, &ctx, &|_| true, true, &mut items);
+        self.run(&mut state, Entry::Step, &mut items)?;
+        let flags = state.flags.as_ref().expect("allocated");
+        let rt = &self.inner.rt;
+        let words = self.guard(rt.read(flags, 0, n.max(1)))?;
+        for ((f, w), p) in non_finite.iter_mut().zip(words).zip(work.plans) {
+            *f = p.is_some() && w != 0;
         }
         Ok(())
-    }
-
-    fn swap(&mut self) -> Result<(), BackendError> {
-        for (i, p) in &self.stepping {
-            for (slot, a, b) in p.plan.swaps(p.flags) {
-                self.params[*i].wide_regions[slot as usize].swap(a, b);
-            }
-        }
-        Ok(())
-    }
-}
-
-impl<R: Runtime> Runner<'_, '_, '_, '_, R> {
-    /// Each parameter's fold passes in `phase` (0: none), by parameter index.
-    fn passes_of_all(&self, phase: Phase) -> Vec<usize> {
-        let mut passes = vec![0usize; self.params.len()];
-        for (i, p) in &self.stepping {
-            passes[*i] = p.plan.passes(phase, p.flags);
-        }
-        passes
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use lpmm_optim::backend::{Backend, Init, ParamId, StepWork};
+    use lpmm_optim::backend::{Backend, Init, ParamId, StepWork, run_batch};
     use lpmm_optim::{ParamConfig, presets};
 
     use super::*;
@@ -347,17 +370,15 @@ mod tests {
     /// Runs the step; each parameter's non-finite report.
     fn step(s: &mut Setup, lent: &mut [(ParamId, DeviceOutput<'_, Host>)]) -> Vec<bool> {
         let mut non_finite = vec![true; s.params.len()];
-        s.device
-            .step(StepWork {
-                params: &mut s.params,
-                layouts: &s.layouts,
-                plans: &s.plans,
-                released: None,
-                lent,
-                seed: 9,
-                non_finite: &mut non_finite,
-            })
-            .unwrap();
+        let work = StepWork {
+            params: &mut s.params,
+            layouts: &s.layouts,
+            plans: &s.plans,
+            released: None,
+            lent,
+            seed: 9,
+        };
+        run_batch(&s.device, work, &mut non_finite).unwrap();
         non_finite
     }
 

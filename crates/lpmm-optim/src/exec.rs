@@ -239,9 +239,7 @@ impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
         for (i, b) in scratch.batch.iter_mut().enumerate() {
             *b = self.plans[i].filter(|_| !scratch.done[i] && member(self.layouts, i));
         }
-        scratch.call.iter_mut().for_each(|f| *f = false);
-        scratch.kept.iter_mut().for_each(|f| *f = false);
-        let mut exec = Exec {
+        Exec {
             backend: self.backend,
             params: &mut *self.params,
             layouts: self.layouts,
@@ -252,17 +250,46 @@ impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
             non_finite: &mut scratch.call,
             kept: &mut scratch.kept,
             ran: &mut scratch.ran,
-        };
-        exec.backend.prepare(&mut exec.work())?;
-        run_step(&mut exec)?;
+        }
+        .run()?;
         for i in 0..self.layouts.len() {
             if scratch.batch[i].is_some() {
-                scratch.non_finite[i] |= scratch.call[i] || scratch.kept[i];
+                scratch.non_finite[i] |= scratch.call[i];
                 scratch.done[i] = true;
             }
         }
         Ok(())
     }
+}
+
+/// Runs one batch's plans on `backend` as the optimizer's executor does: `prepare`, the shared
+/// schedule ([`run_step`]) over the backend's primitives with the host combines, the swaps.
+/// `non_finite[i]` is set for each parameter of the batch where a non-finite value was met or a
+/// tensor-wide statistic kept its old value. For implementors' tests of a backend's primitives
+/// without an optimizer; `work`'s lent buffers must be those the executor would hand over (one
+/// per lent parameter of the batch, of its dtype and size).
+pub fn run_batch<B: Backend>(
+    backend: &B,
+    work: StepWork<'_, '_, '_, B>,
+    non_finite: &mut [bool],
+) -> Result<(), BackendError> {
+    let n = work.params.len();
+    let (mut kept, mut ran) = (vec![false; n], vec![false; n]);
+    // The executor changes the plans' constants as it combines the rule's sums.
+    let mut plans = work.plans.to_vec();
+    Exec {
+        backend,
+        params: work.params,
+        layouts: work.layouts,
+        plans: &mut plans,
+        released: work.released,
+        lent: work.lent,
+        seed: work.seed,
+        non_finite,
+        kept: &mut kept,
+        ran: &mut ran,
+    }
+    .run()
 }
 
 /// One batch's plans on a backend: [`run_step`]'s schedule over the backend's primitives, with
@@ -283,6 +310,18 @@ struct Exec<'e, 'r, 'l, B: Backend> {
 }
 
 impl<'r, 'l, B: Backend> Exec<'_, 'r, 'l, B> {
+    /// `prepare`, the schedule, then the kept statistics reported as non-finite.
+    fn run(mut self) -> Result<(), BackendError> {
+        self.backend.prepare(&mut self.work())?;
+        self.non_finite.iter_mut().for_each(|f| *f = false);
+        self.kept.iter_mut().for_each(|f| *f = false);
+        run_step(&mut self)?;
+        for (f, k) in self.non_finite.iter_mut().zip(self.kept.iter()) {
+            *f |= *k;
+        }
+        Ok(())
+    }
+
     fn work(&mut self) -> StepWork<'_, 'r, 'l, B> {
         StepWork {
             params: self.params,

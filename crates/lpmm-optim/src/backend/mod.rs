@@ -32,6 +32,7 @@ pub use crate::rule::{
     FieldType, KernelStruct, Limits, MAX_STATS, Moment, RuleConsts, RuleState, StepFlags, Updated,
 };
 
+pub use crate::exec::run_batch;
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
 pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
 pub use crate::vocab::{Dtype, F32_MAX_BITS, ParamId, SLOTS, SlotKind, fits};
