@@ -1,0 +1,39 @@
+//! Checkpoints of an [`LpmmOptimizer`]: the optimizer's complete state, the `Var`s lent to it
+//! included. The only calls of lpmm-optim's checkpoint functions in this crate.
+
+use candle_core::Result;
+
+use crate::engine::on_engine;
+use crate::error::wrap;
+use crate::lending::VarLender;
+use crate::optimizer::{Inner, LpmmOptimizer};
+
+impl LpmmOptimizer {
+    /// Writes the optimizer's complete state, the `Var`s' values included, to `path` (an lpmm
+    /// safetensors checkpoint, atomic).
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let mut inner = self.shared.lock();
+        let Inner {
+            opt, vars, by_id, ..
+        } = &mut *inner;
+        on_engine!(opt, o => {
+            let mut lender = VarLender::new(o, vars, by_id);
+            o.save_lent(path, &mut lender).map_err(wrap)
+        })
+    }
+
+    /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
+    /// and storages): the `Var`s take the saved values, the states, counters and random streams
+    /// continue exactly.
+    pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let mut inner = self.shared.lock();
+        let Inner {
+            opt, vars, by_id, ..
+        } = &mut *inner;
+        on_engine!(opt, o => {
+            let mut lender = VarLender::new(o, vars, by_id);
+            o.load_state_lent(path, &mut lender).map_err(wrap)
+        })?;
+        inner.sync()
+    }
+}
