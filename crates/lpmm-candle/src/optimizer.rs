@@ -31,8 +31,8 @@ pub(crate) struct Inner {
     pub(crate) rejected_lr: Option<f64>,
 }
 
-/// The optimizer state shared with the layers of [`nn`](crate::nn) (their backward passes accumulate into
-/// it).
+/// The optimizer state shared with the layers of [`nn`](crate::nn) (their backward passes
+/// accumulate into it).
 #[derive(Debug, Clone)]
 pub(crate) struct Shared(Arc<Mutex<Inner>>);
 
