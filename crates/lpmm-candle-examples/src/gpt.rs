@@ -24,7 +24,7 @@ use lpmm_optim::{MissingGradientPolicy, ParamConfig, presets};
 use serde::{Deserialize, Serialize};
 
 use crate::device_memory::{DeviceMemory, HostMemory, MemoryWatch};
-use crate::experiments::{Rng, Text};
+use crate::experiments::{Rng, Text, windows_of};
 
 /// Byte-level: one token per byte value.
 pub const VOCAB: usize = 256;
@@ -557,27 +557,6 @@ pub fn byte_split(text: &Text) -> (Vec<u32>, Vec<u32>) {
             .collect()
     };
     (bytes(&text.train), bytes(&text.val))
-}
-
-/// Inputs `(starts, t)` and next-byte targets `(starts * t)` for windows at `starts`.
-fn windows_of(
-    tokens: &[u32],
-    starts: &[usize],
-    t: usize,
-    dev: &Device,
-) -> Result<(Tensor, Tensor)> {
-    let x: Vec<u32> = starts
-        .iter()
-        .flat_map(|&s| tokens[s..s + t].iter().copied())
-        .collect();
-    let y: Vec<u32> = starts
-        .iter()
-        .flat_map(|&s| tokens[s + 1..s + t + 1].iter().copied())
-        .collect();
-    Ok((
-        Tensor::from_vec(x, (starts.len(), t), dev)?,
-        Tensor::from_vec(y, starts.len() * t, dev)?,
-    ))
 }
 
 /// Validation loss and next-byte accuracy over `count` windows spread evenly over `tokens`.
