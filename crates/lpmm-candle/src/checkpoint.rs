@@ -3,23 +3,16 @@
 
 use candle_core::Result;
 
-use crate::engine::on_engine;
+use crate::LpmmOptimizer;
 use crate::error::wrap;
-use crate::lending::VarLender;
-use crate::optimizer::{Inner, LpmmOptimizer};
+use crate::lending::with_lent_vars;
 
 impl LpmmOptimizer {
     /// Writes the optimizer's complete state, the `Var`s' values included, to `path` (an lpmm
     /// safetensors checkpoint, atomic).
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let mut inner = self.shared.lock();
-        let Inner {
-            opt, vars, by_id, ..
-        } = &mut *inner;
-        on_engine!(opt, o => {
-            let mut lender = VarLender::new(o, vars, by_id);
-            o.save_lent(path, &mut lender).map_err(wrap)
-        })
+        with_lent_vars!(&mut *inner, o, lender => o.save_lent(path, &mut lender).map_err(wrap))
     }
 
     /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
@@ -27,11 +20,7 @@ impl LpmmOptimizer {
     /// continue exactly.
     pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let mut inner = self.shared.lock();
-        let Inner {
-            opt, vars, by_id, ..
-        } = &mut *inner;
-        on_engine!(opt, o => {
-            let mut lender = VarLender::new(o, vars, by_id);
+        with_lent_vars!(&mut *inner, o, lender => {
             o.load_state_lent(path, &mut lender).map_err(wrap)
         })?;
         inner.sync()

@@ -14,6 +14,22 @@ pub(crate) struct VarLender<'a, B> {
     backend: B,
 }
 
+/// Runs `$body` with `$o` bound to the engine's optimizer and `$lender` to the `Var`s lent to it
+/// (a [`VarLender`]), on `$inner` (an `&mut Inner`), whatever the engine's backend.
+macro_rules! with_lent_vars {
+    ($inner:expr, $o:ident, $lender:ident => $body:expr) => {{
+        let $crate::optimizer::Inner {
+            opt, vars, by_id, ..
+        } = $inner;
+        $crate::engine::on_engine!(opt, $o => {
+            let mut $lender = $crate::lending::VarLender::new($o, vars, by_id);
+            $body
+        })
+    }};
+}
+
+pub(crate) use with_lent_vars;
+
 impl<'a, B: Lane> VarLender<'a, B> {
     pub(crate) fn new(opt: &Optimizer<B>, vars: &'a [Entry], by_id: &'a [Option<usize>]) -> Self {
         VarLender {

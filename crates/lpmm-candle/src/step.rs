@@ -12,7 +12,7 @@ use crate::engine::on_engine;
 use crate::error::wrap;
 use crate::gradients::GradSource;
 use crate::lane::Lane;
-use crate::lending::VarLender;
+use crate::lending::{VarLender, with_lent_vars};
 use crate::optimizer::{Inner, LpmmOptimizer};
 use crate::register::Entry;
 
@@ -138,11 +138,7 @@ impl LpmmOptimizer {
 
     fn switch(&mut self, eval: bool) -> Result<()> {
         let mut inner = self.shared.lock();
-        let Inner {
-            opt, vars, by_id, ..
-        } = &mut *inner;
-        on_engine!(opt, o => {
-            let mut lender = VarLender::new(o, vars, by_id);
+        with_lent_vars!(&mut *inner, o, lender => {
             if eval {
                 o.eval(lpmm_optim::Lent::Lender(&mut lender)).map_err(wrap)
             } else {
