@@ -24,7 +24,7 @@ use lpmm_optim::{MissingGradientPolicy, ParamConfig, presets};
 use serde::{Deserialize, Serialize};
 
 use crate::device_memory::{DeviceMemory, HostMemory, MemoryWatch};
-use crate::experiments::{Rng, Text, windows_of};
+use crate::experiments::{Rng, Text, window_starts, windows_of};
 
 /// Byte-level: one token per byte value.
 pub const VOCAB: usize = 256;
@@ -568,16 +568,7 @@ pub fn evaluate(model: &Gpt, tokens: &[u32], count: usize, dev: &Device) -> Resu
             tokens.len()
         )));
     }
-    let span = tokens.len() - t - 1;
-    let starts: Vec<usize> = (0..count)
-        .map(|k| {
-            if count == 1 {
-                0
-            } else {
-                k * span / (count - 1)
-            }
-        })
-        .collect();
+    let starts = window_starts(count, tokens.len() - t - 1);
     let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
     for chunk in starts.chunks(16) {
         let (x, y) = windows_of(tokens, chunk, t, dev)?;

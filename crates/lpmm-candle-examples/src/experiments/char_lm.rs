@@ -1,14 +1,12 @@
 //! The character-level language-model task: its recipe, training run and evaluation.
 
-use std::time::Instant;
-
 use candle_core::{D, DType, Device, Result, Tensor};
-use candle_nn::{Optimizer as _, VarMap};
+use candle_nn::VarMap;
 use serde::Serialize;
 
 use lpmm_candle::{LpmmConfig, LpmmOptimizer};
 
-use super::run::{finish, record, train_step};
+use super::run::{finish, train};
 use super::{Budget, CharLm, LmShape, Preset, Rng, RunResult, Text, seeded_var_builder};
 
 /// How the character-level language model is built and trained.
@@ -103,15 +101,7 @@ pub fn evaluate(model: &CharLm, tokens: &[u32], windows: Option<usize>) -> Resul
     }
     let span = tokens.len() - t - 1; // the last start
     let count = windows.unwrap_or(span.div_ceil(t) + 1).clamp(1, span + 1);
-    let starts: Vec<usize> = (0..count)
-        .map(|k| {
-            if count == 1 {
-                0
-            } else {
-                k * span / (count - 1)
-            }
-        })
-        .collect();
+    let starts = window_starts(count, span);
     let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
     for chunk in starts.chunks(64) {
         let (x, y) = windows_of(tokens, chunk, t, &dev)?;
@@ -130,6 +120,19 @@ pub fn evaluate(model: &CharLm, tokens: &[u32], windows: Option<usize>) -> Resul
         );
     }
     Ok((loss_sum / count as f64, correct / (count * t) as f64))
+}
+
+/// `count` window starts spread evenly over `0..=span` (the first at 0, the last at `span`).
+pub(crate) fn window_starts(count: usize, span: usize) -> Vec<usize> {
+    (0..count)
+        .map(|k| {
+            if count == 1 {
+                0
+            } else {
+                k * span / (count - 1)
+            }
+        })
+        .collect()
 }
 
 /// Inputs `(starts, t)` and next-token targets `(starts * t)` for windows at `starts`.
@@ -164,7 +167,7 @@ pub fn run_char_lm(
     preset: &Preset,
     seed: u64,
     recipe: &LmRecipe,
-    mut progress: impl FnMut(usize),
+    progress: impl FnMut(usize),
 ) -> Result<RunResult> {
     let dev = Device::Cpu;
     let shape = recipe.shape(text.vocab.len());
@@ -191,28 +194,26 @@ pub fn run_char_lm(
     let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from(config))?;
     let budget = recipe.budget;
     let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
-    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
-    let start = Instant::now();
-    for step in 0..budget.steps {
-        if !preset.schedule_free {
-            opt.set_learning_rate(recipe.lr(lr, step));
-        }
-        let starts: Vec<usize> = (0..budget.batch)
+    let starts = || {
+        (0..budget.batch)
             .map(|_| data_rng.below(text.train.len() - t - 1))
-            .collect();
-        let step_loss = train_step(&mut opt, preset, &starts, |micro| {
-            let (x, y) = windows_of(&text.train, micro, t, &dev)?;
-            let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
-            candle_nn::loss::cross_entropy(&logits, &y)
-        })?;
-        losses.push(step_loss);
-        record(&mut curve, &losses, every);
-        progress(step + 1);
-    }
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
-    if preset.schedule_free {
-        opt.eval()?;
-    }
+            .collect()
+    };
+    let loss_of = |micro: &[usize]| {
+        let (x, y) = windows_of(&text.train, micro, t, &dev)?;
+        let logits = model.forward(&x)?.reshape((micro.len() * t, shape.vocab))?;
+        candle_nn::loss::cross_entropy(&logits, &y)
+    };
+    let lr_at = |step| recipe.lr(lr, step);
+    let training = train(
+        &mut opt,
+        preset,
+        budget.steps,
+        lr_at,
+        starts,
+        loss_of,
+        progress,
+    )?;
     let (val_loss, accuracy) = evaluate(&model, &text.val, recipe.val_windows)?;
     // The prompt: half a context from the validation split, from its first line start.
     let from = (1..text.val.len() - t / 2)
@@ -221,18 +222,7 @@ pub fn run_char_lm(
     let prompt = &text.val[from..from + t / 2];
     let mut sample_rng = Rng::new(777);
     let sample = model.sample(prompt, SAMPLE_TOKENS, 0.8, &mut sample_rng)?;
-    let mut r = finish(
-        &text.name,
-        preset,
-        seed,
-        &opt,
-        losses,
-        curve,
-        every,
-        val_loss,
-        accuracy,
-        ms_per_step,
-    )?;
+    let mut r = finish(&text.name, preset, seed, &opt, training, val_loss, accuracy)?;
     r.sample = format!("{}|{}", text.decode(prompt), text.decode(&sample));
     Ok(r)
 }

@@ -16,8 +16,8 @@ mod presets;
 mod run;
 
 pub use baselines::{Baselines, baselines};
-pub(crate) use char_lm::windows_of;
 pub use char_lm::{LmRecipe, evaluate, run_char_lm};
+pub(crate) use char_lm::{window_starts, windows_of};
 pub use data::{
     Digits, PLAYS, Text, digits, play_from, play_index, play_ranges, shakespeare,
     shakespeare_held_out, shakespeare_play, text_file,

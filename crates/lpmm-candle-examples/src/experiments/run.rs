@@ -63,7 +63,7 @@ pub fn schedule(peak: f64, step: usize, steps: usize) -> f64 {
 /// One optimizer step on `batch`: split into the preset's micro-batches (never more than there
 /// are items), each micro-batch's mean loss scaled by 1/count and its gradients accumulated in
 /// lpmm's accumulator, then one step. Returns the batch's mean loss.
-pub(super) fn train_step(
+fn train_step(
     opt: &mut LpmmOptimizer,
     preset: &Preset,
     batch: &[usize],
@@ -84,7 +84,7 @@ pub(super) fn train_step(
     Ok(mean)
 }
 
-pub(super) fn record(curve: &mut Vec<f64>, losses: &[f64], every: usize) {
+fn record(curve: &mut Vec<f64>, losses: &[f64], every: usize) {
     if losses.len().is_multiple_of(every) {
         let tail = &losses[losses.len() - every..];
         curve.push(tail.iter().sum::<f64>() / every as f64);
@@ -96,13 +96,57 @@ fn final_loss(losses: &[f64]) -> f64 {
     losses[losses.len() - n..].iter().sum::<f64>() / n as f64
 }
 
+/// What training gave: each step's loss, the loss curve and the time per step.
+pub(super) struct Training {
+    losses: Vec<f64>,
+    curve: Vec<f64>,
+    every: usize,
+    ms_per_step: f64,
+}
+
+/// Trains as both tasks do: `steps` steps, each at the learning rate `lr_at(step)` (unless the
+/// preset is schedule-free) on the items `batch()` draws ([`train_step`]), the loss curve
+/// recorded and `progress(step)` called after it; then, for a schedule-free preset, the `Var`s
+/// moved to the optimizer's evaluation point.
+pub(super) fn train(
+    opt: &mut LpmmOptimizer,
+    preset: &Preset,
+    steps: usize,
+    lr_at: impl Fn(usize) -> f64,
+    mut batch: impl FnMut() -> Vec<usize>,
+    loss_of: impl Fn(&[usize]) -> Result<Tensor>,
+    mut progress: impl FnMut(usize),
+) -> Result<Training> {
+    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (steps / 50).max(1));
+    let start = Instant::now();
+    for step in 0..steps {
+        if !preset.schedule_free {
+            opt.set_learning_rate(lr_at(step));
+        }
+        let items = batch();
+        losses.push(train_step(opt, preset, &items, &loss_of)?);
+        record(&mut curve, &losses, every);
+        progress(step + 1);
+    }
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    if preset.schedule_free {
+        opt.eval()?;
+    }
+    Ok(Training {
+        losses,
+        curve,
+        every,
+        ms_per_step,
+    })
+}
+
 /// Trains the digits MLP with `preset`; `progress(step)` is called after every step.
 pub fn run_digits(
     d: &Digits,
     preset: &Preset,
     seed: u64,
     budget: Budget,
-    mut progress: impl FnMut(usize),
+    progress: impl FnMut(usize),
 ) -> Result<RunResult> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
@@ -116,13 +160,8 @@ pub fn run_digits(
     let n = d.train_y.len();
     let mut order: Vec<usize> = (0..n).collect();
     let mut data_rng = Rng::new(1234); // the same data order for every preset and seed
-    let (mut losses, mut curve, every) = (Vec::new(), Vec::new(), (budget.steps / 50).max(1));
-    let start = Instant::now();
     let mut at = n;
-    for step in 0..budget.steps {
-        if !preset.schedule_free {
-            opt.set_learning_rate(schedule(lr, step, budget.steps));
-        }
+    let batch = || {
         let mut batch = Vec::with_capacity(budget.batch);
         while batch.len() < budget.batch {
             if at == n {
@@ -134,24 +173,28 @@ pub fn run_digits(
             batch.push(order[at]);
             at += 1;
         }
-        let step_loss = train_step(&mut opt, preset, &batch, |micro| {
-            let xs: Vec<f32> = micro
-                .iter()
-                .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
-                .collect();
-            let ys: Vec<u32> = micro.iter().map(|&i| d.train_y[i]).collect();
-            let x = Tensor::from_vec(xs, (micro.len(), 64), &dev)?;
-            let y = Tensor::from_vec(ys, micro.len(), &dev)?;
-            candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)
-        })?;
-        losses.push(step_loss);
-        record(&mut curve, &losses, every);
-        progress(step + 1);
-    }
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / budget.steps as f64;
-    if preset.schedule_free {
-        opt.eval()?;
-    }
+        batch
+    };
+    let loss_of = |micro: &[usize]| {
+        let xs: Vec<f32> = micro
+            .iter()
+            .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
+            .collect();
+        let ys: Vec<u32> = micro.iter().map(|&i| d.train_y[i]).collect();
+        let x = Tensor::from_vec(xs, (micro.len(), 64), &dev)?;
+        let y = Tensor::from_vec(ys, micro.len(), &dev)?;
+        candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)
+    };
+    let lr_at = |step| schedule(lr, step, budget.steps);
+    let training = train(
+        &mut opt,
+        preset,
+        budget.steps,
+        lr_at,
+        batch,
+        loss_of,
+        progress,
+    )?;
     let x = Tensor::from_vec(d.val_x.clone(), (d.val_y.len(), 64), &dev)?;
     let y = Tensor::from_vec(d.val_y.clone(), d.val_y.len(), &dev)?;
     let logits = model.forward(&x)?;
@@ -167,28 +210,28 @@ pub fn run_digits(
         preset,
         seed,
         &opt,
-        losses,
-        curve,
-        every,
+        training,
         val_loss,
         f64::from(correct) / d.val_y.len() as f64,
-        ms_per_step,
     )
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A run's measurements from its training and validation.
 pub(super) fn finish(
     task: &str,
     preset: &Preset,
     seed: u64,
     opt: &LpmmOptimizer,
-    losses: Vec<f64>,
-    curve: Vec<f64>,
-    every: usize,
+    training: Training,
     val_loss: f64,
     val_accuracy: f64,
-    ms_per_step: f64,
 ) -> Result<RunResult> {
+    let Training {
+        losses,
+        curve,
+        every,
+        ms_per_step,
+    } = training;
     let report = opt.memory_report();
     Ok(RunResult {
         task: task.to_string(),
