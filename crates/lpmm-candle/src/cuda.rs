@@ -21,7 +21,8 @@ use candle_core::{
 use lpmm_cuda::{Cuda, CudaOptions, CudaRuntime, CudaView, DeviceInput, DeviceOutput, ViewElement};
 use lpmm_optim::{OptimError, Optimizer, OptimizerOptions, ParamId, SlotKind};
 
-use crate::{InPlace, Lane, LentFn, with_values, wrap};
+use crate::error::wrap;
+use crate::lane::{InPlace, Lane, LentFn, with_values};
 
 /// lpmm-cuda on one candle CUDA device's stream.
 #[derive(Debug)]
