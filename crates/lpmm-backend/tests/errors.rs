@@ -147,7 +147,10 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
     let tmp = lpmm_optim::testing::temp_dir("lpmm-backend-errors-");
     let dir = tmp.path();
-    assert!(lost(&opt.save(dir.join("c.safetensors"), Checkpoint::new()).unwrap_err()));
+    assert!(lost(
+        &opt.save(dir.join("c.safetensors"), Checkpoint::new())
+            .unwrap_err()
+    ));
     assert!(
         !dir.join("c.safetensors").exists(),
         "no file from a failed save"

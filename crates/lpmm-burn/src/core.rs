@@ -2,6 +2,7 @@
 //! (gradients accumulated, the global decision, then each parameter stepped in its own tensor),
 //! and attaching a loaded state to a module.
 
+use lpmm_optim::{Out, Parts, PartsMut};
 use std::collections::{HashMap, HashSet};
 
 use burn_core::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId as BurnId};
@@ -144,11 +145,15 @@ impl<L: Lane> Core<L> {
         weights.sort_by_key(|id| id.val());
         for id in weights {
             *checked += 1;
-            if !self.opt.param(self.index[&id]).map(|p| p.received_gradient)? {
+            if !self
+                .opt
+                .param(self.index[&id])
+                .map(|p| p.received_gradient)?
+            {
                 missing.push(format!("{} (an LpmmLinear weight)", id.val()));
             }
         }
-        Ok(self.opt.steps() + 1)
+        Ok(self.opt.status().steps + 1)
     }
 
     /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values. Its
@@ -193,7 +198,7 @@ impl<L: Lane> Core<L> {
         self.lane.prepare(&mut p, true)?;
         {
             let out = self.lane.output(&mut p)?;
-            self.opt.read(lid, SlotKind::Param, Out::Backend( out))?;
+            self.opt.read(lid, SlotKind::Param, Out::Backend(out))?;
         }
         self.lane.settle()?;
         Ok(self.lane.give(p))
@@ -383,7 +388,7 @@ impl<L: Lane> Core<L> {
     /// random streams), every slot imported, values the record holds written into the module's
     /// tensors.
     pub fn attach<M: Module>(&mut self, module: M, pending: Pending) -> Result<M, BurnError> {
-        if self.opt.len() > self.external.len() {
+        if self.opt.status().params > self.external.len() {
             return Err(BurnError::Record(
                 "the optimizer has stepped already: load a record into a new optimizer".into(),
             ));
@@ -443,9 +448,13 @@ impl<L: Lane> Core<L> {
                 fresh.shapes.push(shape.clone());
                 fresh.held.push(true);
                 fresh.external.insert(id, shape.clone());
-                fresh
-                    .opt
-                    .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+                PartsMut::of(&mut fresh.opt).restore(
+                    lid,
+                    p.steps,
+                    p.accumulations,
+                    p.pending,
+                    p.lr_rule,
+                )?;
                 PartsMut::of(&mut fresh.opt).restore_rule_state(lid, p.rule_state)?;
                 for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
                     PartsMut::of(&mut fresh.opt).import_slot(lid, slot, host, None)?;
@@ -469,9 +478,13 @@ impl<L: Lane> Core<L> {
                         .into(),
                 ));
             }
-            fresh
-                .opt
-                .restore(lid, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+            PartsMut::of(&mut fresh.opt).restore(
+                lid,
+                p.steps,
+                p.accumulations,
+                p.pending,
+                p.lr_rule,
+            )?;
             PartsMut::of(&mut fresh.opt).restore_rule_state(lid, p.rule_state)?;
             for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
                 match slot {
@@ -582,7 +595,7 @@ impl<L: Lane> Lender<L::B> for ModuleLender<'_, L> {
             return f(input);
         }
         // No module: zeros of the parameter's dtype stand in for its primary region.
-        let config = self.core.opt.config(id)?;
+        let config = self.core.opt.param(id)?.config;
         let numel = self
             .core
             .shapes
@@ -885,7 +898,7 @@ impl<L: Lane> ModuleMapper for Take<'_, L> {
                 Tensor::empty([0; D], &device)
             }
         };
-        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(out, id), mapper)
+        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
     }
 }
 
@@ -903,7 +916,7 @@ impl<L: Lane> ModuleMapper for Restore<'_, L> {
         let (id, tensor, mapper) = param.consume();
         let ctx = Ctx::capture(&tensor);
         drop(tensor);
-        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(self.lane.give(p), id), mapper)
+        Param::from_mapped_value(id, ctx.restore(self.lane.give(p), id), mapper)
     }
 }
 
@@ -939,7 +952,7 @@ impl<L: Lane> Apply<'_, L> {
         match (&self.work, host) {
             (Work::Decode, _) => {
                 let out = core.lane.output(&mut p)?;
-                core.opt.read(lid, SlotKind::Param, Out::Backend( out))?;
+                core.opt.read(lid, SlotKind::Param, Out::Backend(out))?;
             }
             (Work::Import(_), Some(mut host)) => {
                 if host.region("").is_none() {
@@ -947,7 +960,8 @@ impl<L: Lane> Apply<'_, L> {
                     let bytes = core.lane.to_host_bytes(&p)?;
                     let spec = core
                         .opt
-                        .config(lid)?
+                        .param(lid)?
+                        .config
                         .param
                         .format()
                         .and_then(|f| {
@@ -958,8 +972,7 @@ impl<L: Lane> Apply<'_, L> {
                     host.regions.insert(0, HostRegion { spec, bytes });
                 }
                 let out = core.lane.output(&mut p)?;
-                core.opt
-                    .import_slot(lid, SlotKind::Param, &host, Some(out))?;
+                PartsMut::of(&mut core.opt).import_slot(lid, SlotKind::Param, &host, Some(out))?;
             }
             (Work::Import(_), None) => {}
         }
@@ -994,7 +1007,7 @@ impl<L: Lane> ModuleMapper for Apply<'_, L> {
                 Tensor::zeros(dims, &device)
             }
         };
-        Param::from_mapped_value(id, PartsMut::of(&mut ctx).restore(out, id), mapper)
+        Param::from_mapped_value(id, ctx.restore(out, id), mapper)
     }
 }
 

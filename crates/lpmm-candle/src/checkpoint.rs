@@ -3,6 +3,8 @@
 
 use candle_core::Result;
 
+use lpmm_optim::Checkpoint;
+
 use crate::LpmmOptimizer;
 use crate::error::wrap;
 use crate::lending::with_lent_vars;
@@ -12,7 +14,7 @@ impl LpmmOptimizer {
     /// safetensors checkpoint, atomic).
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let mut inner = self.shared.lock();
-        with_lent_vars!(&mut *inner, o, lender => o.save(path, Checkpoint::new().lender( &mut lender).map_err(wrap)))
+        with_lent_vars!(&mut *inner, o, lender => o.save(path, Checkpoint::new().lender(&mut lender)).map_err(wrap))
     }
 
     /// Restores a checkpoint of [`LpmmOptimizer::save`] into this optimizer (the same parameters
@@ -21,8 +23,8 @@ impl LpmmOptimizer {
     pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let mut inner = self.shared.lock();
         with_lent_vars!(&mut *inner, o, lender => {
-            o.load(path, Checkpoint::new().lender( &mut lender).map_err(wrap)
-        }))?;
+            o.load(path, Checkpoint::new().lender(&mut lender)).map_err(wrap)
+        })?;
         inner.sync()
     }
 }

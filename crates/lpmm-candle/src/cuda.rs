@@ -59,7 +59,7 @@ impl CudaEngine {
     /// Sets every `Var` lpmm holds a copy of to the parameter: decoded on the device into the
     /// `Var`'s storage for f32 and bf16, through the host for other dtypes.
     pub(crate) fn sync<'v>(&self, vars: impl Iterator<Item = (ParamId, &'v Var)>) -> Result<()> {
-        let backend = self.opt.backend().clone();
+        let backend = self.Parts::of(&opt).backend().clone();
         for (id, var) in vars {
             if matches!(var.dtype(), DType::F32 | DType::BF16) {
                 backend

@@ -65,7 +65,7 @@ impl Engine {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        on_engine_ref!(self, o => o.is_empty())
+        on_engine_ref!(self, o => o.params().next().is_none())
     }
 
     /// A short name of the device ("cpu", "cuda:0").

@@ -9,11 +9,11 @@ use crate::optimizer::{Inner, LpmmOptimizer};
 impl Inner {
     /// Logs a step's report: skipped steps and non-finite gradients as warnings.
     pub(crate) fn log(&self, report: &StepReport) {
-        let steps = on_engine_ref!(&self.opt, o => o.steps());
+        let steps = on_engine_ref!(&self.opt, o => o.status().steps);
         let names: Vec<String> = report
             .non_finite
             .iter()
-            .filter_map(|id| on_engine_ref!(&self.opt, o => o.name(*id).ok().map(str::to_string)))
+            .filter_map(|id| on_engine_ref!(&self.opt, o => o.param(*id).ok().map(|p| p.name.to_string())))
             .collect();
         if report.skipped {
             tracing::warn!(

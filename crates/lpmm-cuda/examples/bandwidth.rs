@@ -175,15 +175,15 @@ fn measure(
                 })
             })
             .collect();
-        backend.step(StepWork {
+        let work = StepWork {
             params,
             layouts: &layouts,
             plans: &plans,
             released: None,
             lent: &mut [],
             seed: 1,
-            non_finite: &mut flags,
-        })
+        };
+        lpmm_optim::backend::run_batch(backend, work, &mut flags)
     };
     // Warm-up (the first step also loads the module's code onto the device).
     step(&mut params)?;

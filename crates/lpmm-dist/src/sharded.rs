@@ -1,6 +1,7 @@
 //! The sharded optimizer: each rank holds the optimizer state (and the parameter's stored copy)
 //! of its shards only, and the step is bit-identical to the unsharded optimizer's.
 
+use lpmm_optim::{Parts, PartsMut};
 use std::ops::Range;
 use std::path::Path;
 
@@ -312,7 +313,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 self.opt.accumulate(*id, reduced.get(p, range.clone()))?;
             }
         }
-        let options = *self.opt_options();
+        let options = self.opt_options();
         let mut report = ShardedReport::default();
         let local =
             if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
@@ -345,8 +346,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         Ok(report)
     }
 
-    fn opt_options(&self) -> &OptimizerOptions {
-        self.opt.options()
+    fn opt_options(&self) -> OptimizerOptions {
+        self.opt.status().options
     }
 
     /// Every parameter's gradient summed over ranks, for the ranges this rank holds.
@@ -614,8 +615,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             });
         }
         Ok(Canonical {
-            options: *self.opt_options(),
-            global_steps: self.opt.steps(),
+            options: self.opt_options(),
+            global_steps: self.opt.status().steps,
             groups: self.groups.clone(),
             params,
             eval: false,
@@ -670,8 +671,13 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         PartsMut::of(&mut s.opt).set_steps(c.global_steps)?;
         for (p, cp) in c.params.iter().enumerate() {
             for (id, range) in s.local[p].clone() {
-                s.opt
-                    .restore(id, cp.steps, cp.accumulations, cp.pending, cp.lr_rule)?;
+                PartsMut::of(&mut s.opt).restore(
+                    id,
+                    cp.steps,
+                    cp.accumulations,
+                    cp.pending,
+                    cp.lr_rule,
+                )?;
                 PartsMut::of(&mut s.opt).restore_rule_state(id, cp.rule_state)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                     let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;

@@ -155,7 +155,7 @@ fn main() {
             println!("rank {rank}/{world}: saved");
         }
         Some("resume") => {
-            let mut opt = ShardedCanonical::read(&mpi, &args[1], shard).and_then(|c| c.into_optimizer(Cpu)).expect("load");
+            let mut opt = ShardedOptimizer::load(&mpi, &args[1], shard).expect("load");
             for step in 2..4 {
                 let g = split_grads(world, rank, step);
                 let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use burn_core as burn;
+use lpmm_optim::SlotKind;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Device, Tensor, TensorData, activation::relu};
@@ -180,7 +181,7 @@ pub fn reference_step(
     lr: f64,
 ) -> lpmm_optim::StepReport {
     r.set_lr(lr).unwrap();
-    let mut given = vec![Vec::new(); r.len()];
+    let mut given = vec![Vec::new(); r.status().params];
     for (&id, g) in ids.iter().zip(grads) {
         given[id.index()] = g;
     }
