@@ -1,9 +1,9 @@
 //! The parameters lpmm holds for the layers of [`nn`](crate::nn): registered from a layer's
 //! initial weight, decoded for each use, and given the gradient of each backward pass.
 
-use lpmm_optim::Parts;
-use lpmm_optim::Out;
 use candle_core::{Result, Tensor};
+use lpmm_optim::Out;
+use lpmm_optim::Parts;
 use lpmm_optim::{Optimizer, ParamId, SlotKind};
 
 use crate::engine::{on_engine, on_engine_ref};
@@ -13,9 +13,11 @@ use crate::optimizer::Inner;
 
 /// Decodes held parameter `id` into `t` (a fresh f32 tensor of its shape on `opt`'s device).
 fn decode_on<B: Lane>(opt: &Optimizer<B>, id: ParamId, t: &Tensor) -> Result<()> {
-    let backend = Parts::of(&opt).backend().clone();
+    let backend = Parts::of(opt).backend().clone();
     backend
-        .output(t, &mut |out| opt.read(id, SlotKind::Param, Out::Backend( out)))
+        .output(t, &mut |out| {
+            opt.read(id, SlotKind::Param, Out::Backend(out))
+        })
         .map_err(wrap)
 }
 
@@ -23,7 +25,7 @@ fn decode_on<B: Lane>(opt: &Optimizer<B>, id: ParamId, t: &Tensor) -> Result<()>
 /// configuration keeps none. Read where candle computed it.
 fn give_on<B: Lane>(opt: &mut Optimizer<B>, id: ParamId, grad: &Tensor) -> Result<()> {
     let released = opt.param(id).map_err(wrap)?.config.grad == lpmm_optim::Storage::None;
-    let backend = Parts::of(&opt).backend().clone();
+    let backend = Parts::of(opt).backend().clone();
     backend.input(grad, |g| {
         if released {
             opt.step(lpmm_optim::Step::param(id, lpmm_optim::Grad::Input(g)))

@@ -1,8 +1,8 @@
 //! The `Var`s lent to lpmm as its parameters: a [`Lender`] that hands each `Var`'s storage to a
 //! step, a checkpoint or a move between the training and evaluation points.
 
-use lpmm_optim::Parts;
 use candle_core::Var;
+use lpmm_optim::Parts;
 use lpmm_optim::{Lender, OptimError, Optimizer, ParamId};
 
 use crate::lane::{Lane, lend_input};
@@ -36,7 +36,7 @@ impl<'a, B: Lane> VarLender<'a, B> {
         VarLender {
             vars,
             by_id,
-            backend: Parts::of(&opt).backend().clone(),
+            backend: Parts::of(opt).backend().clone(),
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Registering `Var`s with the engine: each lent where its dtype is its storage's, the engine
 //! moved to the first `Var`'s device, and the table from lpmm's parameters back to the `Var`s.
 
-use lpmm_optim::Parts;
 use candle_core::{DType, Device, DeviceLocation, Error, Result, Var};
+use lpmm_optim::Parts;
 use lpmm_optim::backend::Dtype;
 use lpmm_optim::{Optimizer, ParamConfig, ParamId};
 
@@ -50,7 +50,7 @@ fn register_on<B: Lane>(
     lent: bool,
 ) -> Result<ParamId> {
     if lent {
-        let backend = Parts::of(&opt).backend().clone();
+        let backend = Parts::of(opt).backend().clone();
         backend.input(var.as_tensor(), |v| {
             opt.add_lent_param(name, shape, v, group, config)
                 .map_err(wrap)

@@ -13,7 +13,9 @@ impl Inner {
         let names: Vec<String> = report
             .non_finite
             .iter()
-            .filter_map(|id| on_engine_ref!(&self.opt, o => o.param(*id).ok().map(|p| p.name.to_string())))
+            .filter_map(
+                |id| on_engine_ref!(&self.opt, o => o.param(*id).ok().map(|p| p.name.to_string())),
+            )
             .collect();
         if report.skipped {
             tracing::warn!(

@@ -2,10 +2,10 @@
 //! copied `Var`s set after it; micro-batch accumulation; the move between the training and
 //! evaluation points.
 
-use lpmm_optim::Parts;
-use lpmm_optim::{Mode, SlotKind};
 use candle_core::backprop::GradStore;
 use candle_core::{Error, Result, Tensor};
+use lpmm_optim::Parts;
+use lpmm_optim::{Mode, SlotKind};
 use lpmm_optim::{Optimizer, StepReport};
 
 #[cfg(feature = "cuda")]
@@ -31,7 +31,7 @@ fn step_on<B: Lane>(
         shared,
         vars,
         by_id,
-        backend: Parts::of(&opt).backend().clone(),
+        backend: Parts::of(opt).backend().clone(),
     };
     let mut lender = VarLender::new(opt, vars, by_id);
     opt.step(lpmm_optim::Step::given(&mut source).lent(lpmm_optim::Lent::Lender(&mut lender)))
@@ -45,7 +45,7 @@ fn accumulate_on<B: Lane>(
     vars: &[Entry],
     grads: &mut GradStore,
 ) -> Result<()> {
-    let backend = Parts::of(&opt).backend().clone();
+    let backend = Parts::of(opt).backend().clone();
     for e in vars {
         if let Some(g) = grads.remove(e.var.as_tensor()) {
             backend.input(&g, |v| {

@@ -11,6 +11,7 @@ mod model;
 
 use lpmm_dist::{Collective, Nccl, NcclId, Reduction, ShardOptions, ShardedOptimizer, Zero};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, checkpoint::Canonical};
+use lpmm_optim::{Parts, SlotKind};
 use model::{configs, grads, init, model, numels, reference, same_canonical};
 
 /// Rank 0 of a new world of one on GPU 0, or `None` with a message when NCCL, the driver or a

@@ -62,8 +62,8 @@ pub fn assert_same<A: Backend, B: Backend>(
     for &id in ids {
         for slot in SlotKind::ALL {
             let (x, y) = (
-                Parts::of(&a).export_slot(id, slot, None).unwrap(),
-                Parts::of(&b).export_slot(id, slot, None).unwrap(),
+                Parts::of(a).export_slot(id, slot, None).unwrap(),
+                Parts::of(b).export_slot(id, slot, None).unwrap(),
             );
             let name = a.param(id).unwrap().name;
             assert_eq!(

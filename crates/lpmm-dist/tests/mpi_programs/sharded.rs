@@ -12,6 +12,7 @@ mod model;
 
 use lpmm_dist::{Collective, Mpi, Reduction, ShardOptions, ShardedOptimizer, Zero, rank_order_sum};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets};
+use lpmm_optim::{Parts, SlotKind};
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 fn options() -> OptimizerOptions {
