@@ -3,7 +3,7 @@
 //!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
-use lpmm_formats::{bf16, float, kahan_add, simd};
+use lpmm_formats::{bf16, float, kahan_add};
 
 use super::Storage;
 use super::{
@@ -79,7 +79,7 @@ impl Codec for Kahan {
     fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
         // The parameter a model sees is the bf16 value; the compensation only feeds updates.
         let n = out.len();
-        simd::bf16_to_f32(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
+        super::bf16::lanes::decode(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
     }
 
     fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], _random: Random) {

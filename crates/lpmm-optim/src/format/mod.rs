@@ -223,32 +223,100 @@ pub enum FoldInput {
     MomentGradient,
 }
 
-/// How the CPU's specialized step kernels (`crate::cpu::tile`) reach a format's values, 16
-/// lanes at a time: what a format that has them gives [`Codec::lanes`]. A format without them is
-/// stepped by the generic element-wise path only.
+/// How the CPU's specialized step kernels (`crate::cpu::tile`) reach a format's values, a tile
+/// of elements at a time: what a format that has them gives [`Codec::lanes`]. A format without
+/// them is stepped by the generic element-wise path only. Each names its format's lane-level
+/// codec ([`lanes`]), the one decode and encode that the format's [`Codec`] implementation
+/// calls too.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Lanes {
-    /// Plain f32 words (element `j` at bytes `4 j ..`).
+    /// Plain f32 words (element `j` at bytes `4 j ..`): [`lanes::f32`].
     F32,
-    /// bf16 values, rounded to nearest even or stochastically.
+    /// bf16 values, rounded to nearest even or stochastically: [`lanes::bf16`].
     Bf16 {
         /// Stochastic rounding ([docs/FORMATS.md] §2) with the slot's draws.
         ///
         /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
         stochastic: bool,
     },
-    /// Split f32: the bf16 high halves, then the 16-bit remainders.
+    /// Split f32: the bf16 high halves, then the 16-bit remainders: [`lanes::split_f32`].
     Split,
     /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 512
-    /// elements (the kernels' tile).
+    /// elements (the kernels' tile): [`lanes::blockwise`].
     Quantized {
-        /// The code map.
-        map: &'static lpmm_formats::CodeMap,
-        /// Elements per block.
-        block: usize,
+        /// The code map and the block.
+        codes: lanes::blockwise::Codes,
         /// Stochastic rounding onto the map with the slot's draws.
         stochastic: bool,
     },
+}
+
+/// The lane-level codecs: each format's one decode, encode and clear on the CPU over a run of
+/// its elements, in the format's own file. The format's [`Codec`] (the generic chunk path) and
+/// the specialized step kernels (`crate::cpu::tile`, through [`Lanes`]) both call them, so the
+/// two paths store the same bits by construction.
+pub(crate) mod lanes {
+    pub(crate) use super::bf16::lanes as bf16;
+    pub(crate) use super::blockwise::lanes as blockwise;
+    pub(crate) use super::f32::lanes as f32;
+    pub(crate) use super::split_f32::lanes as split_f32;
+}
+
+impl Lanes {
+    /// The byte ranges of the first two element regions that hold elements `a .. b` of a piece.
+    pub(crate) fn bytes(&self, a: usize, b: usize) -> [std::ops::Range<usize>; 2] {
+        match self {
+            Lanes::F32 => [4 * a..4 * b, 0..0],
+            Lanes::Bf16 { .. } => [2 * a..2 * b, 0..0],
+            Lanes::Split => [2 * a..2 * b, 2 * a..2 * b],
+            Lanes::Quantized { codes, .. } => [codes.code_bytes(a, b), codes.scale_bytes(a, b)],
+        }
+    }
+
+    /// Decodes elements `at .. at + out.len()` of a piece's element regions `elem` (word-aligned:
+    /// not a lent buffer) with the format's lane-level decode.
+    pub(crate) fn decode(
+        &self,
+        elem: [&[u8]; MAX_REGIONS],
+        at: usize,
+        scratch: &mut lanes::blockwise::Scratch,
+        out: &mut [f32],
+    ) {
+        let [r0, r1] = self.bytes(at, at + out.len());
+        match self {
+            Lanes::F32 => lanes::f32::decode(bytemuck::cast_slice(&elem[0][r0]), out),
+            Lanes::Bf16 { .. } => lanes::bf16::decode(bytemuck::cast_slice(&elem[0][r0]), out),
+            Lanes::Split => lanes::split_f32::decode(
+                bytemuck::cast_slice(&elem[0][r0]),
+                bytemuck::cast_slice(&elem[1][r1]),
+                out,
+            ),
+            Lanes::Quantized { codes, .. } => codes.decode(
+                &elem[0][r0],
+                bytemuck::cast_slice(&elem[1][r1]),
+                scratch,
+                out,
+            ),
+        }
+    }
+
+    /// Zeroes elements `at .. at + n` of a piece's element regions `elem` (word-aligned) as the
+    /// format's [`Codec::clear`] does: a consumed gradient accumulator.
+    pub(crate) fn clear(&self, elem: &mut [&mut [u8]; MAX_REGIONS], at: usize, n: usize) {
+        let [r0, r1] = self.bytes(at, at + n);
+        let [e0, e1, _] = elem;
+        match self {
+            Lanes::F32 => lanes::f32::clear(bytemuck::cast_slice_mut(&mut e0[r0])),
+            Lanes::Bf16 { .. } => lanes::bf16::clear(bytemuck::cast_slice_mut(&mut e0[r0])),
+            Lanes::Split => lanes::split_f32::clear(
+                bytemuck::cast_slice_mut(&mut e0[r0]),
+                bytemuck::cast_slice_mut(&mut e1[r1]),
+            ),
+            Lanes::Quantized { codes, .. } => {
+                codes.clear(&mut e0[r0], bytemuck::cast_slice_mut(&mut e1[r1]))
+            }
+        }
+    }
 }
 
 /// The definition of one storage format.
