@@ -5,8 +5,8 @@
 use lpmm_formats::bf16;
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
-    u16s,
+    Codec, Cover, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut,
+    bf16_finite, u16s,
 };
 use super::{Storage, StoreRounding};
 use crate::vocab::{SlotKind, TILE};
@@ -16,6 +16,9 @@ use crate::vocab::{SlotKind, TILE};
 pub struct Bf16 {
     rounding: StoreRounding,
 }
+
+const NEAREST: Storage = Storage::Bf16(StoreRounding::Nearest);
+const STOCHASTIC: Storage = Storage::Bf16(StoreRounding::Stochastic);
 
 const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
 
@@ -27,6 +30,12 @@ pub(crate) const BF16_LIMIT: u32 = 0x7F7F_7FFF;
 
 impl Codec for Bf16 {
     const NAME: &'static str = "bf16";
+    const COVER: Cover = Cover {
+        params: &[NEAREST, STOCHASTIC],
+        grads: &[NEAREST, STOCHASTIC],
+        states: &[(NEAREST, NEAREST), (STOCHASTIC, STOCHASTIC)],
+        ..Cover::NONE
+    };
     const LIMIT: u32 = BF16_LIMIT;
 
     fn from_storage(storage: Storage) -> Option<Self> {
@@ -95,7 +104,9 @@ impl Codec for Bf16 {
     }
 
     fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
-        lanes::clear(bytemuck::cast_slice_mut(&mut r.elem[0][2 * at..2 * (at + len)]));
+        lanes::clear(bytemuck::cast_slice_mut(
+            &mut r.elem[0][2 * at..2 * (at + len)],
+        ));
     }
 }
 

@@ -8,7 +8,8 @@ use lpmm_formats::packing::packed_len;
 use lpmm_quant::BlockSize;
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, check_scales,
+    Codec, Cover, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut,
+    check_scales,
 };
 use super::{MapKind, Storage, StoreRounding};
 use crate::vocab::SlotKind;
@@ -33,6 +34,23 @@ impl Blockwise {
 
 impl Codec for Blockwise {
     const NAME: &'static str = "blockwise";
+    const COVER: Cover = Cover {
+        params: &[Storage::LINEAR8_GROUP64_SR],
+        grads: &[Storage::LINEAR8_GROUP64_SR],
+        states: &[
+            (Storage::DYNAMIC8_SIGNED, Storage::DYNAMIC8_UNSIGNED),
+            (Storage::FOUR_BIT_SIGNED, Storage::FOUR_BIT_UNSIGNED),
+            (
+                Storage::LINEAR8_GROUP64_SR,
+                Storage::Quantized {
+                    map: MapKind::DynamicUnsigned8,
+                    block: BlockSize::B256,
+                    rounding: StoreRounding::Stochastic,
+                },
+            ),
+        ],
+        ..Cover::NONE
+    };
 
     fn from_storage(storage: Storage) -> Option<Self> {
         match storage {
@@ -358,7 +376,8 @@ mod tests {
                         q.quantize(&x, &mut want, &mut want_max, rounding).unwrap();
                         let what = format!("{map:?}, block {block}, {n} values, sr {stochastic}");
 
-                        let (mut got, mut got_max) = (vec![0u8; want.len()], vec![0f32; want_max.len()]);
+                        let (mut got, mut got_max) =
+                            (vec![0u8; want.len()], vec![0f32; want_max.len()]);
                         let mut draws = stochastic.then(|| stream.draws_at(offset));
                         let scratch = &mut Scratch::new();
                         codes.encode(&x, &mut got, &mut got_max, draws.as_mut(), scratch);
@@ -374,7 +393,8 @@ mod tests {
                             continue;
                         }
                         // Tile by tile, the draws running on: the same codes.
-                        let (mut tiled, mut tiled_max) = (vec![0u8; want.len()], vec![0f32; want_max.len()]);
+                        let (mut tiled, mut tiled_max) =
+                            (vec![0u8; want.len()], vec![0f32; want_max.len()]);
                         let mut draws = stochastic.then(|| stream.draws_at(offset));
                         for at in (0..n).step_by(TILE) {
                             let end = n.min(at + TILE);

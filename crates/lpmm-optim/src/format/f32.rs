@@ -1,7 +1,9 @@
 //! f32: 4 bytes per element, the reference storage.
 
 use super::Storage;
-use super::{Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, f32s};
+use super::{
+    Codec, Cover, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, f32s,
+};
 use crate::vocab::SlotKind;
 
 /// f32 values.
@@ -12,6 +14,12 @@ const VALUES: RegionSpec = RegionSpec::new("", Dtype::F32, Extent::Elements { bi
 
 impl Codec for F32 {
     const NAME: &'static str = "f32";
+    const COVER: Cover = Cover {
+        params: &[Storage::F32],
+        grads: &[Storage::F32],
+        states: &[(Storage::F32, Storage::F32)],
+        ..Cover::NONE
+    };
 
     fn from_storage(storage: Storage) -> Option<Self> {
         (storage == Storage::F32).then_some(F32)
@@ -66,7 +74,9 @@ impl Codec for F32 {
     }
 
     fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
-        lanes::clear(bytemuck::cast_slice_mut(&mut r.elem[0][4 * at..4 * (at + len)]));
+        lanes::clear(bytemuck::cast_slice_mut(
+            &mut r.elem[0][4 * at..4 * (at + len)],
+        ));
     }
 }
 

@@ -7,7 +7,8 @@ use lpmm_formats::{bf16, float, kahan_add};
 
 use super::Storage;
 use super::{
-    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
+    Codec, Cover, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
+    u16s,
 };
 use crate::vocab::SlotKind;
 
@@ -38,6 +39,10 @@ const COMP_MAX: u16 = 0x7B00;
 
 impl Codec for Kahan {
     const NAME: &'static str = "kahan";
+    const COVER: Cover = Cover {
+        params: &[Storage::Bf16Kahan],
+        ..Cover::NONE
+    };
     /// 2^127: half of bf16's range, the rest is the compensation's headroom (see `VALUE_MAX`).
     const LIMIT: u32 = 0x7F00_0000;
 

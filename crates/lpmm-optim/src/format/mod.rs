@@ -319,10 +319,37 @@ impl Lanes {
     }
 }
 
+/// The storages of a format that the backend conformance suite steps, declared in its file
+/// ([`Codec::COVER`]): `lpmm_optim::testing` builds its storage covers from every format's, so a
+/// new format enters the suite with its file.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cover {
+    /// As a parameter.
+    pub params: &'static [Storage],
+    /// As a gradient accumulator.
+    pub grads: &'static [Storage],
+    /// As state 1 and state 2 together (a first and a second moment).
+    pub states: &'static [(Storage, Storage)],
+    /// As a tensor-wide second moment, with the name the suite gives the case.
+    pub tensor_wide: &'static [(&'static str, Storage)],
+}
+
+impl Cover {
+    /// No storage: the rest of a format's cover (`..Cover::NONE`).
+    pub(crate) const NONE: Cover = Cover {
+        params: &[],
+        grads: &[],
+        states: &[],
+        tensor_wide: &[],
+    };
+}
+
 /// The definition of one storage format.
 pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'static {
     /// The stem of its kernel files and its name in the kernels' dispatch.
     const NAME: &'static str;
+    /// The storages of this format the backend conformance suite steps.
+    const COVER: Cover;
     /// The largest magnitude (an f32 bit pattern) the format stores without overflow: a value
     /// beyond it (or non-finite) is never stored — registration refuses it, the step leaves the
     /// element unchanged and reports it, a quantized accumulator refuses the micro-batch. f32 and
@@ -516,6 +543,11 @@ macro_rules! formats {
         /// Every format's [`Format::limit`] as f32 bits, in kernel-id order (the kernels'
         /// `fmt_limit` is generated from it).
         pub const LIMITS: &[u32] = &[$(<$module::$ty as Codec>::LIMIT,)*];
+
+        /// Every format's name and the storages the conformance suite steps it with
+        /// ([`Codec::COVER`]), in kernel-id order.
+        pub(crate) const COVERS: &[(&str, Cover)] =
+            &[$((<$module::$ty as Codec>::NAME, <$module::$ty as Codec>::COVER),)*];
 
         impl Format {
             /// The format of `storage` (`None` for [`Storage::None`]).

@@ -7,7 +7,8 @@ use lpmm_formats::{SplitF32 as Split, bf16};
 
 use super::Storage;
 use super::{
-    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, fits, u16s,
+    Codec, Cover, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, fits,
+    u16s,
 };
 use crate::vocab::SlotKind;
 
@@ -20,6 +21,10 @@ const REM: RegionSpec = RegionSpec::new(".rem", Dtype::U16, Extent::Elements { b
 
 impl Codec for SplitF32 {
     const NAME: &'static str = "split_f32";
+    const COVER: Cover = Cover {
+        params: &[Storage::SplitF32],
+        ..Cover::NONE
+    };
     /// Lossless for every f32, but the visible bf16 half of a value from `0x7F7F8000` up is ±Inf
     /// (a bf16 forward pass would read it): such values are refused as bf16 refuses them.
     const LIMIT: u32 = super::bf16::BF16_LIMIT;
