@@ -3,18 +3,18 @@
 //!
 //! A kernel is monomorphized over each slot's *lanes* — how the slot's values reach the rule
 //! ([`Lanes`]): f32 stepped where it is stored, bf16, split f32 and block-quantized codes decoded
-//! into an L1-sized stash before the rule and encoded from it after, by the format's own
-//! lane-level codec (`crate::format::lanes`), the one its generic chunk path calls too. A piece is walked in tiles of
-//! [`TILE`] elements (a multiple of every block a kernel takes), each touched once in memory
-//! while the next one is prefetched: the tile's gradient (read where the caller holds it, or
+//! into an L1-sized stash before the rule and encoded from it after, by the format's own lane-level
+//! codec (`crate::format::lanes`), the one its generic chunk path calls too. A piece is walked in
+//! tiles of [`TILE`] elements (a multiple of every block a kernel takes), each touched once in
+//! memory while the next one is prefetched: the tile's gradient (read where the caller holds it, or
 //! decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
 //! generic path's own vectorized loop, `apply_chunk_lean`, without the absent state 3 and the
 //! increments: its bits by construction), then each slot is encoded — a quantized slot's block
 //! maxima, the exact quotient and nearest code or stochastic rounding, packing; bf16 rounding;
 //! splitting — and the accumulator's tile cleared. Nothing is decoded or stored that the
-//! configuration does not have, and no pass is made that cannot change a bit: no sign check of
-//! a second moment (never negative), no work on a state the rule does not have (an absent
-//! state's stash is zeroed once per piece).
+//! configuration does not have, and no pass is made that cannot change a bit: no sign check of a
+//! second moment (never negative), no work on a state the rule does not have (an absent state's
+//! stash is zeroed once per piece).
 //!
 //! The rule's loop and every table kernel it calls (decode, nearest, stochastic rounding, bf16
 //! rounding, random draws: lpmm-formats' and lpmm-quant's vector code, as the generic path calls
