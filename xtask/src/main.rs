@@ -106,10 +106,25 @@ fn main() -> ExitCode {
 
 /// `codegen [--check]`: writes (checks) each backend's kernel program, assembled from its
 /// sources and the ABI and dispatch generated from lpmm-backend's abi.rs and lpmm-optim's
-/// registries (`lpmm_backend::codegen::TARGETS`).
+/// registries (`lpmm_backend::codegen::TARGETS`), and docs/REGISTRIES.md, the registries' lists
+/// and counts (`lpmm_optim::testing::registries_doc`).
 fn codegen(check: bool) -> Result<(), String> {
     let root = workspace_root();
     let read = |p: &Path| std::fs::read_to_string(p);
+    let doc = lpmm_optim::testing::registries_doc();
+    let path = root.join(lpmm_optim::testing::REGISTRIES_PATH);
+    let fresh = read(&path).ok().as_deref() == Some(doc.as_str());
+    if check && !fresh {
+        return Err(format!(
+            "{} is stale: it is not what lpmm-optim's registries generate; run `cargo xtask codegen` and commit the result",
+            lpmm_optim::testing::REGISTRIES_PATH
+        ));
+    } else if !fresh {
+        std::fs::write(&path, doc).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("{}: written", lpmm_optim::testing::REGISTRIES_PATH);
+    } else {
+        println!("{}: up to date", lpmm_optim::testing::REGISTRIES_PATH);
+    }
     for target in lpmm_backend::codegen::TARGETS {
         if check {
             target.check(&root, &read)?;

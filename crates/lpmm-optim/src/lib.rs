@@ -1,6 +1,7 @@
-//! The optimizer core of lpmm: optimizers (SGD with momentum, Adam/AdamW, Lion, Adafactor, CAME,
-//! AdEMAMix, schedule-free AdamW, RMSprop, Adagrad, LAMB) whose parameters, gradient accumulators and states can each be
-//! stored in low precision, stepped in one fused pass per chunk. The CPU implementation here is the reference every backend must reproduce.
+//! The optimizer core of lpmm: optimizers (one update rule per variant of [`Hyper`]; the list
+//! with each rule's presets is docs/REGISTRIES.md, generated from the registry) whose parameters,
+//! gradient accumulators and states can each be stored in low precision, stepped in one fused pass
+//! per chunk. The CPU implementation here is the reference every backend must reproduce.
 //!
 //! [docs/OPTIMIZERS.md] documents every storage, update rule, policy and the evidence behind them.
 //! Users need [`Optimizer`], a configuration ([`presets`], [`ParamConfig`]) and a backend ([`Cpu`]
