@@ -48,6 +48,7 @@ mod memory;
 mod optimizer;
 mod plan;
 pub mod presets;
+mod routing;
 mod rule;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -71,4 +72,5 @@ pub use optimizer::{
     Settings, Status, Step, StepReport, WithGradient,
 };
 pub use rule::configs::*;
-pub use rule::{Hyper, RuleState};
+pub use routing::{DEFAULT_OTHERS, Hybrid, Route, name_matches};
+pub use rule::{AdjustLr, Hyper, RuleState};
