@@ -781,6 +781,8 @@ rules! {
     Lamb(Lamb) in lamb,
     /// Muon (Jordan et al. 2024; `torch.optim.Muon` semantics): a matrix phase.
     Muon(Muon) in muon,
+    /// AdaLomo (Lv et al. 2023; the authors' `lomo-optim` semantics).
+    AdaLomo(AdaLomo) in adalomo,
 }
 
 pub use muon::AdjustLr;
@@ -847,6 +849,12 @@ impl Hyper {
     /// adjustment.
     pub fn muon(lr: f64) -> Self {
         Hyper::Muon(Muon::new(lr))
+    }
+
+    /// `lomo_optim.AdaLomo(model, lr)` defaults: `eps = (1e-30, 1e-3)`, clip threshold 1, decay
+    /// rate -0.8, no weight decay, no gradient clamp.
+    pub fn adalomo(lr: f64) -> Self {
+        Hyper::AdaLomo(AdaLomo::new(lr))
     }
 
     /// Whether the rule takes a matrix phase (steps matrices only).
