@@ -1,4 +1,4 @@
-//! lpmm's canonical state inside a burn record (burnpack): the container only. The layout, the
+//! The whole-module optimizer's canonical state inside a burn record (burnpack): the container only. The layout, the
 //! metadata, the checksum and every check are lpmm's checkpoint codec's (`lpmm_optim::checkpoint::codec`).
 //!
 //! Layout (version 2): every tensor of the codec's encoding as a 1-D burnpack tensor in the
