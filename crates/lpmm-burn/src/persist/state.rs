@@ -221,5 +221,6 @@ pub(crate) fn unflatten(
         stream,
         outside,
         options: canonical.options,
+        label: format!("parameter {prefix}"),
     })
 }

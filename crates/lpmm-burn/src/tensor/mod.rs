@@ -323,6 +323,11 @@ impl LpmmTensorOptimizer {
 
     /// Why `loaded` cannot be the state of `tensor` under this configuration, if it cannot.
     fn unusable<const D: usize>(&self, loaded: &Loaded, tensor: &Tensor<D>) -> Option<String> {
+        let reason = self.mismatch(loaded, tensor)?;
+        Some(format!("{}: {reason}", loaded.label))
+    }
+
+    fn mismatch<const D: usize>(&self, loaded: &Loaded, tensor: &Tensor<D>) -> Option<String> {
         let shape = tensor.dims().to_vec();
         if loaded.param.shape != shape {
             return Some(format!(
@@ -400,7 +405,8 @@ impl LpmmTensorOptimizer {
                     // A saved state that does not import (its slots do not fit this
                     // configuration's) is re-initialised, as an unusable one is.
                     Err(Failed::Param(e)) if loaded.is_some() => {
-                        self.reinitialised(format!("its state did not import: {e}"));
+                        let label = loaded.as_ref().map_or("", |l| l.label.as_str());
+                        self.reinitialised(format!("{label}: its state did not import: {e}"));
                         self.register(tensor, None, None)
                     }
                     r => (tensor, r),

@@ -68,6 +68,8 @@ pub(crate) struct Loaded {
     pub outside: bool,
     /// The options it was stepped with (its seed, its non-finite policy), kept for its record.
     pub options: lpmm_optim::OptimizerOptions,
+    /// What names it in messages: the parameter's id in the record it came from, or its stream.
+    pub label: String,
 }
 
 impl<const D: usize> LpmmState<D> {
@@ -117,6 +119,7 @@ fn export(slot: &Slot) -> Result<Loaded, BurnError> {
         stream: slot.stream,
         outside,
         options,
+        label: format!("stream {}", slot.stream),
     })
 }
 
@@ -146,7 +149,7 @@ impl<const D: usize> RecordState for LpmmState<D> {
         Some(LpmmState::new(
             match persist::state::unflatten(prefix, D, src) {
                 Ok(loaded) => StateInner::Loaded(loaded),
-                Err(reason) => StateInner::Refused(reason),
+                Err(reason) => StateInner::Refused(format!("parameter {prefix}: {reason}")),
             },
         ))
     }
