@@ -573,7 +573,7 @@ impl<L: Lane> Core<L> {
     }
 }
 
-/// Lends the module's tensors (or zeros without a module) to `Optimizer::canonical_lent`.
+/// Lends the module's tensors (or zeros without a module) to `Parts::canonical`.
 struct ModuleLender<'a, L: Lane> {
     core: &'a Core<L>,
     prims: HashMap<BurnId, L::Prim>,

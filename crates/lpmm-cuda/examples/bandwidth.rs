@@ -12,9 +12,11 @@
 //!
 //! Bytes moved per step: every slot read once and written once (the accumulator is cleared), the
 //! backend's own accounting (`Backend::bytes`) times two. Effective bandwidth = bytes moved / time
-//! per step; the copy's = 2 x bytes copied / time. The step is timed through `Backend::step`, as
-//! `Optimizer::step` calls it without clipping under `NonFinitePolicy::SkipElements`: one launch
-//! per plan and the read-back of the flag words per step.
+//! per step; the copy's = 2 x bytes copied / time. The step is timed through
+//! `lpmm_optim::backend::run_batch` (the executor's run of one batch over the backend's
+//! primitives), as `Optimizer::step` runs it without clipping under
+//! `NonFinitePolicy::SkipElements`: one launch per plan and the read-back of the flag words per
+//! step.
 //!
 //! - `--cases`: which of `adamw8`, `adamw4`, `sgdm`, `lion8`, `adamw32` (default: all).
 //! - `--generic`: also each case with the specialized steps off (`CudaOptions::with_specialized`):
