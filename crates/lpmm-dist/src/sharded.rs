@@ -448,8 +448,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     }
 
     /// Writes the canonical, unsharded checkpoint (the format `Optimizer::save` writes, readable
-    /// by `Optimizer::load` and `Canonical::read`) from every rank's shards; rank 0 writes the file. Every rank must
-    /// call it.
+    /// by `Optimizer::load` and `Canonical::read`) from every rank's shards; rank 0 writes the
+    /// file. Every rank must call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
         let local = Parts::of(&self.opt).canonical(None)?;
         // This rank's shards: (param, start, counters, rule state, the slots).

@@ -300,8 +300,8 @@ pub struct CanonicalParam {
 }
 
 /// A whole checkpoint in the canonical layout: what `Optimizer::save` writes and
-/// `Optimizer::load` (or `Canonical::read(path)?.into_optimizer(backend)`) reads, what lpmm-burn's records hold, also assembled from (and cut into)
-/// shards by lpmm-dist.
+/// `Optimizer::load` (or `Canonical::read(path)?.into_optimizer(backend)`) reads, what
+/// lpmm-burn's records hold, also assembled from (and cut into) shards by lpmm-dist.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canonical {
     /// The optimizer's options.

@@ -688,9 +688,9 @@ impl<B: Backend> Optimizer<B> {
 
     /// Decodes one slot of parameter `id` — the parameter, the gradient accumulator or a state
     /// (zeros for a slot its configuration does not have) — into `out`: host f32 values
-    /// (`&mut [f32]`, `&mut Vec<f32>`), host bf16 values ([`crate::backend::HostValuesMut`], rounded to
-    /// nearest), or a buffer of the backend's ([`Out::Backend`]). A lent parameter's value is
-    /// the caller's buffer and cannot be read here.
+    /// (`&mut [f32]`, `&mut Vec<f32>`), host bf16 values ([`crate::backend::HostValuesMut`],
+    /// rounded to nearest), or a buffer of the backend's ([`Out::Backend`]). A lent parameter's
+    /// value is the caller's buffer and cannot be read here.
     pub fn read<'o>(
         &self,
         id: ParamId,
