@@ -435,11 +435,13 @@ __device__ __forceinline__ bool is_finite(float x) {
 
 // format/mod.rs `fits`: finite and at most `limit` (f32 bits) in magnitude.
 __device__ __forceinline__ bool fits(float x, uint32_t limit) {
+    // sass: checks
     return (f2u(x) & 0x7FFFFFFFu) <= limit;
 }
 
 // half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
 __device__ __forceinline__ uint32_t bf16_nearest(float x) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
         return (b >> 16u) | 0x40u;
@@ -452,6 +454,7 @@ __device__ __forceinline__ uint32_t bf16_nearest(float x) {
 
 // float::bf16_stochastic.
 __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) >= 0x7F800000u) {
         return bf16_nearest(x);
@@ -465,6 +468,7 @@ __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
 }
 
 __device__ __forceinline__ float bf16_value(uint32_t h) {
+    // sass: decode
     return u2f(h << 16u);
 }
 
@@ -523,6 +527,7 @@ __device__ __forceinline__ uint64_t fixed_term(float x, uint32_t stored, int32_t
 // nonce `step` is word i % 16 of the block with 64-bit counter i / 16.
 
 __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
+    // sass: random
     x[a] = x[a] + x[b];
     uint32_t r = x[d] ^ x[a];
     x[d] = (r << 16u) | (r >> 16u);
@@ -539,6 +544,7 @@ __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
 
 __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t counter,
                                         uint64_t nonce, uint32_t out[16]) {
+    // sass: random
     uint32_t s[16];
     s[0] = 0x61707865u;
     s[1] = 0x3320646eu;
@@ -585,6 +591,7 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
 // (lpmm-quant `RandomStream::draws_at`).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
+    // sass: random
     // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
     uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).
@@ -662,6 +669,90 @@ __device__ __forceinline__ uint32_t map_stochastic(const uint32_t* maps, uint32_
         cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
     }
     return lo + (r < cut ? 1u : 0u);
+}
+
+// ---- kernels/exact.cuh ----
+
+// Cheap exact arithmetic for the specialized steps (kernels/plan.cuh): each function returns the
+// bits of the dearer operation it stands for, under the conditions stated beside it. The
+// arguments are in docs/FORMATS.md ("Exact shortcuts of the CUDA specialized steps"); the tests
+// that would catch a wrong bit are crates/lpmm-cuda/tests/exact.rs (the schemes, on adversarial
+// and exhaustive inputs) and tests/plans.rs (every plan against the CPU reference).
+
+// The quotient a / b correctly rounded, from rb = RN(1 / b) (one IEEE division per divisor,
+// shared by every quotient by it): q0 = RN(a rb), then one correction with the exact remainder
+// r = a - b q0 (Markstein). It is RN(a / b) when 1/b is normal, |a / b| >= 2^-125 and |a| >=
+// 2^-100 (no intermediate underflows); exact_small_quotient bounds it where a is smaller.
+__device__ __forceinline__ float exact_quotient(float a, float b, float rb) {
+    float q0 = a * rb;
+    float r = __fmaf_rn(-b, q0, a);
+    return __fmaf_rn(r, rb, q0);
+}
+
+// The divisors exact_quotient takes in the specialized steps: 2^-70 <= b <= 2^120 (a block's
+// absmax; a bias correction), so 1/b is normal and every quotient by b of an |a| >= b 2^-30 meets
+// exact_quotient's conditions. Outside, the steps divide in IEEE arithmetic (a cold path).
+__device__ __forceinline__ bool exact_divisor(float b) {
+    return b >= 0x1p-70f && b <= 0x1p120f;
+}
+
+// bf16 rounding, the bf16 in the top half of the result (exact_pack_halves packs two): for |x|
+// <= 0x7F7F7FFF as bits (finite, rounding to a finite bf16), half::bf16::from_f32 (float.cuh
+// bf16_nearest) is the top half of x + 0x7FFF + (bit 16 of x), to nearest even; the non-finite
+// cases of bf16_nearest never arise there, and the carry never reaches the sign.
+__device__ __forceinline__ uint32_t exact_bf16_nearest(float x) {
+    // sass: round
+    uint32_t b = f2u(x);
+    return b + 0x7FFFu + ((b >> 16u) & 1u);
+}
+
+// float.cuh bf16_stochastic with the draw d in the top half of r (its low half 0), for |x| <=
+// 0x7F7EFFFF as bits: the top half of b + 0xFFFF - d, which carries into it exactly when d < the
+// low half of b (bf16_stochastic's `up`). Its result never reaches infinity, so neither of
+// bf16_stochastic's fallbacks to nearest rounding is taken.
+__device__ __forceinline__ uint32_t exact_bf16_stochastic(float x, uint32_t r) {
+    // sass: round
+    return f2u(x) + ((~r) >> 16u);
+}
+
+// The top halves of a and b as the low and high half of one word (a bf16 pair).
+__device__ __forceinline__ uint32_t exact_pack_halves(uint32_t a, uint32_t b) {
+    // sass: pack
+    return (a >> 16u) | (b & 0xFFFF0000u);
+}
+
+// The nearest-code bucket of y (|y| <= 1, the quotient by a block's absmax): the sign, the
+// exponent and the top 7 bits of the mantissa of max(|y|, 2^-31) (so every magnitude below
+// 2^-31 (1 + 2^-7) shares its sign's first bucket), less the bucket of 2^-31: 0 ..= 0xF80 for a
+// sign bit of 0, 0x8000 ..= 0x8F80 for 1. Each bucket is an interval of values; lpmm-backend's
+// plans.rs takes a map for a specialized step only if none of its buckets holds two thresholds
+// (codemap's `nearest` is then the count at the bucket's lowest value plus one comparison).
+__device__ __forceinline__ uint32_t exact_bucket(float y) {
+    // sass: search
+    float a = fmaxf(fabsf(y), 0x1p-31f);
+    return ((f2u(a) | (f2u(y) & 0x80000000u)) >> 16u) - 0x3000u;
+}
+
+// The lowest value of bucket k (0 ..= 0xFFF or 0x8000 ..= 0x8FFF; past magnitude 1, its sign's
+// 1): the inverse of exact_bucket at the bucket's low end.
+__device__ __forceinline__ float exact_bucket_low(uint32_t k) {
+    uint32_t h = (k & 0xFFFu) + 0x3000u;
+    h = h < 0x3F80u ? h : 0x3F80u;
+    if (k < 0x8000u) {
+        return h == 0x3000u ? 0.0f : u2f(h << 16u);
+    }
+    return u2f(0x80000000u | (h << 16u) | 0xFFFFu);
+}
+
+// The number of thresholds <= y of a sorted table of 256 (NaN past the last one, so they never
+// count): a binary search, for building the bucket table.
+__device__ __forceinline__ uint32_t exact_count(const float* thresholds, float y) {
+    uint32_t c = 0u;
+#pragma unroll
+    for (uint32_t step = 128u; step > 0u; step /= 2u) {
+        c = thresholds[c + step - 1u] <= y ? c + step : c;
+    }
+    return c;
 }
 
 // ---- kernels/formats/f32.cuh ----
@@ -1195,6 +1286,7 @@ __device__ __forceinline__ void fmt_bf16_plus8_clear(const Tile& t, const uint32
 
 __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, float p, float g,
                                                  float m0, float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -1231,8 +1323,13 @@ __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, fl
 
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
-__device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0, float w0) {
+// The update, with sqrt(v) / bias_correction2_sqrt divided in IEEE arithmetic (`fast` false) or
+// as exact.cuh's exact_quotient from `inv`, RN(1 / bias_correction2_sqrt) (`fast`: the same bits
+// where rule_adam_prepare allows it).
+__device__ __forceinline__ Update rule_adam_update(AdamConsts c, bool fast, float inv,
+                                                   uint32_t flags, float p, float g, float m0,
+                                                   float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -1258,11 +1355,38 @@ __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, 
     if ((flags & F_GIVEN_V) == 0u) {
         u.v = __fmaf_rn(c.one_minus_beta2 * gg, gg, v0 * c.beta2);
     }
-    float denom = sqrtf(u.v) / c.bias_correction2_sqrt + c.eps;
+    float root = sqrtf(u.v);
+    float scaled = fast ? exact_quotient(root, c.bias_correction2_sqrt, inv)
+                        : root / c.bias_correction2_sqrt;
+    float denom = scaled + c.eps;
     float step = c.neg_step_size * u.m / denom;
     u.p = decayed + step;
     u.d = decay_delta + step;
     return u;
+}
+
+__device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
+                                                  float m0, float v0, float w0) {
+    return rule_adam_update(c, false, 0.0f, flags, p, g, m0, v0, w0);
+}
+
+// The specialized steps' fast path (kernels/plan.cuh): RN(1 / bias_correction2_sqrt), or 0 (no
+// fast path) where exact_quotient would not give the IEEE quotient. Its numerators are square
+// roots: +0, or at least 2^-75 (the root of the least subnormal), at most 2^64; with a divisor
+// in [2^-40, 2^40] every quotient is then exact, but for a root of -0 (v = -0), whose quotient
+// comes out +0: the same denominator but with eps = -0, which is left to the IEEE path.
+__device__ __forceinline__ float rule_adam_prepare(AdamConsts c) {
+    // sass: rule
+    float b = c.bias_correction2_sqrt;
+    if (!(b >= 0x1p-40f && b <= 0x1p40f) || f2u(c.eps) == 0x80000000u) {
+        return 0.0f;
+    }
+    return 1.0f / b;
+}
+
+__device__ __forceinline__ Update rule_adam_fast(AdamConsts c, float inv, uint32_t flags, float p,
+                                                 float g, float m0, float v0, float w0) {
+    return rule_adam_update(c, true, inv, flags, p, g, m0, v0, w0);
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
@@ -1281,6 +1405,7 @@ __device__ __forceinline__ float rule_adam_moment_input(AdamConsts c, uint32_t f
 
 __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, float p, float g,
                                                   float m0, float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -1965,7 +2090,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     }
 }
 
-// ---- kernels/plan.cuh ----
+// ---- kernels/plan_lanes.cuh ----
 
 // The specialized fused steps (crates/lpmm-backend/src/plans.rs): one kernel per hot plan, each a
 // `plan_step` with the rule, every slot's format (as a lane type below) and the gradient's input
@@ -1998,10 +2123,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
 // host build (emulate.cpp) has no PTX: plain accesses.
 #ifdef LPMM_HOST
 __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
     return *reinterpret_cast<const uint4*>(p);
 }
 
 __device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
     return *reinterpret_cast<const uint2*>(p);
 }
 
@@ -2009,6 +2136,7 @@ __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) { return *p; }
 
 __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
                                          uint32_t d) {
+    // sass: stores
     uint4 v;
     v.x = a;
     v.y = b;
@@ -2018,6 +2146,7 @@ __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, ui
 }
 
 __device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
     uint2 v;
     v.x = a;
     v.y = b;
@@ -2030,6 +2159,7 @@ __device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) { *p = a; }
 // nothing another thread of the launch stores but an accumulator's absmax, which is cleared
 // after a `__syncwarp` (plan_step).
 __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
     uint4 v;
     asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -2038,12 +2168,14 @@ __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
 }
 
 __device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
     uint2 v;
     asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 
 __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) {
+    // sass: loads
     uint32_t v;
     asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
@@ -2051,27 +2183,32 @@ __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) {
 
 __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
                                          uint32_t d) {
+    // sass: stores
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c),
                  "r"(d)
                  : "memory");
 }
 
 __device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
     asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
 }
 
 __device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) {
+    // sass: stores
     asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(a) : "memory");
 }
 #endif
 
 // The 16-bit value of element `i` of a region of halves.
 __device__ __forceinline__ uint32_t plan_ld_half(const uint32_t* p, uint32_t i) {
+    // sass: loads
     return (plan_ld1(p + i / 2u) >> (16u * (i & 1u))) & 0xFFFFu;
 }
 
 // Eight words of a region (a thread's 16 bf16 or 16-bit halves).
 __device__ __forceinline__ void plan_ld8(const uint32_t* p, uint32_t w[8]) {
+    // sass: loads
     uint4 a = plan_ld4(p);
     uint4 b = plan_ld4(p + 4u);
     w[0] = a.x;
@@ -2085,61 +2222,79 @@ __device__ __forceinline__ void plan_ld8(const uint32_t* p, uint32_t w[8]) {
 }
 
 __device__ __forceinline__ void plan_st8(uint32_t* p, const uint32_t w[8]) {
+    // sass: stores
     plan_st4(p, w[0], w[1], w[2], w[3]);
     plan_st4(p + 4u, w[4], w[5], w[6], w[7]);
 }
 
-// A code map in shared memory: its values (the last repeated to 256: CodeMap::value), its
-// thresholds (NaN past the last: no comparison counts there) and its key table.
-struct PlanMap {
-    float values[256];
-    float thresholds[256];
-    uint32_t meta[64];
-    unsigned char starts[512];
-};
+// The code maps of a plan (plan.cuh `plan_maps`: at most PLAN_MAPS), in one shared byte array
+// for every plan's kernel, so that addresses are constants: map k's bucket table (exact.cuh
+// `exact_bucket`: the number of thresholds at or below each bucket's lowest value) at k 0x1000
+// for the buckets of a sign bit 0 and 0x8000 above it for the others; between them, at 0x3000 +
+// k 0x800, its values (the last repeated to 256: CodeMap::value) and its thresholds (NaN past
+// the last: no comparison counts there), and at 0x4800 + 4 k the code of 0 (an accumulator's
+// clear).
+#define PLAN_MAPS 3u
+alignas(16) __shared__ unsigned char plan_sm[0x8000u + 0x1000u * PLAN_MAPS];
 
-// Copies map `map` of the table (abi.rs `map_table`) into `m`. Called by every thread.
-__device__ __forceinline__ void plan_load_map(PlanMap* m, const uint32_t* maps, uint32_t map) {
+__device__ __forceinline__ float* plan_values(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3000u + 0x800u * k);
+}
+
+__device__ __forceinline__ float* plan_thresholds(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3400u + 0x800u * k);
+}
+
+__device__ __forceinline__ uint32_t* plan_zero(uint32_t k) {
+    return reinterpret_cast<uint32_t*>(plan_sm + 0x4800u + 4u * k);
+}
+
+// Copies map `map` of the table (abi.rs `map_table`) into shared map k. Called by every thread;
+// the bucket table needs the thresholds (plan_build_map, after a barrier).
+__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map) {
     uint32_t len = maps[MAP_LENS + map];
     const uint32_t* base = maps + MAP_STRIDE * map;
-    for (uint32_t k = threadIdx.x; k < 256u; k += THREADS) {
-        m->values[k] = u2f(base[k < len ? k : len - 1u]);
-        m->thresholds[k] = k + 1u < len ? u2f(base[256u + k]) : u2f(0x7FC00000u);
-    }
-    const uint32_t* keys = maps + MAP_KEYS + MAP_KEY_WORDS * map;
-    for (uint32_t k = threadIdx.x; k < 64u; k += THREADS) {
-        m->meta[k] = keys[k];
-    }
-    uint32_t* starts = reinterpret_cast<uint32_t*>(m->starts);
-    for (uint32_t k = threadIdx.x; k < 128u; k += THREADS) {
-        starts[k] = keys[64u + k];
+    for (uint32_t i = threadIdx.x; i < 256u; i += THREADS) {
+        plan_values(k)[i] = u2f(base[i < len ? i : len - 1u]);
+        plan_thresholds(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
     }
 }
 
-// CodeMap::nearest for |y| < 2 (a quotient by its block's absmax is at most 1): the number of
-// thresholds <= y, as the count at the bottom of y's key-table bucket plus one comparison (a
-// bucket holds at most one threshold; codemap.rs `KeyTable`).
-__device__ __forceinline__ uint32_t plan_nearest(const PlanMap* m, float y) {
-    uint32_t h = f2u(y) >> 16u;
-    uint32_t e = (h >> 7u) & 0xFFu;
-    uint32_t b = e > 96u ? e - 96u : 0u;
-    uint32_t meta = m->meta[((h >> 15u) << 5u) | b];
-    uint32_t key = (meta & 0xFFFu) + ((h & 0x7Fu) >> (meta >> 12u));
-    uint32_t c = m->starts[key];
-    return c + (m->thresholds[c] <= y ? 1u : 0u);
+// The bucket table of shared map k (after plan_load_map and a barrier). Called by every thread.
+__device__ __forceinline__ void plan_build_map(uint32_t k) {
+    for (uint32_t i = threadIdx.x; i < 0x2000u; i += THREADS) {
+        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
+        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(plan_thresholds(k), exact_bucket_low(b));
+    }
+    if (threadIdx.x == 0u) {
+        *plan_zero(k) = exact_count(plan_thresholds(k), 0.0f);
+    }
 }
 
-// CodeMap::stochastic for |y| < 2 (maps.cuh `map_stochastic`), with selects for its early
+// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with shared map k: the number
+// of thresholds <= y, as the count at the bottom of y's bucket plus one comparison.
+__device__ __forceinline__ uint32_t plan_nearest(uint32_t k, float y) {
+    // sass: search
+    uint32_t c = plan_sm[0x1000u * k + exact_bucket(y)];
+    if (plan_thresholds(k)[c] <= y) {
+        c++;
+    }
+    return c;
+}
+
+// CodeMap::stochastic for |y| <= 1 (maps.cuh `map_stochastic`), with selects for its early
 // returns: the same code.
-__device__ __forceinline__ uint32_t plan_stochastic(const PlanMap* m, uint32_t len, float y,
+__device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, float y,
                                                     uint32_t r) {
-    uint32_t c = plan_nearest(m, y);
-    uint32_t below = m->values[c] > y ? 1u : 0u;
+    // sass: search
+    const float* values = plan_values(k);
+    uint32_t c = plan_nearest(k, y);
+    uint32_t below = values[c] > y ? 1u : 0u;
     bool under = below > c;
     uint32_t lo = under ? 0u : c - below;
     bool top = lo + 1u == len;
-    float lo_v = m->values[lo];
-    float hi_v = m->values[top ? lo : lo + 1u];
+    float lo_v = values[lo];
+    float hi_v = values[top ? lo : lo + 1u];
     float frac = (y - lo_v) / (hi_v - lo_v);
     float scaled = frac * 4294967296.0f;
     // Rust's saturating `as u32`.
@@ -2167,42 +2322,50 @@ __device__ __forceinline__ uint32_t plan_stochastic(const PlanMap* m, uint32_t l
 // `load_part` its first `count` (the rest 0) with scalar ones; `store` encodes them (with the
 // slot's random draws `r` if it rounds stochastically; every thread of the warp calls it) and
 // writes all 16 (`count` 16) or the first `count`; `clear` clears an accumulator's. Each mirrors
-// formats/<name>.cuh.
+// formats/<name>.cuh. `store` rounds as exact.cuh does where `exact` is false (the thread's
+// values passed the fast checks, plan_step: each is within the lane's FAST_LIMIT), and as its
+// format does otherwise. FAST_LIMIT is the largest magnitude (f32 bits) the fast checks let
+// through: the format's limit (format/mod.rs `fits`), or less where exact.cuh needs less.
 
 // No slot: zeros in (the rule never changes a state it does not have), nothing out.
 struct PlanAbsent {
     static constexpr uint32_t FMT = FMT_NONE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = false;
     static constexpr bool SR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {}
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {}
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             v[j] = 0.0f;
         }
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         load(first, v);
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {}
+                                          const uint32_t r[16], bool exact) const {}
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {}
 };
 
 // f32 (formats/f32.cuh).
 struct PlanF32 {
     static constexpr uint32_t FMT = FMT_F32;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             uint4 w = plan_ld4(a + first + 4u * k);
@@ -2213,13 +2376,15 @@ struct PlanF32 {
         }
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             v[j] = (uint32_t)j < count ? u2f(plan_ld1(a + first + j)) : 0.0f;
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
+        // sass: stores
         if (count == 16u) {
 #pragma unroll
             for (int k = 0; k < 4; k++) {
@@ -2237,6 +2402,7 @@ struct PlanF32 {
         }
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         if (count == 16u) {
 #pragma unroll
             for (int k = 0; k < 4; k++) {
@@ -2256,6 +2422,7 @@ struct PlanF32 {
 
 // Words `k < (count + 1) / 2` of a region of 16-bit halves at `p` (the rest 0).
 __device__ __forceinline__ void plan_ld8_part(const uint32_t* p, uint32_t count, uint32_t w[8]) {
+    // sass: loads
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         w[k] = (uint32_t)(2 * k) < count ? plan_ld1(p + k) : 0u;
@@ -2265,6 +2432,7 @@ __device__ __forceinline__ void plan_ld8_part(const uint32_t* p, uint32_t count,
 // Writes the 16-bit pairs of `w` (all 8 words when `count` is 16; else the words of the first
 // `count` halves, a last odd half with 0 above it, as formats/bf16.cuh writes them).
 __device__ __forceinline__ void plan_st8_count(uint32_t* p, uint32_t count, const uint32_t w[8]) {
+    // sass: stores
     if (count == 16u) {
         plan_st8(p, w);
     } else {
@@ -2284,13 +2452,16 @@ struct PlanBf16 {
     static constexpr uint32_t FMT = FMT_BF16;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = (AUX & 1u) != 0u;
+    // exact.cuh: bf16 rounding without its non-finite and overflow cases.
+    static constexpr uint32_t FAST_LIMIT = SR ? 0x7F7EFFFFu : 0x7F7F7FFFu;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
     }
     __device__ __forceinline__ static void decode(const uint32_t w[8], float v[16]) {
+        // sass: decode
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             v[2 * k] = bf16_value(w[k] & 0xFFFFu);
@@ -2298,11 +2469,13 @@ struct PlanBf16 {
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         uint32_t w[8];
         plan_ld8(a + first / 2u, w);
         decode(w, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         uint32_t w[8];
         plan_ld8_part(a + first / 2u, count, w);
         decode(w, v);
@@ -2312,24 +2485,33 @@ struct PlanBf16 {
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
+        // sass: round
         uint32_t w[8];
+        if (exact) {
+            PLAN_COLD();
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            uint32_t h0;
-            uint32_t h1;
-            if (SR) {
-                h0 = bf16_stochastic(v[2 * k], r[2 * k]);
-                h1 = bf16_stochastic(v[2 * k + 1], r[2 * k + 1]);
-            } else {
-                h0 = bf16_nearest(v[2 * k]);
-                h1 = bf16_nearest(v[2 * k + 1]);
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? bf16_stochastic(v[2 * k], r[2 * k]) : bf16_nearest(v[2 * k]);
+                uint32_t h1 =
+                    SR ? bf16_stochastic(v[2 * k + 1], r[2 * k + 1]) : bf16_nearest(v[2 * k + 1]);
+                w[k] = h0 | (h1 << 16u);
             }
-            w[k] = h0 | (h1 << 16u);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? exact_bf16_stochastic(v[2 * k], r[2 * k])
+                                 : exact_bf16_nearest(v[2 * k]);
+                uint32_t h1 = SR ? exact_bf16_stochastic(v[2 * k + 1], r[2 * k + 1])
+                                 : exact_bf16_nearest(v[2 * k + 1]);
+                w[k] = exact_pack_halves(h0, h1);
+            }
         }
+        // sass: stores
         plan_st8_count(a + first / 2u, count, w);
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
         plan_st8_count(a + first / 2u, count, w);
     }
@@ -2338,18 +2520,20 @@ struct PlanBf16 {
 // Split f32: bf16 halves and remainders (formats/split_f32.cuh).
 struct PlanSplit {
     static constexpr uint32_t FMT = FMT_SPLIT_F32;
+    static constexpr uint32_t FAST_LIMIT = 0x7F7F7FFFu;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* hi;
     uint32_t* rem;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         hi = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
         rem = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
     }
     __device__ __forceinline__ static void decode(const uint32_t a[8], const uint32_t b[8],
                                                   float v[16]) {
+        // sass: decode
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             uint32_t shift = 16u * (j & 1);
@@ -2360,6 +2544,7 @@ struct PlanSplit {
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         uint32_t a[8];
         uint32_t b[8];
         plan_ld8(hi + first / 2u, a);
@@ -2367,6 +2552,7 @@ struct PlanSplit {
         decode(a, b, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         uint32_t a[8];
         uint32_t b[8];
         plan_ld8_part(hi + first / 2u, count, a);
@@ -2378,7 +2564,7 @@ struct PlanSplit {
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
         uint32_t a[8];
         uint32_t b[8];
 #pragma unroll
@@ -2401,6 +2587,7 @@ struct PlanSplit {
         plan_st8_count(rem + first / 2u, count, b);
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
         plan_st8_count(hi + first / 2u, count, w);
         plan_st8_count(rem + first / 2u, count, w);
@@ -2412,6 +2599,7 @@ struct PlanSplit {
 template <uint32_t AUX>
 struct PlanQuant {
     static constexpr uint32_t FMT = FMT_BLOCKWISE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = ((AUX >> 16u) & 1u) != 0u;
     static constexpr uint32_t QUANT = 1u;
@@ -2427,10 +2615,9 @@ struct PlanQuant {
     static_assert(GROUP >= 1u && GROUP <= 32u, "a block within one warp");
     uint32_t* codes;
     uint32_t* absmax;
-    const PlanMap* m;
+    uint32_t m;
     uint32_t len;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* map,
-                                       uint32_t map_len) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t map, uint32_t map_len) {
         codes = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
         absmax = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
         m = map;
@@ -2438,13 +2625,15 @@ struct PlanQuant {
     }
     __device__ __forceinline__ void decode(const uint32_t w[WORDS], float scale,
                                            float v[16]) const {
+        // sass: decode
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             uint32_t code = (w[j / PER_WORD] >> (BITS * (j % PER_WORD))) & ((1u << BITS) - 1u);
-            v[j] = m->values[code] * scale;
+            v[j] = plan_values(m)[code] * scale;
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         float scale = u2f(plan_ld1(absmax + (first >> LOG)));
         uint32_t w[WORDS];
         if (BITS == 8u) {
@@ -2461,6 +2650,7 @@ struct PlanQuant {
         decode(w, scale, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         float scale = count > 0u ? u2f(plan_ld1(absmax + (first >> LOG))) : 0.0f;
         uint32_t w[WORDS];
 #pragma unroll
@@ -2473,26 +2663,50 @@ struct PlanQuant {
             v[j] = (uint32_t)j < count ? v[j] : 0.0f;
         }
     }
-    // Blockwise::quantize_block: the block's absmax (the largest |x| as bits, shuffled across
-    // its threads; a thread's elements past `count` are 0), then each code nearest to (or
-    // stochastically rounded from) x / absmax.
+    // The divisors whose quotients exact.cuh's exact_quotient gives as the IEEE division does
+    // wherever the code depends on them: nearest rounding needs quotients of magnitude 2^-30 and
+    // above (smaller ones share a code: plans.rs checks that no threshold lies within 2^-28 of
+    // 0), stochastic rounding 2^-60 and above (plans.rs: every quotient within 2^-58 of 0 rounds
+    // to one code whatever its draw). Other divisors divide in IEEE arithmetic.
+    static constexpr float DIV_LO = SR ? 0x1p-40f : 0x1p-70f;
+    static constexpr float DIV_HI = SR ? 0x1p40f : 0x1p120f;
+    // Blockwise::quantize_block: the block's absmax (the largest |x|: finite values, so the float
+    // maximum is the maximum of the bits; shuffled across its threads as bits; a thread's elements
+    // past `count` are 0), then each code nearest to (or stochastically rounded from) x / absmax.
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
-        uint32_t local = 0u;
+                                          const uint32_t r[16], bool exact) const {
+        // sass: absmax
+        float big = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) {
-            uint32_t a = f2u(v[j]) & 0x7FFFFFFFu;
-            local = a > local ? a : local;
+            big = fmaxf(fabsf(v[j]), big);
         }
+        uint32_t local = f2u(big);
 #pragma unroll
         for (uint32_t off = 1u; off < GROUP; off *= 2u) {
             uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, local, off);
             local = o > local ? o : local;
         }
+        // sass: quotient
         float scale = u2f(local);
-        // x / 1 for an all-zero block, whose quotients are then replaced by 0 (no branch; the
-        // same codes).
+        // x / 1 for an all-zero block: every quotient is a zero, whose code is 0's (the
+        // reference's quotients there are 0).
         float den = scale != 0.0f ? scale : 1.0f;
+        float y[16];
+        if (den >= DIV_LO && den <= DIV_HI) {
+            float rb = 1.0f / den;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = exact_quotient(v[j], den, rb);
+            }
+        } else {
+            PLAN_COLD();
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = v[j] / den;
+            }
+        }
+        // sass: pack
         uint32_t w[WORDS];
 #pragma unroll
         for (uint32_t k = 0u; k < WORDS; k++) {
@@ -2500,11 +2714,23 @@ struct PlanQuant {
         }
 #pragma unroll
         for (int j = 0; j < 16; j++) {
-            float y = v[j] / den;
-            y = scale != 0.0f ? y : 0.0f;
-            uint32_t code = SR ? plan_stochastic(m, len, y, r[j]) : plan_nearest(m, y);
-            w[j / PER_WORD] |= code << (BITS * (j % PER_WORD));
+            // Disjoint bits: the sum is the packing (shift-and-adds).
+            uint32_t at = BITS * (j % PER_WORD);
+            if (SR) {
+                w[j / PER_WORD] += plan_stochastic(m, len, y[j], r[j]) << at;
+            } else {
+                // plan_nearest, its comparison added in place.
+                // sass: search
+                uint32_t c = plan_sm[0x1000u * m + exact_bucket(y[j])];
+                // sass: pack
+                w[j / PER_WORD] += c << at;
+                // sass: search
+                if (plan_thresholds(m)[c] <= y[j]) {
+                    w[j / PER_WORD] += 1u << at;
+                }
+            }
         }
+        // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
         if (count == 16u) {
             if (BITS == 8u) {
@@ -2534,8 +2760,9 @@ struct PlanQuant {
     }
     // A zero absmax; 8-bit codes also get the code of 0 (formats/blockwise.cuh).
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
-        uint32_t zero = plan_nearest(m, 0.0f);
+        uint32_t zero = *plan_zero(m);
         uint32_t z = zero | (zero << 8u) | (zero << 16u) | (zero << 24u);
         if (count == 16u) {
             if (BITS == 8u) {
@@ -2561,6 +2788,9 @@ struct PlanQuant {
     }
 };
 
+
+// ---- kernels/plan.cuh ----
+
 // The index of the last descriptor whose first tile is at or before `tile`.
 __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndesc,
                                                 uint32_t tile) {
@@ -2582,6 +2812,7 @@ __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndes
 template <class L>
 __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s,
                                           uint64_t counter, uint32_t r[16]) {
+    // sass: random
     if (L::SR) {
         thread_bits(t, lt, s, counter, r);
     } else {
@@ -2592,21 +2823,62 @@ __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s
     }
 }
 
+// Which shared code map each slot of a plan reads: slots quantized with the same map share one.
+struct PlanMaps {
+    // The map of slot s, as an index into the plan's shared maps.
+    uint32_t index[5];
+    // The shared maps: how many, and each one's map id.
+    uint32_t count;
+    uint32_t id[5];
+};
+
+__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5]) {
+    PlanMaps o{};
+    for (uint32_t s = 0u; s < 5u; s++) {
+        o.index[s] = 0u;
+        if (quant[s] == 0u) {
+            continue;
+        }
+        uint32_t k = 0u;
+        while (k < o.count && o.id[k] != map[s]) {
+            k++;
+        }
+        if (k == o.count) {
+            o.id[k] = map[s];
+            o.count++;
+        }
+        o.index[s] = k;
+    }
+    return o;
+}
+
+// Is x within `limit` (f32 bits) in magnitude? format/mod.rs `fits` (NaN is not), as one float
+// comparison.
+__device__ __forceinline__ bool plan_fits(float x, uint32_t limit) {
+    // sass: checks
+    return fabsf(x) <= u2f(limit);
+}
+
 // entries.cuh `lpmm_step` for the items of one plan: rule `R` (a generated adapter over
-// `rule_<name>_apply`), gradient input `IO`, lanes of the parameter, the accumulator and the
-// three states. Every item is whole (see the top of this file), the parameter moves
-// (F_UPDATE_PARAM), no state is given and nothing is a transform: the host sends other steps to
-// `lpmm_step`.
+// `rule_<name>_apply` and, where its file has them, `rule_<name>_prepare` and `_fast`), gradient
+// input `IO`, lanes of the parameter, the accumulator and the three states. Every item is whole
+// (see kernels/plan_lanes.cuh), the parameter moves (F_UPDATE_PARAM), no state is given and
+// nothing is a transform: the host sends other steps to `lpmm_step`.
+//
+// A thread first takes the fast path over its 16 elements: the rule's fast apply and the fast
+// checks, which let through only values every element's `fits` passes and the lanes' exact.cuh
+// rounding takes (FAST_LIMIT). If one element fails them, if the thread's run is cut by its
+// item's end, or if the rule's constants are outside its fast apply's range (`prepare` gives
+// 0), the thread redoes the step as `lpmm_step` does, from its elements as stored (nothing has
+// been written yet): the cold path, which keeps the old values of an element that does not fit
+// and reports it. Either way the values are the reference's; the stores follow.
 template <class R, uint32_t IO, class P, class G, class S1, class S2, class S3>
 __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, const uint32_t* maps,
                                           uint32_t* flags) {
-    constexpr uint32_t IP = 0u;
-    constexpr uint32_t IG = IP + P::QUANT;
-    constexpr uint32_t I1 = IG + G::QUANT;
-    constexpr uint32_t I2 = I1 + S1::QUANT;
-    constexpr uint32_t I3 = I2 + S2::QUANT;
-    constexpr uint32_t NQ = I3 + S3::QUANT;
-    __shared__ PlanMap smap[NQ > 0u ? NQ : 1u];
+    constexpr uint32_t QUANT[5] = {P::QUANT, G::QUANT, S1::QUANT, S2::QUANT, S3::QUANT};
+    constexpr uint32_t MAP[5] = {P::MAP, G::MAP, S1::MAP, S2::MAP, S3::MAP};
+    constexpr PlanMaps PM = plan_maps(QUANT, MAP);
+    static_assert(PM.count <= PLAN_MAPS, "at most PLAN_MAPS maps per plan");
     if (ndesc == 0u) {
         return;
     }
@@ -2619,20 +2891,14 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
     if (tile >= end) {
         return;
     }
-    if (P::QUANT) {
-        plan_load_map(&smap[IP], maps, P::MAP);
+#pragma unroll
+    for (uint32_t k = 0u; k < PM.count; k++) {
+        plan_load_map(k, maps, PM.id[k]);
     }
-    if (G::QUANT) {
-        plan_load_map(&smap[IG], maps, G::MAP);
-    }
-    if (S1::QUANT) {
-        plan_load_map(&smap[I1], maps, S1::MAP);
-    }
-    if (S2::QUANT) {
-        plan_load_map(&smap[I2], maps, S2::MAP);
-    }
-    if (S3::QUANT) {
-        plan_load_map(&smap[I3], maps, S3::MAP);
+    __syncthreads();
+#pragma unroll
+    for (uint32_t k = 0u; k < PM.count; k++) {
+        plan_build_map(k);
     }
     __syncthreads();
     const uint32_t len_p = maps[MAP_LENS + P::MAP];
@@ -2655,7 +2921,6 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         uint32_t first = t.start + PER * lt;
         // A thread's elements: 16, or fewer at its item's end (0 past it).
         uint32_t count = first < len ? (len - first < PER ? len - first : PER) : 0u;
-        bool full = count == PER;
         // The descriptor's fields, read once (the stores below may alias nothing of it, but the
         // compiler cannot know).
         const typename R::C c = *reinterpret_cast<const typename R::C*>(d->consts);
@@ -2664,23 +2929,26 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         const uint64_t counter = d->step;
         const uint32_t flag_index = d->flag_index;
         const uint32_t* io = reinterpret_cast<const uint32_t*>(d->io);
+        const float aux = R::prepare(c);
         P p_lane;
         G g_lane;
         S1 s1_lane;
         S2 s2_lane;
         S3 s3_lane;
-        p_lane.at(d, S_PARAM, &smap[IP], len_p);
-        g_lane.at(d, S_GRAD, &smap[IG], 0u);
-        s1_lane.at(d, S_STATE1, &smap[I1], len_1);
-        s2_lane.at(d, S_STATE2, &smap[I2], len_2);
-        s3_lane.at(d, S_STATE3, &smap[I3], len_3);
+        p_lane.at(d, S_PARAM, PM.index[0], len_p);
+        g_lane.at(d, S_GRAD, PM.index[1], 0u);
+        s1_lane.at(d, S_STATE1, PM.index[2], len_1);
+        s2_lane.at(d, S_STATE2, PM.index[3], len_2);
+        s3_lane.at(d, S_STATE3, PM.index[4], len_3);
         float g[16];
         float x[16];
         float p[16];
         float m[16];
         float v[16];
         float w[16];
-        if (full) {
+        bool exact = count != PER || aux == 0.0f;
+        if (!exact) {
+            // sass: loads
             g_lane.load(first, g);
             if (IO == PLAN_IO_F32) {
 #pragma unroll
@@ -2694,13 +2962,37 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             } else if (IO == PLAN_IO_BF16) {
                 uint32_t y[8];
                 plan_ld8(io + first / 2u, y);
+                // sass: decode
                 PlanBf16<0u>::decode(y, x);
             }
+            // sass: loads
             p_lane.load(first, p);
             s1_lane.load(first, m);
             s2_lane.load(first, v);
             s3_lane.load(first, w);
-        } else {
+            bool bad = false;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                // sass: rule
+                // entries.cuh `gradient`: the accumulator (0 without one) plus the input.
+                float gi = (IO != PLAN_IO_NONE ? g[j] + x[j] : g[j]) * clip;
+                Update u = R::fast(c, aux, fl, p[j], gi, m[j], v[j], w[j]);
+                // sass: checks
+                // One comparison each, accumulated without a branch.
+                bad |= !plan_fits(gi, LIMIT_F32);
+                bad |= !plan_fits(u.p, P::FAST_LIMIT);
+                bad |= !plan_fits(u.d, LIMIT_F32);
+                bad |= !plan_fits(u.m, S1::FAST_LIMIT);
+                bad |= !plan_fits(u.v, S2::FAST_LIMIT);
+                bad |= !plan_fits(u.w, S3::FAST_LIMIT);
+                p[j] = u.p;
+                m[j] = u.m;
+                v[j] = u.v;
+                w[j] = u.w;
+            }
+            exact = bad;
+        }
+        if (exact) {
             PLAN_COLD();
             g_lane.load_part(first, count, g);
             if (IO == PLAN_IO_F32) {
@@ -2719,45 +3011,38 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             s1_lane.load_part(first, count, m);
             s2_lane.load_part(first, count, v);
             s3_lane.load_part(first, count, w);
-        }
-        if (IO != PLAN_IO_NONE) {
-            // entries.cuh `gradient`: the accumulator (0 without one) plus the input.
+            const uint32_t lim_p = fmt_limit(P::FMT);
+            const uint32_t lim_1 = fmt_limit(S1::FMT);
+            const uint32_t lim_2 = fmt_limit(S2::FMT);
+            const uint32_t lim_3 = fmt_limit(S3::FMT);
+            bool bad = false;
 #pragma unroll
             for (int j = 0; j < 16; j++) {
-                g[j] = g[j] + x[j];
+                float gi = (IO != PLAN_IO_NONE ? g[j] + x[j] : g[j]) * clip;
+                Update u = R::apply(c, fl, p[j], gi, m[j], v[j], w[j]);
+                // entries.cuh `step_ok`. Past `count` (all zeros) nothing is reported: every
+                // value there is dropped.
+                bool ok = fits(gi, LIMIT_F32) && fits(u.p, lim_p) && fits(u.d, LIMIT_F32) &&
+                          fits(u.m, lim_1) && fits(u.v, lim_2) && fits(u.w, lim_3);
+                m[j] = ok ? u.m : m[j];
+                v[j] = ok ? u.v : v[j];
+                w[j] = ok ? u.w : w[j];
+                p[j] = ok ? u.p : p[j];
+                bad = bad || (!ok && (uint32_t)j < count);
             }
-        }
-        const uint32_t lim_p = fmt_limit(P::FMT);
-        const uint32_t lim_1 = fmt_limit(S1::FMT);
-        const uint32_t lim_2 = fmt_limit(S2::FMT);
-        const uint32_t lim_3 = fmt_limit(S3::FMT);
-        bool bad = false;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            float gi = g[j] * clip;
-            Update u = R::apply(c, fl, p[j], gi, m[j], v[j], w[j]);
-            // entries.cuh `step_ok`. Past `count` (all zeros) nothing is reported: every value
-            // there is dropped.
-            bool ok = fits(gi, LIMIT_F32) && fits(u.p, lim_p) && fits(u.d, LIMIT_F32) &&
-                      fits(u.m, lim_1) && fits(u.v, lim_2) && fits(u.w, lim_3);
-            m[j] = ok ? u.m : m[j];
-            v[j] = ok ? u.v : v[j];
-            w[j] = ok ? u.w : w[j];
-            p[j] = ok ? u.p : p[j];
-            bad = bad || (!ok && (uint32_t)j < count);
-        }
-        if (bad) {
-            atomicOr(&flags[flag_index], 1u);
+            if (bad) {
+                atomicOr(&flags[flag_index], 1u);
+            }
         }
         uint32_t r[16];
         plan_bits<S1>(t, lt, S_STATE1, counter, r);
-        s1_lane.store(first, count, m, r);
+        s1_lane.store(first, count, m, r, exact);
         plan_bits<S2>(t, lt, S_STATE2, counter, r);
-        s2_lane.store(first, count, v, r);
+        s2_lane.store(first, count, v, r, exact);
         plan_bits<S3>(t, lt, S_STATE3, counter, r);
-        s3_lane.store(first, count, w, r);
+        s3_lane.store(first, count, w, r, exact);
         plan_bits<P>(t, lt, S_PARAM, counter, r);
-        p_lane.store(first, count, p, r);
+        p_lane.store(first, count, p, r, exact);
         // Every thread of a block has read the accumulator's absmax before it is zeroed.
         __syncwarp();
         g_lane.clear(first, count);
@@ -2775,6 +3060,17 @@ struct Rule_lpmm_plan_adamw_f32_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_f32_acc_f32 {
@@ -2784,6 +3080,17 @@ struct Rule_lpmm_plan_adamw_f32_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2795,6 +3102,17 @@ struct Rule_lpmm_plan_adamw_f32_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_acc {
@@ -2804,6 +3122,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2815,6 +3144,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_acc_bf16 {
@@ -2824,6 +3164,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2835,6 +3186,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_acc_f32 {
@@ -2844,6 +3206,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2855,6 +3228,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc {
@@ -2864,6 +3248,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2875,6 +3270,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16 {
@@ -2884,6 +3290,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2895,6 +3312,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_acc_f32 {
@@ -2904,6 +3332,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2915,6 +3354,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_acc {
@@ -2924,6 +3374,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2935,6 +3396,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16 {
@@ -2944,6 +3416,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2955,6 +3438,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16 {
@@ -2964,6 +3458,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2975,6 +3480,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc {
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lpmm_sgdm_acc_f32 {
@@ -2984,6 +3496,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc_f32 {
         C k = c;
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2995,6 +3514,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc_bf16 {
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lion_8bit_acc {
@@ -3003,6 +3529,13 @@ struct Rule_lpmm_plan_lion_8bit_acc {
                                                    float m0, float v0, float w0) {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3013,6 +3546,13 @@ struct Rule_lpmm_plan_lion_8bit_acc_f32 {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lion_8bit_acc_bf16 {
@@ -3021,6 +3561,13 @@ struct Rule_lpmm_plan_lion_8bit_acc_bf16 {
                                                    float m0, float v0, float w0) {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 

@@ -1,0 +1,696 @@
+// The specialized fused steps (crates/lpmm-backend/src/plans.rs): one kernel per hot plan, each a
+// `plan_step` with the rule, every slot's format (as a lane type below) and the gradient's input
+// fixed at compile time; `cargo xtask codegen` writes their entries after this file. They compute
+// what `lpmm_step` computes for the same items, with the same functions in the same order (the
+// rule's `rule_<name>_apply`, `fits`, bf16 and split rounding, the random draws): only the memory
+// access and the code search differ, and the search gives the same count of thresholds.
+//
+// What differs from `lpmm_step`:
+// - no format or rule dispatch: each slot's loads and stores are its lane's, inlined;
+// - a thread's 16 elements move in 16-byte accesses (8 bytes for 4-bit codes): the host hands a
+//   plan's kernel only items whose regions and io start at a multiple of 16 bytes, and whose
+//   length is a multiple of every quantized slot's block (abi::PER-element threads are whole or
+//   idle, blocks whole; lpmm-backend's Device steps the rest with `lpmm_step`);
+// - a block's absmax is a warp shuffle over the threads that own it (blocks up to 512 elements,
+//   32 threads), not a shared-memory tree with barriers;
+// - each quantized slot's code map (values, thresholds, key table; lpmm-formats
+//   `CodeMap::key_table`) is in shared memory, and the nearest code is two reads and one
+//   comparison;
+// - a block walks a contiguous range of tiles (the grid is sized to the device), so the maps are
+//   loaded once per block, and reads its descriptor's fields once per tile.
+// Only what a plan has is loaded or stored; nothing is indexed by a run-time value but memory.
+
+#define PLAN_IO_NONE 0u
+#define PLAN_IO_F32 1u
+#define PLAN_IO_BF16 2u
+
+// A region's words, as global memory: descriptors carry addresses as integers, so the compiler
+// cannot tell global memory from shared, and plain accesses would be generic (LD/ST) ones. The
+// host build (emulate.cpp) has no PTX: plain accesses.
+#ifdef LPMM_HOST
+__device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
+    return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
+    return *reinterpret_cast<const uint2*>(p);
+}
+
+__device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) { return *p; }
+
+__device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
+                                         uint32_t d) {
+    // sass: stores
+    uint4 v;
+    v.x = a;
+    v.y = b;
+    v.z = c;
+    v.w = d;
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
+    uint2 v;
+    v.x = a;
+    v.y = b;
+    *reinterpret_cast<uint2*>(p) = v;
+}
+
+__device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) { *p = a; }
+#else
+// Loads are ordered after every earlier store by the stores' memory clobber; a thread loads
+// nothing another thread of the launch stores but an accumulator's absmax, which is cleared
+// after a `__syncwarp` (plan_step).
+__device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
+    uint2 v;
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) {
+    // sass: loads
+    uint32_t v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
+                                         uint32_t d) {
+    // sass: stores
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c),
+                 "r"(d)
+                 : "memory");
+}
+
+__device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+}
+
+__device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) {
+    // sass: stores
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(a) : "memory");
+}
+#endif
+
+// The 16-bit value of element `i` of a region of halves.
+__device__ __forceinline__ uint32_t plan_ld_half(const uint32_t* p, uint32_t i) {
+    // sass: loads
+    return (plan_ld1(p + i / 2u) >> (16u * (i & 1u))) & 0xFFFFu;
+}
+
+// Eight words of a region (a thread's 16 bf16 or 16-bit halves).
+__device__ __forceinline__ void plan_ld8(const uint32_t* p, uint32_t w[8]) {
+    // sass: loads
+    uint4 a = plan_ld4(p);
+    uint4 b = plan_ld4(p + 4u);
+    w[0] = a.x;
+    w[1] = a.y;
+    w[2] = a.z;
+    w[3] = a.w;
+    w[4] = b.x;
+    w[5] = b.y;
+    w[6] = b.z;
+    w[7] = b.w;
+}
+
+__device__ __forceinline__ void plan_st8(uint32_t* p, const uint32_t w[8]) {
+    // sass: stores
+    plan_st4(p, w[0], w[1], w[2], w[3]);
+    plan_st4(p + 4u, w[4], w[5], w[6], w[7]);
+}
+
+// The code maps of a plan (plan.cuh `plan_maps`: at most PLAN_MAPS), in one shared byte array
+// for every plan's kernel, so that addresses are constants: map k's bucket table (exact.cuh
+// `exact_bucket`: the number of thresholds at or below each bucket's lowest value) at k 0x1000
+// for the buckets of a sign bit 0 and 0x8000 above it for the others; between them, at 0x3000 +
+// k 0x800, its values (the last repeated to 256: CodeMap::value) and its thresholds (NaN past
+// the last: no comparison counts there), and at 0x4800 + 4 k the code of 0 (an accumulator's
+// clear).
+#define PLAN_MAPS 3u
+alignas(16) __shared__ unsigned char plan_sm[0x8000u + 0x1000u * PLAN_MAPS];
+
+__device__ __forceinline__ float* plan_values(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3000u + 0x800u * k);
+}
+
+__device__ __forceinline__ float* plan_thresholds(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3400u + 0x800u * k);
+}
+
+__device__ __forceinline__ uint32_t* plan_zero(uint32_t k) {
+    return reinterpret_cast<uint32_t*>(plan_sm + 0x4800u + 4u * k);
+}
+
+// Copies map `map` of the table (abi.rs `map_table`) into shared map k. Called by every thread;
+// the bucket table needs the thresholds (plan_build_map, after a barrier).
+__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map) {
+    uint32_t len = maps[MAP_LENS + map];
+    const uint32_t* base = maps + MAP_STRIDE * map;
+    for (uint32_t i = threadIdx.x; i < 256u; i += THREADS) {
+        plan_values(k)[i] = u2f(base[i < len ? i : len - 1u]);
+        plan_thresholds(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+    }
+}
+
+// The bucket table of shared map k (after plan_load_map and a barrier). Called by every thread.
+__device__ __forceinline__ void plan_build_map(uint32_t k) {
+    for (uint32_t i = threadIdx.x; i < 0x2000u; i += THREADS) {
+        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
+        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(plan_thresholds(k), exact_bucket_low(b));
+    }
+    if (threadIdx.x == 0u) {
+        *plan_zero(k) = exact_count(plan_thresholds(k), 0.0f);
+    }
+}
+
+// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with shared map k: the number
+// of thresholds <= y, as the count at the bottom of y's bucket plus one comparison.
+__device__ __forceinline__ uint32_t plan_nearest(uint32_t k, float y) {
+    // sass: search
+    uint32_t c = plan_sm[0x1000u * k + exact_bucket(y)];
+    if (plan_thresholds(k)[c] <= y) {
+        c++;
+    }
+    return c;
+}
+
+// CodeMap::stochastic for |y| <= 1 (maps.cuh `map_stochastic`), with selects for its early
+// returns: the same code.
+__device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, float y,
+                                                    uint32_t r) {
+    // sass: search
+    const float* values = plan_values(k);
+    uint32_t c = plan_nearest(k, y);
+    uint32_t below = values[c] > y ? 1u : 0u;
+    bool under = below > c;
+    uint32_t lo = under ? 0u : c - below;
+    bool top = lo + 1u == len;
+    float lo_v = values[lo];
+    float hi_v = values[top ? lo : lo + 1u];
+    float frac = (y - lo_v) / (hi_v - lo_v);
+    float scaled = frac * 4294967296.0f;
+    // Rust's saturating `as u32`.
+    uint32_t cut = 0xFFFFFFFFu;
+    if (scaled < 4294967296.0f) {
+        cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
+    }
+    uint32_t code = lo + (r < cut ? 1u : 0u);
+    code = top ? lo : code;
+    return under ? 0u : code;
+}
+
+// The cold path of a thread whose run of 16 elements is cut by its item's end (or past it): its
+// accesses are scalar and cover only its `count` elements. It carries a marker instruction (a
+// performance-monitor event, which does nothing else) so that the SASS analysis of the static
+// gates (crates/lpmm-cuda/src/sass.rs) can tell it from the fast path.
+#ifdef LPMM_HOST
+#define PLAN_COLD()
+#else
+#define PLAN_COLD() asm volatile("pmevent 7;")
+#endif
+
+// The lanes: how a plan reaches one slot. `at` points the lane at a descriptor's slot; `load`
+// decodes a thread's 16 elements from element `first` (a multiple of 16) with 16-byte accesses,
+// `load_part` its first `count` (the rest 0) with scalar ones; `store` encodes them (with the
+// slot's random draws `r` if it rounds stochastically; every thread of the warp calls it) and
+// writes all 16 (`count` 16) or the first `count`; `clear` clears an accumulator's. Each mirrors
+// formats/<name>.cuh. `store` rounds as exact.cuh does where `exact` is false (the thread's
+// values passed the fast checks, plan_step: each is within the lane's FAST_LIMIT), and as its
+// format does otherwise. FAST_LIMIT is the largest magnitude (f32 bits) the fast checks let
+// through: the format's limit (format/mod.rs `fits`), or less where exact.cuh needs less.
+
+// No slot: zeros in (the rule never changes a state it does not have), nothing out.
+struct PlanAbsent {
+    static constexpr uint32_t FMT = FMT_NONE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
+    static constexpr bool PRESENT = false;
+    static constexpr bool SR = false;
+    static constexpr uint32_t QUANT = 0u;
+    static constexpr uint32_t MAP = 0u;
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {}
+    __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            v[j] = 0.0f;
+        }
+    }
+    __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
+        load(first, v);
+    }
+    __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
+                                          const uint32_t r[16], bool exact) const {}
+    __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {}
+};
+
+// f32 (formats/f32.cuh).
+struct PlanF32 {
+    static constexpr uint32_t FMT = FMT_F32;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
+    static constexpr bool PRESENT = true;
+    static constexpr bool SR = false;
+    static constexpr uint32_t QUANT = 0u;
+    static constexpr uint32_t MAP = 0u;
+    uint32_t* a;
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
+        a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
+    }
+    __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            uint4 w = plan_ld4(a + first + 4u * k);
+            v[4 * k] = u2f(w.x);
+            v[4 * k + 1] = u2f(w.y);
+            v[4 * k + 2] = u2f(w.z);
+            v[4 * k + 3] = u2f(w.w);
+        }
+    }
+    __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            v[j] = (uint32_t)j < count ? u2f(plan_ld1(a + first + j)) : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
+                                          const uint32_t r[16], bool exact) const {
+        // sass: stores
+        if (count == 16u) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                plan_st4(a + first + 4u * k, f2u(v[4 * k]), f2u(v[4 * k + 1]),
+                         f2u(v[4 * k + 2]), f2u(v[4 * k + 3]));
+            }
+        } else {
+            PLAN_COLD();
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                if ((uint32_t)j < count) {
+                    plan_st1(a + first + j, f2u(v[j]));
+                }
+            }
+        }
+    }
+    __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
+        if (count == 16u) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                plan_st4(a + first + 4u * k, 0u, 0u, 0u, 0u);
+            }
+        } else {
+            PLAN_COLD();
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                if ((uint32_t)j < count) {
+                    plan_st1(a + first + j, 0u);
+                }
+            }
+        }
+    }
+};
+
+// Words `k < (count + 1) / 2` of a region of 16-bit halves at `p` (the rest 0).
+__device__ __forceinline__ void plan_ld8_part(const uint32_t* p, uint32_t count, uint32_t w[8]) {
+    // sass: loads
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        w[k] = (uint32_t)(2 * k) < count ? plan_ld1(p + k) : 0u;
+    }
+}
+
+// Writes the 16-bit pairs of `w` (all 8 words when `count` is 16; else the words of the first
+// `count` halves, a last odd half with 0 above it, as formats/bf16.cuh writes them).
+__device__ __forceinline__ void plan_st8_count(uint32_t* p, uint32_t count, const uint32_t w[8]) {
+    // sass: stores
+    if (count == 16u) {
+        plan_st8(p, w);
+    } else {
+        PLAN_COLD();
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if ((uint32_t)(2 * k) < count) {
+                plan_st1(p + k, (uint32_t)(2 * k + 1) < count ? w[k] : w[k] & 0xFFFFu);
+            }
+        }
+    }
+}
+
+// bf16, nearest or stochastic (formats/bf16.cuh).
+template <uint32_t AUX>
+struct PlanBf16 {
+    static constexpr uint32_t FMT = FMT_BF16;
+    static constexpr bool PRESENT = true;
+    static constexpr bool SR = (AUX & 1u) != 0u;
+    // exact.cuh: bf16 rounding without its non-finite and overflow cases.
+    static constexpr uint32_t FAST_LIMIT = SR ? 0x7F7EFFFFu : 0x7F7F7FFFu;
+    static constexpr uint32_t QUANT = 0u;
+    static constexpr uint32_t MAP = 0u;
+    uint32_t* a;
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
+        a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
+    }
+    __device__ __forceinline__ static void decode(const uint32_t w[8], float v[16]) {
+        // sass: decode
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            v[2 * k] = bf16_value(w[k] & 0xFFFFu);
+            v[2 * k + 1] = bf16_value(w[k] >> 16u);
+        }
+    }
+    __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
+        uint32_t w[8];
+        plan_ld8(a + first / 2u, w);
+        decode(w, v);
+    }
+    __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
+        uint32_t w[8];
+        plan_ld8_part(a + first / 2u, count, w);
+        decode(w, v);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            v[j] = (uint32_t)j < count ? v[j] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
+                                          const uint32_t r[16], bool exact) const {
+        // sass: round
+        uint32_t w[8];
+        if (exact) {
+            PLAN_COLD();
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? bf16_stochastic(v[2 * k], r[2 * k]) : bf16_nearest(v[2 * k]);
+                uint32_t h1 =
+                    SR ? bf16_stochastic(v[2 * k + 1], r[2 * k + 1]) : bf16_nearest(v[2 * k + 1]);
+                w[k] = h0 | (h1 << 16u);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? exact_bf16_stochastic(v[2 * k], r[2 * k])
+                                 : exact_bf16_nearest(v[2 * k]);
+                uint32_t h1 = SR ? exact_bf16_stochastic(v[2 * k + 1], r[2 * k + 1])
+                                 : exact_bf16_nearest(v[2 * k + 1]);
+                w[k] = exact_pack_halves(h0, h1);
+            }
+        }
+        // sass: stores
+        plan_st8_count(a + first / 2u, count, w);
+    }
+    __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
+        uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+        plan_st8_count(a + first / 2u, count, w);
+    }
+};
+
+// Split f32: bf16 halves and remainders (formats/split_f32.cuh).
+struct PlanSplit {
+    static constexpr uint32_t FMT = FMT_SPLIT_F32;
+    static constexpr uint32_t FAST_LIMIT = 0x7F7F7FFFu;
+    static constexpr bool PRESENT = true;
+    static constexpr bool SR = false;
+    static constexpr uint32_t QUANT = 0u;
+    static constexpr uint32_t MAP = 0u;
+    uint32_t* hi;
+    uint32_t* rem;
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
+        hi = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
+        rem = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
+    }
+    __device__ __forceinline__ static void decode(const uint32_t a[8], const uint32_t b[8],
+                                                  float v[16]) {
+        // sass: decode
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            uint32_t shift = 16u * (j & 1);
+            uint32_t h = (a[j / 2] >> shift) & 0xFFFFu;
+            uint32_t m = (b[j / 2] >> shift) & 0xFFFFu;
+            h = (h - (m >= 0x8000u ? 1u : 0u)) & 0xFFFFu;
+            v[j] = u2f((h << 16u) | m);
+        }
+    }
+    __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
+        uint32_t a[8];
+        uint32_t b[8];
+        plan_ld8(hi + first / 2u, a);
+        plan_ld8(rem + first / 2u, b);
+        decode(a, b, v);
+    }
+    __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
+        uint32_t a[8];
+        uint32_t b[8];
+        plan_ld8_part(hi + first / 2u, count, a);
+        plan_ld8_part(rem + first / 2u, count, b);
+        decode(a, b, v);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            v[j] = (uint32_t)j < count ? v[j] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
+                                          const uint32_t r[16], bool exact) const {
+        uint32_t a[8];
+        uint32_t b[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            uint32_t h[2];
+            uint32_t m[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                uint32_t bits = f2u(v[2 * k + i]);
+                if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+                    bits = (bits & 0x80000000u) | 0x7FC00000u;
+                }
+                m[i] = bits & 0xFFFFu;
+                h[i] = ((bits >> 16u) + (m[i] >= 0x8000u ? 1u : 0u)) & 0xFFFFu;
+            }
+            a[k] = h[0] | (h[1] << 16u);
+            b[k] = m[0] | (m[1] << 16u);
+        }
+        plan_st8_count(hi + first / 2u, count, a);
+        plan_st8_count(rem + first / 2u, count, b);
+    }
+    __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
+        uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+        plan_st8_count(hi + first / 2u, count, w);
+        plan_st8_count(rem + first / 2u, count, w);
+    }
+};
+
+// Block-wise codes of 8 or 4 bits and one absmax per block (formats/blockwise.cuh), blocks of at
+// most 512 elements: a block's threads are consecutive lanes of one warp.
+template <uint32_t AUX>
+struct PlanQuant {
+    static constexpr uint32_t FMT = FMT_BLOCKWISE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
+    static constexpr bool PRESENT = true;
+    static constexpr bool SR = ((AUX >> 16u) & 1u) != 0u;
+    static constexpr uint32_t QUANT = 1u;
+    static constexpr uint32_t MAP = AUX & 0xFFu;
+    static constexpr uint32_t LOG = (AUX >> 8u) & 0xFFu;
+    static constexpr uint32_t BITS = AUX >> 24u;
+    // Code words of a thread's 16 elements, and codes per word.
+    static constexpr uint32_t WORDS = 16u * BITS / 32u;
+    static constexpr uint32_t PER_WORD = 32u / BITS;
+    // Threads per block.
+    static constexpr uint32_t GROUP = (1u << LOG) / PER;
+    static_assert(BITS == 8u || BITS == 4u, "8- or 4-bit codes");
+    static_assert(GROUP >= 1u && GROUP <= 32u, "a block within one warp");
+    uint32_t* codes;
+    uint32_t* absmax;
+    uint32_t m;
+    uint32_t len;
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t map, uint32_t map_len) {
+        codes = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
+        absmax = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
+        m = map;
+        len = map_len;
+    }
+    __device__ __forceinline__ void decode(const uint32_t w[WORDS], float scale,
+                                           float v[16]) const {
+        // sass: decode
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            uint32_t code = (w[j / PER_WORD] >> (BITS * (j % PER_WORD))) & ((1u << BITS) - 1u);
+            v[j] = plan_values(m)[code] * scale;
+        }
+    }
+    __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
+        float scale = u2f(plan_ld1(absmax + (first >> LOG)));
+        uint32_t w[WORDS];
+        if (BITS == 8u) {
+            uint4 x = plan_ld4(codes + first / 4u);
+            w[0] = x.x;
+            w[1] = x.y;
+            w[2] = x.z;
+            w[3] = x.w;
+        } else {
+            uint2 x = plan_ld2(codes + first / 8u);
+            w[0] = x.x;
+            w[1] = x.y;
+        }
+        decode(w, scale, v);
+    }
+    __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
+        float scale = count > 0u ? u2f(plan_ld1(absmax + (first >> LOG))) : 0.0f;
+        uint32_t w[WORDS];
+#pragma unroll
+        for (uint32_t k = 0u; k < WORDS; k++) {
+            w[k] = k * PER_WORD < count ? plan_ld1(codes + first / PER_WORD + k) : 0u;
+        }
+        decode(w, scale, v);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            v[j] = (uint32_t)j < count ? v[j] : 0.0f;
+        }
+    }
+    // The divisors whose quotients exact.cuh's exact_quotient gives as the IEEE division does
+    // wherever the code depends on them: nearest rounding needs quotients of magnitude 2^-30 and
+    // above (smaller ones share a code: plans.rs checks that no threshold lies within 2^-28 of
+    // 0), stochastic rounding 2^-60 and above (plans.rs: every quotient within 2^-58 of 0 rounds
+    // to one code whatever its draw). Other divisors divide in IEEE arithmetic.
+    static constexpr float DIV_LO = SR ? 0x1p-40f : 0x1p-70f;
+    static constexpr float DIV_HI = SR ? 0x1p40f : 0x1p120f;
+    // Blockwise::quantize_block: the block's absmax (the largest |x|: finite values, so the float
+    // maximum is the maximum of the bits; shuffled across its threads as bits; a thread's elements
+    // past `count` are 0), then each code nearest to (or stochastically rounded from) x / absmax.
+    __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
+                                          const uint32_t r[16], bool exact) const {
+        // sass: absmax
+        float big = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            big = fmaxf(fabsf(v[j]), big);
+        }
+        uint32_t local = f2u(big);
+#pragma unroll
+        for (uint32_t off = 1u; off < GROUP; off *= 2u) {
+            uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, local, off);
+            local = o > local ? o : local;
+        }
+        // sass: quotient
+        float scale = u2f(local);
+        // x / 1 for an all-zero block: every quotient is a zero, whose code is 0's (the
+        // reference's quotients there are 0).
+        float den = scale != 0.0f ? scale : 1.0f;
+        float y[16];
+        if (den >= DIV_LO && den <= DIV_HI) {
+            float rb = 1.0f / den;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = exact_quotient(v[j], den, rb);
+            }
+        } else {
+            PLAN_COLD();
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = v[j] / den;
+            }
+        }
+        // sass: pack
+        uint32_t w[WORDS];
+#pragma unroll
+        for (uint32_t k = 0u; k < WORDS; k++) {
+            w[k] = 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            // Disjoint bits: the sum is the packing (shift-and-adds).
+            uint32_t at = BITS * (j % PER_WORD);
+            if (SR) {
+                w[j / PER_WORD] += plan_stochastic(m, len, y[j], r[j]) << at;
+            } else {
+                // plan_nearest, its comparison added in place.
+                // sass: search
+                uint32_t c = plan_sm[0x1000u * m + exact_bucket(y[j])];
+                // sass: pack
+                w[j / PER_WORD] += c << at;
+                // sass: search
+                if (plan_thresholds(m)[c] <= y[j]) {
+                    w[j / PER_WORD] += 1u << at;
+                }
+            }
+        }
+        // sass: stores
+        bool lead = (first & ((1u << LOG) - 1u)) == 0u;
+        if (count == 16u) {
+            if (BITS == 8u) {
+                plan_st4(codes + first / 4u, w[0], w[1], w[2], w[3]);
+            } else {
+                plan_st2(codes + first / 8u, w[0], w[1]);
+            }
+            if (lead) {
+                plan_st1(absmax + (first >> LOG), local);
+            }
+        } else if (count > 0u) {
+            PLAN_COLD();
+            // The words holding the first `count` codes, with 0 past them (as
+            // formats/blockwise.cuh packs them).
+#pragma unroll
+            for (uint32_t k = 0u; k < WORDS; k++) {
+                if (k * PER_WORD < count) {
+                    uint32_t n = count - k * PER_WORD;
+                    uint32_t keep = n >= PER_WORD ? 0xFFFFFFFFu : (1u << (BITS * n)) - 1u;
+                    plan_st1(codes + first / PER_WORD + k, w[k] & keep);
+                }
+            }
+            if (lead) {
+                plan_st1(absmax + (first >> LOG), local);
+            }
+        }
+    }
+    // A zero absmax; 8-bit codes also get the code of 0 (formats/blockwise.cuh).
+    __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
+        bool lead = (first & ((1u << LOG) - 1u)) == 0u;
+        uint32_t zero = *plan_zero(m);
+        uint32_t z = zero | (zero << 8u) | (zero << 16u) | (zero << 24u);
+        if (count == 16u) {
+            if (BITS == 8u) {
+                plan_st4(codes + first / 4u, z, z, z, z);
+            }
+            if (lead) {
+                plan_st1(absmax + (first >> LOG), 0u);
+            }
+        } else if (count > 0u) {
+            PLAN_COLD();
+            if (BITS == 8u) {
+#pragma unroll
+                for (uint32_t k = 0u; k < 4u; k++) {
+                    if (4u * k < count) {
+                        plan_st1(codes + first / 4u + k, z);
+                    }
+                }
+            }
+            if (lead) {
+                plan_st1(absmax + (first >> LOG), 0u);
+            }
+        }
+    }
+};
+
