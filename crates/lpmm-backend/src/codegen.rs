@@ -451,7 +451,11 @@ fn cuda_lane(format: Option<lpmm_optim::backend::Format>) -> String {
             "f32" => "PlanF32".into(),
             "bf16" => format!("PlanBf16<{}u>", f.kernel_aux()),
             "split_f32" => "PlanSplit".into(),
-            "blockwise" => format!("PlanQuant<{:#010x}u>", f.kernel_aux()),
+            "blockwise" => format!(
+                "PlanQuant<{:#010x}u, {}u>",
+                f.kernel_aux(),
+                crate::plans::buckets(f).expect("plans.rs gives a plan only searchable maps")
+            ),
             other => unreachable!("plans.rs gives no plan a {other} slot"),
         },
     }

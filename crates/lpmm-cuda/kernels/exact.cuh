@@ -58,6 +58,15 @@ __device__ __forceinline__ uint32_t exact_bucket(float y) {
     return ((f2u(a) | (f2u(y) & 0x80000000u)) >> 16u) - 0x3000u;
 }
 
+// The bucket of y (|y| <= 1) on a uniform grid of 256 buckets of width 2^-7: RN(128 y + 128)
+// (0 ..= 256), read from the bits of y 128 + (128 + 1.5 2^23), whose rounding to an integer is
+// the fma's. Monotone in y, so each bucket is an interval of values; for the maps whose keys are
+// at least a bucket apart (plans.rs: the linear maps).
+__device__ __forceinline__ uint32_t exact_linear_bucket(float y) {
+    // sass: search
+    return f2u(__fmaf_rn(y, 128.0f, 12583040.0f)) & 0x1FFu;
+}
+
 // The lowest value of bucket k (0 ..= 0xFFF or 0x8000 ..= 0x8FFF; past magnitude 1, its sign's
 // 1): the inverse of exact_bucket at the bucket's low end.
 __device__ __forceinline__ float exact_bucket_low(uint32_t k) {

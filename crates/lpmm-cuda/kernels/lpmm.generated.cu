@@ -733,6 +733,15 @@ __device__ __forceinline__ uint32_t exact_bucket(float y) {
     return ((f2u(a) | (f2u(y) & 0x80000000u)) >> 16u) - 0x3000u;
 }
 
+// The bucket of y (|y| <= 1) on a uniform grid of 256 buckets of width 2^-7: RN(128 y + 128)
+// (0 ..= 256), read from the bits of y 128 + (128 + 1.5 2^23), whose rounding to an integer is
+// the fma's. Monotone in y, so each bucket is an interval of values; for the maps whose keys are
+// at least a bucket apart (plans.rs: the linear maps).
+__device__ __forceinline__ uint32_t exact_linear_bucket(float y) {
+    // sass: search
+    return f2u(__fmaf_rn(y, 128.0f, 12583040.0f)) & 0x1FFu;
+}
+
 // The lowest value of bucket k (0 ..= 0xFFF or 0x8000 ..= 0x8FFF; past magnitude 1, its sign's
 // 1): the inverse of exact_bucket at the bucket's low end.
 __device__ __forceinline__ float exact_bucket_low(uint32_t k) {
@@ -2228,12 +2237,14 @@ __device__ __forceinline__ void plan_st8(uint32_t* p, const uint32_t w[8]) {
 }
 
 // The code maps of a plan (plan.cuh `plan_maps`: at most PLAN_MAPS), in one shared byte array
-// for every plan's kernel, so that addresses are constants: map k's bucket table (exact.cuh
-// `exact_bucket`: the number of thresholds at or below each bucket's lowest value) at k 0x1000
-// for the buckets of a sign bit 0 and 0x8000 above it for the others; between them, at 0x3000 +
-// k 0x800, its values (the last repeated to 256: CodeMap::value) and its thresholds (NaN past
-// the last: no comparison counts there), and at 0x4800 + 4 k the code of 0 (an accumulator's
-// clear).
+// for every plan's kernel, so that addresses are constants. Map k's keys are the sorted table its
+// stores search: its thresholds for nearest rounding (NaN past the last: no comparison counts
+// there), its values for stochastic rounding (NaN past the last). Its bucket table (exact.cuh
+// `exact_bucket`: the number of keys at or below each bucket's lowest value) lies at k 0x1000 for
+// the buckets of a sign bit 0, and 0x8000 above that for the others; in the space between, at
+// 0x3000 + k 0x800, its values (the last repeated to 256: CodeMap::value) and keys, at 0x4800 +
+// 4 k the code of 0 (an accumulator's clear), and at 0x4810 + k 0x1010 (stochastic rounding) the
+// step of each interval between values (plan_stochastic).
 #define PLAN_MAPS 3u
 alignas(16) __shared__ unsigned char plan_sm[0x8000u + 0x1000u * PLAN_MAPS];
 
@@ -2241,70 +2252,164 @@ __device__ __forceinline__ float* plan_values(uint32_t k) {
     return reinterpret_cast<float*>(plan_sm + 0x3000u + 0x800u * k);
 }
 
-__device__ __forceinline__ float* plan_thresholds(uint32_t k) {
+__device__ __forceinline__ float* plan_keys(uint32_t k) {
     return reinterpret_cast<float*>(plan_sm + 0x3400u + 0x800u * k);
 }
 
+// The code of 0 in every byte (8-bit codes: an accumulator's clear).
 __device__ __forceinline__ uint32_t* plan_zero(uint32_t k) {
     return reinterpret_cast<uint32_t*>(plan_sm + 0x4800u + 4u * k);
 }
 
-// Copies map `map` of the table (abi.rs `map_table`) into shared map k. Called by every thread;
-// the bucket table needs the thresholds (plan_build_map, after a barrier).
-__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map) {
+// The bucket of y in map k's table: exact.cuh's linear buckets (LINEAR) or its logarithmic ones.
+template <bool LINEAR>
+__device__ __forceinline__ uint32_t plan_bucket(uint32_t k, float y) {
+    // sass: search
+    return 0x1000u * k + (LINEAR ? exact_linear_bucket(y) : exact_bucket(y));
+}
+
+// Interval i of map k, for a y with i values at or below it (0 ..= len): the lower value lo_v
+// (x), the step den = hi_v - lo_v (y) and rden = RN(1 / den) (z) of CodeMap::stochastic's
+// fraction (y - lo_v) / den, as exact.cuh's exact_quotient divides it. Below the first value (i =
+// 0) every fraction is at least 1 (lo_v -2, den and rden 1: the draw always rounds up, to code
+// 0); at or above the last (i = len) every fraction is 0 (rden 0: the last code).
+__device__ __forceinline__ uint4* plan_steps(uint32_t k) {
+    return reinterpret_cast<uint4*>(plan_sm + 0x4810u + 0x1010u * k);
+}
+
+// Copies map `map` of the table (abi.rs `map_table`) into shared map k, with its keys for
+// stochastic rounding (`sr`) or nearest rounding. Called by every thread; the bucket table needs
+// the keys (plan_build_map, after a barrier).
+__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map,
+                                              bool sr) {
     uint32_t len = maps[MAP_LENS + map];
     const uint32_t* base = maps + MAP_STRIDE * map;
     for (uint32_t i = threadIdx.x; i < 256u; i += THREADS) {
         plan_values(k)[i] = u2f(base[i < len ? i : len - 1u]);
-        plan_thresholds(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+        if (sr) {
+            plan_keys(k)[i] = i < len ? u2f(base[i]) : u2f(0x7FC00000u);
+        } else {
+            plan_keys(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+        }
     }
-}
-
-// The bucket table of shared map k (after plan_load_map and a barrier). Called by every thread.
-__device__ __forceinline__ void plan_build_map(uint32_t k) {
-    for (uint32_t i = threadIdx.x; i < 0x2000u; i += THREADS) {
-        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
-        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(plan_thresholds(k), exact_bucket_low(b));
+    for (uint32_t i = threadIdx.x; sr && i <= len; i += THREADS) {
+        uint4 e;
+        e.w = 0u;
+        if (i == 0u) {
+            e.x = f2u(-2.0f);
+            e.y = f2u(1.0f);
+            e.z = f2u(1.0f);
+        } else if (i == len) {
+            e.x = base[len - 1u];
+            e.y = f2u(1.0f);
+            e.z = 0u;
+        } else {
+            float lo = u2f(base[i - 1u]);
+            float den = u2f(base[i]) - lo;
+            e.x = f2u(lo);
+            e.y = f2u(den);
+            e.z = f2u(1.0f / den);
+        }
+        plan_steps(k)[i] = e;
     }
     if (threadIdx.x == 0u) {
-        *plan_zero(k) = exact_count(plan_thresholds(k), 0.0f);
+        // CodeMap::nearest(0): the thresholds at or below 0 (binary search).
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            uint32_t at = c + step - 1u;
+            c = at + 1u < len && u2f(base[256u + at]) <= 0.0f ? c + step : c;
+        }
+        *plan_zero(k) = c * 0x01010101u;
     }
 }
 
-// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with shared map k: the number
-// of thresholds <= y, as the count at the bottom of y's bucket plus one comparison.
-__device__ __forceinline__ uint32_t plan_nearest(uint32_t k, float y) {
-    // sass: search
-    uint32_t c = plan_sm[0x1000u * k + exact_bucket(y)];
-    if (plan_thresholds(k)[c] <= y) {
-        c++;
+// The bucket table of shared map k (after plan_load_map and a barrier): for logarithmic buckets
+// the keys at or below each bucket's lowest value, for linear ones the keys of the buckets below
+// (a binary search: the linear bucket is monotone in the key). Called by every thread.
+__device__ __forceinline__ void plan_build_map(uint32_t k, bool linear) {
+    const float* keys = plan_keys(k);
+    for (uint32_t i = threadIdx.x; linear && i <= 256u; i += THREADS) {
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            float key = keys[c + step - 1u];
+            c = key == key && exact_linear_bucket(key) < i ? c + step : c;
+        }
+        plan_sm[0x1000u * k + i] = (unsigned char)c;
     }
-    return c;
+    for (uint32_t i = threadIdx.x; !linear && i < 0x2000u; i += THREADS) {
+        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
+        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(keys, exact_bucket_low(b));
+    }
 }
 
-// CodeMap::stochastic for |y| <= 1 (maps.cuh `map_stochastic`), with selects for its early
-// returns: the same code.
-__device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, float y,
-                                                    uint32_t r) {
-    // sass: search
-    const float* values = plan_values(k);
-    uint32_t c = plan_nearest(k, y);
-    uint32_t below = values[c] > y ? 1u : 0u;
-    bool under = below > c;
-    uint32_t lo = under ? 0u : c - below;
-    bool top = lo + 1u == len;
-    float lo_v = values[lo];
-    float hi_v = values[top ? lo : lo + 1u];
-    float frac = (y - lo_v) / (hi_v - lo_v);
-    float scaled = frac * 4294967296.0f;
-    // Rust's saturating `as u32`.
-    uint32_t cut = 0xFFFFFFFFu;
-    if (scaled < 4294967296.0f) {
-        cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
+// Where a <= b: x += dx and y += dy; where a < b (unsigned): x += dx. One comparison and
+// predicated adds (the compiler's form of these selects a sum or adds a select).
+__device__ __forceinline__ void plan_add2_if_le(float a, float b, uint32_t& x, uint32_t dx,
+                                                uint32_t& y, uint32_t dy) {
+#ifdef LPMM_HOST
+    if (a <= b) {
+        x += dx;
+        y += dy;
     }
-    uint32_t code = lo + (r < cut ? 1u : 0u);
-    code = top ? lo : code;
-    return under ? 0u : code;
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.le.f32 p, %2, %3;\n\t@p add.u32 %0, %0, %4;\n\t"
+        "@p add.u32 %1, %1, %5;\n\t}"
+        : "+r"(x), "+r"(y)
+        : "f"(a), "f"(b), "r"(dx), "r"(dy));
+#endif
+}
+
+__device__ __forceinline__ void plan_add_if_lt(uint32_t a, uint32_t b, uint32_t& x, uint32_t dx) {
+#ifdef LPMM_HOST
+    if (a < b) {
+        x += dx;
+    }
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.lt.u32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}"
+        : "+r"(x)
+        : "r"(a), "r"(b), "r"(dx));
+#endif
+}
+
+// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with map k, added to `word` at
+// bit `at` (the packing: see PlanQuant::store): the number of thresholds at or below y, as the
+// count at the bottom of y's bucket plus one comparison (a bucket holds at most one threshold:
+// plans.rs checks it of every map a plan quantizes with).
+template <bool LINEAR>
+__device__ __forceinline__ void plan_nearest(uint32_t k, float y, uint32_t& word, uint32_t at) {
+    // sass: search
+    uint32_t c = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += c << at;
+    // sass: search
+    uint32_t unused = 0u;
+    plan_add2_if_le(plan_keys(k)[c], y, word, 1u << at, unused, 0u);
+}
+
+// CodeMap::stochastic for |y| <= 1 (a quotient by its block's absmax) with map k and the draw r,
+// added to `word` at bit `at` less 1 (the packing: see PlanQuant::store): i = the number of values
+// at or below y (the count at the bottom of y's bucket, plus one where the interval's next value
+// is at or below y: the next interval's entry), then the code below y (i - 1) plus one where r <
+// floor(frac 2^32) (saturating), frac = (y - lo_v) / (hi_v - lo_v) in f32 as exact_quotient
+// divides it (plan_steps: 0 where y is at or above the last value, at least 1 below the first).
+// CodeMap::stochastic's `lo` is i - 1: the nearest code less one where its value is above y.
+template <bool LINEAR>
+__device__ __forceinline__ void plan_stochastic(uint32_t k, float y, uint32_t r, uint32_t& word,
+                                                uint32_t at) {
+    // sass: search
+    uint32_t i = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += i << at;
+    // sass: search
+    plan_add2_if_le(plan_keys(k)[i], y, word, 1u << at, i, 1u);
+    uint4 e = plan_steps(k)[i];
+    float frac = exact_quotient(y - u2f(e.x), u2f(e.y), u2f(e.z));
+    // Rust's saturating `as u32` of frac 2^32 (frac >= +0: at most 1, but below the first value),
+    // as the comparison with the draw sees it: from 2^32 up the reference's cut is 2^32 - 1, here
+    // the largest f32 below 2^32 truncated (2^32 - 256); every draw (at most 0xFFFF0000) is below
+    // both.
+    uint32_t cut = (uint32_t)fminf(frac * 4294967296.0f, 4294967040.0f);
+    plan_add_if_lt(r, cut, word, 1u << at);
 }
 
 // The cold path of a thread whose run of 16 elements is cut by its item's end (or past it): its
@@ -2315,6 +2420,14 @@ __device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, fl
 #define PLAN_COLD()
 #else
 #define PLAN_COLD() asm volatile("pmevent 7;")
+#endif
+
+// The host emulation's test hook (kernels/emulate.cpp `lpmm_emulate_force_cold`): with it, every
+// thread takes every cold path it has, so that the tests hold those to the reference's bits too.
+#ifdef LPMM_HOST
+#define PLAN_FORCE_COLD lpmm_force_cold
+#else
+#define PLAN_FORCE_COLD false
 #endif
 
 // The lanes: how a plan reaches one slot. `at` points the lane at a descriptor's slot; `load`
@@ -2333,6 +2446,7 @@ struct PlanAbsent {
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = false;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {}
@@ -2358,6 +2472,7 @@ struct PlanF32 {
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
@@ -2452,6 +2567,7 @@ struct PlanBf16 {
     static constexpr uint32_t FMT = FMT_BF16;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = (AUX & 1u) != 0u;
+    static constexpr bool LINEAR = false;
     // exact.cuh: bf16 rounding without its non-finite and overflow cases.
     static constexpr uint32_t FAST_LIMIT = SR ? 0x7F7EFFFFu : 0x7F7F7FFFu;
     static constexpr uint32_t QUANT = 0u;
@@ -2523,6 +2639,7 @@ struct PlanSplit {
     static constexpr uint32_t FAST_LIMIT = 0x7F7F7FFFu;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* hi;
@@ -2595,9 +2712,11 @@ struct PlanSplit {
 };
 
 // Block-wise codes of 8 or 4 bits and one absmax per block (formats/blockwise.cuh), blocks of at
-// most 512 elements: a block's threads are consecutive lanes of one warp.
-template <uint32_t AUX>
+// most 512 elements: a block's threads are consecutive lanes of one warp. BUCKETS: the map's
+// bucket table, exact.cuh's logarithmic buckets (0) or its linear ones (1: plans.rs `buckets`).
+template <uint32_t AUX, uint32_t BUCKETS>
 struct PlanQuant {
+    static constexpr bool LINEAR = BUCKETS == 1u;
     static constexpr uint32_t FMT = FMT_BLOCKWISE;
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
@@ -2693,7 +2812,7 @@ struct PlanQuant {
         // reference's quotients there are 0).
         float den = scale != 0.0f ? scale : 1.0f;
         float y[16];
-        if (den >= DIV_LO && den <= DIV_HI) {
+        if (den >= DIV_LO && den <= DIV_HI && !PLAN_FORCE_COLD) {
             float rb = 1.0f / den;
 #pragma unroll
             for (int j = 0; j < 16; j++) {
@@ -2707,27 +2826,21 @@ struct PlanQuant {
             }
         }
         // sass: pack
+        // The codes' sum (disjoint bits: their packing), less 1 per code where plan_stochastic
+        // adds its code plus 1.
         uint32_t w[WORDS];
 #pragma unroll
         for (uint32_t k = 0u; k < WORDS; k++) {
-            w[k] = 0u;
+            w[k] = SR ? 0u - (BITS == 8u ? 0x01010101u : 0x11111111u) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             // Disjoint bits: the sum is the packing (shift-and-adds).
             uint32_t at = BITS * (j % PER_WORD);
             if (SR) {
-                w[j / PER_WORD] += plan_stochastic(m, len, y[j], r[j]) << at;
+                plan_stochastic<LINEAR>(m, y[j], r[j], w[j / PER_WORD], at);
             } else {
-                // plan_nearest, its comparison added in place.
-                // sass: search
-                uint32_t c = plan_sm[0x1000u * m + exact_bucket(y[j])];
-                // sass: pack
-                w[j / PER_WORD] += c << at;
-                // sass: search
-                if (plan_thresholds(m)[c] <= y[j]) {
-                    w[j / PER_WORD] += 1u << at;
-                }
+                plan_nearest<LINEAR>(m, y[j], w[j / PER_WORD], at);
             }
         }
         // sass: stores
@@ -2762,8 +2875,7 @@ struct PlanQuant {
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
         // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
-        uint32_t zero = *plan_zero(m);
-        uint32_t z = zero | (zero << 8u) | (zero << 16u) | (zero << 24u);
+        uint32_t z = *plan_zero(m);
         if (count == 16u) {
             if (BITS == 8u) {
                 plan_st4(codes + first / 4u, z, z, z, z);
@@ -2807,14 +2919,106 @@ __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndes
     return lo;
 }
 
+// random.cuh `qr` on four registers.
+__device__ __forceinline__ void plan_qr(uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+    // sass: random
+    a = a + b;
+    d = d ^ a;
+    d = (d << 16u) | (d >> 16u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 12u) | (b >> 20u);
+    a = a + b;
+    d = d ^ a;
+    d = (d << 8u) | (d >> 24u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 7u) | (b >> 25u);
+}
+
+// random.cuh `thread_bits` for a pair of threads that share one ChaCha8 block (lanes 2i and
+// 2i + 1 when the tile's first key is a multiple of 32: the even lane takes words 0-7, the odd
+// one 8-15), computed by both: each lane holds two of its four columns (lane q: columns 2q and
+// 2q + 1), runs the two quarter rounds of a column round on them, trades four words with its
+// partner for the diagonal round's two (its diagonals 2q and 2q + 1), and trades them back; at
+// the end each hands its partner the four words of the partner's half. The same words as
+// `chacha8`, in half its rounds per lane. Every lane of the warp calls it.
+__device__ __forceinline__ void plan_pair_bits(const Tile& t, uint32_t lt, uint32_t slot,
+                                               uint64_t counter, uint32_t r[16]) {
+    // sass: random
+    uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
+    uint64_t block = (t.d->key + t.start + PER * lt) >> 5;
+    uint64_t seed = t.d->seed;
+    bool q = (lt & 1u) != 0u;
+    // Lane q's columns of the initial state: constants, key (seed, tensor), zeros, the block
+    // counter and the nonce (the step).
+    const uint32_t s_a0 = q ? 0x79622d32u : 0x61707865u;
+    const uint32_t s_a1 = q ? 0x6b206574u : 0x3320646eu;
+    const uint32_t s_b0 = q ? (uint32_t)tensor : (uint32_t)seed;
+    const uint32_t s_b1 = q ? (uint32_t)(tensor >> 32) : (uint32_t)(seed >> 32);
+    const uint32_t s_d0 = q ? (uint32_t)counter : (uint32_t)block;
+    const uint32_t s_d1 = q ? (uint32_t)(counter >> 32) : (uint32_t)(block >> 32);
+    uint32_t a0 = s_a0, a1 = s_a1, b0 = s_b0, b1 = s_b1;
+    uint32_t c0 = 0u, c1 = 0u, d0 = s_d0, d1 = s_d1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        plan_qr(a0, b0, c0, d0);
+        plan_qr(a1, b1, c1, d1);
+        uint32_t pb0 = __shfl_xor_sync(0xFFFFFFFFu, b0, 1u);
+        uint32_t pc0 = __shfl_xor_sync(0xFFFFFFFFu, c0, 1u);
+        uint32_t pc1 = __shfl_xor_sync(0xFFFFFFFFu, c1, 1u);
+        uint32_t pd1 = __shfl_xor_sync(0xFFFFFFFFu, d1, 1u);
+        plan_qr(a0, b1, pc0, pd1);
+        plan_qr(a1, pb0, pc1, d0);
+        b0 = __shfl_xor_sync(0xFFFFFFFFu, pb0, 1u);
+        c0 = __shfl_xor_sync(0xFFFFFFFFu, pc0, 1u);
+        c1 = __shfl_xor_sync(0xFFFFFFFFu, pc1, 1u);
+        d1 = __shfl_xor_sync(0xFFFFFFFFu, pd1, 1u);
+    }
+    // The keystream: the state plus the initial state (the zeros add nothing).
+    a0 += s_a0;
+    a1 += s_a1;
+    b0 += s_b0;
+    b1 += s_b1;
+    d0 += s_d0;
+    d1 += s_d1;
+    // Lane 0 takes rows 0 and 1 (words 0-7), lane 1 rows 2 and 3 (words 8-15), each row's
+    // other two columns from its partner.
+    uint32_t r0 = __shfl_xor_sync(0xFFFFFFFFu, q ? a0 : c0, 1u);
+    uint32_t r1 = __shfl_xor_sync(0xFFFFFFFFu, q ? a1 : c1, 1u);
+    uint32_t r2 = __shfl_xor_sync(0xFFFFFFFFu, q ? b0 : d0, 1u);
+    uint32_t r3 = __shfl_xor_sync(0xFFFFFFFFu, q ? b1 : d1, 1u);
+    uint32_t w[8];
+    w[0] = q ? r0 : a0;
+    w[1] = q ? r1 : a1;
+    w[2] = q ? c0 : r0;
+    w[3] = q ? c1 : r1;
+    w[4] = q ? r2 : b0;
+    w[5] = q ? r3 : b1;
+    w[6] = q ? d0 : r2;
+    w[7] = q ? d1 : r3;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        r[2 * j] = w[j] << 16u;
+        r[2 * j + 1] = w[j] & 0xFFFF0000u;
+    }
+}
+
 // The random draws of slot `s` for a thread's 16 elements (random.cuh `thread_bits`), if the
-// lane rounds stochastically.
+// lane rounds stochastically: shared by thread pairs where the tile's first key is a multiple
+// of 32 (`paired`: every item, as pieces and shards start at multiples of 256), else one ChaCha8
+// block per thread (a cold path). Every thread of the warp calls it.
 template <class L>
 __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s,
-                                          uint64_t counter, uint32_t r[16]) {
+                                          uint64_t counter, bool paired, uint32_t r[16]) {
     // sass: random
     if (L::SR) {
-        thread_bits(t, lt, s, counter, r);
+        if (paired && !PLAN_FORCE_COLD) {
+            plan_pair_bits(t, lt, s, counter, r);
+        } else {
+            PLAN_COLD();
+            thread_bits(t, lt, s, counter, r);
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < 16; j++) {
@@ -2823,16 +3027,23 @@ __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s
     }
 }
 
-// Which shared code map each slot of a plan reads: slots quantized with the same map share one.
+// Which shared code map each slot of a plan reads: slots quantized with the same map share one,
+// whose keys are its values if a slot stores with stochastic rounding (`sr`), its thresholds
+// otherwise; the accumulator (slot 1) only decodes and clears, with either. No map serves both
+// roundings or both kinds of buckets (`mixed`).
 struct PlanMaps {
     // The map of slot s, as an index into the plan's shared maps.
     uint32_t index[5];
-    // The shared maps: how many, and each one's map id.
+    // The shared maps: how many, each one's map id and rounding.
     uint32_t count;
     uint32_t id[5];
+    bool sr[5];
+    bool linear[5];
+    bool mixed;
 };
 
-__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5]) {
+__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5],
+                                        const bool sr[5], const bool linear[5]) {
     PlanMaps o{};
     for (uint32_t s = 0u; s < 5u; s++) {
         o.index[s] = 0u;
@@ -2845,7 +3056,18 @@ __device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t 
         }
         if (k == o.count) {
             o.id[k] = map[s];
+            o.sr[k] = false;
+            o.linear[k] = linear[s];
             o.count++;
+        }
+        o.mixed = o.mixed || o.linear[k] != linear[s];
+        if (s != 1u) {
+            bool first = true;
+            for (uint32_t t = 0u; t < s; t++) {
+                first = first && !(t != 1u && quant[t] != 0u && map[t] == map[s]);
+            }
+            o.mixed = o.mixed || (!first && o.sr[k] != sr[s]);
+            o.sr[k] = sr[s];
         }
         o.index[s] = k;
     }
@@ -2877,8 +3099,11 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
                                           uint32_t* flags) {
     constexpr uint32_t QUANT[5] = {P::QUANT, G::QUANT, S1::QUANT, S2::QUANT, S3::QUANT};
     constexpr uint32_t MAP[5] = {P::MAP, G::MAP, S1::MAP, S2::MAP, S3::MAP};
-    constexpr PlanMaps PM = plan_maps(QUANT, MAP);
+    constexpr bool SR[5] = {P::SR, G::SR, S1::SR, S2::SR, S3::SR};
+    constexpr bool LINEAR[5] = {P::LINEAR, G::LINEAR, S1::LINEAR, S2::LINEAR, S3::LINEAR};
+    constexpr PlanMaps PM = plan_maps(QUANT, MAP, SR, LINEAR);
     static_assert(PM.count <= PLAN_MAPS, "at most PLAN_MAPS maps per plan");
+    static_assert(!PM.mixed, "a map with both roundings or both kinds of buckets");
     if (ndesc == 0u) {
         return;
     }
@@ -2893,12 +3118,12 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
     }
 #pragma unroll
     for (uint32_t k = 0u; k < PM.count; k++) {
-        plan_load_map(k, maps, PM.id[k]);
+        plan_load_map(k, maps, PM.id[k], PM.sr[k]);
     }
     __syncthreads();
 #pragma unroll
     for (uint32_t k = 0u; k < PM.count; k++) {
-        plan_build_map(k);
+        plan_build_map(k, PM.linear[k]);
     }
     __syncthreads();
     const uint32_t len_p = maps[MAP_LENS + P::MAP];
@@ -2946,7 +3171,7 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         float m[16];
         float v[16];
         float w[16];
-        bool exact = count != PER || aux == 0.0f;
+        bool exact = count != PER || aux == 0.0f || PLAN_FORCE_COLD;
         if (!exact) {
             // sass: loads
             g_lane.load(first, g);
@@ -3035,13 +3260,14 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             }
         }
         uint32_t r[16];
-        plan_bits<S1>(t, lt, S_STATE1, counter, r);
+        const bool paired = ((d->key + t.start) & 16u) == 0u;
+        plan_bits<S1>(t, lt, S_STATE1, counter, paired, r);
         s1_lane.store(first, count, m, r, exact);
-        plan_bits<S2>(t, lt, S_STATE2, counter, r);
+        plan_bits<S2>(t, lt, S_STATE2, counter, paired, r);
         s2_lane.store(first, count, v, r, exact);
-        plan_bits<S3>(t, lt, S_STATE3, counter, r);
+        plan_bits<S3>(t, lt, S_STATE3, counter, paired, r);
         s3_lane.store(first, count, w, r, exact);
-        plan_bits<P>(t, lt, S_PARAM, counter, r);
+        plan_bits<P>(t, lt, S_PARAM, counter, paired, r);
         p_lane.store(first, count, p, r, exact);
         // Every thread of a block has read the accumulator's absmax before it is zeroed.
         __syncwarp();
@@ -3588,117 +3814,117 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_f32_acc_bf
 
 // adamw_8bit: adam (param f32, grad f32, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit: adam (param f32, grad f32 + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit: adam (param f32, grad f32 + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16 + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16 + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc, PLAN_IO_NONE, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc, PLAN_IO_NONE, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32, PLAN_IO_F32, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32, PLAN_IO_F32, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32 + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32 + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16 + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16 + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16_sr_released: adam (param bf16 sr, grad - + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_sr_released_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32, PLAN_IO_F32, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32, PLAN_IO_F32, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16_sr_released: adam (param bf16 sr, grad - + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_sr_released_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc, PLAN_IO_NONE, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc, PLAN_IO_NONE, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr + f32 io, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_f32, PLAN_IO_F32, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_f32, PLAN_IO_F32, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr + bf16 io, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_bf16, PLAN_IO_BF16, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_bf16, PLAN_IO_BF16, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32 + f32 io, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32 + bf16 io, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 #ifdef LPMM_HOST

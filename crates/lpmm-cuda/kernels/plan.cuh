@@ -14,14 +14,106 @@ __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndes
     return lo;
 }
 
+// random.cuh `qr` on four registers.
+__device__ __forceinline__ void plan_qr(uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+    // sass: random
+    a = a + b;
+    d = d ^ a;
+    d = (d << 16u) | (d >> 16u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 12u) | (b >> 20u);
+    a = a + b;
+    d = d ^ a;
+    d = (d << 8u) | (d >> 24u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 7u) | (b >> 25u);
+}
+
+// random.cuh `thread_bits` for a pair of threads that share one ChaCha8 block (lanes 2i and
+// 2i + 1 when the tile's first key is a multiple of 32: the even lane takes words 0-7, the odd
+// one 8-15), computed by both: each lane holds two of its four columns (lane q: columns 2q and
+// 2q + 1), runs the two quarter rounds of a column round on them, trades four words with its
+// partner for the diagonal round's two (its diagonals 2q and 2q + 1), and trades them back; at
+// the end each hands its partner the four words of the partner's half. The same words as
+// `chacha8`, in half its rounds per lane. Every lane of the warp calls it.
+__device__ __forceinline__ void plan_pair_bits(const Tile& t, uint32_t lt, uint32_t slot,
+                                               uint64_t counter, uint32_t r[16]) {
+    // sass: random
+    uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
+    uint64_t block = (t.d->key + t.start + PER * lt) >> 5;
+    uint64_t seed = t.d->seed;
+    bool q = (lt & 1u) != 0u;
+    // Lane q's columns of the initial state: constants, key (seed, tensor), zeros, the block
+    // counter and the nonce (the step).
+    const uint32_t s_a0 = q ? 0x79622d32u : 0x61707865u;
+    const uint32_t s_a1 = q ? 0x6b206574u : 0x3320646eu;
+    const uint32_t s_b0 = q ? (uint32_t)tensor : (uint32_t)seed;
+    const uint32_t s_b1 = q ? (uint32_t)(tensor >> 32) : (uint32_t)(seed >> 32);
+    const uint32_t s_d0 = q ? (uint32_t)counter : (uint32_t)block;
+    const uint32_t s_d1 = q ? (uint32_t)(counter >> 32) : (uint32_t)(block >> 32);
+    uint32_t a0 = s_a0, a1 = s_a1, b0 = s_b0, b1 = s_b1;
+    uint32_t c0 = 0u, c1 = 0u, d0 = s_d0, d1 = s_d1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        plan_qr(a0, b0, c0, d0);
+        plan_qr(a1, b1, c1, d1);
+        uint32_t pb0 = __shfl_xor_sync(0xFFFFFFFFu, b0, 1u);
+        uint32_t pc0 = __shfl_xor_sync(0xFFFFFFFFu, c0, 1u);
+        uint32_t pc1 = __shfl_xor_sync(0xFFFFFFFFu, c1, 1u);
+        uint32_t pd1 = __shfl_xor_sync(0xFFFFFFFFu, d1, 1u);
+        plan_qr(a0, b1, pc0, pd1);
+        plan_qr(a1, pb0, pc1, d0);
+        b0 = __shfl_xor_sync(0xFFFFFFFFu, pb0, 1u);
+        c0 = __shfl_xor_sync(0xFFFFFFFFu, pc0, 1u);
+        c1 = __shfl_xor_sync(0xFFFFFFFFu, pc1, 1u);
+        d1 = __shfl_xor_sync(0xFFFFFFFFu, pd1, 1u);
+    }
+    // The keystream: the state plus the initial state (the zeros add nothing).
+    a0 += s_a0;
+    a1 += s_a1;
+    b0 += s_b0;
+    b1 += s_b1;
+    d0 += s_d0;
+    d1 += s_d1;
+    // Lane 0 takes rows 0 and 1 (words 0-7), lane 1 rows 2 and 3 (words 8-15), each row's
+    // other two columns from its partner.
+    uint32_t r0 = __shfl_xor_sync(0xFFFFFFFFu, q ? a0 : c0, 1u);
+    uint32_t r1 = __shfl_xor_sync(0xFFFFFFFFu, q ? a1 : c1, 1u);
+    uint32_t r2 = __shfl_xor_sync(0xFFFFFFFFu, q ? b0 : d0, 1u);
+    uint32_t r3 = __shfl_xor_sync(0xFFFFFFFFu, q ? b1 : d1, 1u);
+    uint32_t w[8];
+    w[0] = q ? r0 : a0;
+    w[1] = q ? r1 : a1;
+    w[2] = q ? c0 : r0;
+    w[3] = q ? c1 : r1;
+    w[4] = q ? r2 : b0;
+    w[5] = q ? r3 : b1;
+    w[6] = q ? d0 : r2;
+    w[7] = q ? d1 : r3;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        r[2 * j] = w[j] << 16u;
+        r[2 * j + 1] = w[j] & 0xFFFF0000u;
+    }
+}
+
 // The random draws of slot `s` for a thread's 16 elements (random.cuh `thread_bits`), if the
-// lane rounds stochastically.
+// lane rounds stochastically: shared by thread pairs where the tile's first key is a multiple
+// of 32 (`paired`: every item, as pieces and shards start at multiples of 256), else one ChaCha8
+// block per thread (a cold path). Every thread of the warp calls it.
 template <class L>
 __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s,
-                                          uint64_t counter, uint32_t r[16]) {
+                                          uint64_t counter, bool paired, uint32_t r[16]) {
     // sass: random
     if (L::SR) {
-        thread_bits(t, lt, s, counter, r);
+        if (paired && !PLAN_FORCE_COLD) {
+            plan_pair_bits(t, lt, s, counter, r);
+        } else {
+            PLAN_COLD();
+            thread_bits(t, lt, s, counter, r);
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < 16; j++) {
@@ -30,16 +122,23 @@ __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s
     }
 }
 
-// Which shared code map each slot of a plan reads: slots quantized with the same map share one.
+// Which shared code map each slot of a plan reads: slots quantized with the same map share one,
+// whose keys are its values if a slot stores with stochastic rounding (`sr`), its thresholds
+// otherwise; the accumulator (slot 1) only decodes and clears, with either. No map serves both
+// roundings or both kinds of buckets (`mixed`).
 struct PlanMaps {
     // The map of slot s, as an index into the plan's shared maps.
     uint32_t index[5];
-    // The shared maps: how many, and each one's map id.
+    // The shared maps: how many, each one's map id and rounding.
     uint32_t count;
     uint32_t id[5];
+    bool sr[5];
+    bool linear[5];
+    bool mixed;
 };
 
-__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5]) {
+__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5],
+                                        const bool sr[5], const bool linear[5]) {
     PlanMaps o{};
     for (uint32_t s = 0u; s < 5u; s++) {
         o.index[s] = 0u;
@@ -52,7 +151,18 @@ __device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t 
         }
         if (k == o.count) {
             o.id[k] = map[s];
+            o.sr[k] = false;
+            o.linear[k] = linear[s];
             o.count++;
+        }
+        o.mixed = o.mixed || o.linear[k] != linear[s];
+        if (s != 1u) {
+            bool first = true;
+            for (uint32_t t = 0u; t < s; t++) {
+                first = first && !(t != 1u && quant[t] != 0u && map[t] == map[s]);
+            }
+            o.mixed = o.mixed || (!first && o.sr[k] != sr[s]);
+            o.sr[k] = sr[s];
         }
         o.index[s] = k;
     }
@@ -84,8 +194,11 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
                                           uint32_t* flags) {
     constexpr uint32_t QUANT[5] = {P::QUANT, G::QUANT, S1::QUANT, S2::QUANT, S3::QUANT};
     constexpr uint32_t MAP[5] = {P::MAP, G::MAP, S1::MAP, S2::MAP, S3::MAP};
-    constexpr PlanMaps PM = plan_maps(QUANT, MAP);
+    constexpr bool SR[5] = {P::SR, G::SR, S1::SR, S2::SR, S3::SR};
+    constexpr bool LINEAR[5] = {P::LINEAR, G::LINEAR, S1::LINEAR, S2::LINEAR, S3::LINEAR};
+    constexpr PlanMaps PM = plan_maps(QUANT, MAP, SR, LINEAR);
     static_assert(PM.count <= PLAN_MAPS, "at most PLAN_MAPS maps per plan");
+    static_assert(!PM.mixed, "a map with both roundings or both kinds of buckets");
     if (ndesc == 0u) {
         return;
     }
@@ -100,12 +213,12 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
     }
 #pragma unroll
     for (uint32_t k = 0u; k < PM.count; k++) {
-        plan_load_map(k, maps, PM.id[k]);
+        plan_load_map(k, maps, PM.id[k], PM.sr[k]);
     }
     __syncthreads();
 #pragma unroll
     for (uint32_t k = 0u; k < PM.count; k++) {
-        plan_build_map(k);
+        plan_build_map(k, PM.linear[k]);
     }
     __syncthreads();
     const uint32_t len_p = maps[MAP_LENS + P::MAP];
@@ -153,7 +266,7 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         float m[16];
         float v[16];
         float w[16];
-        bool exact = count != PER || aux == 0.0f;
+        bool exact = count != PER || aux == 0.0f || PLAN_FORCE_COLD;
         if (!exact) {
             // sass: loads
             g_lane.load(first, g);
@@ -242,13 +355,14 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             }
         }
         uint32_t r[16];
-        plan_bits<S1>(t, lt, S_STATE1, counter, r);
+        const bool paired = ((d->key + t.start) & 16u) == 0u;
+        plan_bits<S1>(t, lt, S_STATE1, counter, paired, r);
         s1_lane.store(first, count, m, r, exact);
-        plan_bits<S2>(t, lt, S_STATE2, counter, r);
+        plan_bits<S2>(t, lt, S_STATE2, counter, paired, r);
         s2_lane.store(first, count, v, r, exact);
-        plan_bits<S3>(t, lt, S_STATE3, counter, r);
+        plan_bits<S3>(t, lt, S_STATE3, counter, paired, r);
         s3_lane.store(first, count, w, r, exact);
-        plan_bits<P>(t, lt, S_PARAM, counter, r);
+        plan_bits<P>(t, lt, S_PARAM, counter, paired, r);
         p_lane.store(first, count, p, r, exact);
         // Every thread of a block has read the accumulator's absmax before it is zeroed.
         __syncwarp();

@@ -134,12 +134,14 @@ __device__ __forceinline__ void plan_st8(uint32_t* p, const uint32_t w[8]) {
 }
 
 // The code maps of a plan (plan.cuh `plan_maps`: at most PLAN_MAPS), in one shared byte array
-// for every plan's kernel, so that addresses are constants: map k's bucket table (exact.cuh
-// `exact_bucket`: the number of thresholds at or below each bucket's lowest value) at k 0x1000
-// for the buckets of a sign bit 0 and 0x8000 above it for the others; between them, at 0x3000 +
-// k 0x800, its values (the last repeated to 256: CodeMap::value) and its thresholds (NaN past
-// the last: no comparison counts there), and at 0x4800 + 4 k the code of 0 (an accumulator's
-// clear).
+// for every plan's kernel, so that addresses are constants. Map k's keys are the sorted table its
+// stores search: its thresholds for nearest rounding (NaN past the last: no comparison counts
+// there), its values for stochastic rounding (NaN past the last). Its bucket table (exact.cuh
+// `exact_bucket`: the number of keys at or below each bucket's lowest value) lies at k 0x1000 for
+// the buckets of a sign bit 0, and 0x8000 above that for the others; in the space between, at
+// 0x3000 + k 0x800, its values (the last repeated to 256: CodeMap::value) and keys, at 0x4800 +
+// 4 k the code of 0 (an accumulator's clear), and at 0x4810 + k 0x1010 (stochastic rounding) the
+// step of each interval between values (plan_stochastic).
 #define PLAN_MAPS 3u
 alignas(16) __shared__ unsigned char plan_sm[0x8000u + 0x1000u * PLAN_MAPS];
 
@@ -147,70 +149,164 @@ __device__ __forceinline__ float* plan_values(uint32_t k) {
     return reinterpret_cast<float*>(plan_sm + 0x3000u + 0x800u * k);
 }
 
-__device__ __forceinline__ float* plan_thresholds(uint32_t k) {
+__device__ __forceinline__ float* plan_keys(uint32_t k) {
     return reinterpret_cast<float*>(plan_sm + 0x3400u + 0x800u * k);
 }
 
+// The code of 0 in every byte (8-bit codes: an accumulator's clear).
 __device__ __forceinline__ uint32_t* plan_zero(uint32_t k) {
     return reinterpret_cast<uint32_t*>(plan_sm + 0x4800u + 4u * k);
 }
 
-// Copies map `map` of the table (abi.rs `map_table`) into shared map k. Called by every thread;
-// the bucket table needs the thresholds (plan_build_map, after a barrier).
-__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map) {
+// The bucket of y in map k's table: exact.cuh's linear buckets (LINEAR) or its logarithmic ones.
+template <bool LINEAR>
+__device__ __forceinline__ uint32_t plan_bucket(uint32_t k, float y) {
+    // sass: search
+    return 0x1000u * k + (LINEAR ? exact_linear_bucket(y) : exact_bucket(y));
+}
+
+// Interval i of map k, for a y with i values at or below it (0 ..= len): the lower value lo_v
+// (x), the step den = hi_v - lo_v (y) and rden = RN(1 / den) (z) of CodeMap::stochastic's
+// fraction (y - lo_v) / den, as exact.cuh's exact_quotient divides it. Below the first value (i =
+// 0) every fraction is at least 1 (lo_v -2, den and rden 1: the draw always rounds up, to code
+// 0); at or above the last (i = len) every fraction is 0 (rden 0: the last code).
+__device__ __forceinline__ uint4* plan_steps(uint32_t k) {
+    return reinterpret_cast<uint4*>(plan_sm + 0x4810u + 0x1010u * k);
+}
+
+// Copies map `map` of the table (abi.rs `map_table`) into shared map k, with its keys for
+// stochastic rounding (`sr`) or nearest rounding. Called by every thread; the bucket table needs
+// the keys (plan_build_map, after a barrier).
+__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map,
+                                              bool sr) {
     uint32_t len = maps[MAP_LENS + map];
     const uint32_t* base = maps + MAP_STRIDE * map;
     for (uint32_t i = threadIdx.x; i < 256u; i += THREADS) {
         plan_values(k)[i] = u2f(base[i < len ? i : len - 1u]);
-        plan_thresholds(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+        if (sr) {
+            plan_keys(k)[i] = i < len ? u2f(base[i]) : u2f(0x7FC00000u);
+        } else {
+            plan_keys(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+        }
     }
-}
-
-// The bucket table of shared map k (after plan_load_map and a barrier). Called by every thread.
-__device__ __forceinline__ void plan_build_map(uint32_t k) {
-    for (uint32_t i = threadIdx.x; i < 0x2000u; i += THREADS) {
-        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
-        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(plan_thresholds(k), exact_bucket_low(b));
+    for (uint32_t i = threadIdx.x; sr && i <= len; i += THREADS) {
+        uint4 e;
+        e.w = 0u;
+        if (i == 0u) {
+            e.x = f2u(-2.0f);
+            e.y = f2u(1.0f);
+            e.z = f2u(1.0f);
+        } else if (i == len) {
+            e.x = base[len - 1u];
+            e.y = f2u(1.0f);
+            e.z = 0u;
+        } else {
+            float lo = u2f(base[i - 1u]);
+            float den = u2f(base[i]) - lo;
+            e.x = f2u(lo);
+            e.y = f2u(den);
+            e.z = f2u(1.0f / den);
+        }
+        plan_steps(k)[i] = e;
     }
     if (threadIdx.x == 0u) {
-        *plan_zero(k) = exact_count(plan_thresholds(k), 0.0f);
+        // CodeMap::nearest(0): the thresholds at or below 0 (binary search).
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            uint32_t at = c + step - 1u;
+            c = at + 1u < len && u2f(base[256u + at]) <= 0.0f ? c + step : c;
+        }
+        *plan_zero(k) = c * 0x01010101u;
     }
 }
 
-// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with shared map k: the number
-// of thresholds <= y, as the count at the bottom of y's bucket plus one comparison.
-__device__ __forceinline__ uint32_t plan_nearest(uint32_t k, float y) {
-    // sass: search
-    uint32_t c = plan_sm[0x1000u * k + exact_bucket(y)];
-    if (plan_thresholds(k)[c] <= y) {
-        c++;
+// The bucket table of shared map k (after plan_load_map and a barrier): for logarithmic buckets
+// the keys at or below each bucket's lowest value, for linear ones the keys of the buckets below
+// (a binary search: the linear bucket is monotone in the key). Called by every thread.
+__device__ __forceinline__ void plan_build_map(uint32_t k, bool linear) {
+    const float* keys = plan_keys(k);
+    for (uint32_t i = threadIdx.x; linear && i <= 256u; i += THREADS) {
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            float key = keys[c + step - 1u];
+            c = key == key && exact_linear_bucket(key) < i ? c + step : c;
+        }
+        plan_sm[0x1000u * k + i] = (unsigned char)c;
     }
-    return c;
+    for (uint32_t i = threadIdx.x; !linear && i < 0x2000u; i += THREADS) {
+        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
+        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(keys, exact_bucket_low(b));
+    }
 }
 
-// CodeMap::stochastic for |y| <= 1 (maps.cuh `map_stochastic`), with selects for its early
-// returns: the same code.
-__device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, float y,
-                                                    uint32_t r) {
-    // sass: search
-    const float* values = plan_values(k);
-    uint32_t c = plan_nearest(k, y);
-    uint32_t below = values[c] > y ? 1u : 0u;
-    bool under = below > c;
-    uint32_t lo = under ? 0u : c - below;
-    bool top = lo + 1u == len;
-    float lo_v = values[lo];
-    float hi_v = values[top ? lo : lo + 1u];
-    float frac = (y - lo_v) / (hi_v - lo_v);
-    float scaled = frac * 4294967296.0f;
-    // Rust's saturating `as u32`.
-    uint32_t cut = 0xFFFFFFFFu;
-    if (scaled < 4294967296.0f) {
-        cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
+// Where a <= b: x += dx and y += dy; where a < b (unsigned): x += dx. One comparison and
+// predicated adds (the compiler's form of these selects a sum or adds a select).
+__device__ __forceinline__ void plan_add2_if_le(float a, float b, uint32_t& x, uint32_t dx,
+                                                uint32_t& y, uint32_t dy) {
+#ifdef LPMM_HOST
+    if (a <= b) {
+        x += dx;
+        y += dy;
     }
-    uint32_t code = lo + (r < cut ? 1u : 0u);
-    code = top ? lo : code;
-    return under ? 0u : code;
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.le.f32 p, %2, %3;\n\t@p add.u32 %0, %0, %4;\n\t"
+        "@p add.u32 %1, %1, %5;\n\t}"
+        : "+r"(x), "+r"(y)
+        : "f"(a), "f"(b), "r"(dx), "r"(dy));
+#endif
+}
+
+__device__ __forceinline__ void plan_add_if_lt(uint32_t a, uint32_t b, uint32_t& x, uint32_t dx) {
+#ifdef LPMM_HOST
+    if (a < b) {
+        x += dx;
+    }
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.lt.u32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}"
+        : "+r"(x)
+        : "r"(a), "r"(b), "r"(dx));
+#endif
+}
+
+// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with map k, added to `word` at
+// bit `at` (the packing: see PlanQuant::store): the number of thresholds at or below y, as the
+// count at the bottom of y's bucket plus one comparison (a bucket holds at most one threshold:
+// plans.rs checks it of every map a plan quantizes with).
+template <bool LINEAR>
+__device__ __forceinline__ void plan_nearest(uint32_t k, float y, uint32_t& word, uint32_t at) {
+    // sass: search
+    uint32_t c = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += c << at;
+    // sass: search
+    uint32_t unused = 0u;
+    plan_add2_if_le(plan_keys(k)[c], y, word, 1u << at, unused, 0u);
+}
+
+// CodeMap::stochastic for |y| <= 1 (a quotient by its block's absmax) with map k and the draw r,
+// added to `word` at bit `at` less 1 (the packing: see PlanQuant::store): i = the number of values
+// at or below y (the count at the bottom of y's bucket, plus one where the interval's next value
+// is at or below y: the next interval's entry), then the code below y (i - 1) plus one where r <
+// floor(frac 2^32) (saturating), frac = (y - lo_v) / (hi_v - lo_v) in f32 as exact_quotient
+// divides it (plan_steps: 0 where y is at or above the last value, at least 1 below the first).
+// CodeMap::stochastic's `lo` is i - 1: the nearest code less one where its value is above y.
+template <bool LINEAR>
+__device__ __forceinline__ void plan_stochastic(uint32_t k, float y, uint32_t r, uint32_t& word,
+                                                uint32_t at) {
+    // sass: search
+    uint32_t i = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += i << at;
+    // sass: search
+    plan_add2_if_le(plan_keys(k)[i], y, word, 1u << at, i, 1u);
+    uint4 e = plan_steps(k)[i];
+    float frac = exact_quotient(y - u2f(e.x), u2f(e.y), u2f(e.z));
+    // Rust's saturating `as u32` of frac 2^32 (frac >= +0: at most 1, but below the first value),
+    // as the comparison with the draw sees it: from 2^32 up the reference's cut is 2^32 - 1, here
+    // the largest f32 below 2^32 truncated (2^32 - 256); every draw (at most 0xFFFF0000) is below
+    // both.
+    uint32_t cut = (uint32_t)fminf(frac * 4294967296.0f, 4294967040.0f);
+    plan_add_if_lt(r, cut, word, 1u << at);
 }
 
 // The cold path of a thread whose run of 16 elements is cut by its item's end (or past it): its
@@ -221,6 +317,14 @@ __device__ __forceinline__ uint32_t plan_stochastic(uint32_t k, uint32_t len, fl
 #define PLAN_COLD()
 #else
 #define PLAN_COLD() asm volatile("pmevent 7;")
+#endif
+
+// The host emulation's test hook (kernels/emulate.cpp `lpmm_emulate_force_cold`): with it, every
+// thread takes every cold path it has, so that the tests hold those to the reference's bits too.
+#ifdef LPMM_HOST
+#define PLAN_FORCE_COLD lpmm_force_cold
+#else
+#define PLAN_FORCE_COLD false
 #endif
 
 // The lanes: how a plan reaches one slot. `at` points the lane at a descriptor's slot; `load`
@@ -239,6 +343,7 @@ struct PlanAbsent {
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = false;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {}
@@ -264,6 +369,7 @@ struct PlanF32 {
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
@@ -358,6 +464,7 @@ struct PlanBf16 {
     static constexpr uint32_t FMT = FMT_BF16;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = (AUX & 1u) != 0u;
+    static constexpr bool LINEAR = false;
     // exact.cuh: bf16 rounding without its non-finite and overflow cases.
     static constexpr uint32_t FAST_LIMIT = SR ? 0x7F7EFFFFu : 0x7F7F7FFFu;
     static constexpr uint32_t QUANT = 0u;
@@ -429,6 +536,7 @@ struct PlanSplit {
     static constexpr uint32_t FAST_LIMIT = 0x7F7F7FFFu;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* hi;
@@ -501,9 +609,11 @@ struct PlanSplit {
 };
 
 // Block-wise codes of 8 or 4 bits and one absmax per block (formats/blockwise.cuh), blocks of at
-// most 512 elements: a block's threads are consecutive lanes of one warp.
-template <uint32_t AUX>
+// most 512 elements: a block's threads are consecutive lanes of one warp. BUCKETS: the map's
+// bucket table, exact.cuh's logarithmic buckets (0) or its linear ones (1: plans.rs `buckets`).
+template <uint32_t AUX, uint32_t BUCKETS>
 struct PlanQuant {
+    static constexpr bool LINEAR = BUCKETS == 1u;
     static constexpr uint32_t FMT = FMT_BLOCKWISE;
     static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
@@ -599,7 +709,7 @@ struct PlanQuant {
         // reference's quotients there are 0).
         float den = scale != 0.0f ? scale : 1.0f;
         float y[16];
-        if (den >= DIV_LO && den <= DIV_HI) {
+        if (den >= DIV_LO && den <= DIV_HI && !PLAN_FORCE_COLD) {
             float rb = 1.0f / den;
 #pragma unroll
             for (int j = 0; j < 16; j++) {
@@ -613,27 +723,21 @@ struct PlanQuant {
             }
         }
         // sass: pack
+        // The codes' sum (disjoint bits: their packing), less 1 per code where plan_stochastic
+        // adds its code plus 1.
         uint32_t w[WORDS];
 #pragma unroll
         for (uint32_t k = 0u; k < WORDS; k++) {
-            w[k] = 0u;
+            w[k] = SR ? 0u - (BITS == 8u ? 0x01010101u : 0x11111111u) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             // Disjoint bits: the sum is the packing (shift-and-adds).
             uint32_t at = BITS * (j % PER_WORD);
             if (SR) {
-                w[j / PER_WORD] += plan_stochastic(m, len, y[j], r[j]) << at;
+                plan_stochastic<LINEAR>(m, y[j], r[j], w[j / PER_WORD], at);
             } else {
-                // plan_nearest, its comparison added in place.
-                // sass: search
-                uint32_t c = plan_sm[0x1000u * m + exact_bucket(y[j])];
-                // sass: pack
-                w[j / PER_WORD] += c << at;
-                // sass: search
-                if (plan_thresholds(m)[c] <= y[j]) {
-                    w[j / PER_WORD] += 1u << at;
-                }
+                plan_nearest<LINEAR>(m, y[j], w[j / PER_WORD], at);
             }
         }
         // sass: stores
@@ -668,8 +772,7 @@ struct PlanQuant {
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
         // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
-        uint32_t zero = *plan_zero(m);
-        uint32_t z = zero | (zero << 8u) | (zero << 16u) | (zero << 24u);
+        uint32_t z = *plan_zero(m);
         if (count == 16u) {
             if (BITS == 8u) {
                 plan_st4(codes + first / 4u, z, z, z, z);
