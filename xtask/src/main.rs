@@ -437,7 +437,7 @@ fn static_report(
                 })?
             }
         };
-        println!("{}", sass::lines::estimates(&all, rate));
+        println!("{}", sass::lines::summary(&all, rate));
     }
     let broken: Vec<String> = all
         .iter()

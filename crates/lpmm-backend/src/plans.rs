@@ -367,7 +367,7 @@ mod tests {
             ("4-bit unsigned", Storage::FOUR_BIT_UNSIGNED),
         ]
         .into_iter()
-        .map(|(n, s)| (n, s.format().map(|f| buckets(f)).unwrap_or(None)))
+        .map(|(n, s)| (n, s.format().and_then(buckets)))
         .collect();
         assert_eq!(
             kinds,

@@ -1,3 +1,6 @@
+// The specialized fused steps' kernel body, `plan_step` (see plan_lanes.cuh for what they are and
+// how they differ from `lpmm_step`), and the thread pairs' random draws.
+
 // The index of the last descriptor whose first tile is at or before `tile`.
 __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndesc,
                                                 uint32_t tile) {

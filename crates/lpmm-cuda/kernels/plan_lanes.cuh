@@ -1,9 +1,10 @@
-// The specialized fused steps (crates/lpmm-backend/src/plans.rs): one kernel per hot plan, each a
-// `plan_step` with the rule, every slot's format (as a lane type below) and the gradient's input
-// fixed at compile time; `cargo xtask codegen` writes their entries after this file. They compute
-// what `lpmm_step` computes for the same items, with the same functions in the same order (the
-// rule's `rule_<name>_apply`, `fits`, bf16 and split rounding, the random draws): only the memory
-// access and the code search differ, and the search gives the same count of thresholds.
+// The specialized fused steps' memory access, code maps and lanes (crates/lpmm-backend/src/plans.rs:
+// one kernel per hot plan, each a plan.cuh `plan_step` with the rule, every slot's format, as a
+// lane type below, and the gradient's input fixed at compile time; `cargo xtask codegen` writes
+// their entries after plan.cuh). They compute what `lpmm_step` computes for the same items: the
+// fast path with exact.cuh's shortcuts (the same bits: docs/FORMATS.md §13), the cold path with
+// the same functions in the same order as `lpmm_step` (the rule's `rule_<name>_apply`, `fits`,
+// bf16 and split rounding, the random draws).
 //
 // What differs from `lpmm_step`:
 // - no format or rule dispatch: each slot's loads and stores are its lane's, inlined;
@@ -13,12 +14,13 @@
 //   idle, blocks whole; lpmm-backend's Device steps the rest with `lpmm_step`);
 // - a block's absmax is a warp shuffle over the threads that own it (blocks up to 512 elements,
 //   32 threads), not a shared-memory tree with barriers;
-// - each quantized slot's code map (values, thresholds, key table; lpmm-formats
-//   `CodeMap::key_table`) is in shared memory, and the nearest code is two reads and one
-//   comparison;
+// - each quantized slot's code map (values, keys, bucket table, interval steps) is in shared
+//   memory, built once per block, and a code is a table count plus one comparison;
 // - a block walks a contiguous range of tiles (the grid is sized to the device), so the maps are
-//   loaded once per block, and reads its descriptor's fields once per tile.
+//   built once per block, and reads its descriptor's fields once per tile.
 // Only what a plan has is loaded or stored; nothing is indexed by a run-time value but memory.
+// `// sass: <category>` comments mark where each instruction goes in `cargo xtask kernels
+// --report` (crates/lpmm-cuda/src/sass/lines.rs).
 
 #define PLAN_IO_NONE 0u
 #define PLAN_IO_F32 1u
@@ -239,6 +241,22 @@ __device__ __forceinline__ void plan_build_map(uint32_t k, bool linear) {
     }
 }
 
+// The 16 bytes at shared address p in one load. An explicit vector load: NVVM otherwise splits
+// some of these into word loads, differently from one compilation to the next (the PTX must be
+// the same every time: tests/ptx.rs).
+__device__ __forceinline__ uint4 plan_lds4(const uint4* p) {
+#ifdef LPMM_HOST
+    return *p;
+#else
+    uint4 v;
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(at));
+    return v;
+#endif
+}
+
 // Where a <= b: x += dx and y += dy; where a < b (unsigned): x += dx. One comparison and
 // predicated adds (the compiler's form of these selects a sum or adds a select).
 __device__ __forceinline__ void plan_add2_if_le(float a, float b, uint32_t& x, uint32_t dx,
@@ -299,7 +317,7 @@ __device__ __forceinline__ void plan_stochastic(uint32_t k, float y, uint32_t r,
     word += i << at;
     // sass: search
     plan_add2_if_le(plan_keys(k)[i], y, word, 1u << at, i, 1u);
-    uint4 e = plan_steps(k)[i];
+    uint4 e = plan_lds4(plan_steps(k) + i);
     float frac = exact_quotient(y - u2f(e.x), u2f(e.y), u2f(e.z));
     // Rust's saturating `as u32` of frac 2^32 (frac >= +0: at most 1, but below the first value),
     // as the comparison with the draw sees it: from 2^32 up the reference's cut is 2^32 - 1, here

@@ -78,13 +78,13 @@ pub mod testing {
         let zeros = vec![0u32; ys.len()];
         let rs = if stochastic { rs } else { &zeros };
         let mut out = vec![0u32; ys.len()];
-        // SAFETY: `table` holds every map (abi.rs `map_table`) and `map` is checked against it
-        // below; `ys`, `rs` and `out` hold `ys.len()` elements; the emulation's shared memory is
-        // a thread-local array of the calling thread.
         assert!(
             (map as usize) < lpmm_optim::MapKind::ALL.len(),
             "no map {map}"
         );
+        // SAFETY: `table` holds every map (abi.rs `map_table`) and `map` was checked against it
+        // above; `ys`, `rs` and `out` hold `ys.len()` elements; the emulation's shared memory is
+        // a thread-local array of the calling thread.
         unsafe {
             super::lpmm_emulate_codes(
                 table.as_ptr(),

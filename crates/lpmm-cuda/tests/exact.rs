@@ -79,6 +79,61 @@ fn the_quotient_is_the_ieee_quotient_on_its_range() {
     assert!(checked > 100_000_000);
 }
 
+/// The inverse of odd `x` modulo 2^64 (Newton's iteration doubles the correct low bits).
+fn inverse_odd(x: u64) -> u64 {
+    let mut y = x;
+    for _ in 0..6 {
+        y = y.wrapping_mul(2u64.wrapping_sub(x.wrapping_mul(y)));
+    }
+    y
+}
+
+/// The finite part of the quotient's proof (docs/FORMATS.md, "Quotient by a shared divisor"):
+/// with the divisor's significand b = B 2^-23 in (1, 2) and the quotient x = a / b in [1, 2), the
+/// value the last fma rounds is within 7 2^-47 / b of x, and x lies at N 2^-47 / b from a rounding
+/// midpoint m = M 2^-24 (M odd; N = A 2^24 - B M for a = A 2^-23, never 0), so the result can
+/// differ from RN(x) only where |N| <= 6. For each of the 2^23 - 1 divisors and each such N, the
+/// midpoints and dividends (B M = A 2^24 - N fixes M modulo 2^(24 - t), t = B's trailing zeros)
+/// are computed here, and the kernels' quotient of every one is the IEEE quotient.
+#[test]
+fn the_quotients_hard_cases_are_all_exact() {
+    let mut checked = 0u64;
+    for low in 1..1u32 << 23 {
+        let big_b = (1u64 << 23) | u64::from(low);
+        let b = f32::from_bits(0x3F80_0000 | low);
+        let rb = 1.0 / b;
+        let t = big_b.trailing_zeros();
+        let bits = 24 - t;
+        let mask = (1u64 << bits) - 1;
+        let inv = inverse_odd(big_b >> t) & mask;
+        for n in -6i64..=6 {
+            if n == 0 || n % (1 << t) != 0 {
+                continue;
+            }
+            let residue = ((-(n >> t)).rem_euclid(1 << bits) as u64 * inv) & mask;
+            for k in 0..1u64 << t {
+                let big_m = (1u64 << 24) + residue + (k << bits);
+                if big_m & 1 == 0 || big_m >= 1 << 25 {
+                    continue;
+                }
+                let num = big_b as i64 * big_m as i64 + n;
+                assert_eq!(num & 0xFF_FFFF, 0, "B {big_b} M {big_m} N {n}");
+                let big_a = (num >> 24) as u64;
+                // x in [1, 2) and a a float (an even A from 2^24 up: a in [2, 4)).
+                if big_a < big_b || big_a >= 2 * big_b || (big_a >= 1 << 24 && big_a & 1 == 1) {
+                    continue;
+                }
+                let a = big_a as f32 * 2f32.powi(-23);
+                assert_eq!(f64::from(a), big_a as f64 * 2f64.powi(-23));
+                let q = testing::quotient(a, b, rb);
+                assert!(same(q, a / b), "{a:e} / {b:e}: {q:e}, IEEE {:e}", a / b);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 30_000_000, "{checked} hard cases");
+}
+
 /// Below the exact range a quotient is not the IEEE one, but small: at most 2^-28 where the exact
 /// one is below 2^-30 (2^-58 below 2^-60), with the dividends and divisors that push it
 /// furthest (subnormal dividends, the smallest divisors), so a nearest code is 0's and a

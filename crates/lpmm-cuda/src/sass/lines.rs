@@ -115,46 +115,64 @@ pub const H200_RATE: f64 = 132.0 * 4.0 * 0.53 * 1.98e9;
 /// torch's fused f32 AdamW on the H200 at 1e9 parameters, ms (docs/BENCHMARKS.md).
 pub const TORCH_F32_MS: f64 = 8.05;
 
+/// The H200's device-to-device copy, bytes moved per second (read and write counted; docs/
+/// BENCHMARKS.md: 8-bit AdamW's 12.06 B/param at 1e9 took 29.481 ms, 0.096 of the copy's
+/// bandwidth in the same run): a step cannot be faster than its bytes at this rate.
+pub const H200_COPY_BYTES_PER_S: f64 = 12.06e9 / 29.481e-3 / 0.096;
+
 /// The model's time in ms of one step of `params` elements at `per_element` SASS instructions
 /// per element (one warp instruction per 32 of them), at `rate` warp instructions per second.
 pub fn model_ms(per_element: f64, params: f64, rate: f64) -> f64 {
     per_element * params / 32.0 / rate * 1e3
 }
 
-/// Each kernel's estimate at 1e9 parameters on an H200 by the issue-rate model (`rate`: warp
-/// instructions per second, [`H200_RATE`] until a device run measures it), with its ratio to
-/// torch's fused f32 AdamW: a markdown table of the sm_90 figures, labelled as an estimate.
-pub fn estimates(figures: &[Figures], rate: f64) -> String {
+/// The figures docs/BACKENDS.md shows, one row per kernel: its fast path per element on sm_90 and
+/// sm_80 against its budget, with the cold paths taken (sm_90), and the estimate of one step at
+/// 1e9 parameters on an H200: the issue-rate model's time (`rate`: warp instructions per second,
+/// [`H200_RATE`] until a device run measures it), the device copy's time for the step's bytes
+/// ([`H200_COPY_BYTES_PER_S`]), the larger of the two, and its ratio to torch's fused f32
+/// AdamW; labelled as an estimate.
+pub fn summary(figures: &[Figures], rate: f64) -> String {
     let mut o = format!(
-        "Estimate, not a measurement: the issue-rate model at {:.3e} warp instructions per second \
-         ({}), 1e9 parameters, sm_90 SASS.\n\n| kernel | preset | fast path per element | est. ms at 1e9 (H200) | vs torch fused f32 AdamW ({TORCH_F32_MS} ms) |\n|---|---|---|---|---|\n",
-        rate,
-        if rate == H200_RATE {
-            "132 SMs x 4 x 0.53 x 1.98 GHz"
-        } else {
-            "measured"
-        },
+        "| kernel | preset | fast path per element, sm_90 / sm_80 | budget | with cold paths, sm_90 | B/param | estimate at 1e9 on an H200: issue rate / copy of its bytes, ms | estimate vs torch fused f32 AdamW ({TORCH_F32_MS} ms) |\n|---|---|---|---|---|---|---|---|\n"
     );
     let plans = lpmm_backend::plans::plans();
     for f in figures.iter().filter(|f| f.arch == "sm_90") {
-        let preset = plans
+        let Some(plan) = plans.iter().find(|p| p.name == f.name) else {
+            continue;
+        };
+        let sm80 = figures
             .iter()
-            .find(|p| p.name == f.name)
-            .map_or("", |p| p.preset);
-        let ms = model_ms(f.per_element(), 1e9, rate);
-        let ratio = TORCH_F32_MS / ms;
+            .find(|g| g.arch == "sm_80" && g.name == f.name)
+            .map_or(f64::NAN, |g| g.per_element());
+        let bytes = super::bytes_per_element(plan);
+        let issue = model_ms(f.per_element(), 1e9, rate);
+        let copy = bytes * 1e9 / H200_COPY_BYTES_PER_S * 1e3;
+        let ratio = TORCH_F32_MS / issue.max(copy);
         let verdict = if ratio >= 1.0 {
             format!("{ratio:.2}x faster")
         } else {
             format!("{:.2}x slower", 1.0 / ratio)
         };
         o += &format!(
-            "| {} | {preset} | {:.1} | {ms:.2} | {verdict} |\n",
+            "| {} | {} | {:.1} / {sm80:.1} | {} | {:.1} | {bytes:.2} | {issue:.2} / {copy:.2} | {verdict} |\n",
             f.name.trim_start_matches("lpmm_plan_"),
+            plan.preset,
             f.per_element(),
+            f.budget,
+            f.cold_per_element(),
         );
     }
-    o
+    o + &format!(
+        "\nEstimates, not measurements: issue rate = warp instructions (SASS per element x 1e9 / 32) / {:.4e} per second ({}); copy = the step's bytes / {:.3e} B/s (the H200's device copy); the ratio takes the larger.\n",
+        rate,
+        if rate == H200_RATE {
+            "132 SMs x 4 schedulers x 0.53 issued per scheduler-cycle x 1.98 GHz"
+        } else {
+            "measured by crates/lpmm-cuda/gpu/run.sh"
+        },
+        H200_COPY_BYTES_PER_S,
+    )
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 //! assembles from the committed PTX, both from the pinned wheels ([`crate::kernels::WHEELS`]).
 //! `cargo xtask kernels --check` fails when a kernel breaks a gate ([`Figures::violations`]), as
 //! does lpmm-cuda's `tests/ptx.rs`, naming the command that prints the table ([`COMMAND`]:
-//! [`table`], with where the instructions go, [`lines`], and the time the issue-rate model
-//! gives, [`estimates`]).
+//! [`table`], with where the instructions go, [`lines::breakdown_table`], and the time the
+//! issue-rate model gives, [`lines::summary`]).
 //!
 //! The *fast path* is counted on the control-flow graph of a kernel's SASS: the longest path
 //! through one iteration of its tile loop (the loop after the block's barriers, whose iteration
@@ -569,6 +569,30 @@ pub fn vector_accesses(plan: &PlanKernel) -> ((usize, usize), (usize, usize)) {
     ((l128, s128), (l64, s64))
 }
 
+/// The bytes one element of `plan` moves in global memory per step: every slot read and written
+/// (the accumulator cleared), a block-wise slot's codes and its absmax per block, and the io
+/// gradient read.
+pub fn bytes_per_element(plan: &PlanKernel) -> f64 {
+    let mut bytes = 0.0;
+    for f in plan.formats.iter().flatten() {
+        let one = match f.name() {
+            "f32" | "split_f32" => 4.0,
+            "bf16" => 2.0,
+            _ => {
+                let aux = f.kernel_aux();
+                f64::from(aux >> 24) / 8.0 + 4.0 / f64::from(1u32 << ((aux >> 8) & 0xFF))
+            }
+        };
+        bytes += 2.0 * one;
+    }
+    bytes
+        + match plan.input {
+            GradInput::None => 0.0,
+            GradInput::F32 => 4.0,
+            GradInput::Bf16 => 2.0,
+        }
+}
+
 /// Quantization blocks per tile of `plan` (its smallest block's; 1 without a quantized slot).
 pub fn blocks_per_tile(plan: &PlanKernel) -> usize {
     let tile = lpmm_backend::abi::TILE as usize;
@@ -775,6 +799,66 @@ $__internal_0_slowpath:
         // With the call's block: one more.
         assert_eq!(p.cold, 8);
         assert_eq!(p.path.len(), 7);
+    }
+
+    #[test]
+    fn the_budgets_are_issue_57s() {
+        // 8-bit AdamW bf16 (nearest) 100, with stochastic rounding 115; 4-bit AdamW 100 (115
+        // with a stochastically rounded parameter); LPMM-SGDM 120; Lion 8-bit 80; f32 AdamW 75.
+        let want = [
+            ("adamw_f32", 75.0),
+            ("adamw_8bit", 100.0),
+            ("adamw_8bit_bf16", 100.0),
+            ("adamw_8bit_bf16_sr", 115.0),
+            ("adamw_4bit", 100.0),
+            ("adamw_4bit_bf16", 100.0),
+            ("adamw_4bit_bf16_sr_released", 115.0),
+            ("lpmm_sgdm", 120.0),
+            ("lion_8bit", 80.0),
+        ];
+        let plans = lpmm_backend::plans::plans();
+        for (preset, b) in want {
+            let of: Vec<f64> = plans
+                .iter()
+                .filter(|p| p.preset == preset)
+                .map(budget)
+                .collect();
+            assert!(!of.is_empty(), "{preset} has plans");
+            assert!(of.iter().all(|&x| x == b), "{preset}: {of:?}, want {b}");
+        }
+        assert_eq!(
+            plans
+                .iter()
+                .filter(|p| !want.iter().any(|w| w.0 == p.preset))
+                .count(),
+            0,
+            "every plan's preset has a budget above"
+        );
+    }
+
+    #[test]
+    fn bytes_per_element_are_the_benchmarks() {
+        // docs/BENCHMARKS.md: 8-bit AdamW with bf16 parameter and accumulator 12.06 B/param; f32
+        // AdamW with an f32 accumulator 32, and 2 more for a bf16 gradient read.
+        let of = |name: &str| {
+            let p = lpmm_backend::plans::plans()
+                .iter()
+                .find(|p| p.name == name)
+                .unwrap();
+            bytes_per_element(p)
+        };
+        assert!((of("lpmm_plan_adamw_8bit_bf16_acc") - 12.0625).abs() < 1e-9);
+        assert!((of("lpmm_plan_adamw_f32_acc") - 32.0).abs() < 1e-9);
+        assert!((of("lpmm_plan_adamw_f32_acc_bf16") - 34.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn line_information_is_read() {
+        let sass = "//--------------------- .text.k --------------------------\n\t//## File \"a.cu\", line 20 inlined at \"a.cu\", line 7\n\t//## File \"a.cu\", line 7\n        /*0000*/                   FADD R1, R2, R3 ;\n        /*0010*/                   FMUL R1, R2, R3 ;\n\t//## File \"a.cu\", line 9\n        /*0020*/                   EXIT ;\n";
+        let f = &functions(sass)["k"];
+        assert_eq!(f.code[0].lines, [20, 7]);
+        assert_eq!(f.code[1].lines, [20, 7]);
+        assert_eq!(f.code[2].lines, [9]);
     }
 
     #[test]
