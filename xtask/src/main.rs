@@ -28,11 +28,16 @@
 //! site-packages directory) or by `python3`; as the dynamic loader reads `LD_LIBRARY_PATH` only at start, xtask re-runs itself with the wheel's
 //! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
 //!
+//! Then it checks the specialized steps' static gates on the committed PTX (`lpmm_cuda::sass`:
+//! `ptxas -v`'s registers, stack frame and spills; from the SASS of the pinned `nvdisasm`,
+//! 128-bit accesses, barriers and each kernel's fast-path instructions per element against its
+//! budget) and fails if one breaks them.
+//!
 //! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.
-//! - `--report`: then prints the specialized steps' static figures for every architecture
-//!   (`ptxas -v`: registers, stack frame, spills; SASS from the pinned `nvdisasm`: fast-path
-//!   instructions per element, 128-bit accesses, barriers, shuffles; `lpmm_cuda::sass`) and fails
-//!   if one breaks its gates.
+//! - `--report`: prints the figures for every architecture, where each fast path's instructions
+//!   go (from a build with line information) and the issue-rate model's estimate of each kernel
+//!   at 1e9 parameters on an H200 (`--calibration FILE`: the rate a device run measured).
+//! - `--json FILE`: writes the figures as JSON.
 //!
 //! `gpu-bundle` builds every GPU test binary and the GPU example on a machine without a GPU or a
 //! CUDA toolkit, and packs them with `xtask/gpu-run.sh`, which runs them on a GPU machine
@@ -63,14 +68,24 @@ enum Task {
         /// Only the cases whose id contains this.
         filter: Option<String>,
     },
-    /// Builds (checks) lpmm-cuda's PTX with the pinned NVRTC wheel.
+    /// Builds (checks) lpmm-cuda's PTX with the pinned NVRTC wheel, and checks the specialized
+    /// steps' static gates (their instruction budgets included).
     Kernels {
         /// Check instead of writing.
         #[arg(long)]
         check: bool,
-        /// Print the specialized steps' static figures (ptxas -v, SASS) and check their gates.
+        /// Print the specialized steps' static figures (ptxas -v, SASS), where their
+        /// instructions go and the issue-rate model's estimates.
         #[arg(long)]
         report: bool,
+        /// With `--report`: the model's rate from a device run (crates/lpmm-cuda/gpu/run.sh's
+        /// calibration.json: `rate_warp_instructions_per_s`) instead of the H200's default.
+        #[arg(long)]
+        calibration: Option<PathBuf>,
+        /// Also write the figures as JSON (what crates/lpmm-cuda/gpu/prepare.sh stages for the
+        /// device run's calibration).
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
     /// Builds the GPU test binaries and the GPU example, without a GPU or a CUDA toolkit, into
     /// target/gpu-bundle/bundle.tar.xz, run on a GPU machine by xtask/gpu-run.sh.
@@ -91,7 +106,12 @@ fn main() -> ExitCode {
             report_only,
             filter,
         } => bench(quick, peers, report_only, filter),
-        Task::Kernels { check, report } => kernels(check, report),
+        Task::Kernels {
+            check,
+            report,
+            calibration,
+            json,
+        } => kernels(check, report, calibration.as_deref(), json.as_deref()),
         Task::Codegen { check } => codegen(check),
         Task::GpuBundle => gpu_bundle::gpu_bundle(),
     };
@@ -243,7 +263,12 @@ fn bench(
 /// Set in the environment of the re-run with `LD_LIBRARY_PATH` (so it happens once).
 const REEXEC_GUARD: &str = "LPMM_XTASK_NVRTC_REEXEC";
 
-fn kernels(check: bool, report: bool) -> Result<(), String> {
+fn kernels(
+    check: bool,
+    report: bool,
+    calibration: Option<&Path>,
+    json: Option<&Path>,
+) -> Result<(), String> {
     use lpmm_cuda::kernels;
     let wheels = kernels::wheel_paths().map_err(|e| e.to_string())?;
     // NVRTC is loaded by name, through LD_LIBRARY_PATH as it was when the process started.
@@ -313,10 +338,11 @@ fn kernels(check: bool, report: bool) -> Result<(), String> {
             println!("{arch}: wrote {}", path.display());
         }
     }
-    if report {
-        static_report(&wheels, &ptx_dir, &tmp)?;
-    }
+    // The gates run on the committed PTX, also with `--check` (CI): a kernel over its
+    // instruction budget fails the build.
+    let gates = static_report(&wheels, &ptx_dir, &tmp, report, calibration, json);
     if differ.is_empty() {
+        gates?;
         Ok(())
     } else {
         Err(format!(
@@ -327,12 +353,18 @@ fn kernels(check: bool, report: bool) -> Result<(), String> {
     }
 }
 
-/// `kernels --report`: the specialized steps' figures for every architecture (the committed
-/// PTX assembled by ptxas, its SASS read with nvdisasm) as a table, and their gates.
+/// The specialized steps' static gates for every architecture (the committed PTX assembled by
+/// ptxas, its SASS read with nvdisasm); with `report`, their figures as tables: the gates', where
+/// the fast paths' instructions go (a build with line information, checked to count the same),
+/// and the issue-rate model's estimates (`calibration`: a device run's rate). `json`: the figures
+/// as JSON.
 fn static_report(
     wheels: &lpmm_cuda::kernels::WheelPaths,
     ptx_dir: &Path,
     tmp: &Path,
+    report: bool,
+    calibration: Option<&Path>,
+    json: Option<&Path>,
 ) -> Result<(), String> {
     use lpmm_cuda::sass;
     let mut all = Vec::new();
@@ -346,7 +378,82 @@ fn static_report(
             tmp,
         )?);
     }
-    println!("{}", sass::table(&all));
+    if let Some(path) = json {
+        let rows: Vec<Value> = all
+            .iter()
+            .map(|f| {
+                json!({
+                    "kernel": f.name,
+                    "arch": f.arch,
+                    "per_element": f.per_element(),
+                    "budget": f.budget,
+                    "with_cold_paths": f.cold_per_element(),
+                    "registers": f.resources.registers,
+                })
+            })
+            .collect();
+        let doc = json!({
+            "command": sass::COMMAND,
+            "model_rate_warp_instructions_per_s": sass::lines::H200_RATE,
+            "torch_f32_ms_1e9": sass::lines::TORCH_F32_MS,
+            "kernels": rows,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    if report {
+        println!("{}", sass::table(&all));
+        let mut rows = Vec::new();
+        for (arch, _) in lpmm_cuda::kernels::ARCHS.iter().rev() {
+            let ptx = lpmm_cuda::kernels::compile_with_lines(arch, &wheels.include_dirs())
+                .map_err(|e| e.to_string())?;
+            let path = tmp.join(format!("lpmm.{arch}.lineinfo.ptx"));
+            std::fs::write(&path, ptx).map_err(|e| e.to_string())?;
+            rows.extend(sass::breakdowns(
+                &wheels.ptxas,
+                &wheels.nvdisasm,
+                arch,
+                &path,
+                tmp,
+                lpmm_cuda::kernels::SOURCE,
+            )?);
+        }
+        for (name, arch, per, _) in &rows {
+            let committed = all
+                .iter()
+                .find(|f| &f.name == name && &f.arch == arch)
+                .map_or(f64::NAN, |f| f.per_element());
+            if (committed - per).abs() > 1e-9 {
+                println!(
+                    "note: {name} ({arch}): the line-information build's fast path has {per:.2} \
+                     instructions per element, the committed build's {committed:.2}"
+                );
+            }
+        }
+        println!(
+            "Where the fast path's instructions go, per element (`// sass:` regions of the \
+             kernel sources; a build with line information):\n"
+        );
+        println!("{}", sass::lines::breakdown_table(&rows));
+        let rate = match calibration {
+            None => sass::lines::H200_RATE,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let v: Value =
+                    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                v["rate_warp_instructions_per_s"].as_f64().ok_or_else(|| {
+                    format!(
+                        "{}: no rate_warp_instructions_per_s (a dry run measures none)",
+                        path.display()
+                    )
+                })?
+            }
+        };
+        println!("{}", sass::lines::summary(&all, rate));
+    }
     let broken: Vec<String> = all
         .iter()
         .flat_map(|f| {
@@ -356,10 +463,18 @@ fn static_report(
         })
         .collect();
     if broken.is_empty() {
-        println!("every specialized step meets its static gates");
+        println!(
+            "every specialized step meets its static gates ({} kernels, {} architectures)",
+            all.len() / lpmm_cuda::kernels::ARCHS.len(),
+            lpmm_cuda::kernels::ARCHS.len()
+        );
         Ok(())
     } else {
-        Err(format!("static gates broken:\n{}", broken.join("\n")))
+        Err(format!(
+            "static gates broken (`{}` prints the figures):\n{}",
+            sass::COMMAND,
+            broken.join("\n")
+        ))
     }
 }
 
