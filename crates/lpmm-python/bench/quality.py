@@ -47,7 +47,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--d", type=int, default=192)

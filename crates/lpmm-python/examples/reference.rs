@@ -94,7 +94,9 @@ impl Gradients<lpmm_optim::Cpu> for StepGrads {
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    let path = std::env::args().nth(1).ok_or("usage: reference SPEC.json")?;
+    let path = std::env::args()
+        .nth(1)
+        .ok_or("usage: reference SPEC.json")?;
     let spec: Spec = serde_json::from_str(&std::fs::read_to_string(path)?)?;
     let mut opt = Optimizer::new(spec.options)?;
     for p in &spec.params {

@@ -9,7 +9,7 @@
 //! leaves integer tensors alone. A lent parameter's values are the tensor itself (the model's
 //! state dict holds them): its primary region is not saved, and on load it is the tensor's.
 
-use lpmm_optim::backend::HostValuesMut;
+use lpmm_optim::backend::{HostValues, HostValuesMut};
 use lpmm_optim::{Cpu, LrRule, Optimizer, OptimizerOptions, ParamConfig, RuleState, SlotKind};
 use serde::{Deserialize, Serialize};
 
@@ -35,7 +35,8 @@ struct Meta {
     pending: bool,
     lr_rule: LrRule,
     rule_state: RuleState,
-    /// Whether the parameter was the tensor (its primary region not saved).
+    /// Whether the parameter's values are the tensor's alone (lent, with no other region): they
+    /// are not saved here, the model's state dict holds them.
     lent: bool,
     /// The optimizer's options and `step()` count (the same in every parameter's metadata).
     options: OptimizerOptions,
@@ -74,10 +75,14 @@ pub fn save(
     let canonical = engine.opt.canonical_lent(Some(&mut Buffers { buffers }))?;
     let mut out = Vec::with_capacity(canonical.params.len());
     for (p, entry) in canonical.params.into_iter().zip(&engine.params) {
+        // A lent parameter whose storage has other regions (a Kahan compensation, a split
+        // remainder) keeps its values here too: those regions mean something only beside them,
+        // and a load writes them into the tensor whether the model was loaded before or after.
+        let omit = entry.lent && p.slots[SlotKind::Param as usize].regions.len() == 1;
         let mut regions = Vec::new();
         for (slot, host) in SlotKind::ALL.into_iter().zip(p.slots) {
             for r in host.regions {
-                if entry.lent && slot == SlotKind::Param && r.spec.suffix.is_empty() {
+                if omit && slot == SlotKind::Param && r.spec.suffix.is_empty() {
                     continue;
                 }
                 regions.push((key(slot, r.spec.suffix), r.bytes));
@@ -95,7 +100,7 @@ pub fn save(
             pending: p.pending,
             lr_rule: p.lr_rule,
             rule_state: p.rule_state,
-            lent: entry.lent,
+            lent: omit,
             options: canonical.options,
             global_steps: canonical.global_steps,
         };
@@ -192,11 +197,21 @@ fn load_parts(
     opt.set_steps(global_steps)?;
     let mut entries = Vec::with_capacity(params.len());
     let mut held = Vec::new();
+    // Saved values of lent parameters, imported into a copy of the tensor and written into the
+    // tensor only once everything has loaded.
+    let mut written: Vec<(usize, Scratch)> = Vec::new();
     for (((s, m), e), buffer) in saved.iter().zip(&metas).zip(params).zip(buffers.iter_mut()) {
         let Some(buffer) = buffer else {
             return Err(state_err(&e.name, "its tensor was not given"));
         };
-        let resolved = m.requested.resolve(e.numel, &e.shape);
+        // torch's param group holds the hyperparameters in force (the saved param groups, which
+        // torch's `load_state_dict` restored): a scheduler may have changed them after the last
+        // step.
+        let group = groups
+            .get(e.group)
+            .ok_or_else(|| state_err(&e.name, format!("no group {}", e.group)))?;
+        let requested = m.requested.with_hyper(group.config.hyper);
+        let resolved = requested.resolve(e.numel, &e.shape);
         let lent = crate::config::lendable(resolved.param, e.dtype);
         if m.lent && !lent {
             return Err(state_err(
@@ -209,28 +224,27 @@ fn load_parts(
             ));
         }
         let id = if lent {
-            opt.add_lent_param(&e.name, &e.shape, read_only(buffer), e.group, m.requested)?
+            opt.add_lent_param(&e.name, &e.shape, read_only(buffer), e.group, requested)?
         } else {
             let init = vec![0f32; e.numel];
-            opt.add_param_with(&e.name, &e.shape, &init, e.group, m.requested)?
+            opt.add_param_with(&e.name, &e.shape, &init, e.group, requested)?
         };
         opt.restore(id, m.steps, m.accumulations, m.pending, m.lr_rule)?;
         opt.restore_rule_state(id, m.rule_state)?;
         let mut used = 0;
+        let mut scratch = Scratch::of(read_only(buffer));
         for slot in SlotKind::ALL {
             let lend = lent && slot == SlotKind::Param;
             let mut host = opt.export_slot(id, slot, lend.then(|| read_only(buffer)))?;
             for r in &mut host.regions {
-                if lend && r.spec.suffix.is_empty() {
-                    continue; // the tensor's own values
-                }
                 let k = key(slot, r.spec.suffix);
-                let bytes = s
-                    .regions
-                    .iter()
-                    .find(|(name, _)| *name == k)
-                    .map(|(_, b)| b)
-                    .ok_or_else(|| state_err(&e.name, format!("no {k} in its state")))?;
+                let found = s.regions.iter().find(|(name, _)| *name == k);
+                let Some((_, bytes)) = found else {
+                    if lend && m.lent && r.spec.suffix.is_empty() {
+                        continue; // the tensor's own values
+                    }
+                    return Err(state_err(&e.name, format!("no {k} in its state")));
+                };
                 if bytes.len() != r.bytes.len() {
                     return Err(state_err(
                         &e.name,
@@ -244,8 +258,11 @@ fn load_parts(
                 r.bytes.clone_from(bytes);
                 used += 1;
             }
-            opt.import_slot(id, slot, &host, lend.then(|| buffer.reborrow()))
+            opt.import_slot(id, slot, &host, lend.then(|| scratch.values()))
                 .map_err(|err| state_err(&e.name, err))?;
+        }
+        if lent && !m.lent {
+            written.push((id.index(), scratch));
         }
         if used != s.regions.len() {
             let known: Vec<&str> = s.regions.iter().map(|(k, _)| k.as_str()).collect();
@@ -266,6 +283,11 @@ fn load_parts(
             ..e.clone()
         });
     }
+    for (i, scratch) in written {
+        if let Some(b) = &mut buffers[i] {
+            scratch.write(b.reborrow());
+        }
+    }
     for id in held {
         if let Some(b) = &mut buffers[id.index()] {
             opt.read_into(id, SlotKind::Param, b.reborrow())?;
@@ -276,6 +298,36 @@ fn load_parts(
         params: entries,
         groups: groups.to_vec(),
     })
+}
+
+/// A copy of a lent parameter's tensor that a load imports into.
+enum Scratch {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+}
+
+impl Scratch {
+    fn of(values: HostValues<'_>) -> Self {
+        match values {
+            HostValues::F32(v) => Scratch::F32(v.to_vec()),
+            HostValues::Bf16(v) => Scratch::Bf16(v.to_vec()),
+        }
+    }
+
+    fn values(&mut self) -> HostValuesMut<'_> {
+        match self {
+            Scratch::F32(v) => HostValuesMut::F32(v),
+            Scratch::Bf16(v) => HostValuesMut::Bf16(v),
+        }
+    }
+
+    fn write(&self, out: HostValuesMut<'_>) {
+        match (self, out) {
+            (Scratch::F32(v), HostValuesMut::F32(o)) => o.copy_from_slice(v),
+            (Scratch::Bf16(v), HostValuesMut::Bf16(o)) => o.copy_from_slice(v),
+            _ => unreachable!("a copy of the same tensor"),
+        }
+    }
 }
 
 /// The engine with group `group`'s hyperparameters changed to `config`'s (a scheduler changed

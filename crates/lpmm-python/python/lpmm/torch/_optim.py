@@ -288,6 +288,13 @@ class LpmmOptimizer(torch.optim.Optimizer):
                     "bitsandbytes state1 and state2); lpmm.torch loads only its own state dicts. "
                     "Nothing was changed"
                 )
+        for g, group in enumerate(state_dict["param_groups"]):
+            missing = [k for k in self._rule_defaults if k not in group]
+            if missing:
+                raise StateDictError(
+                    f"param group {g} of the state dict has no {', '.join(missing)}: it was written "
+                    f"by another optimizer or preset (this one is {self._preset}). Nothing was changed"
+                )
         old_groups = [dict(g) for g in self.param_groups]
         old_state = self.state
         try:
