@@ -20,45 +20,80 @@ use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
 use crate::engine::{Engine as Inner, GroupEntry, Report};
 use crate::{EngineError, config, state};
 
-/// The Rust heap of the extension, counted: what a step allocates is measured by the tests (a step
-/// over lent tensors allocates no buffer of the parameters' size).
+/// The Rust heap of the extension, counted: the tests measure what a step allocates (over lent
+/// tensors, no buffer of the parameters' size).
 struct Counting;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static ALLOCATED: AtomicU64 = AtomicU64::new(0);
+static LIVE: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+fn allocated(size: usize) {
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    ALLOCATED.fetch_add(size as u64, Ordering::Relaxed);
+    let live = LIVE.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
+    PEAK.fetch_max(live, Ordering::Relaxed);
+}
+
+fn freed(size: usize) {
+    LIVE.fetch_sub(size as u64, Ordering::Relaxed);
+}
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counters are only
 // statistics.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        ALLOCATED.fetch_add(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: the caller's contract for `alloc` is `System.alloc`'s.
-        unsafe { System.alloc(layout) }
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            allocated(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `alloc_zeroed` is `System.alloc_zeroed`'s.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            allocated(layout.size());
+        }
+        p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        freed(layout.size());
         // SAFETY: `ptr` was allocated by `System` (above) with `layout`.
         unsafe { System.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        ALLOCATED.fetch_add(new_size as u64, Ordering::Relaxed);
         // SAFETY: the caller's contract for `realloc` is `System.realloc`'s.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            freed(layout.size());
+            allocated(new_size);
+        }
+        p
     }
 }
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Allocations by the extension's Rust code so far: `(count, bytes)`.
+/// The extension's Rust allocations so far: `(count, bytes, live bytes, peak live bytes)`.
+/// `reset_peak` first sets the peak to what is live now.
 #[pyfunction]
-fn allocations() -> (u64, u64) {
+#[pyo3(signature = (reset_peak=false))]
+fn allocations(reset_peak: bool) -> (u64, u64, u64, u64) {
+    if reset_peak {
+        PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
     (
         ALLOCATIONS.load(Ordering::Relaxed),
         ALLOCATED.load(Ordering::Relaxed),
+        LIVE.load(Ordering::Relaxed),
+        PEAK.load(Ordering::Relaxed),
     )
 }
 
@@ -168,7 +203,7 @@ fn view<'py>(
         raise(
             py,
             class,
-            format!("{what} of {name}: {reason}; nothing was changed"),
+            format!("{what} {name}: {reason}; nothing was changed"),
             Some(name),
         )
     };
@@ -287,7 +322,7 @@ fn check_aliasing(py: Python<'_>, views: &[&View<'_>]) -> PyResult<()> {
                 py,
                 "AliasError",
                 format!(
-                    "the {} of {} shares memory with the {} of {}: lpmm would write one while reading or writing the other; nothing was changed",
+                    "the {} {} shares memory with the {} {}: lpmm would write one while reading or writing the other; nothing was changed",
                     a.what, a.name, b.what, b.name
                 ),
                 Some(&a.name),
@@ -429,7 +464,7 @@ impl Engine {
             };
             let g = match grads.get(i) {
                 Some(g) if !g.is_none() => {
-                    let g = view(torch, g, name, "gradient", true)?;
+                    let g = view(torch, g, name, "gradient of", true)?;
                     if g.len != entry.numel {
                         return Err(raise(
                             py,
@@ -764,7 +799,7 @@ impl Engine {
             let mut rs = Vec::new();
             for (k, t) in regions.iter() {
                 let key: String = k.extract()?;
-                rs.push((key, view(&torch, &t, &name, "state entry", false)?));
+                rs.push((key, view(&torch, &t, &name, "state entry of", false)?));
             }
             metas.push(meta.clone());
             views.push(rs);
