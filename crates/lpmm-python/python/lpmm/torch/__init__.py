@@ -161,7 +161,7 @@ class AdEMAMix8bit(LpmmOptimizer):
         betas=(0.9, 0.999, 0.9999),
         alpha=5.0,
         eps=1e-8,
-        weight_decay=0.0,
+        weight_decay=1e-2,
         t_alpha=None,
         t_beta3=None,
         **options,
