@@ -187,7 +187,16 @@ def test_non_leaf_parameter():
 
 def test_non_finite_initial_values():
     p = torch.nn.Parameter(torch.tensor([1.0, float("inf"), 2.0]))
-    refused(lpmm.TensorError, "finite", lambda: lpmm.torch.AdamW8bit([("w", p)]))
+    refused(lpmm.TensorError, "NaN or infinite", lambda: lpmm.torch.AdamW8bit([("w", p)]))
+    # A group added later with such a parameter, or with a name already taken: not added, and the
+    # optimizer goes on.
+    m = mlp()
+    opt = lpmm.torch.AdamW8bit(m.named_parameters(), lr=1e-2)
+    refused(lpmm.TensorError, "NaN or infinite", lambda: opt.add_param_group({"params": [("w", p)]}))
+    q = torch.nn.Parameter(torch.ones(3))
+    refused(lpmm.ConfigError, "named '0.bias'", lambda: opt.add_param_group({"params": [("0.bias", q)]}))
+    assert len(opt.param_groups) == 1
+    train(m, opt, 1)
 
 
 @pytest.mark.parametrize("policy", ["skip_step", "skip_elements"])

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from .. import _lpmm
-from .._errors import AliasError, ConfigError, StateDictError
+from .._errors import AliasError, ConfigError, StateDictError, StepError, TensorError
 
 __all__ = ["LpmmOptimizer", "NonFiniteGradientWarning"]
 
@@ -124,6 +124,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
         self._index = {}  # id(tensor) -> engine index
         self._synced = []  # each group's hyperparameters as the engine has them
         self._hooks = []
+        self._broken = None  # why the optimizer cannot go on, if it cannot
         self._count = 0  # parameters in all groups, registered or not (torch's indexing)
         #: The last step's report: ``updated``, ``skipped``, ``non_finite`` (names),
         #: ``grad_norm``, ``missing`` (names).
@@ -154,10 +155,20 @@ class LpmmOptimizer(torch.optim.Optimizer):
                     )
                 new.append((name, p, self._count + i))
             stepped = [(n, p, k) for n, p, k in new if p.numel() > 0]
+            taken = {self._engine.name(i) for i in range(len(self._params))}
+            for name, p, _ in stepped:
+                if name in taken:
+                    raise ConfigError(f"two parameters are named {name!r}", name)
+                taken.add(name)
             _lpmm.check(
                 [self._engine.name(i) for i in range(len(self._params))] + [n for n, _, _ in stepped],
                 self._params + [p for _, p, _ in stepped],
             )
+            for name, p, _ in stepped:
+                if p.is_floating_point() and not torch.isfinite(p.detach()).all():
+                    raise TensorError(
+                        f"parameter {name} holds NaN or infinite values; nothing was changed", name
+                    )
             hyper = self._hyper(group)
             index = self._engine.add_group(
                 self._preset, json.dumps(hyper), self._param_storage, self._min_quantized_size
@@ -169,7 +180,12 @@ class LpmmOptimizer(torch.optim.Optimizer):
             raise
         self._synced.append(hyper)
         for name, p, k in stepped:
-            self._engine.add_param(name, p, list(p.shape), g)
+            try:
+                self._engine.add_param(name, p, list(p.shape), g)
+            except BaseException as e:
+                # Checked above, so not expected: lpmm has part of the group; refuse to go on.
+                self._broken = f"registering {name} failed ({e}); create the optimizer again"
+                raise
             self._index[id(p)] = len(self._params)
             self._params.append(p)
             self._torch_index.append(k)
@@ -225,6 +241,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_usable()
         self._sync()
         grads = [p.grad for p in self._params]
         params = [None if g is None else p for p, g in zip(self._params, grads)]
@@ -232,11 +249,16 @@ class LpmmOptimizer(torch.optim.Optimizer):
         self._finish(report, [p for p in params if p is not None])
         return loss
 
+    def _check_usable(self):
+        if self._broken:
+            raise StepError(self._broken)
+
     def _release(self, p):
         """The post-accumulate-grad hook of ``grad_release``: steps ``p`` and frees its
         gradient."""
         if p.grad is None:
             return
+        self._check_usable()
         self._sync()
         with torch.no_grad():
             report = self._engine.step_param(self._index[id(p)], p, p.grad)
