@@ -19,6 +19,7 @@ import torch
 from chargpt import CharGPT, batch, load_text, loss_of
 
 ARMS = [
+    "none",
     "torch_adamw",
     "torch_adamw_bf16",
     "bnb_adamw8bit",
@@ -39,7 +40,23 @@ def status(key):
     raise KeyError(key)
 
 
+class NoOptimizer:
+    """The baseline: the same forward and backward passes, no optimizer step."""
+
+    def __init__(self, params):
+        self.params = list(params)
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 def optimizer(arm, params):
+    if arm == "none":
+        return NoOptimizer(params)
     if arm.startswith("torch_adamw"):
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if arm == "bnb_adamw8bit":

@@ -36,11 +36,13 @@ def optimizer(arm, params, lr, seed):
         return lpmm.torch.AdamW4bit(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.1, seed=seed)
     if arm == "lpmm_sgdm":  # 8-bit parameters and momentum, stochastic rounding
         return lpmm.torch.LPMMSGDM(params, lr=lr, momentum=0.9, seed=seed)
+    if arm == "lpmm_sgdm_f32_params":  # the 8-bit momentum alone: the parameters stay f32 tensors
+        return lpmm.torch.LPMMSGDM(params, lr=lr, momentum=0.9, seed=seed, param_storage="auto")
     raise SystemExit(f"unknown arm {arm}")
 
 
 BF16_ARMS = ("lpmm_adamw8bit_bf16_sr", "torch_adamw_bf16")
-SGD_ARMS = ("torch_sgdm", "lpmm_sgdm")
+SGD_ARMS = ("torch_sgdm", "lpmm_sgdm", "lpmm_sgdm_f32_params")
 
 
 def main():
