@@ -35,6 +35,8 @@ def make(arm, n):
     else:
         import lpmm.torch
 
+        if arm == "lpmm_adamw8bit_skip_elements":  # without the non-finite pre-pass
+            return p, lpmm.torch.AdamW8bit([p], lr=1e-3, non_finite="skip_elements")
         cls = {
             "lpmm_adamw8bit": lpmm.torch.AdamW8bit,
             "lpmm_adamw4bit": lpmm.torch.AdamW4bit,
@@ -75,6 +77,7 @@ ARMS = [
     "torchao_adamw8bit_bf16",
     "lpmm_adamw8bit_f32",
     "lpmm_adamw8bit_bf16",
+    "lpmm_adamw8bit_skip_elements_f32",
     "lpmm_adamw4bit_f32",
     "lpmm_adamw4bit_bf16",
     "lpmm_lion8bit_f32",
