@@ -12,6 +12,7 @@
 //! little-endian bytes of `dtype`. The checkpoint is `Optimizer::save`'s safetensors file: every
 //! parameter's slots after the steps.
 
+use lpmm_optim::Checkpoint;
 use std::error::Error;
 
 use half::bf16;
@@ -116,6 +117,6 @@ fn main() -> Result<(), Box<dyn Error>> {
             return Err(format!("step {step} was skipped").into());
         }
     }
-    opt.save(&spec.checkpoint)?;
+    opt.save(&spec.checkpoint, Checkpoint::new())?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use lpmm_optim::{
     Cpu, Gradients, Lender, Lent, MissingGradientPolicy, OptimError, Optimizer, OptimizerOptions,
     ParamConfig, ParamId, SlotKind, Step, StepReport, Storage, WithGradient,
 };
+use lpmm_optim::{Mode, Out};
 
 use crate::{EngineError, config};
 
@@ -135,7 +136,7 @@ impl Engine {
         missing: MissingGradientPolicy,
     ) -> Result<Self, EngineError> {
         let mut opt = Optimizer::new(options)?;
-        opt.set_missing_gradient(missing);
+        opt.settings_mut().missing_gradient = missing;
         Ok(Engine {
             opt,
             params: Vec::new(),
@@ -204,7 +205,8 @@ impl Engine {
         } else {
             let init = to_f32(read_only(&values));
             let id = self.opt.add_param_with(name, shape, &init, group, config)?;
-            self.opt.read_into(id, SlotKind::Param, values.reborrow())?;
+            self.opt
+                .read(id, SlotKind::Param, Out::Backend(values.reborrow()))?;
             id
         };
         self.params.push(ParamEntry {
@@ -253,7 +255,7 @@ impl Engine {
         if !report.skipped {
             for (id, buffer) in held {
                 if grads[id.index()].is_some() {
-                    self.opt.read_into(id, SlotKind::Param, buffer)?;
+                    self.opt.read(id, SlotKind::Param, Out::Backend(buffer))?;
                 }
             }
         }
@@ -279,7 +281,8 @@ impl Engine {
         } else {
             let report = self.opt.step(Step::param(id, grad))?;
             if !report.skipped {
-                self.opt.read_into(id, SlotKind::Param, param.reborrow())?;
+                self.opt
+                    .read(id, SlotKind::Param, Out::Backend(param.reborrow()))?;
             }
             report
         };
@@ -295,15 +298,12 @@ impl Engine {
     ) -> Result<(), EngineError> {
         self.check_lengths(params.len(), params.len())?;
         let mut lender = Buffers { buffers: params };
-        if eval {
-            self.opt.eval(Lent::Lender(&mut lender))?;
-        } else {
-            self.opt.train(Lent::Lender(&mut lender))?;
-        }
+        let mode = if eval { Mode::Eval } else { Mode::Train };
+        self.opt.set_mode(mode, Lent::Lender(&mut lender))?;
         for entry in self.params.iter().filter(|e| !e.lent) {
             if let Some(b) = &mut lender.buffers[entry.id.index()] {
                 self.opt
-                    .read_into(entry.id, SlotKind::Param, b.reborrow())?;
+                    .read(entry.id, SlotKind::Param, Out::Backend(b.reborrow()))?;
             }
         }
         Ok(())
@@ -311,7 +311,7 @@ impl Engine {
 
     /// Whether the parameters hold their evaluation point.
     pub fn in_eval(&self) -> bool {
-        self.opt.in_eval()
+        self.opt.status().mode == Mode::Eval
     }
 
     fn check_lengths(&self, params: usize, grads: usize) -> Result<(), EngineError> {
@@ -398,7 +398,7 @@ mod tests {
             reference.step(&mut grads).unwrap();
         }
         let mut expected = vec![0f32; n];
-        reference.read_param(r, &mut expected).unwrap();
+        reference.read(r, SlotKind::Param, &mut expected).unwrap();
         assert_eq!(
             w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             expected.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
@@ -419,7 +419,9 @@ mod tests {
         assert!(!e.params()[0].lent);
         assert_ne!(w, before, "the buffer holds the 8-bit parameter's value");
         let mut read = vec![0f32; n];
-        e.opt.read_param(e.params()[0].id, &mut read).unwrap();
+        e.opt
+            .read(e.params()[0].id, SlotKind::Param, &mut read)
+            .unwrap();
         assert_eq!(w, read);
         let g = grad(n, 1);
         e.step(
@@ -427,7 +429,9 @@ mod tests {
             &[Some(HostValues::F32(&g))],
         )
         .unwrap();
-        e.opt.read_param(e.params()[0].id, &mut read).unwrap();
+        e.opt
+            .read(e.params()[0].id, SlotKind::Param, &mut read)
+            .unwrap();
         assert_eq!(w, read);
         assert_ne!(w, before);
     }

@@ -600,7 +600,8 @@ impl Engine {
         let storage = self
             .inner
             .optimizer()
-            .config(p.id)
+            .param(p.id)
+            .map(|p| p.config)
             .map_err(|e| engine_err(py, e.into()))?
             .param
             .describe();
@@ -849,7 +850,8 @@ impl Engine {
         let config = self
             .inner
             .optimizer()
-            .config(p.id)
+            .param(p.id)
+            .map(|p| p.config)
             .map_err(|e| engine_err(py, e.into()))?;
         let d = PyDict::new(py);
         d.set_item("name", &p.name)?;

@@ -1,6 +1,6 @@
 //! The optimizer's state as torch state-dict entries, and back: every use of lpmm-optim's
-//! checkpoint and slot functions (`canonical_lent`, `export_slot`, `import_slot`, `restore`,
-//! `restore_rule_state`, `set_steps`) is in this module, so that their rework moves one file.
+//! checkpoint and slot functions for implementors (`Parts::canonical`, `Parts::export_slot`,
+//! `PartsMut::import_slot`, `restore`, `restore_rule_state`, `set_steps`) is in this module.
 //!
 //! A parameter's state is its metadata (a JSON string: counters, the configuration, the
 //! optimizer's options and step count) and its slots' regions as raw little-endian bytes, each
@@ -11,6 +11,7 @@
 
 use lpmm_optim::backend::{HostValues, HostValuesMut};
 use lpmm_optim::{Cpu, LrRule, Optimizer, OptimizerOptions, ParamConfig, RuleState, SlotKind};
+use lpmm_optim::{Mode, Out, Parts, PartsMut};
 use serde::{Deserialize, Serialize};
 
 use crate::EngineError;
@@ -67,12 +68,12 @@ pub fn save(
     engine: &Engine,
     buffers: &mut [Option<HostValuesMut<'_>>],
 ) -> Result<Vec<Saved>, EngineError> {
-    if engine.opt.in_eval() {
+    if engine.opt.status().mode == Mode::Eval {
         return Err(EngineError::State(
             "the parameters hold their evaluation point: call train() before state_dict()".into(),
         ));
     }
-    let canonical = engine.opt.canonical_lent(Some(&mut Buffers { buffers }))?;
+    let canonical = Parts::of(&engine.opt).canonical(Some(&mut Buffers { buffers }))?;
     let mut out = Vec::with_capacity(canonical.params.len());
     for (p, entry) in canonical.params.into_iter().zip(&engine.params) {
         // A lent parameter whose storage has other regions (a Kahan compensation, a split
@@ -187,14 +188,14 @@ fn load_parts(
             Ok(m)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let options = metas.first().map_or(*old.options(), |m| m.options);
+    let options = metas.first().map_or(old.status().options, |m| m.options);
     let global_steps = metas.first().map_or(0, |m| m.global_steps);
     let mut opt = Optimizer::new(options)?;
-    opt.set_missing_gradient(old.missing_gradient());
+    opt.settings_mut().missing_gradient = old.status().settings.missing_gradient;
     for g in groups {
         opt.add_group(g.config)?;
     }
-    opt.set_steps(global_steps)?;
+    PartsMut::of(&mut opt).set_steps(global_steps)?;
     let mut entries = Vec::with_capacity(params.len());
     let mut held = Vec::new();
     // Saved values of lent parameters, imported into a copy of the tensor and written into the
@@ -229,13 +230,14 @@ fn load_parts(
             let init = vec![0f32; e.numel];
             opt.add_param_with(&e.name, &e.shape, &init, e.group, requested)?
         };
-        opt.restore(id, m.steps, m.accumulations, m.pending, m.lr_rule)?;
-        opt.restore_rule_state(id, m.rule_state)?;
+        PartsMut::of(&mut opt).restore(id, m.steps, m.accumulations, m.pending, m.lr_rule)?;
+        PartsMut::of(&mut opt).restore_rule_state(id, m.rule_state)?;
         let mut used = 0;
         let mut scratch = Scratch::of(read_only(buffer));
         for slot in SlotKind::ALL {
             let lend = lent && slot == SlotKind::Param;
-            let mut host = opt.export_slot(id, slot, lend.then(|| read_only(buffer)))?;
+            let mut host =
+                Parts::of(&opt).export_slot(id, slot, lend.then(|| read_only(buffer)))?;
             for r in &mut host.regions {
                 let k = key(slot, r.spec.suffix);
                 let found = s.regions.iter().find(|(name, _)| *name == k);
@@ -258,7 +260,8 @@ fn load_parts(
                 r.bytes.clone_from(bytes);
                 used += 1;
             }
-            opt.import_slot(id, slot, &host, lend.then(|| scratch.values()))
+            PartsMut::of(&mut opt)
+                .import_slot(id, slot, &host, lend.then(|| scratch.values()))
                 .map_err(|err| state_err(&e.name, err))?;
         }
         if lent && !m.lent {
@@ -290,7 +293,7 @@ fn load_parts(
     }
     for id in held {
         if let Some(b) = &mut buffers[id.index()] {
-            opt.read_into(id, SlotKind::Param, b.reborrow())?;
+            opt.read(id, SlotKind::Param, Out::Backend(b.reborrow()))?;
         }
     }
     Ok(Engine {
