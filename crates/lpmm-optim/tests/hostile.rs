@@ -273,7 +273,7 @@ fn round_trips(opt: &Optimizer, name: &str) -> Seen {
         Err(e) => return Seen::Silent(format!("saved, then refused on load: {e}")),
     };
     let (a, b) = (
-        Parts::of(&opt).canonical(None).unwrap(),
+        Parts::of(opt).canonical(None).unwrap(),
         Parts::of(&back).canonical(None).unwrap(),
     );
     if a.to_bytes().unwrap() == b.to_bytes().unwrap() {
