@@ -124,9 +124,9 @@ fn step(c: &mut Criterion) {
                     );
                 }
                 simd::force(None);
-                opt.set_specialized_kernels(false);
+                opt.settings_mut().specialized_kernels = false;
                 twin(&mut group, &mut opt, id, &grad, name, "generic", n, bytes);
-                opt.set_specialized_kernels(true);
+                opt.settings_mut().specialized_kernels = true;
             }
             if config.grad != Storage::None {
                 // `step(Accumulated)` alone, the gradient accumulated beforehand (not timed); every slot,

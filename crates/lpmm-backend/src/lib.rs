@@ -8,28 +8,56 @@
 //!   when the committed files are stale);
 //! - [`Runtime`]: the little a device must offer (memory, copies, launching an entry point over
 //!   descriptors);
-//! - [`Device`]: lpmm-optim's `Backend` on any runtime — the one host orchestration of
-//!   allocation, batching, gradient statistics, the two-phase step (fold, combine, fused pass),
-//!   export and import, lent parameters and device-resident inputs and outputs.
+//! - [`Device`]: lpmm-optim's `Backend` on any runtime — the one host side of every operation on
+//!   device memory: allocation, descriptors and launch batching, gradient statistics, the step
+//!   primitives (folds, their read-back, the fused pass), export and import, lent parameters and
+//!   device-resident inputs and outputs. The step's schedule, its lent-buffer checks and its
+//!   host combines are lpmm-optim's executor's, the same for every backend.
 //!
-//! This crate touches no GPU API: runtimes do.
+//! This crate touches no GPU API: runtimes do. Its only kernel code is what [`codegen`] writes
+//! from the ABI and the registries; the hand-written kernels are the backends'.
 
 pub mod abi;
+mod arena;
 pub mod codegen;
 mod device;
+#[cfg(test)]
+mod fake;
+mod launch;
 pub mod plans;
 mod runtime;
+mod step;
+mod views;
 
-pub use device::{Device, DeviceInput, DeviceOptions, DeviceOutput, DeviceParam};
+pub use arena::DeviceParam;
+pub use device::{Device, DeviceOptions};
 pub use runtime::{Io, Launch, Limits, Runtime, Specialized};
+pub use views::{DeviceInput, DeviceOutput};
 
 /// What [`device_backend!`] expands to refers to.
 #[doc(hidden)]
 pub mod reexport {
     pub use lpmm_optim::backend::ExactSum;
     pub use lpmm_optim::backend::{
-        Backend, BackendError, Dtype, HostSlot, HostValues, HostValuesMut, Init, ParamLayout,
-        SLOTS, SlotKind, StepWork,
+        Backend, BackendError, Dtype, Folded, HostSlot, HostValues, HostValuesMut, Init,
+        ParamLayout, Phase, SLOTS, SlotKind, StepWork,
+    };
+}
+
+/// A backend newtype's [`StepWork`](lpmm_optim::backend::StepWork) as its [`Device`]'s (the same
+/// buffers; [`device_backend!`]'s forwarding).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! forward_work {
+    ($w:expr) => {
+        $crate::reexport::StepWork {
+            params: &mut *$w.params,
+            layouts: $w.layouts,
+            plans: $w.plans,
+            released: $w.released,
+            lent: &mut *$w.lent,
+            seed: $w.seed,
+        }
     };
 }
 
@@ -133,19 +161,52 @@ macro_rules! device_backend {
             ) -> Result<(), $crate::reexport::BackendError> {
                 self.0.gradient_stats(params, layouts, select, out)
             }
-            fn step(
+            fn prepare(
                 &self,
-                w: $crate::reexport::StepWork<'_, '_, '_, Self>,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
             ) -> Result<(), $crate::reexport::BackendError> {
-                self.0.step($crate::reexport::StepWork {
-                    params: w.params,
-                    layouts: w.layouts,
-                    plans: w.plans,
-                    released: w.released,
-                    lent: w.lent,
-                    seed: w.seed,
-                    non_finite: w.non_finite,
-                })
+                $crate::reexport::Backend::prepare(&self.0, &mut $crate::forward_work!(w))
+            }
+            fn begin_phase(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                phase: $crate::reexport::Phase,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::begin_phase(&self.0, &mut $crate::forward_work!(w), phase)
+            }
+            fn fold(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                phase: $crate::reexport::Phase,
+                pass: usize,
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::fold(&self.0, &mut $crate::forward_work!(w), phase, pass)
+            }
+            fn folded(
+                &self,
+                params: &mut [Self::Param],
+                _layouts: &[$crate::reexport::ParamLayout],
+                ran: &[bool],
+                phase: $crate::reexport::Phase,
+                combine: &mut dyn FnMut(usize, $crate::reexport::Folded<'_>),
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::folded(&self.0, params, _layouts, ran, phase, combine)
+            }
+            fn fused(
+                &self,
+                w: &mut $crate::reexport::StepWork<'_, '_, '_, Self>,
+                non_finite: &mut [bool],
+            ) -> Result<(), $crate::reexport::BackendError> {
+                $crate::reexport::Backend::fused(&self.0, &mut $crate::forward_work!(w), non_finite)
+            }
+            fn swap_wide(
+                &self,
+                param: &mut Self::Param,
+                slot: $crate::reexport::SlotKind,
+                a: usize,
+                b: usize,
+            ) {
+                $crate::reexport::Backend::swap_wide(&self.0, param, slot, a, b)
             }
             fn clear_gradients(
                 &self,

@@ -4,6 +4,8 @@
 //! only the orchestration's error paths are under test (numerics: the conformance suites of
 //! lpmm-wgpu and lpmm-cuda).
 
+use lpmm_optim::Checkpoint;
+use lpmm_optim::{Parts, SlotKind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -133,16 +135,22 @@ fn a_device_lost_in_a_step_is_a_typed_error_and_stays_lost() {
     // Every later call fails the same way, and none panics.
     assert!(lost(&opt.accumulate(w, &vec![0.01; 5000]).unwrap_err()));
     assert!(lost(&opt.step(lpmm_optim::Accumulated).unwrap_err()));
-    assert!(lost(&opt.read_param(w, &mut vec![0.0; 5000]).unwrap_err()));
+    assert!(lost(
+        &opt.read(w, SlotKind::Param, &mut vec![0.0; 5000])
+            .unwrap_err()
+    ));
     assert!(lost(
         &opt.step(lpmm_optim::Step::param(w, &vec![0.01; 5000]))
             .unwrap_err()
     ));
-    assert!(lost(&opt.canonical().unwrap_err()));
+    assert!(lost(&Parts::of(&opt).canonical(None).unwrap_err()));
     assert!(lost(&opt.add_param("v", &[10], &[0.0; 10], 0).unwrap_err()));
     let tmp = lpmm_optim::testing::temp_dir("lpmm-backend-errors-");
     let dir = tmp.path();
-    assert!(lost(&opt.save(dir.join("c.safetensors")).unwrap_err()));
+    assert!(lost(
+        &opt.save(dir.join("c.safetensors"), Checkpoint::new())
+            .unwrap_err()
+    ));
     assert!(
         !dir.join("c.safetensors").exists(),
         "no file from a failed save"
@@ -166,7 +174,7 @@ fn running_out_of_memory_names_the_size() {
         "{err}"
     );
     // Not lost: the optimizer goes on.
-    let id = opt.param_id("small").unwrap();
+    let id = opt.param("small").map(|p| p.id).unwrap();
     opt.accumulate(id, &[0.01; 1000]).unwrap();
     opt.step(lpmm_optim::Accumulated).unwrap();
 }

@@ -262,7 +262,7 @@ impl LpmmOptimizer {
 
     /// Saves lpmm's own safetensors checkpoint (`lpmm_optim::Optimizer::save`'s format),
     /// complete: the parameters' values are read from `module`'s tensors, so it loads anywhere,
-    /// with or without burn (`lpmm_optim::Optimizer::load`).
+    /// with or without burn (`lpmm_optim::Canonical::read(path)?.into_optimizer(backend)`).
     pub fn save_lpmm<M: Module>(
         &self,
         path: impl AsRef<Path>,

@@ -24,7 +24,7 @@ use lpmm_optim::{MissingGradientPolicy, ParamConfig, presets};
 use serde::{Deserialize, Serialize};
 
 use crate::device_memory::{DeviceMemory, HostMemory, MemoryWatch};
-use crate::experiments::{Rng, Text};
+use crate::experiments::{Rng, Text, window_starts, windows_of};
 
 /// Byte-level: one token per byte value.
 pub const VOCAB: usize = 256;
@@ -559,27 +559,6 @@ pub fn byte_split(text: &Text) -> (Vec<u32>, Vec<u32>) {
     (bytes(&text.train), bytes(&text.val))
 }
 
-/// Inputs `(starts, t)` and next-byte targets `(starts * t)` for windows at `starts`.
-fn windows_of(
-    tokens: &[u32],
-    starts: &[usize],
-    t: usize,
-    dev: &Device,
-) -> Result<(Tensor, Tensor)> {
-    let x: Vec<u32> = starts
-        .iter()
-        .flat_map(|&s| tokens[s..s + t].iter().copied())
-        .collect();
-    let y: Vec<u32> = starts
-        .iter()
-        .flat_map(|&s| tokens[s + 1..s + t + 1].iter().copied())
-        .collect();
-    Ok((
-        Tensor::from_vec(x, (starts.len(), t), dev)?,
-        Tensor::from_vec(y, starts.len() * t, dev)?,
-    ))
-}
-
 /// Validation loss and next-byte accuracy over `count` windows spread evenly over `tokens`.
 pub fn evaluate(model: &Gpt, tokens: &[u32], count: usize, dev: &Device) -> Result<(f64, f64)> {
     let t = model.shape.context;
@@ -589,16 +568,7 @@ pub fn evaluate(model: &Gpt, tokens: &[u32], count: usize, dev: &Device) -> Resu
             tokens.len()
         )));
     }
-    let span = tokens.len() - t - 1;
-    let starts: Vec<usize> = (0..count)
-        .map(|k| {
-            if count == 1 {
-                0
-            } else {
-                k * span / (count - 1)
-            }
-        })
-        .collect();
+    let starts = window_starts(count, tokens.len() - t - 1);
     let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
     for chunk in starts.chunks(16) {
         let (x, y) = windows_of(tokens, chunk, t, dev)?;

@@ -19,9 +19,11 @@ use candle_core::{
     CpuStorage, DType, Device, Error, InplaceOp1, Layout, Result, Storage, Tensor, Var,
 };
 use lpmm_cuda::{Cuda, CudaOptions, CudaRuntime, CudaView, DeviceInput, DeviceOutput, ViewElement};
-use lpmm_optim::{OptimError, Optimizer, OptimizerOptions, ParamId, SlotKind};
+use lpmm_optim::Out;
+use lpmm_optim::{OptimError, Optimizer, OptimizerOptions, ParamId, Parts, SlotKind};
 
-use crate::{InPlace, Lane, LentFn, with_values, wrap};
+use crate::error::wrap;
+use crate::lane::{InPlace, Lane, LentFn, with_values};
 
 /// lpmm-cuda on one candle CUDA device's stream.
 #[derive(Debug)]
@@ -58,17 +60,19 @@ impl CudaEngine {
     /// Sets every `Var` lpmm holds a copy of to the parameter: decoded on the device into the
     /// `Var`'s storage for f32 and bf16, through the host for other dtypes.
     pub(crate) fn sync<'v>(&self, vars: impl Iterator<Item = (ParamId, &'v Var)>) -> Result<()> {
-        let backend = self.opt.backend().clone();
+        let backend = Parts::of(&self.opt).backend().clone();
         for (id, var) in vars {
             if matches!(var.dtype(), DType::F32 | DType::BF16) {
                 backend
                     .output(var.as_tensor(), &mut |out| {
-                        self.opt.read_into(id, SlotKind::Param, out)
+                        self.opt.read(id, SlotKind::Param, Out::Backend(out))
                     })
                     .map_err(wrap)?;
             } else {
                 let mut values = vec![0f32; var.elem_count()];
-                self.opt.read_param(id, &mut values).map_err(wrap)?;
+                self.opt
+                    .read(id, SlotKind::Param, &mut values)
+                    .map_err(wrap)?;
                 let t =
                     Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
                 var.set(&t)?;

@@ -20,7 +20,8 @@
 use candle_core::{CpuStorage, DType, Device, Error, Layout, Module, Result, Shape, Tensor, Var};
 use lpmm_optim::ParamId;
 
-use crate::{LpmmOptimizer, Shared};
+use crate::LpmmOptimizer;
+use crate::optimizer::Shared;
 
 /// A parameter lpmm holds for a layer.
 #[derive(Debug, Clone)]

@@ -7,6 +7,7 @@
 //! The stderr test re-runs this test binary as a child (`LPMM_CANDLE_CHILD`), a process with no
 //! `tracing` subscriber, as a user's program built like the README's snippet.
 
+use lpmm_optim::Parts;
 use std::process::Command;
 
 use candle_core::backprop::GradStore;
@@ -161,16 +162,19 @@ fn config(policy: MissingGradientPolicy) -> LpmmConfig {
 fn states(opt: &LpmmOptimizer, m: &Model) -> candle_core::Result<Vec<String>> {
     let names: Vec<String> = m.values()?.into_iter().map(|(n, _)| n).collect();
     opt.with_optimizer(|o| {
-        let mut out = vec![format!("steps {}", o.steps())];
+        let mut out = vec![format!("steps {}", o.status().steps)];
         for name in &names {
-            let id = o.param_id(name).unwrap();
+            let id = o.param(name).map(|p| p.id).unwrap();
             for slot in [SlotKind::State1, SlotKind::State2] {
                 out.push(format!(
                     "{name} {:?}",
-                    o.export_slot(id, slot, None).unwrap()
+                    Parts::of(o).export_slot(id, slot, None).unwrap()
                 ));
             }
-            out.push(format!("{name} {}", o.received_gradient(id).unwrap()));
+            out.push(format!(
+                "{name} {}",
+                o.param(id).map(|p| p.received_gradient).unwrap()
+            ));
         }
         out
     })

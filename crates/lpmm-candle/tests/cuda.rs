@@ -130,7 +130,8 @@ fn state_bits<B: lpmm_optim::backend::Backend>(
     n: usize,
 ) -> Vec<u32> {
     let mut v = vec![0f32; n];
-    opt.read_state(opt.param_id(name).unwrap(), k, &mut v)
+    let id = opt.param(name).unwrap().id;
+    opt.read(id, lpmm_optim::SlotKind::ALL[k + 1], &mut v)
         .unwrap();
     v.into_iter().map(f32::to_bits).collect()
 }

@@ -5,6 +5,7 @@
 //! The cross-process tests re-run this test binary as a child (`LPMM_CANDLE_CHILD` names what
 //! the child does) and compare what it prints with what this process computed.
 
+use lpmm_optim::SlotKind;
 use std::process::Command;
 
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -377,8 +378,12 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
     let numel = o * i;
     let stepped = opt_held.with_optimizer(|opt| {
         let mut wv = vec![0f32; numel];
-        opt.read_param(opt.param_id("fc.weight").unwrap(), &mut wv)
-            .unwrap();
+        opt.read(
+            opt.param("fc.weight").map(|p| p.id).unwrap(),
+            SlotKind::Param,
+            &mut wv,
+        )
+        .unwrap();
         wv
     })?;
     let expect = (w0 - g_ref.get(w.as_tensor()).unwrap())?
@@ -407,8 +412,12 @@ fn lpmm_layers_match_candles_layers() -> candle_core::Result<()> {
     opt_e.step_grads(&mut grads)?;
     let after = opt_e.with_optimizer(|o| {
         let mut v = vec![0f32; 15];
-        o.read_param(o.param_id("emb.weight").unwrap(), &mut v)
-            .unwrap();
+        o.read(
+            o.param("emb.weight").map(|p| p.id).unwrap(),
+            SlotKind::Param,
+            &mut v,
+        )
+        .unwrap();
         v
     })?;
     let counts = [1.0, 2.0, 0.0, 1.0, 0.0];

@@ -10,6 +10,7 @@ use lpmm_formats::bf16;
 use lpmm_optim::backend::{HostValues, HostValuesMut};
 use lpmm_optim::testing::{self, Rng, assert_same};
 use lpmm_optim::{Optimizer, OptimizerOptions, ParamId, SlotKind, Storage, presets};
+use lpmm_optim::{Out, Parts};
 
 /// Small pieces and io buffer, so that the larger test tensors span several pieces and their
 /// values move in several launches (results must not depend on it).
@@ -154,7 +155,10 @@ fn a_lent_parameter_is_stepped_in_place() {
         let reserved = d.reserved_words() - before;
         let bytes = dev.memory_report().params[0].bytes;
         assert_eq!(4 * reserved as usize, bytes.iter().sum::<usize>(), "{name}");
-        let primary = cpu.export_slot(a, SlotKind::Param, None).unwrap().regions[0]
+        let primary = Parts::of(&cpu)
+            .export_slot(a, SlotKind::Param, None)
+            .unwrap()
+            .regions[0]
             .bytes
             .len();
         assert_eq!(
@@ -195,7 +199,9 @@ fn a_lent_parameter_is_stepped_in_place() {
             "{name}: the steps reserved memory"
         );
         // The caller's buffer holds the parameter's bits, and every other slot is the same.
-        let want = cpu.export_slot(a, SlotKind::Param, None).unwrap();
+        let want = Parts::of(&cpu)
+            .export_slot(a, SlotKind::Param, None)
+            .unwrap();
         let have = if f32_param {
             HostValues::F32(&buf32)
         } else {
@@ -203,21 +209,24 @@ fn a_lent_parameter_is_stepped_in_place() {
         };
         assert_eq!(want.regions[0].bytes, have.bytes(), "{name}: parameter");
         let input = DeviceInput::Device(lent(&d, f32_param, &mut buf32, &mut buf16));
-        let got = dev.export_slot(b, SlotKind::Param, Some(input)).unwrap();
+        let got = Parts::of(&dev)
+            .export_slot(b, SlotKind::Param, Some(input))
+            .unwrap();
         assert_eq!(want, got, "{name}: parameter slot");
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
             let (x, y) = (
-                cpu.export_slot(a, slot, None).unwrap(),
-                dev.export_slot(b, slot, None).unwrap(),
+                Parts::of(&cpu).export_slot(a, slot, None).unwrap(),
+                Parts::of(&dev).export_slot(b, slot, None).unwrap(),
             );
             assert_eq!(x, y, "{name}: {}", slot.name());
             // Decoded into a caller's bf16 buffer, as the CPU rounds it.
             let mut want16 = vec![bf16::ZERO; n];
-            cpu.read_into(a, slot, HostValuesMut::Bf16(&mut want16))
+            cpu.read(a, slot, Out::Backend(HostValuesMut::Bf16(&mut want16)))
                 .unwrap();
             let mut have16 = vec![bf16::ZERO; n + 1];
             let out = CudaView::host(&d, &mut have16[1..]).unwrap();
-            dev.read_into(b, slot, DeviceOutput::Device(out)).unwrap();
+            dev.read(b, slot, Out::Backend(DeviceOutput::Device(out)))
+                .unwrap();
             assert_eq!(want16[..], have16[1..], "{name}: {} decoded", slot.name());
         }
         // Without its buffer the step is a typed error, not a panic.

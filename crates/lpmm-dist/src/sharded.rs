@@ -1,6 +1,7 @@
 //! The sharded optimizer: each rank holds the optimizer state (and the parameter's stored copy)
 //! of its shards only, and the step is bit-identical to the unsharded optimizer's.
 
+use lpmm_optim::{Parts, PartsMut};
 use std::ops::Range;
 use std::path::Path;
 
@@ -243,7 +244,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         for s in self.layout.shards(self.comm.rank()) {
             let d = &self.defs[s.param];
             let config = d.config.unwrap_or(self.groups[d.group]);
-            let id = self.opt.add_param_shard(
+            let id = PartsMut::of(&mut self.opt).add_param_shard(
                 &format!("{}@{}", d.name, s.range.start),
                 &d.shape,
                 s.range.clone(),
@@ -312,11 +313,11 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
                 self.opt.accumulate(*id, reduced.get(p, range.clone()))?;
             }
         }
-        let options = *self.opt_options();
+        let options = self.opt_options();
         let mut report = ShardedReport::default();
         let local =
             if options.max_grad_norm.is_some() || options.non_finite == NonFinitePolicy::SkipStep {
-                let summary = self.opt.gradient_summary()?;
+                let summary = PartsMut::of(&mut self.opt).gradient_summary()?;
                 // The exact sums add as integers: any all-reduce gives the unsharded model's sum.
                 let mut words = summary.sum.to_words().to_vec();
                 words.push(summary.non_finite.len() as i64);
@@ -345,8 +346,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         Ok(report)
     }
 
-    fn opt_options(&self) -> &OptimizerOptions {
-        self.opt.options()
+    fn opt_options(&self) -> OptimizerOptions {
+        self.opt.status().options
     }
 
     /// Every parameter's gradient summed over ranks, for the ranges this rank holds.
@@ -410,7 +411,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         for (p, shards) in self.local.iter().enumerate() {
             for (id, range) in shards {
                 let mut v = vec![0f32; range.len()];
-                self.opt.read_param(*id, &mut v)?;
+                self.opt.read(*id, SlotKind::Param, &mut v)?;
                 match l.flat_offset(p) {
                     Some(o) => {
                         let at = o + range.start - rank * per;
@@ -447,10 +448,10 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     }
 
     /// Writes the canonical, unsharded checkpoint (the format `Optimizer::save` writes, readable
-    /// by `Optimizer::load`) from every rank's shards; rank 0 writes the file. Every rank must
-    /// call it.
+    /// by `Optimizer::load` and `Canonical::read`) from every rank's shards; rank 0 writes the
+    /// file. Every rank must call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
-        let local = self.opt.canonical()?;
+        let local = Parts::of(&self.opt).canonical(None)?;
         // This rank's shards: (param, start, counters, rule state, the slots).
         let mut blob = Vec::new();
         for (k, c) in local.params.iter().enumerate() {
@@ -614,8 +615,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             });
         }
         Ok(Canonical {
-            options: *self.opt_options(),
-            global_steps: self.opt.steps(),
+            options: self.opt_options(),
+            global_steps: self.opt.status().steps,
             groups: self.groups.clone(),
             params,
             eval: false,
@@ -651,7 +652,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         let c = Canonical::read(path.as_ref())?;
         if c.eval {
             return Err(DistError::Checkpoint(
-                "the checkpoint holds the parameters at their evaluation point (schedule-free eval()): the sharded optimizer steps in training mode; load it with Optimizer::load, call train() and save it again".into(),
+                "the checkpoint holds the parameters at their evaluation point (schedule-free Mode::Eval): the sharded optimizer steps in training mode; load it with Canonical::read(path)?.into_optimizer(Cpu), call set_mode(Mode::Train, ..) and save it again".into(),
             ));
         }
         let defs: Vec<ParamDef> = c
@@ -667,15 +668,20 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
             .collect();
         let mut s = Self::skeleton(backend, comm, c.options, shard, c.groups.clone(), defs)?;
         s.register(|_, range| vec![0f32; range.len()])?;
-        s.opt.set_steps(c.global_steps)?;
+        PartsMut::of(&mut s.opt).set_steps(c.global_steps)?;
         for (p, cp) in c.params.iter().enumerate() {
             for (id, range) in s.local[p].clone() {
-                s.opt
-                    .restore(id, cp.steps, cp.accumulations, cp.pending, cp.lr_rule)?;
-                s.opt.restore_rule_state(id, cp.rule_state)?;
+                PartsMut::of(&mut s.opt).restore(
+                    id,
+                    cp.steps,
+                    cp.accumulations,
+                    cp.pending,
+                    cp.lr_rule,
+                )?;
+                PartsMut::of(&mut s.opt).restore_rule_state(id, cp.rule_state)?;
                 for (k, slot) in SlotKind::ALL.into_iter().enumerate() {
                     let host = slots::slice(&cp.slots[k], range.clone(), s.numels[p])?;
-                    s.opt.import_slot(id, slot, &host, None)?;
+                    PartsMut::of(&mut s.opt).import_slot(id, slot, &host, None)?;
                 }
             }
         }

@@ -9,9 +9,8 @@ mod model;
 use lpmm_dist::{
     Collective, Reduction, ShardOptions, ShardedOptimizer, Threads, UNIT, Zero, rank_order_sum,
 };
-use lpmm_optim::{
-    NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets,
-};
+use lpmm_optim::{Cpu, Parts, SlotKind};
+use lpmm_optim::{NonFinitePolicy, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets};
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 /// Runs `f` on `world` ranks (threads) and returns their results in rank order.
@@ -54,7 +53,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
             .zip(numels())
             .map(|(&id, n)| {
                 let mut v = vec![0f32; n];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 v.iter().map(|x| x.to_bits()).collect()
             })
             .collect();
@@ -105,7 +104,7 @@ fn check(world: usize, zero: Zero, name: &str, config: ParamConfig, options: Opt
     let saved = Canonical::read(&path).unwrap();
     same_canonical(
         &saved,
-        &refopt.canonical().expect("canonical"),
+        &Parts::of(&refopt).canonical(None).expect("canonical"),
         &format!("{name}, {world} ranks, {zero:?}: checkpoint"),
     );
 }
@@ -168,7 +167,7 @@ fn non_finite_gradients_on_one_rank_skip_the_step_everywhere() {
             assert_eq!(report.skipped, want.skipped, "{policy:?}");
             for (p, &id) in ids.iter().enumerate() {
                 let mut v = vec![0f32; params[p].len()];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 assert!(
                     v.iter()
                         .zip(&params[p])
@@ -259,8 +258,10 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
             opt.save(&path).unwrap();
         });
         // The unsharded optimizer reads the same file.
-        let plain = Optimizer::load(&path).unwrap();
-        assert_eq!(plain.steps(), 2);
+        let plain = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
+        assert_eq!(plain.status().steps, 2);
         let path2 = dir.join(format!("{w}-to-{w2}-end.safetensors"));
         ranks(w2, |comm| {
             let mut opt = ShardedOptimizer::load(comm, &path, shard).unwrap();
@@ -273,7 +274,7 @@ fn checkpoints_saved_at_w_ranks_resume_at_w_prime_ranks() {
         });
         same_canonical(
             &Canonical::read(&path2).unwrap(),
-            &refopt.canonical().expect("canonical"),
+            &Parts::of(&refopt).canonical(None).expect("canonical"),
             &format!("saved at {w} ranks, resumed at {w2}"),
         );
     }
@@ -394,7 +395,7 @@ fn check_backend<B: lpmm_optim::backend::Backend>(make: impl Fn() -> B + Sync, l
         for (r, params) in got.iter().enumerate() {
             for (p, &id) in ids.iter().enumerate() {
                 let mut v = vec![0f32; params[p].len()];
-                refopt.read_param(id, &mut v).unwrap();
+                refopt.read(id, SlotKind::Param, &mut v).unwrap();
                 assert!(
                     v.iter()
                         .zip(&params[p])

@@ -60,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         vec![n]
     };
     let mut opt = Optimizer::new(OptimizerOptions::default())?;
-    opt.set_specialized_kernels(!args.generic);
+    opt.settings_mut().specialized_kernels = !args.generic;
     let g = opt.add_group(config)?;
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-4).collect();
     let grad: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-5).collect();
@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "{} ({}, {:?}): {n} params, {steps} steps, {ns:.3} ns/param/step",
         args.preset,
-        lpmm_optim::Cpu::kernel_name(&opt.step_plan(id)?),
+        lpmm_optim::Cpu::kernel_name(&opt.param(id).map(|p| p.plan)?),
         lpmm_formats::simd::level(),
     );
     Ok(())

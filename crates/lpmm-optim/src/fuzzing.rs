@@ -57,8 +57,8 @@ pub fn checkpoint(data: &[u8]) -> Outcomes {
     Outcomes { raw, resealed }
 }
 
-/// Loads `bytes` as `Optimizer::load` does (parse and validate, then build on the CPU), and
-/// checks the round trip of whatever loads.
+/// Loads `bytes` as `Canonical::read(path)?.into_optimizer(Cpu)` does (parse and validate, then
+/// build on the CPU), and checks the round trip of whatever loads.
 pub fn load_round_trip(bytes: &[u8]) -> Outcome {
     let canonical = match Canonical::from_bytes(bytes) {
         Ok(c) => c,
@@ -67,12 +67,12 @@ pub fn load_round_trip(bytes: &[u8]) -> Outcome {
     let first = canonical
         .to_bytes()
         .unwrap_or_else(|e| panic!("a checkpoint that loads must save: {e}"));
-    let opt = match Optimizer::from_canonical(Cpu, canonical) {
+    let opt = match canonical.into_optimizer(Cpu) {
         Ok(o) => o,
         Err(e) => panic!("validated, then refused while building (must not happen): {e:?}"),
     };
-    let saved = opt
-        .canonical()
+    let saved = crate::Parts::of(&opt)
+        .canonical(None)
         .unwrap_or_else(|e| panic!("a loaded optimizer must export: {e}"))
         .to_bytes()
         .unwrap_or_else(|e| panic!("a loaded optimizer must save: {e}"));
@@ -247,7 +247,8 @@ fn seed(config: ParamConfig) -> Vec<u8> {
         }
         opt.set_lr(1e-3 / (2.0 + f64::from(step))).expect("lr");
     }
-    opt.canonical()
+    crate::Parts::of(&opt)
+        .canonical(None)
         .expect("canonical")
         .to_bytes()
         .expect("a fresh optimizer saves")

@@ -13,6 +13,11 @@
 //! SGD's `momentum`/`dampening`/`nesterov`, and a setter a rule lacks does not compile. The
 //! storages can be overridden too (`with_state1`, `with_min_quantized_size`, ...). Which preset
 //! to pick: the README's table (memory per parameter, quality, speed).
+//!
+//! A rule's presets are declared in its own file (`presets!` in `rule/<name>.rs`, with the cases
+//! the conformance suite steps) and defined here from there; this module holds the builder and
+//! [`bf16_nearest`], which fits every rule. docs/REGISTRIES.md lists every preset with its
+//! storages (generated: `cargo xtask codegen`).
 
 use crate::config::ParamConfig;
 use crate::format::{Storage, StoreRounding};
@@ -146,87 +151,44 @@ impl Preset<Hyper> {
     }
 }
 
-/// f32 SGD with momentum: the reference for the SGDM presets (12 bytes per parameter).
-pub fn sgdm_f32(lr: f64, momentum: f64) -> Preset<Sgd> {
-    Preset::f32(Sgd::new(lr).momentum(momentum))
+/// Defines the presets of every rule, from its file's `presets!` (their doc comments are theirs).
+macro_rules! define {
+    ($($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block)*
+        cases { $($case:literal => $preset:expr,)* }) => {
+        $($(#[$doc])* pub fn $name($($arg: $ty),*) -> $ret $body)*
+    };
+}
+crate::rule::each_rule_presets!(define);
+
+/// Every named preset of every rule (its file's `presets!`), in the registry's order: its name
+/// and its configuration with every argument 0 (what it stores; its hyperparameters are not the
+/// point).
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+pub(crate) fn named() -> Vec<(&'static str, ParamConfig)> {
+    let mut named = Vec::new();
+    macro_rules! collect {
+        ($($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block)*
+            cases { $($case:literal => $preset:expr,)* }) => {
+            $(named.push((stringify!($name), $name($(<$ty>::default()),*).build()));)*
+        };
+    }
+    crate::rule::each_rule_presets!(collect);
+    named
 }
 
-/// LPMM-SGDM: parameters, gradient accumulator and momentum all 8-bit linear in groups of 64 with
-/// stochastic rounding (about 3.19 bytes per parameter), for every tensor however small (LPMM
-/// keeps the whole model memory in 8 bits; there is no minimum size).
-pub fn lpmm_sgdm(lr: f64, momentum: f64) -> Preset<Sgd> {
-    sgdm_f32(lr, momentum)
-        .with_param(Storage::LINEAR8_GROUP64_SR)
-        .with_grad(Storage::LINEAR8_GROUP64_SR)
-        .with_state1(Storage::LINEAR8_GROUP64_SR)
-        .with_min_quantized_size(0)
-}
-
-/// f32 AdamW: the reference for the AdamW presets (16 bytes per parameter).
-pub fn adamw_f32(lr: f64) -> Preset<Adam> {
-    Preset::f32(Adam::adamw(lr))
-}
-
-/// bitsandbytes' `AdamW8bit` on an f32 model: f32 parameters and gradients, 8-bit dynamic states
-/// in blocks of 256 (a one-line swap for f32 AdamW; with gradients stepped where the framework
-/// holds them, no accumulator is ever allocated).
-pub fn adamw_8bit(lr: f64) -> Preset<Adam> {
-    adamw_f32(lr)
-        .with_state1(Storage::DYNAMIC8_SIGNED)
-        .with_state2(Storage::DYNAMIC8_UNSIGNED)
-}
-
-/// The 4-bit twin of [`adamw_8bit`] (thu-ml lpmm's 4-bit AdamW states on an f32 model): f32
-/// parameters and gradients, 4-bit states (signed dynamic-exponent first moment, linear second
-/// moment, blocks of 128).
-pub fn adamw_4bit(lr: f64) -> Preset<Adam> {
-    adamw_f32(lr)
-        .with_state1(Storage::FOUR_BIT_SIGNED)
-        .with_state2(Storage::FOUR_BIT_UNSIGNED)
-}
-
-/// bitsandbytes-like: bf16 parameters and gradients (round to nearest), 8-bit dynamic states in
-/// blocks of 256.
-pub fn adamw_8bit_bf16(lr: f64) -> Preset<Adam> {
-    adamw_8bit(lr)
-        .with_param(Storage::Bf16(StoreRounding::Nearest))
-        .with_grad(Storage::Bf16(StoreRounding::Nearest))
-}
-
-/// As [`adamw_8bit_bf16`] with stochastic rounding of the bf16 parameters and gradients.
-pub fn adamw_8bit_bf16_sr(lr: f64) -> Preset<Adam> {
-    adamw_8bit(lr)
-        .with_param(Storage::Bf16(StoreRounding::Stochastic))
-        .with_grad(Storage::Bf16(StoreRounding::Stochastic))
-}
-
-/// 8-bit AdamW with 24-bit master weights ([`Storage::Bf16Plus8`], to nearest: a bf16 value a
-/// bf16 forward pass reads and an 8-bit correction, 256 times finer than bf16) and bf16
-/// gradients: one byte a parameter more than [`adamw_8bit_bf16`], whose updates below half a
-/// bf16 step are lost.
-pub fn adamw_8bit_bf16_plus8(lr: f64) -> Preset<Adam> {
-    adamw_8bit(lr)
-        .with_param(Storage::Bf16Plus8(StoreRounding::Nearest))
-        .with_grad(Storage::Bf16(StoreRounding::Nearest))
-}
-
-/// 4-bit AdamW (lpmm's maps, blocks of 128) with split-f32 parameters (exactly f32, bf16-readable)
-/// and bf16 gradients.
-pub fn adamw_4bit_split(lr: f64) -> Preset<Adam> {
-    adamw_4bit(lr)
-        .with_param(Storage::SplitF32)
-        .with_grad(Storage::Bf16(StoreRounding::Nearest))
-}
-
-/// f32 Lion: the reference for the Lion presets (12 bytes per parameter).
-pub fn lion_f32(lr: f64) -> Preset<Lion> {
-    Preset::f32(Lion::new(lr))
-}
-
-/// bitsandbytes' `Lion8bit` without paging: f32 parameters and gradients, the momentum 8-bit
-/// dynamic in blocks of 256.
-pub fn lion_8bit(lr: f64) -> Preset<Lion> {
-    lion_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
+/// The presets the backend conformance suite steps (`lpmm_optim::testing::preset_cases`): every
+/// rule's `cases` (its file's `presets!`), in the registry's order.
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+pub(crate) fn conformance_cases() -> Vec<(&'static str, ParamConfig)> {
+    let mut cases = Vec::new();
+    macro_rules! collect {
+        ($($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block)*
+            cases { $($case:literal => $preset:expr,)* }) => {
+            $(cases.push(($case, $preset.build()));)*
+        };
+    }
+    crate::rule::each_rule_presets!(collect);
+    cases
 }
 
 /// Everything bf16 with round-to-nearest: the naive low-precision setup whose small updates
@@ -240,139 +202,28 @@ pub fn bf16_nearest<R>(rule: R) -> Preset<R> {
         .with_state2(bf)
 }
 
-/// The smallest AdamW: bf16 parameters with stochastic rounding, 4-bit states, and no gradient
-/// memory at all: gradients are released in the backward pass (`Step::param`) or folded into the
-/// states (`Step::states_only`).
-pub fn adamw_4bit_bf16_sr_released(lr: f64) -> Preset<Adam> {
-    adamw_4bit(lr)
-        .with_param(Storage::Bf16(StoreRounding::Stochastic))
-        .with_grad(Storage::None)
-}
-
-/// Adafactor as `transformers` defaults it (relative step size scaled by the parameter's RMS, no
-/// first moment, update clipping): f32 parameters and gradients, the second moment factorized
-/// (a full f32 one for vectors). The reference for the Adafactor presets.
-pub fn adafactor_f32() -> Preset<Adafactor> {
-    Preset::f32(Adafactor::new()).with_state2(Storage::Factorized)
-}
-
-/// Adafactor with a first moment (`beta1 = 0.9`) stored 8-bit dynamic in blocks of 256, the
-/// second moment factorized, f32 parameters and gradients.
-pub fn adafactor_8bit() -> Preset<Adafactor> {
-    adafactor_f32()
-        .beta1(0.9)
-        .with_state1(Storage::DYNAMIC8_SIGNED)
-}
-
-/// Adafactor with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit
-/// linear in groups of 64 with stochastic rounding (every tensor, no minimum size), the first
-/// moment (`beta1 = 0.9`) 8-bit dynamic, the second moment factorized.
-pub fn adafactor_lpmm() -> Preset<Adafactor> {
-    adafactor_8bit()
-        .with_param(Storage::LINEAR8_GROUP64_SR)
-        .with_grad(Storage::LINEAR8_GROUP64_SR)
-        .with_min_quantized_size(0)
-}
-
-/// CAME with the authors' defaults: f32 parameters, gradients and first moment, the second
-/// moment and the instability factorized. The reference for the CAME presets.
-pub fn came_f32(lr: f64) -> Preset<Came> {
-    Preset::f32(Came::new(lr))
-        .with_state2(Storage::Factorized)
-        .with_state3(Storage::Factorized)
-}
-
-/// CAME with the first moment 8-bit dynamic in blocks of 256; f32 parameters and gradients.
-pub fn came_8bit(lr: f64) -> Preset<Came> {
-    came_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
-}
-
-/// CAME with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit linear
-/// in groups of 64 with stochastic rounding (every tensor), the first moment 8-bit dynamic, the
-/// two statistics factorized.
-pub fn came_lpmm(lr: f64) -> Preset<Came> {
-    came_8bit(lr)
-        .with_param(Storage::LINEAR8_GROUP64_SR)
-        .with_grad(Storage::LINEAR8_GROUP64_SR)
-        .with_min_quantized_size(0)
-}
-
-/// AdEMAMix with bitsandbytes' defaults, everything f32: the reference for the AdEMAMix presets.
-pub fn ademamix_f32(lr: f64) -> Preset<AdEMAMix> {
-    Preset::f32(AdEMAMix::new(lr))
-}
-
-/// bitsandbytes' `AdEMAMix8bit`: f32 parameters and gradients, both first moments 8-bit dynamic
-/// signed and the second moment 8-bit dynamic unsigned, in blocks of 256.
-pub fn ademamix_8bit(lr: f64) -> Preset<AdEMAMix> {
-    ademamix_f32(lr)
-        .with_state1(Storage::DYNAMIC8_SIGNED)
-        .with_state2(Storage::DYNAMIC8_UNSIGNED)
-        .with_state3(Storage::DYNAMIC8_SIGNED)
-}
-
-/// Schedule-free AdamW with the package's defaults, everything f32: the reference.
-pub fn schedule_free_adamw_f32(lr: f64) -> Preset<ScheduleFreeAdamW> {
-    Preset::f32(ScheduleFreeAdamW::new(lr))
-}
-
-/// Schedule-free AdamW with the second moment 8-bit dynamic (blocks of 256) and the base
-/// sequence `z` in bf16 with stochastic rounding; f32 parameters and gradients.
-pub fn schedule_free_adamw_8bit(lr: f64) -> Preset<ScheduleFreeAdamW> {
-    schedule_free_adamw_f32(lr)
-        .with_state1(Storage::Bf16(StoreRounding::Stochastic))
-        .with_state2(Storage::DYNAMIC8_UNSIGNED)
-}
-
-/// f32 RMSprop with `torch.optim.RMSprop`'s defaults: the reference for the RMSprop presets (12
-/// bytes per parameter; 16 with momentum, 20 with momentum and centered).
-pub fn rmsprop_f32(lr: f64) -> Preset<RmsProp> {
-    Preset::f32(RmsProp::new(lr))
-}
-
-/// 8-bit RMSprop on an f32 model, bitsandbytes' `RMSprop8bit` layout (blocks of 256): f32
-/// parameters and gradients, the square average 8-bit dynamic unsigned (bitsandbytes stores its
-/// one state with the signed map, a bit of precision less for a value that is never negative),
-/// the momentum buffer and the centered gradient average, when turned on, 8-bit dynamic signed
-/// (bitsandbytes has neither: it ignores `momentum` and refuses `centered`).
-pub fn rmsprop_8bit(lr: f64) -> Preset<RmsProp> {
-    rmsprop_f32(lr)
-        .with_state1(Storage::DYNAMIC8_SIGNED)
-        .with_state2(Storage::DYNAMIC8_UNSIGNED)
-        .with_state3(Storage::DYNAMIC8_SIGNED)
-}
-
-/// f32 Adagrad with `torch.optim.Adagrad`'s defaults: the reference for the Adagrad presets (12
-/// bytes per parameter).
-pub fn adagrad_f32(lr: f64) -> Preset<Adagrad> {
-    Preset::f32(Adagrad::new(lr))
-}
-
-/// 8-bit Adagrad on an f32 model, bitsandbytes' `Adagrad8bit` layout (blocks of 256): f32
-/// parameters and gradients, the sum of squares 8-bit dynamic unsigned (bitsandbytes stores it
-/// with the signed map).
-pub fn adagrad_8bit(lr: f64) -> Preset<Adagrad> {
-    adagrad_f32(lr).with_state2(Storage::DYNAMIC8_UNSIGNED)
-}
-
-/// f32 LAMB with `torch_optimizer.Lamb`'s defaults: the reference for the LAMB presets (12 bytes
-/// per parameter).
-pub fn lamb_f32(lr: f64) -> Preset<Lamb> {
-    Preset::f32(Lamb::new(lr))
-}
-
-/// 8-bit LAMB on an f32 model, in the layout of bitsandbytes' `LAMB8bit` states (first moment
-/// 8-bit dynamic signed, second unsigned, blocks of 256; bitsandbytes' LAMB is AdamW whose update
-/// is scaled down, never up, to at most the parameter's norm: docs/OPTIMIZERS.md, "LAMB").
-pub fn lamb_8bit(lr: f64) -> Preset<Lamb> {
-    lamb_f32(lr)
-        .with_state1(Storage::DYNAMIC8_SIGNED)
-        .with_state2(Storage::DYNAMIC8_UNSIGNED)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_rules_presets_and_cases_are_valid_and_named_once() {
+        let (named, cases) = (named(), conformance_cases());
+        for list in [&named, &cases] {
+            let mut names: Vec<&str> = list.iter().map(|(n, _)| *n).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), list.len(), "a name is used twice");
+            for (name, config) in list {
+                config.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+        }
+        // Every rule of the registry brings presets and preset cases.
+        for (rule, _, _) in crate::rule::RuleConsts::KERNELS {
+            assert!(named.iter().any(|(_, c)| c.hyper.name() == *rule), "{rule}");
+            assert!(cases.iter().any(|(_, c)| c.hyper.name() == *rule), "{rule}");
+        }
+    }
 
     #[test]
     fn builders_set_the_rule() {

@@ -3,14 +3,21 @@
 //! every optimizer and storage, clipping, non-finite gradients, reads, checkpoints moved between
 //! backends. lpmm-wgpu and lpmm-cuda run it from their tests; a new backend should too.
 
+use crate::Checkpoint;
+use crate::Mode;
+use crate::{Cpu, Parts, PartsMut, checkpoint::Canonical};
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
 use crate::backend::Backend;
 use crate::{
-    Hyper, MapKind, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd,
-    SlotKind, Storage, StoreRounding, presets,
+    Hyper, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId, Sgd, SlotKind,
+    Storage, StoreRounding, presets,
 };
+
+// docs/REGISTRIES.md, generated from the registries and this module's lists.
+mod registries;
+pub use registries::{REGISTRIES_COMMAND, REGISTRIES_PATH, registries_doc};
 
 /// Test data from SplitMix64 (`rand_xoshiro`): the same numbers everywhere.
 #[derive(Debug, Clone)]
@@ -59,10 +66,10 @@ pub fn assert_same<A: Backend, B: Backend>(
     for &id in ids {
         for slot in SlotKind::ALL {
             let (x, y) = (
-                a.export_slot(id, slot, None).unwrap(),
-                b.export_slot(id, slot, None).unwrap(),
+                Parts::of(a).export_slot(id, slot, None).unwrap(),
+                Parts::of(b).export_slot(id, slot, None).unwrap(),
             );
-            let name = a.name(id).unwrap();
+            let name = a.param(id).unwrap().name;
             assert_eq!(
                 x.regions.len(),
                 y.regions.len(),
@@ -99,13 +106,46 @@ pub fn assert_same<A: Backend, B: Backend>(
     }
 }
 
+/// Micro-batches accumulated before each step of [`compare`] (when the gradient is not released).
+const MICRO_BATCHES: usize = 2;
+/// Steps of each case of [`presets_are_bit_exact`].
+const PRESET_STEPS: usize = 4;
+/// Steps of each case of the storage covers ([`every_optimizer_with_every_storage_is_bit_exact`],
+/// [`tensor_wide_second_moments_are_bit_exact`]).
+const COVER_STEPS: usize = 3;
+
 const BF: Storage = Storage::Bf16(StoreRounding::Nearest);
 const BF_SR: Storage = Storage::Bf16(StoreRounding::Stochastic);
-const DYN8_SR: Storage = Storage::Quantized {
-    map: MapKind::DynamicUnsigned8,
-    block: lpmm_quant::BlockSize::B256,
-    rounding: StoreRounding::Stochastic,
-};
+
+/// The storage covers, from every format's file (its `Codec::COVER`, the formats in the
+/// registry's order).
+struct Covers {
+    /// Parameter storages: the float formats first, then the codes.
+    params: Vec<Storage>,
+    /// Gradient storages, then `None` (released gradients).
+    grads: Vec<Storage>,
+    /// State 1 and state 2 pairs.
+    states: Vec<(Storage, Storage)>,
+    /// Tensor-wide second moments, by name.
+    tensor_wide: Vec<(&'static str, Storage)>,
+}
+
+/// [`Covers`] from every format's cover.
+fn covers() -> Covers {
+    let all = || crate::format::COVERS.iter().map(|(_, cover)| cover);
+    let (floats, codes): (Vec<Storage>, Vec<Storage>) = all()
+        .flat_map(|c| c.params.iter().copied())
+        .partition(|&s| !crate::format::Format::of(s).is_some_and(|f| f.quantized()));
+    Covers {
+        params: floats.into_iter().chain(codes).collect(),
+        grads: all()
+            .flat_map(|c| c.grads.iter().copied())
+            .chain([Storage::None])
+            .collect(),
+        states: all().flat_map(|c| c.states.iter().copied()).collect(),
+        tensor_wide: all().flat_map(|c| c.tensor_wide.iter().copied()).collect(),
+    }
+}
 
 /// Shapes: one of 3 * 8192 + 1000 elements (several pieces, segments or io batches when a
 /// backend's are small), one over a tile with a partial last block, one exactly a tile, small ones below the minimum quantized size, and a
@@ -190,7 +230,7 @@ pub fn compare<B: Backend>(
                 assert_eq!(r1, r2, "{name}: step reports");
             }
         } else {
-            for _micro in 0..2 {
+            for _micro in 0..MICRO_BATCHES {
                 for &(id, n) in &ids {
                     let g = rng.spread(n, 1.0);
                     cpu.accumulate(id, &g).unwrap();
@@ -205,107 +245,32 @@ pub fn compare<B: Backend>(
     }
 }
 
-/// The presets every backend is compared on, by name: SGDM f32, LPMM-SGDM, AdamW f32 / 8-bit /
-/// 8-bit SR / 4-bit split, bf16 Lion, 4-bit released, Adafactor x3, CAME x2, AdEMAMix 8-bit,
-/// schedule-free 8-bit.
+/// The presets every backend is compared on, by name: every rule's conformance presets, declared
+/// in its file beside its presets (`presets!` in `rule/<name>.rs`), in the rules' registry order.
+/// docs/REGISTRIES.md lists them (`cargo xtask codegen`).
 pub fn preset_cases() -> Vec<(&'static str, ParamConfig)> {
-    vec![
-        ("sgdm f32", presets::sgdm_f32(0.05, 0.9).build()),
-        ("lpmm sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
-        ("adamw f32", presets::adamw_f32(1e-3).build()),
-        ("adamw 8-bit bf16", presets::adamw_8bit_bf16(1e-3).build()),
-        (
-            "adamw 8-bit bf16 sr",
-            presets::adamw_8bit_bf16_sr(1e-3).build(),
-        ),
-        ("adamw 4-bit split", presets::adamw_4bit_split(1e-3).build()),
-        (
-            "adamw 8-bit bf16+8",
-            presets::adamw_8bit_bf16_plus8(1e-3).build(),
-        ),
-        (
-            "bf16 nearest lion",
-            presets::bf16_nearest(Hyper::lion(1e-4)).build(),
-        ),
-        (
-            "adamw 4-bit released",
-            presets::adamw_4bit_bf16_sr_released(1e-3).build(),
-        ),
-        ("adafactor f32", presets::adafactor_f32().build()),
-        ("adafactor 8-bit", presets::adafactor_8bit().build()),
-        ("adafactor lpmm", presets::adafactor_lpmm().build()),
-        ("came f32", presets::came_f32(2e-4).build()),
-        ("came lpmm", presets::came_lpmm(2e-4).build()),
-        (
-            "ademamix 8-bit",
-            presets::ademamix_8bit(1e-3)
-                .warmup(Some(3), Some(3))
-                .build(),
-        ),
-        (
-            "schedule-free 8-bit",
-            presets::schedule_free_adamw_8bit(1e-3).build(),
-        ),
-        ("rmsprop f32", presets::rmsprop_f32(1e-2).build()),
-        (
-            "rmsprop 8-bit momentum centered",
-            presets::rmsprop_8bit(1e-2)
-                .momentum(0.9)
-                .centered(true)
-                .build(),
-        ),
-        ("adagrad f32", presets::adagrad_f32(1e-2).build()),
-        (
-            "adagrad 8-bit",
-            presets::adagrad_8bit(1e-2)
-                .initial_accumulator_value(0.1)
-                .build(),
-        ),
-        ("lamb f32", presets::lamb_f32(1e-3).build()),
-        (
-            "lamb 8-bit wd debias",
-            presets::lamb_8bit(1e-3)
-                .weight_decay(0.01)
-                .debias(true)
-                .build(),
-        ),
-    ]
+    presets::conformance_cases()
 }
 
-/// [`preset_cases`], 4 steps of 2 micro-batches each.
+/// [`preset_cases`], each for `PRESET_STEPS` steps of `MICRO_BATCHES` micro-batches
+/// (docs/REGISTRIES.md gives the numbers).
 pub fn presets_are_bit_exact<B: Backend>(gpu: &B) {
     for (name, config) in preset_cases() {
-        compare(gpu, name, config, OptimizerOptions::default(), 4);
+        compare(gpu, name, config, OptimizerOptions::default(), PRESET_STEPS);
     }
 }
 
-/// 14 optimizer settings x 7 parameter storages, cycling 5 gradient storages (the released
-/// gradient included) and 6 state pairs: a cycling cover, not the full cross product.
+/// Every rule case ([`hypers`]) with every parameter storage of the formats' covers (each
+/// format's file declares the storages the suite steps it with), cycling their gradient
+/// storages (the released gradient included) and state pairs: a cycling cover, not the full
+/// cross product. docs/REGISTRIES.md counts the configurations (`cargo xtask codegen`).
 pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
-    let params = [
-        Storage::F32,
-        BF,
-        BF_SR,
-        Storage::Bf16Kahan,
-        Storage::SplitF32,
-        Storage::Bf16Plus8(StoreRounding::Stochastic),
-        Storage::LINEAR8_GROUP64_SR,
-    ];
-    let grads = [
-        Storage::F32,
-        BF,
-        BF_SR,
-        Storage::LINEAR8_GROUP64_SR,
-        Storage::None,
-    ];
-    let states = [
-        (Storage::F32, Storage::F32),
-        (BF, BF),
-        (BF_SR, BF_SR),
-        (Storage::DYNAMIC8_SIGNED, Storage::DYNAMIC8_UNSIGNED),
-        (Storage::FOUR_BIT_SIGNED, Storage::FOUR_BIT_UNSIGNED),
-        (Storage::LINEAR8_GROUP64_SR, DYN8_SR),
-    ];
+    let Covers {
+        params,
+        grads,
+        states,
+        ..
+    } = covers();
     let mut k = 0;
     for (hname, hyper) in hypers() {
         for &param in &params {
@@ -326,7 +291,7 @@ pub fn every_optimizer_with_every_storage_is_bit_exact<B: Backend>(gpu: &B) {
                 state1.describe(),
                 state2.describe()
             );
-            compare(gpu, &name, config, OptimizerOptions::default(), 3);
+            compare(gpu, &name, config, OptimizerOptions::default(), COVER_STEPS);
         }
     }
 }
@@ -364,8 +329,9 @@ pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
-/// Schedule-free AdamW's evaluation point: `eval()` and `train()` move the parameters (f32 and
-/// bf16 with stochastic rounding) as the CPU does, bit for bit, and steps resume from them.
+/// Schedule-free AdamW's evaluation point: `set_mode(Mode::Eval, ..)` and back move the
+/// parameters (f32 and bf16 with stochastic rounding) as the CPU does, bit for bit, and steps
+/// resume from them.
 pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
     for param in [Storage::F32, BF_SR] {
         let config = presets::schedule_free_adamw_8bit(2.5e-3)
@@ -394,17 +360,17 @@ pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
                 cpu.step(crate::Accumulated).unwrap(),
                 dev.step(crate::Accumulated).unwrap()
             );
-            cpu.eval(crate::Lent::None).unwrap();
-            dev.eval(crate::Lent::None).unwrap();
+            cpu.set_mode(Mode::Eval, crate::Lent::None).unwrap();
+            dev.set_mode(Mode::Eval, crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} eval {round}"));
-            cpu.train(crate::Lent::None).unwrap();
-            dev.train(crate::Lent::None).unwrap();
+            cpu.set_mode(Mode::Train, crate::Lent::None).unwrap();
+            dev.set_mode(Mode::Train, crate::Lent::None).unwrap();
             assert_same(&cpu, &dev, &only, &format!("{param:?} train {round}"));
         }
     }
 }
 
-/// `read_param` / `read_state` decode as the CPU does.
+/// `Optimizer::read` decodes as the CPU does.
 pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     let config = presets::adamw_4bit_split(1e-3);
     let mut cpu = Optimizer::new(OptimizerOptions::default()).unwrap();
@@ -420,12 +386,12 @@ pub fn reads_decode_as_the_cpu_does<B: Backend>(gpu: &B) {
     cpu.step(crate::Step::param(a, &g)).unwrap();
     dev.step(crate::Step::param(a, &g)).unwrap();
     let (mut x, mut y) = (vec![0f32; n], vec![0f32; n]);
-    cpu.read_param(a, &mut x).unwrap();
-    dev.read_param(a, &mut y).unwrap();
+    cpu.read(a, SlotKind::Param, &mut x).unwrap();
+    dev.read(a, SlotKind::Param, &mut y).unwrap();
     assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
-    for state in [1, 2, 3] {
-        cpu.read_state(a, state, &mut x).unwrap();
-        dev.read_state(a, state, &mut y).unwrap();
+    for state in [SlotKind::State1, SlotKind::State2, SlotKind::State3] {
+        cpu.read(a, state, &mut x).unwrap();
+        dev.read(a, state, &mut y).unwrap();
         assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
     }
     assert_eq!(cpu.memory_report().numel(), dev.memory_report().numel());
@@ -465,8 +431,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         let g = grads(&mut rng);
         cpu.accumulate(ids[0], &g[0]).unwrap();
         let path = temp(&format!("{name}-cpu-{}.safetensors", gpu.name()));
-        cpu.save(&path).unwrap();
-        let mut dev = Optimizer::load_with(gpu.clone(), &path).unwrap();
+        cpu.save(&path, Checkpoint::new()).unwrap();
+        let mut dev = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(gpu.clone()))
+            .unwrap();
         assert_same(
             &cpu,
             &dev,
@@ -487,8 +455,10 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
         }
         // And back: saved on wgpu, loaded on the CPU.
         let path = temp(&format!("{name}-{}.safetensors", gpu.name()));
-        dev.save(&path).unwrap();
-        let mut back = Optimizer::load(&path).unwrap();
+        dev.save(&path, Checkpoint::new()).unwrap();
+        let mut back = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
         assert_same(
             &dev,
             &back,
@@ -506,36 +476,38 @@ pub fn checkpoints_move_between_backends_and_resume_exactly<B: Backend>(gpu: &B)
     }
 }
 
-/// Rank-1 and factorized second moments (tensor-wide statistics, the two-phase step) with every
-/// rule case whose state 2 may be factorized — AdamW and Adam-L2 (whose moment gradient folds the
-/// penalty in), Adafactor (the rule's sums of squares: parameter and update RMS) and CAME (a
-/// factorized state 3 fed by the rule) today —, clipped
-/// and accumulated gradients, released gradients and optimizer accumulation, on matrices, a 3-D
-/// tensor and vectors (which fall back), on several pieces.
-pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
-    let rank1 = Storage::Rank1 {
-        map: MapKind::LinearWithoutZero4,
-        fallback: lpmm_quant::BlockSize::B128,
-    };
+/// The gradient setups [`tensor_wide_second_moments_are_bit_exact`] steps each case with: a
+/// name, the parameter and gradient storages and the options.
+fn tensor_wide_gradients() -> [(&'static str, Storage, Storage, OptimizerOptions); 2] {
     let clipped = OptimizerOptions::default()
         .with_seed(3)
         .with_max_grad_norm(Some(0.5))
         .with_non_finite(NonFinitePolicy::SkipStep);
-    for (name, state2) in [("factorized", Storage::Factorized), ("rank-1", rank1)] {
+    [
+        ("bf16 sr, clipped", BF_SR, BF_SR, clipped),
+        (
+            "f32, released",
+            Storage::F32,
+            Storage::None,
+            OptimizerOptions::default(),
+        ),
+    ]
+}
+
+/// The tensor-wide second moments of the formats' covers (rank-1 and factorized: tensor-wide
+/// statistics, the two-phase step) with every rule case whose state 2 may be factorized (AdamW
+/// and Adam-L2, whose moment gradient folds the penalty in; Adafactor, with the rule's sums of
+/// squares: parameter and update RMS; CAME, with a factorized state 3 fed by the rule), clipped
+/// and accumulated gradients, released gradients and optimizer accumulation, on matrices, a 3-D
+/// tensor and vectors (which fall back), on several pieces.
+pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
+    for (name, state2) in covers().tensor_wide {
         // Every rule case whose state 2 may be factorized (Adam's, Adafactor's, CAME's).
         let factorable = hypers()
             .into_iter()
             .filter(|(_, h)| h.factorable(SlotKind::State2));
         for (hname, hyper) in factorable {
-            for (gname, param, grad, options) in [
-                ("bf16 sr, clipped", BF_SR, BF_SR, clipped),
-                (
-                    "f32, released",
-                    Storage::F32,
-                    Storage::None,
-                    OptimizerOptions::default(),
-                ),
-            ] {
+            for (gname, param, grad, options) in tensor_wide_gradients() {
                 let config = ParamConfig::f32(hyper)
                     .with_param(param)
                     .with_grad(grad)
@@ -544,7 +516,7 @@ pub fn tensor_wide_second_moments_are_bit_exact<B: Backend>(gpu: &B) {
                     .with_state3(state3_for(&hyper, Storage::FOUR_BIT_SIGNED))
                     .with_min_quantized_size(0);
                 let label = format!("{name} {hname} {gname}");
-                compare(gpu, &label, config, options, 3);
+                compare(gpu, &label, config, options, COVER_STEPS);
             }
         }
     }
@@ -570,7 +542,7 @@ pub fn subnormal_values<B: Backend>(gpu: &B, exact: bool) {
         dev.step(crate::Step::param(a, &g)).unwrap();
     }
     let mut v = vec![0f32; n];
-    cpu.read_state(a, 2, &mut v).unwrap();
+    cpu.read(a, SlotKind::State2, &mut v).unwrap();
     let subnormal = v.iter().filter(|x| x.is_subnormal()).count();
     assert!(
         subnormal > 1000,
@@ -800,7 +772,7 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
                 dev.step(crate::Step::param(b, &g)).unwrap()
             );
         }
-        let mut near = cpu.export_slot(a, slot, None).unwrap();
+        let mut near = Parts::of(&cpu).export_slot(a, slot, None).unwrap();
         for r in &mut near.regions {
             let value: f32 = if r.spec.suffix == ".row" {
                 1.0
@@ -811,8 +783,12 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
                 c.copy_from_slice(&value.to_le_bytes());
             }
         }
-        cpu.import_slot(a, slot, &near, None).unwrap();
-        dev.import_slot(b, slot, &near, None).unwrap();
+        PartsMut::of(&mut cpu)
+            .import_slot(a, slot, &near, None)
+            .unwrap();
+        PartsMut::of(&mut dev)
+            .import_slot(b, slot, &near, None)
+            .unwrap();
         let mut g = rng.spread(120, 1e-3);
         g[..10].fill(100.0);
         let (r1, r2) = (
@@ -822,7 +798,7 @@ pub fn factorized_overflow_is_bit_exact<B: Backend>(gpu: &B) {
         assert_eq!(r1, r2, "{name}: reports");
         assert_eq!(r1.non_finite, [a], "{name}: the step reports the parameter");
         assert_eq!(
-            cpu.export_slot(a, slot, None).unwrap(),
+            Parts::of(&cpu).export_slot(a, slot, None).unwrap(),
             near,
             "{name}: statistics kept"
         );

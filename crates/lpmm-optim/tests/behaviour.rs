@@ -1,6 +1,8 @@
 //! Behaviour of the optimizer core that needs no reference file: underflow, accumulation,
 //! non-finite policies, clipping, gradient release, typed errors.
 
+use lpmm_optim::Parts;
+use lpmm_optim::SlotKind;
 use lpmm_optim::{
     Hyper, NonFinitePolicy, OptimError, Optimizer, OptimizerOptions, ParamConfig, Storage,
     StoreRounding,
@@ -25,7 +27,7 @@ fn underflow_run(param: Storage) -> Vec<f32> {
         opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut out = vec![0f32; N];
-    opt.read_param(id, &mut out).unwrap();
+    opt.read(id, SlotKind::Param, &mut out).unwrap();
     out
 }
 
@@ -103,7 +105,7 @@ fn accumulated_micro_batches_equal_their_sum() {
         }
         opt.step(lpmm_optim::Accumulated).unwrap();
         let mut out = vec![0f32; 8];
-        opt.read_param(id, &mut out).unwrap();
+        opt.read(id, SlotKind::Param, &mut out).unwrap();
         out
     };
     // Powers of two: the f32 sums are exact, so one gradient equals its parts bit for bit.
@@ -123,7 +125,7 @@ fn a_step_consumes_the_accumulator() {
     // Nothing accumulated since: the next step updates nothing.
     assert_eq!(opt.step(lpmm_optim::Accumulated).unwrap().updated, 0);
     let mut out = [0f32; 4];
-    opt.read_param(id, &mut out).unwrap();
+    opt.read(id, SlotKind::Param, &mut out).unwrap();
     assert_eq!(out, [-1.0; 4]);
 }
 
@@ -140,14 +142,14 @@ fn non_finite_gradients_skip_the_step_by_default_and_never_poison_states() {
     assert_eq!(report.non_finite, vec![a]);
     assert_eq!(report.updated, 0);
     let mut out = [0f32; 4];
-    opt.read_param(b, &mut out).unwrap();
+    opt.read(b, SlotKind::Param, &mut out).unwrap();
     assert_eq!(out, [1.0; 4], "a skipped step changes no parameter");
     // The gradients were consumed: a clean step afterwards works from clean states.
     opt.accumulate(a, &[0.1; 4]).unwrap();
     let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert!(!report.skipped);
     let mut m = [0f32; 4];
-    opt.read_state(a, 1, &mut m).unwrap();
+    opt.read(a, SlotKind::State1, &mut m).unwrap();
     assert!(m.iter().all(|v| v.is_finite()));
 }
 
@@ -165,8 +167,8 @@ fn skip_elements_policy_leaves_only_the_bad_elements_unchanged() {
     assert!(!report.skipped);
     assert_eq!(report.non_finite, vec![id]);
     let (mut p, mut m) = ([0f32; 3], [0f32; 3]);
-    opt.read_param(id, &mut p).unwrap();
-    opt.read_state(id, 1, &mut m).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
+    opt.read(id, SlotKind::State1, &mut m).unwrap();
     assert_eq!(p, [0.5, 1.0, 0.5]);
     assert_eq!(m, [1.0, 0.0, 1.0]);
 }
@@ -183,8 +185,8 @@ fn global_norm_clipping_scales_every_gradient() {
     let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert_eq!(report.grad_norm, Some(5.0));
     let (mut pa, mut pb) = ([0f32], [0f32]);
-    opt.read_param(a, &mut pa).unwrap();
-    opt.read_param(b, &mut pb).unwrap();
+    opt.read(a, SlotKind::Param, &mut pa).unwrap();
+    opt.read(b, SlotKind::Param, &mut pb).unwrap();
     assert!(
         (pa[0] + 0.6).abs() < 1e-6 && (pb[0] + 0.8).abs() < 1e-6,
         "{pa:?} {pb:?}"
@@ -219,8 +221,8 @@ fn gradient_release_equals_accumulate_then_step() {
         two.step(lpmm_optim::Step::param(p2, g)).unwrap();
     }
     let (mut a, mut b) = (vec![0f32; 5000], vec![0f32; 5000]);
-    one.read_param(p1, &mut a).unwrap();
-    two.read_param(p2, &mut b).unwrap();
+    one.read(p1, SlotKind::Param, &mut a).unwrap();
+    two.read(p2, SlotKind::Param, &mut b).unwrap();
     assert_eq!(a, b);
 }
 
@@ -244,7 +246,7 @@ fn a_released_negative_zero_gradient_steps_like_an_accumulated_one() {
             opt.step(lpmm_optim::Accumulated).unwrap();
         }
         let mut out = [0f32; 6];
-        opt.read_param(id, &mut out).unwrap();
+        opt.read(id, SlotKind::Param, &mut out).unwrap();
         results.push(bits(&out));
     }
     assert_eq!(results[0], results[1]);
@@ -349,7 +351,7 @@ fn bad_input_gets_typed_errors() {
         Err(OptimError::Hyperparameter { .. })
     ));
     assert!(matches!(
-        opt.param_id("nope"),
+        opt.param("nope").map(|p| p.id),
         Err(OptimError::UnknownParam(_))
     ));
     assert!(Optimizer::new(OptimizerOptions::default().with_max_grad_norm(Some(0.0))).is_err());
@@ -366,7 +368,7 @@ fn the_learning_rate_can_change_every_step() {
         opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut out = [0f32];
-    opt.read_param(id, &mut out).unwrap();
+    opt.read(id, SlotKind::Param, &mut out).unwrap();
     assert_eq!(out, [-1.75]);
 }
 
@@ -380,8 +382,14 @@ fn small_tensors_keep_f32_states_decided_on_the_whole_tensor() {
     let small = opt.add_param("small", &[4095], &[0.0; 4095], g).unwrap();
     // Not a multiple of the block: quantized all the same (torchao falls back to full precision).
     let big = opt.add_param("big", &[4097], &[0.0; 4097], g).unwrap();
-    assert_eq!(opt.config(small).unwrap().state1, Storage::F32);
-    assert_eq!(opt.config(big).unwrap().state1, Storage::DYNAMIC8_SIGNED);
+    assert_eq!(
+        opt.param(small).map(|p| p.config).unwrap().state1,
+        Storage::F32
+    );
+    assert_eq!(
+        opt.param(big).map(|p| p.config).unwrap().state1,
+        Storage::DYNAMIC8_SIGNED
+    );
 }
 
 #[test]
@@ -395,14 +403,14 @@ fn optimizer_accumulation_folds_micro_batches_into_the_states() {
     let (g1, g2) = ([0.5f32, -0.25, 2.0], [1.0f32, 1.0, -1.0]);
     opt.step(lpmm_optim::Step::states_only(id, &g1)).unwrap();
     let mut p = [0f32; 3];
-    opt.read_param(id, &mut p).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
     assert_eq!(
         p,
         [1.0, 2.0, 3.0],
         "accumulation does not move the parameter"
     );
     opt.step(lpmm_optim::Step::param(id, &g2)).unwrap();
-    opt.read_param(id, &mut p).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
     for i in 0..3 {
         let m = g2[i].mul_add(1.0, g1[i] * 0.9);
         assert_eq!(p[i], m.mul_add(-0.1, [1.0f32, 2.0, 3.0][i]), "element {i}");
@@ -425,9 +433,9 @@ fn optimizer_accumulation_skips_weight_decay_and_counts_steps() {
     opt.step(lpmm_optim::Step::states_only(id, &[0.5, 0.5]))
         .unwrap();
     let (mut p, mut m, mut v) = ([0f32; 2], [0f32; 2], [0f32; 2]);
-    opt.read_param(id, &mut p).unwrap();
-    opt.read_state(id, 1, &mut m).unwrap();
-    opt.read_state(id, 2, &mut v).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
+    opt.read(id, SlotKind::State1, &mut m).unwrap();
+    opt.read(id, SlotKind::State2, &mut v).unwrap();
     assert_eq!(p, [1.0, -1.0], "no decay, no step");
     let w1 = (1.0f64 - 0.9) as f32;
     let w2 = (1.0f64 - 0.999) as f32;
@@ -465,7 +473,7 @@ fn larger_micro_batches_accumulate_with_less_error_and_no_bias() {
         }
         opt.step(lpmm_optim::Accumulated).unwrap(); // p = 0 - 1 * accumulated gradient, exactly
         let mut p = vec![0f32; n];
-        opt.read_param(id, &mut p).unwrap();
+        opt.read(id, SlotKind::Param, &mut p).unwrap();
         let err: Vec<f64> = p
             .iter()
             .zip(&exact)
@@ -511,9 +519,9 @@ fn a_huge_finite_gradient_never_poisons_the_states() {
         let report = opt.step(lpmm_optim::Accumulated).unwrap();
         assert_eq!(report.non_finite, vec![id], "{state1:?}");
         let (mut p, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-        opt.read_param(id, &mut p).unwrap();
-        opt.read_state(id, 1, &mut m).unwrap();
-        opt.read_state(id, 2, &mut v).unwrap();
+        opt.read(id, SlotKind::Param, &mut p).unwrap();
+        opt.read(id, SlotKind::State1, &mut m).unwrap();
+        opt.read(id, SlotKind::State2, &mut v).unwrap();
         assert!(
             m.iter().chain(&v).chain(&p).all(|x| x.is_finite()),
             "{state1:?}"
@@ -543,7 +551,7 @@ fn gradient_release_skips_when_the_accumulator_holds_a_non_finite_value() {
     assert!(report.skipped);
     assert_eq!(report.non_finite, vec![id]);
     let mut p = [0f32; 3];
-    opt.read_param(id, &mut p).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
     assert_eq!(p, [0.0; 3]);
     // The bad gradient was consumed: the next release step is clean.
     assert!(
@@ -551,7 +559,7 @@ fn gradient_release_skips_when_the_accumulator_holds_a_non_finite_value() {
             .unwrap()
             .skipped
     );
-    opt.read_param(id, &mut p).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
     assert_eq!(p, [-1.0; 3]);
 }
 
@@ -576,7 +584,7 @@ fn clipping_still_applies_to_finite_gradients_under_skip_elements() {
         "the norm of the finite elements"
     );
     let mut p = [0f32; 3];
-    opt.read_param(id, &mut p).unwrap();
+    opt.read(id, SlotKind::Param, &mut p).unwrap();
     let clipped = -100.0 * (1.0 / (norm + 1e-6)) as f32;
     assert_eq!(p[0], 0.0);
     assert!(
@@ -617,7 +625,7 @@ fn a_per_parameter_learning_rate_survives_schedule_changes() {
     opt.step(lpmm_optim::Accumulated).unwrap();
     let read = |id| {
         let mut p = [0f32];
-        opt.read_param(id, &mut p).unwrap();
+        opt.read(id, SlotKind::Param, &mut p).unwrap();
         p[0]
     };
     assert_eq!(read(follows), -0.5);
@@ -683,7 +691,7 @@ fn adam_with_beta1_zero_keeps_exactly_the_gradient() {
         opt.step(lpmm_optim::Accumulated).unwrap();
     }
     let mut m = [0f32; 3];
-    opt.read_state(id, 1, &mut m).unwrap();
+    opt.read(id, SlotKind::State1, &mut m).unwrap();
     assert_eq!(m, grads[1]);
 }
 
@@ -711,7 +719,9 @@ fn the_8bit_first_moment_is_bitsandbytes_cpu_quantization_without_the_sign_fix()
     let mut grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
     grad[5] = -1e-9;
     opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
-    let stored = opt.export_slot(id, SlotKind::State1, None).unwrap();
+    let stored = Parts::of(&opt)
+        .export_slot(id, SlotKind::State1, None)
+        .unwrap();
     let q = |fix: bool| {
         let b =
             Blockwise::new(MapKind::DynamicSigned8.shared(), BlockSize::B256).with_sign_fix(fix);
@@ -729,6 +739,6 @@ fn the_8bit_first_moment_is_bitsandbytes_cpu_quantization_without_the_sign_fix()
         "the sign fix would move only the tiny negative momentum"
     );
     let mut m = vec![0f32; n];
-    opt.read_state(id, 1, &mut m).unwrap();
+    opt.read(id, SlotKind::State1, &mut m).unwrap();
     assert_eq!(m[5].to_bits(), 0, "stored as +0, not as a negative code");
 }

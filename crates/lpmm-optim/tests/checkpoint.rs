@@ -1,9 +1,11 @@
 //! Checkpoints: exact resume (stochastic rounding included), atomic writes, typed errors for
 //! truncated, corrupt and mismatched files that leave the live optimizer untouched.
 
+use lpmm_optim::{Checkpoint, Cpu, Mode, Parts};
 use lpmm_optim::{
     Hyper, OptimError, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, StoreRounding,
 };
+use lpmm_optim::{SlotKind, checkpoint::Canonical};
 
 /// Every storage kind at once: SR bf16, Kahan, split f32, 8-bit linear SR parameters; SR
 /// gradient accumulators; 8-bit and 4-bit states; one tensor above the piece size.
@@ -86,10 +88,10 @@ fn snapshot(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<u32> {
     let mut out = Vec::new();
     for &(id, n) in ids {
         let mut v = vec![0f32; n];
-        opt.read_param(id, &mut v).unwrap();
+        opt.read(id, SlotKind::Param, &mut v).unwrap();
         out.extend(v.iter().map(|x| x.to_bits()));
         for s in [1, 2] {
-            opt.read_state(id, s, &mut v).unwrap();
+            opt.read(id, SlotKind::ALL[s + 1], &mut v).unwrap();
             out.extend(v.iter().map(|x| x.to_bits()));
         }
     }
@@ -105,8 +107,10 @@ fn resume_is_exact_with_stochastic_rounding() {
     // A pending micro-batch at the save point must survive too.
     first.accumulate(ids2[0].0, &vec![1e-3; ids2[0].1]).unwrap();
     let path = dir.join("ckpt.safetensors");
-    first.save(&path).unwrap();
-    let mut resumed = Optimizer::load(&path).unwrap();
+    first.save(&path, Checkpoint::new()).unwrap();
+    let mut resumed = Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
     assert_eq!(
         snapshot(&resumed, &ids2),
         snapshot(&first, &ids2),
@@ -125,7 +129,7 @@ fn resume_is_exact_with_stochastic_rounding() {
         snapshot(&reference, &ids3),
         "N steps straight = k, save, load, N-k"
     );
-    assert_eq!(resumed.steps(), 8);
+    assert_eq!(resumed.status().steps, 8);
 }
 
 #[test]
@@ -135,7 +139,7 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
     let path = dir.join("good.safetensors");
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let before = snapshot(&opt, &ids);
 
@@ -148,7 +152,7 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
     for (what, content) in cases {
         let bad = dir.join(format!("{}.safetensors", what.replace(' ', "_")));
         std::fs::write(&bad, content).unwrap();
-        let e = opt.load_state(&bad).unwrap_err();
+        let e = opt.load(&bad, Checkpoint::new()).unwrap_err();
         assert!(matches!(e, OptimError::Checkpoint { .. }), "{what}: {e}");
         if what.contains("elements") || what.contains("parameters") {
             assert!(
@@ -174,7 +178,10 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
     patched[at + needle.len() - 1] = b'9';
     let future = dir.join("future.safetensors");
     std::fs::write(&future, &patched).unwrap();
-    let e = Optimizer::load(&future).unwrap_err().to_string();
+    let e = Canonical::read(&future)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("version 9"), "{e}");
 
     // Another model's checkpoint.
@@ -184,16 +191,16 @@ fn corrupt_truncated_and_mismatched_files_get_typed_errors_and_change_nothing() 
         .unwrap();
     other.add_param("a", &[7], &[0.0; 7], g).unwrap();
     let other_path = dir.join("other.safetensors");
-    other.save(&other_path).unwrap();
+    other.save(&other_path, Checkpoint::new()).unwrap();
     assert!(matches!(
-        opt.load_state(&other_path),
+        opt.load(&other_path, Checkpoint::new()),
         Err(OptimError::Checkpoint { .. })
     ));
     assert_eq!(snapshot(&opt, &ids), before);
 
     // A missing file.
     assert!(matches!(
-        Optimizer::load(dir.join("nope")),
+        Canonical::read(dir.join("nope")).and_then(|c| c.into_optimizer(Cpu)),
         Err(OptimError::Checkpoint { .. })
     ));
 }
@@ -204,16 +211,23 @@ fn saving_is_atomic() {
     let dir = tmp.path();
     let (mut opt, ids) = build();
     let path = dir.join("ckpt.safetensors");
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     let old = std::fs::read(&path).unwrap();
     train(&mut opt, &ids, 1..2);
     // Saving into a directory that does not exist fails and leaves nothing behind.
-    assert!(opt.save(dir.join("missing/ckpt.safetensors")).is_err());
+    assert!(
+        opt.save(dir.join("missing/ckpt.safetensors"), Checkpoint::new())
+            .is_err()
+    );
     // A successful save replaces the file whole, and leaves no temporary file.
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     let new = std::fs::read(&path).unwrap();
     assert_ne!(old, new);
-    assert!(Optimizer::load(&path).is_ok());
+    assert!(
+        Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .is_ok()
+    );
     let leftovers: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok())
@@ -275,14 +289,18 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
     let good = dir.join("good.safetensors");
-    opt.save(&good).unwrap();
+    opt.save(&good, Checkpoint::new()).unwrap();
     let before = snapshot(&opt, &ids);
     let no_meta = |_: &mut serde_json::Value| {};
     let no_tensor = |_: &str, _: &mut safetensors::Dtype, _: &mut Vec<u8>| {};
     // The forgery pipeline itself round-trips a good file.
     let same = dir.join("same.safetensors");
     forge(&good, &same, no_meta, no_tensor);
-    assert!(Optimizer::load(&same).is_ok());
+    assert!(
+        Canonical::read(&same)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .is_ok()
+    );
 
     let cases: Vec<(&str, MetaEdit, TensorEdit)> = vec![
         (
@@ -355,7 +373,7 @@ fn forged_checkpoints_are_refused_before_anything_is_allocated_or_changed() {
     for (what, edit_meta, edit_tensor) in cases {
         let bad = dir.join("forged.safetensors");
         forge(&good, &bad, &*edit_meta, &*edit_tensor);
-        let e = opt.load_state(&bad).unwrap_err();
+        let e = opt.load(&bad, Checkpoint::new()).unwrap_err();
         assert!(matches!(e, OptimError::Checkpoint { .. }), "{what}: {e}");
         if what.contains("elements") || what.contains("parameters") {
             assert!(
@@ -389,14 +407,16 @@ fn learning_rates_survive_save_and_load_bit_for_bit() {
         let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         let lr = 10f64.powf(-8.0 + 7.0 * u);
         opt.set_lr(lr).unwrap();
-        opt.save(&path).unwrap();
-        let back = Optimizer::load(&path).unwrap();
-        let got = back.config(id).unwrap().hyper.lr();
+        opt.save(&path, Checkpoint::new()).unwrap();
+        let back = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
+        let got = back.param(id).map(|p| p.config).unwrap().hyper.lr();
         if got.to_bits() != lr.to_bits() {
             off.push((lr, got));
         }
         let again = dir.join("again.safetensors");
-        back.save(&again).unwrap();
+        back.save(&again, Checkpoint::new()).unwrap();
         assert_eq!(
             std::fs::read(&again).unwrap(),
             std::fs::read(&path).unwrap(),
@@ -447,11 +467,17 @@ fn a_state_after_overflow_saves_and_loads() {
     let report = opt.step(lpmm_optim::Accumulated).unwrap();
     assert_eq!(report.non_finite, vec![a], "the overflow is reported");
     opt.accumulate(a, &[f32::INFINITY, 0.0, 0.0, 0.0]).unwrap();
-    opt.save(&path).unwrap();
-    let back = Optimizer::load(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
+    let back = Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
     assert_eq!(
-        back.canonical().unwrap().to_bytes().unwrap(),
-        opt.canonical().unwrap().to_bytes().unwrap()
+        Parts::of(&back)
+            .canonical(None)
+            .unwrap()
+            .to_bytes()
+            .unwrap(),
+        Parts::of(&opt).canonical(None).unwrap().to_bytes().unwrap()
     );
 }
 
@@ -468,28 +494,50 @@ fn load_state_replaces_the_configuration_only_when_asked() {
         .add_group(lpmm_optim::presets::lpmm_sgdm(0.1, 0.9))
         .unwrap();
     other.add_param("w", &[64], &[0.2; 64], g).unwrap();
-    other.save(&path).unwrap();
+    other.save(&path, Checkpoint::new()).unwrap();
 
     let mut live = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = live
         .add_group(lpmm_optim::presets::adamw_f32(1e-3))
         .unwrap();
     live.add_param("w", &[64], &[0.1; 64], g).unwrap();
-    let before = live.canonical().unwrap().to_bytes().unwrap();
-    let e = live.load_state(&path).unwrap_err();
+    let before = Parts::of(&live)
+        .canonical(None)
+        .unwrap()
+        .to_bytes()
+        .unwrap();
+    let e = live.load(&path, Checkpoint::new()).unwrap_err();
     assert!(
         matches!(&e, OptimError::Checkpoint { reason, .. } if reason.contains("ReplaceConfiguration")),
         "{e}"
     );
-    assert_eq!(live.canonical().unwrap().to_bytes().unwrap(), before);
-    live.load_state_with(&path, lpmm_optim::LoadPolicy::ReplaceConfiguration)
-        .unwrap();
     assert_eq!(
-        live.canonical().unwrap().to_bytes().unwrap(),
-        other.canonical().unwrap().to_bytes().unwrap()
+        Parts::of(&live)
+            .canonical(None)
+            .unwrap()
+            .to_bytes()
+            .unwrap(),
+        before
+    );
+    live.load(
+        &path,
+        Checkpoint::new().policy(lpmm_optim::LoadPolicy::ReplaceConfiguration),
+    )
+    .unwrap();
+    assert_eq!(
+        Parts::of(&live)
+            .canonical(None)
+            .unwrap()
+            .to_bytes()
+            .unwrap(),
+        Parts::of(&other)
+            .canonical(None)
+            .unwrap()
+            .to_bytes()
+            .unwrap()
     );
     // The same configuration loads under the default policy.
-    live.load_state(&path).unwrap();
+    live.load(&path, Checkpoint::new()).unwrap();
 }
 
 /// Every slot of every parameter, as bytes (state 3 and the factorized statistics included).
@@ -497,7 +545,7 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for &(id, _) in ids {
         for slot in lpmm_optim::SlotKind::ALL {
-            for r in opt.export_slot(id, slot, None).unwrap().regions {
+            for r in Parts::of(opt).export_slot(id, slot, None).unwrap().regions {
                 out.push(r.bytes);
             }
         }
@@ -579,21 +627,23 @@ fn the_newer_rules_resume_exactly() {
         train(&mut first, &ids, 1..4);
         let eval = name == "schedule-free";
         if eval {
-            first.eval(lpmm_optim::Lent::None).unwrap();
+            first.set_mode(Mode::Eval, lpmm_optim::Lent::None).unwrap();
         }
         let path = dir.join(format!("{name}.safetensors"));
-        first.save(&path).unwrap();
-        let mut resumed = Optimizer::load(&path).unwrap();
+        first.save(&path, Checkpoint::new()).unwrap();
+        let mut resumed = Canonical::read(&path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
         assert_eq!(
             all_slots(&resumed, &ids),
             all_slots(&first, &ids),
             "{name}: loaded"
         );
-        assert_eq!(resumed.in_eval(), eval, "{name}: mode");
+        assert_eq!(resumed.status().mode == Mode::Eval, eval, "{name}: mode");
         for &(id, _) in &ids {
             assert_eq!(
-                resumed.rule_state(id).unwrap(),
-                first.rule_state(id).unwrap(),
+                resumed.param(id).map(|p| p.rule_state).unwrap(),
+                first.param(id).map(|p| p.rule_state).unwrap(),
                 "{name}: rule state"
             );
         }
@@ -602,14 +652,20 @@ fn the_newer_rules_resume_exactly() {
                 resumed.step(lpmm_optim::Accumulated),
                 Err(OptimError::EvalMode)
             ));
-            resumed.train(lpmm_optim::Lent::None).unwrap();
+            resumed
+                .set_mode(Mode::Train, lpmm_optim::Lent::None)
+                .unwrap();
         }
         train(&mut resumed, &ids, 4..8);
         let (mut reference, ids2) = make();
         train(&mut reference, &ids2, 1..4);
         if eval {
-            reference.eval(lpmm_optim::Lent::None).unwrap();
-            reference.train(lpmm_optim::Lent::None).unwrap();
+            reference
+                .set_mode(Mode::Eval, lpmm_optim::Lent::None)
+                .unwrap();
+            reference
+                .set_mode(Mode::Train, lpmm_optim::Lent::None)
+                .unwrap();
         }
         train(&mut reference, &ids2, 4..8);
         assert_eq!(
@@ -618,7 +674,7 @@ fn the_newer_rules_resume_exactly() {
             "{name}: resumed"
         );
         if eval {
-            assert!(resumed.rule_state(ids[0].0).unwrap().0[1] > 0.0);
+            assert!(resumed.param(ids[0].0).unwrap().rule_state.0[1] > 0.0);
         }
     }
 }
@@ -672,7 +728,7 @@ fn the_codec_holds_values_outside_in_any_container() {
 
     let (mut opt, ids) = build();
     train(&mut opt, &ids, 1..3);
-    let c = opt.canonical().unwrap();
+    let c = Parts::of(&opt).canonical(None).unwrap();
     let scheme = Scheme {
         format: "test-container",
         version: 7,

@@ -4,6 +4,7 @@
 
 use lpmm_optim::backend::HostValues;
 use lpmm_optim::testing::Rng;
+use lpmm_optim::{Checkpoint, Cpu, Parts, PartsMut, checkpoint::Canonical};
 use lpmm_optim::{
     Gradients, MissingGradientPolicy, OptimError, Optimizer, OptimizerOptions, ParamId, SlotKind,
     StepReport, presets,
@@ -25,7 +26,7 @@ fn optimizer(policy: MissingGradientPolicy) -> (Optimizer, Vec<ParamId>) {
         .map(|n| opt.add_param(n, &[N], &rng.spread(N, 0.5), 0).unwrap())
         .collect();
     opt.set_expects_gradient(ids[3], false).unwrap();
-    opt.set_missing_gradient(policy);
+    opt.settings_mut().missing_gradient = policy;
     (opt, ids)
 }
 
@@ -76,12 +77,18 @@ impl Gradients<lpmm_optim::Cpu> for Grads {
 
 /// Every slot of every parameter, and the counters: what "nothing changed" compares.
 fn everything(opt: &Optimizer, ids: &[ParamId]) -> Vec<String> {
-    let mut out = vec![format!("steps {}", opt.steps())];
+    let mut out = vec![format!("steps {}", opt.status().steps)];
     for &id in ids {
         for slot in SlotKind::ALL {
-            out.push(format!("{:?}", opt.export_slot(id, slot, None).unwrap()));
+            out.push(format!(
+                "{:?}",
+                Parts::of(opt).export_slot(id, slot, None).unwrap()
+            ));
         }
-        out.push(format!("received {}", opt.received_gradient(id).unwrap()));
+        out.push(format!(
+            "received {}",
+            opt.param(id).map(|p| p.received_gradient).unwrap()
+        ));
     }
     out
 }
@@ -137,7 +144,7 @@ fn run(opt: &mut Optimizer, entry: Entry, grads: &mut Grads) -> Result<StepRepor
             opt.step(lpmm_optim::Step::accumulated().lent(lpmm_optim::Lent::Lender(&mut buffers)))
         }
         Entry::Summary => {
-            let s = opt.gradient_summary()?;
+            let s = PartsMut::of(opt).gradient_summary()?;
             let any = !s.non_finite.is_empty();
             opt.step(lpmm_optim::Step::summarized(
                 Some((s.sum, any)),
@@ -272,13 +279,21 @@ fn a_load_keeps_the_policy_and_the_exclusions() {
     let path = tmp.path().join("c.safetensors");
     let (mut opt, ids) = optimizer(MissingGradientPolicy::Error);
     step(&mut opt, &ids, Entry::Step, &[0, 1, 2], 0).unwrap();
-    opt.save(&path).unwrap();
-    opt.load_state(&path).unwrap();
-    assert_eq!(opt.missing_gradient(), MissingGradientPolicy::Error);
-    assert!(!opt.expects_gradient(ids[3]).unwrap());
+    opt.save(&path, Checkpoint::new()).unwrap();
+    opt.load(&path, Checkpoint::new()).unwrap();
+    assert_eq!(
+        opt.status().settings.missing_gradient,
+        MissingGradientPolicy::Error
+    );
+    assert!(!opt.param(ids[3]).map(|p| p.expects_gradient).unwrap());
     assert!(step(&mut opt, &ids, Entry::Step, &[0, 1], 1).is_err());
     // A fresh optimizer from the file has the defaults.
-    let loaded = Optimizer::load(&path).unwrap();
-    assert_eq!(loaded.missing_gradient(), MissingGradientPolicy::Warn);
-    assert!(loaded.expects_gradient(ids[3]).unwrap());
+    let loaded = Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
+    assert_eq!(
+        loaded.status().settings.missing_gradient,
+        MissingGradientPolicy::Warn
+    );
+    assert!(loaded.param(ids[3]).map(|p| p.expects_gradient).unwrap());
 }

@@ -6,6 +6,8 @@
 
 #![cfg(unix)]
 
+use lpmm_optim::Checkpoint;
+use lpmm_optim::Cpu;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -49,9 +51,13 @@ fn crash_child() {
     };
     let path = PathBuf::from(path);
     let first: usize = std::env::var(FIRST).unwrap().parse().unwrap();
-    let states = [0, 1].map(|k| Optimizer::load(source(&path, k)).unwrap());
+    let states = [0, 1].map(|k| {
+        Canonical::read(source(&path, k))
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap()
+    });
     for k in first.. {
-        states[k % 2].save(&path).unwrap();
+        states[k % 2].save(&path, Checkpoint::new()).unwrap();
     }
 }
 
@@ -116,7 +122,7 @@ fn killed_saves_leave_the_old_or_the_new_file_and_no_leftovers() {
     let path = dir.join("ckpt.safetensors");
     let states = [state(0), state(1)];
     for (k, s) in states.iter().enumerate() {
-        s.save(source(&path, k)).unwrap();
+        s.save(source(&path, k), Checkpoint::new()).unwrap();
     }
     let want: Vec<Vec<u8>> = (0..2)
         .map(|k| std::fs::read(source(&path, k)).unwrap())
@@ -171,7 +177,9 @@ fn killed_saves_leave_the_old_or_the_new_file_and_no_leftovers() {
         "the kills must land before, during and after saves"
     );
     for k in 0..2 {
-        Optimizer::load(source(&path, k)).unwrap();
+        Canonical::read(source(&path, k))
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,13 +1,15 @@
-//! Issue 22's defects, one test each, written against the API as it was before the fix (so they
-//! compile there too): every one fails at commit 6ebcecf and passes now. To see them fail:
-//! `git worktree add /tmp/before 6ebcecf && cp crates/lpmm-optim/tests/defects.rs
-//! /tmp/before/crates/lpmm-optim/tests/ && cd /tmp/before && cargo test --release -p lpmm-optim
-//! --test defects`. tests/hostile.rs has the full table of bad inputs.
+//! Issue 22's defects, one test each: every one fails at commit 6ebcecf and passes now. The file
+//! as written then, against that commit's API, is commit 91afe55's; since then it follows the
+//! API. To see them fail: `git worktree add /tmp/before 6ebcecf && git show
+//! 91afe55:crates/lpmm-optim/tests/defects.rs > /tmp/before/crates/lpmm-optim/tests/defects.rs
+//! && cd /tmp/before && cargo test --release -p lpmm-optim --test defects`. tests/hostile.rs has
+//! the full table of bad inputs.
 
 use lpmm_optim::{
     Adam, Hyper, LrRule, OptimError, Optimizer, OptimizerOptions, ParamConfig, Storage,
     StoreRounding, presets,
 };
+use lpmm_optim::{Checkpoint, Cpu, PartsMut, SlotKind, checkpoint::Canonical};
 
 fn bf(r: StoreRounding) -> Storage {
     Storage::Bf16(r)
@@ -44,7 +46,7 @@ fn item1_bf16_momentum_overflow_is_reported() {
         .step(lpmm_optim::Step::param(id, &[1.0, 3.4e38]))
         .unwrap();
     let mut m = [0f32; 2];
-    opt.read_state(id, 1, &mut m).unwrap();
+    opt.read(id, SlotKind::State1, &mut m).unwrap();
     assert!(
         m.iter().all(|x| x.is_finite()) && !r.non_finite.is_empty(),
         "momentum {m:?}, report {r:?}"
@@ -72,8 +74,10 @@ fn item3_parameter_named_maps_round_trips() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_8bit_bf16(1e-3)).unwrap();
     opt.add_param("maps", &[4], &[0.0; 4], g).unwrap();
-    opt.save(&path).unwrap();
-    Optimizer::load(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
+    Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
 }
 
 #[test]
@@ -81,7 +85,7 @@ fn item4_restore_u64_max_is_refused() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     let id = opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    let r = opt.restore(id, u64::MAX, 0, false, LrRule::Group);
+    let r = PartsMut::of(&mut opt).restore(id, u64::MAX, 0, false, LrRule::Group);
     assert!(r.is_err(), "restore(u64::MAX) accepted");
 }
 
@@ -99,9 +103,8 @@ fn item4_read_state_4_is_refused() {
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     let id = opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
     let mut out = [1f32; 4];
-    assert!(opt.read_state(id, 4, &mut out).is_err(), "state 4 read");
-    assert!(opt.read_state(id, 0, &mut out).is_err(), "state 0 read");
-    opt.read_state(id, 3, &mut out).unwrap();
+    // A state index is a `SlotKind` now: state 0 or 4 does not compile.
+    opt.read(id, SlotKind::State3, &mut out).unwrap();
     assert_eq!(out, [0.0; 4]);
 }
 
@@ -112,12 +115,12 @@ fn item4_load_state_with_other_configuration_is_refused() {
     let mut a = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = a.add_group(presets::adamw_f32(1e-3)).unwrap();
     a.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    a.save(&path).unwrap();
+    a.save(&path, Checkpoint::new()).unwrap();
     let mut b = Optimizer::new(OptimizerOptions::default().with_seed(9)).unwrap();
     let g = b.add_group(presets::lpmm_sgdm(0.1, 0.9)).unwrap();
     b.add_param("w", &[4], &[0.0; 4], g).unwrap();
     assert!(
-        b.load_state(&path).is_err(),
+        b.load(&path, Checkpoint::new()).is_err(),
         "configuration silently replaced"
     );
 }
@@ -130,7 +133,7 @@ fn item5_long_file_name_saves() {
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
     let tmp = lpmm_optim::testing::temp_dir("lpmm-defects-");
-    opt.save(tmp.path().join(name)).unwrap();
+    opt.save(tmp.path().join(name), Checkpoint::new()).unwrap();
 }
 
 #[test]
@@ -143,7 +146,7 @@ fn item5_stale_temp_is_cleaned_by_the_next_save() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     assert!(!stale.exists(), "stale temporary file left behind");
 }
 
@@ -156,10 +159,20 @@ fn item6_lr_round_trips_bit_exactly() {
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
     let lr = 0.0011168202304366027;
     opt.set_lr(lr).unwrap();
-    opt.save(&path).unwrap();
-    let back = Optimizer::load(&path).unwrap();
-    let id = back.param_id("w").unwrap();
-    assert_eq!(back.config(id).unwrap().hyper.lr().to_bits(), lr.to_bits());
+    opt.save(&path, Checkpoint::new()).unwrap();
+    let back = Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
+    let id = back.param("w").map(|p| p.id).unwrap();
+    assert_eq!(
+        back.param(id)
+            .map(|p| p.config)
+            .unwrap()
+            .hyper
+            .lr()
+            .to_bits(),
+        lr.to_bits()
+    );
 }
 
 #[test]
@@ -170,7 +183,7 @@ fn item6_errors_of_bad_files_are_checkpoint_errors() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let needle = b"\\\"group\\\":0";
     let at = bytes
@@ -180,7 +193,9 @@ fn item6_errors_of_bad_files_are_checkpoint_errors() {
     let mut patched = bytes.clone();
     patched[at + needle.len() - 1] = b'7';
     std::fs::write(&path, &patched).unwrap();
-    let e = Optimizer::load(&path).unwrap_err();
+    let e = Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap_err();
     assert!(matches!(e, OptimError::Checkpoint { .. }), "{e:?}");
 }
 
@@ -201,7 +216,7 @@ fn item1_adamw_bf16_second_moment_overflow_is_reported() {
         .step(lpmm_optim::Step::param(id, &[0.01, 5.832e20]))
         .unwrap();
     let mut v = [0f32; 2];
-    opt.read_state(id, 2, &mut v).unwrap();
+    opt.read(id, SlotKind::State2, &mut v).unwrap();
     assert!(
         v.iter().all(|x| x.is_finite()) && !r.non_finite.is_empty(),
         "v {v:?}, report {r:?}"
@@ -222,16 +237,22 @@ fn item3_a_save_after_overflow_loads() {
         .unwrap();
     let id = opt.add_param("w", &[2], &[0.0, 0.0], g).unwrap();
     let _ = opt.step(lpmm_optim::Step::param(id, &[1.0, 3.4e38]));
-    opt.save(&path).unwrap();
-    Optimizer::load(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
+    Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
 }
 
 #[test]
 fn item4_set_steps_u64_max_is_refused() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     // Before: `set_steps` returned nothing and took any value.
-    let _ = opt.set_steps(u64::MAX);
-    assert!(opt.steps() <= 1 << 53, "counter set to {}", opt.steps());
+    let _ = PartsMut::of(&mut opt).set_steps(u64::MAX);
+    assert!(
+        opt.status().steps <= 1 << 53,
+        "counter set to {}",
+        opt.status().steps
+    );
 }
 
 #[test]
@@ -242,9 +263,11 @@ fn item5_stale_temp_is_cleaned_by_the_next_load() {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
     opt.add_param("w", &[4], &[0.0; 4], g).unwrap();
-    opt.save(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
     let stale = d.join(".stale-load.safetensors.tmp-999998-3");
     std::fs::write(&stale, vec![0u8; 1000]).unwrap();
-    Optimizer::load(&path).unwrap();
+    Canonical::read(&path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
     assert!(!stale.exists(), "stale temporary file left behind");
 }

@@ -7,13 +7,14 @@
 //! Budget: `LPMM_FUZZ_SECS` seconds (default 25) or `LPMM_FUZZ_ITERS` inputs, whichever ends
 //! first; `LPMM_FUZZ_SEED` changes the sequence. The inputs are the same on every run.
 
+use lpmm_optim::{Cpu, checkpoint::Canonical};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use lpmm_optim::OptimError;
 use lpmm_optim::fuzzing::{self, Mutator, Outcome};
 use lpmm_optim::testing::Rng;
-use lpmm_optim::{OptimError, Optimizer};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -137,14 +138,17 @@ fn mutated_checkpoints_load_and_round_trip_or_are_refused() {
         // `OptimError::Checkpoint` (the docs promise it for every bad file).
         if n % 32 == 0 {
             std::fs::write(&file, &input).unwrap();
-            match (Optimizer::load(&file), &seen.raw) {
+            match (
+                Canonical::read(&file).and_then(|c| c.into_optimizer(Cpu)),
+                &seen.raw,
+            ) {
                 (Ok(_), Outcome::Loaded) => {}
                 (Err(OptimError::Checkpoint { .. }), Outcome::Refused(_)) => {}
                 (other, want) => {
                     let path = std::env::temp_dir().join("lpmm-fuzz-checkpoint-file-crash.bin");
                     let _ = std::fs::write(&path, &input);
                     panic!(
-                        "Optimizer::load gave {other:?} where the oracle saw {want:?} (the input is in {})",
+                        "loading gave {other:?} where the oracle saw {want:?} (the input is in {})",
                         path.display()
                     );
                 }

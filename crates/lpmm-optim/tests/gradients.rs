@@ -2,6 +2,7 @@
 //! same bits as accumulating the same gradients into exact (f32) accumulators and stepping, the
 //! global policies over all gradients, every gradient released once its parameter has stepped.
 
+use lpmm_optim::Parts;
 use lpmm_optim::backend::HostValues;
 use lpmm_optim::testing::Rng;
 use lpmm_optim::{
@@ -47,16 +48,16 @@ fn optimizer(config: ParamConfig, options: OptimizerOptions, rng: &mut Rng) -> O
 }
 
 fn id(opt: &Optimizer, k: usize) -> ParamId {
-    opt.param_id(&format!("p{k}")).unwrap()
+    opt.param(&format!("p{k}")).map(|p| p.id).unwrap()
 }
 
 fn same(a: &Optimizer, b: &Optimizer, what: &str) {
     for k in 0..SIZES.len() {
-        let id = a.param_id(&format!("p{k}")).unwrap();
+        let id = a.param(&format!("p{k}")).map(|p| p.id).unwrap();
         for slot in SlotKind::ALL {
             assert_eq!(
-                a.export_slot(id, slot, None).unwrap(),
-                b.export_slot(id, slot, None).unwrap(),
+                Parts::of(a).export_slot(id, slot, None).unwrap(),
+                Parts::of(b).export_slot(id, slot, None).unwrap(),
                 "{what}: p{k} {}",
                 slot.name()
             );
@@ -101,7 +102,7 @@ fn stepping_from_the_callers_gradients_equals_accumulating_them() {
             assert!(g.grads.iter().all(Vec::is_empty), "every gradient released");
             same(&acc, &direct, &format!("{name} step {step}"));
         }
-        assert_eq!(acc.steps(), direct.steps());
+        assert_eq!(acc.status().steps, direct.status().steps);
         // Stepped only from given gradients, no accumulator was ever allocated; the accumulating
         // optimizer holds one (f32: 4 bytes an element) from its first accumulation.
         let numel: usize = SIZES.iter().sum();
@@ -119,7 +120,11 @@ fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
         &mut rng,
     );
     let before: Vec<_> = (0..SIZES.len())
-        .map(|k| opt.export_slot(id(&opt, k), SlotKind::Param, None).unwrap())
+        .map(|k| {
+            Parts::of(&opt)
+                .export_slot(id(&opt, k), SlotKind::Param, None)
+                .unwrap()
+        })
         .collect();
     let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
     grads[2][17] = f32::NAN;
@@ -135,7 +140,9 @@ fn a_non_finite_gradient_skips_the_whole_step_and_releases_every_gradient() {
     assert_eq!(g.consumed.len(), 3, "every given gradient released");
     for (k, b) in before.iter().enumerate() {
         assert_eq!(
-            &opt.export_slot(id(&opt, k), SlotKind::Param, None).unwrap(),
+            &Parts::of(&opt)
+                .export_slot(id(&opt, k), SlotKind::Param, None)
+                .unwrap(),
             b,
             "nothing moved"
         );
@@ -164,7 +171,9 @@ fn a_lent_parameter_steps_in_the_lenders_buffer() {
         lent.step(lpmm_optim::Step::given(&mut g).lent(lpmm_optim::Lent::Lender(&mut buffers)))
             .unwrap();
     }
-    let want = held.export_slot(a, SlotKind::Param, None).unwrap();
+    let want = Parts::of(&held)
+        .export_slot(a, SlotKind::Param, None)
+        .unwrap();
     assert_eq!(want.regions[0].bytes, HostValues::F32(&buffers[0]).bytes());
     // Without a lender the lent parameter is a typed error.
     let mut g = vec![rng.spread(5000, 1.0)];
@@ -187,7 +196,7 @@ fn a_pending_accumulated_gradient_is_refused() {
     let mut grads: Vec<Vec<f32>> = SIZES.iter().map(|&n| rng.spread(n, 1.0)).collect();
     let err = opt.step(lpmm_optim::Step::given(&mut grads)).unwrap_err();
     assert!(matches!(err, lpmm_optim::OptimError::Lent { .. }), "{err}");
-    assert_eq!(opt.steps(), 0);
+    assert_eq!(opt.status().steps, 0);
 }
 
 #[test]
@@ -250,12 +259,17 @@ fn bad_lent_buffers_are_refused_before_anything_moves() {
     let slots = |opt: &Optimizer, buf: &[f32]| {
         let mut all = Vec::new();
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
-            all.push(opt.export_slot(h, slot, None).unwrap());
-            all.push(opt.export_slot(l, slot, None).unwrap());
+            all.push(Parts::of(opt).export_slot(h, slot, None).unwrap());
+            all.push(Parts::of(opt).export_slot(l, slot, None).unwrap());
         }
-        all.push(opt.export_slot(h, SlotKind::Param, None).unwrap());
         all.push(
-            opt.export_slot(l, SlotKind::Param, Some(HostValues::F32(buf)))
+            Parts::of(opt)
+                .export_slot(h, SlotKind::Param, None)
+                .unwrap(),
+        );
+        all.push(
+            Parts::of(opt)
+                .export_slot(l, SlotKind::Param, Some(HostValues::F32(buf)))
                 .unwrap(),
         );
         all
@@ -294,7 +308,7 @@ fn bad_lent_buffers_are_refused_before_anything_moves() {
         assert!(matches!(e, OptimError::Lent { .. }), "{e}");
     }
     assert_eq!(slots(&tried, &buf), before, "nothing moved");
-    assert_eq!(tried.steps(), 0);
+    assert_eq!(tried.status().steps, 0);
     let r1 = tried
         .step(Step::accumulated().lent(Lent::Buffers(&mut [(l, HostValuesMut::F32(&mut buf))])))
         .unwrap();
@@ -307,4 +321,114 @@ fn bad_lent_buffers_are_refused_before_anything_moves() {
     assert_eq!(r1.updated, 2);
     assert_eq!(r1, r2);
     assert_eq!(slots(&tried, &buf), slots(&clean, &clean_buf));
+}
+
+/// A [`Lender`] lends the buffers of a step one at a time: one that hands out a short buffer for
+/// the *second* lent parameter must be refused before the first moves (a retry with good buffers
+/// then gives one clean step's bits, not two steps of the first parameter).
+#[test]
+fn a_lender_with_a_short_second_buffer_moves_nothing() {
+    use lpmm_optim::backend::HostValuesMut;
+    use lpmm_optim::{Accumulated, Lender, Lent, OptimError, Step};
+
+    /// Lends `buffers[id]`; for `short`, only its first `n - 1` values.
+    struct Shorting<'a> {
+        buffers: &'a mut [Vec<f32>],
+        short: Option<usize>,
+    }
+    impl Lender<lpmm_optim::Cpu> for Shorting<'_> {
+        fn lend(
+            &mut self,
+            id: ParamId,
+            f: &mut dyn FnMut(HostValues<'_>) -> Result<(), OptimError>,
+        ) -> Result<(), OptimError> {
+            let b = &self.buffers[id.index()];
+            let n = if self.short == Some(id.index()) {
+                b.len() - 1
+            } else {
+                b.len()
+            };
+            f(HostValues::F32(&b[..n]))
+        }
+        fn lend_mut(
+            &mut self,
+            id: ParamId,
+            f: &mut dyn FnMut(HostValuesMut<'_>) -> Result<(), OptimError>,
+        ) -> Result<(), OptimError> {
+            let b = &mut self.buffers[id.index()];
+            let n = if self.short == Some(id.index()) {
+                b.len() - 1
+            } else {
+                b.len()
+            };
+            f(HostValuesMut::F32(&mut b[..n]))
+        }
+    }
+
+    let config = presets::adamw_8bit(1e-3);
+    let n = 5000;
+    let mut rng = Rng::new(7);
+    let init = [rng.spread(n, 0.5), rng.spread(n, 0.5)];
+    let grads = [rng.spread(n, 1.0), rng.spread(n, 1.0)];
+    let build = |bufs: &[Vec<f32>]| {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        opt.add_group(config).unwrap();
+        let ids: Vec<ParamId> = ["a", "b"]
+            .iter()
+            .zip(bufs)
+            .map(|(name, b)| {
+                opt.add_lent_param(name, &[n], HostValues::F32(b), 0, config)
+                    .unwrap()
+            })
+            .collect();
+        for (id, g) in ids.iter().zip(&grads) {
+            opt.accumulate(*id, g).unwrap();
+        }
+        (opt, ids)
+    };
+    let mut tried_bufs = init.to_vec();
+    let mut clean_bufs = init.to_vec();
+    let (mut tried, ids) = build(&tried_bufs);
+    let (mut clean, _) = build(&clean_bufs);
+    let slots = |opt: &Optimizer, bufs: &[Vec<f32>]| {
+        let mut all = Vec::new();
+        for (&id, b) in ids.iter().zip(bufs) {
+            for slot in SlotKind::ALL {
+                let lent = (slot == SlotKind::Param).then(|| HostValues::F32(b));
+                all.push(Parts::of(opt).export_slot(id, slot, lent).unwrap());
+            }
+        }
+        all
+    };
+    let before = slots(&tried, &tried_bufs);
+    let e = tried
+        .step(Step::accumulated().lent(Lent::Lender(&mut Shorting {
+            buffers: &mut tried_bufs,
+            short: Some(ids[1].index()),
+        })))
+        .unwrap_err();
+    assert!(matches!(e, OptimError::Lent { .. }), "{e}");
+    assert_eq!(slots(&tried, &tried_bufs), before, "nothing moved");
+    assert!(
+        tried.param(ids[0]).unwrap().received_gradient,
+        "still pending"
+    );
+    assert_eq!(tried.param(ids[0]).unwrap().steps, 0);
+    // The retry and a clean optimizer's one step: the same bits.
+    let mut good = Shorting {
+        buffers: &mut tried_bufs,
+        short: None,
+    };
+    tried
+        .step(Step::accumulated().lent(Lent::Lender(&mut good)))
+        .unwrap();
+    let mut good = Shorting {
+        buffers: &mut clean_bufs,
+        short: None,
+    };
+    clean
+        .step(Step::from(Accumulated).lent(Lent::Lender(&mut good)))
+        .unwrap();
+    assert_eq!(slots(&tried, &tried_bufs), slots(&clean, &clean_bufs));
+    assert_eq!(tried_bufs, clean_bufs);
 }

@@ -1,10 +1,12 @@
 //! Bad inputs, tried as a hostile user would: every one must be refused with a typed error,
 //! reported by the step (the non-finite policy), or handled correctly (and checked to be) —
 //! never accepted silently. The test prints the table of cases and outcomes that
-//! docs/OPTIMIZERS.md ("Bad input") reproduces:
+//! docs/BAD_INPUT.md reproduces:
 //!
 //! `cargo test -p lpmm-optim --release --test hostile -- --nocapture`
 
+use lpmm_optim::Mode;
+use lpmm_optim::{Checkpoint, Cpu, Parts, PartsMut, checkpoint::Canonical};
 use std::path::{Path, PathBuf};
 
 use lpmm_optim::{
@@ -92,10 +94,10 @@ fn with_init(storage: Storage, value: f32) -> Seen {
 fn finite(opt: &Optimizer, id: ParamId, n: usize) -> bool {
     let mut out = vec![0f32; n];
     let mut ok = true;
-    opt.read_param(id, &mut out).unwrap();
+    opt.read(id, SlotKind::Param, &mut out).unwrap();
     ok &= out.iter().all(|v| v.is_finite());
     for s in [1, 2] {
-        opt.read_state(id, s, &mut out).unwrap();
+        opt.read(id, SlotKind::ALL[s + 1], &mut out).unwrap();
         ok &= out.iter().all(|v| v.is_finite());
     }
     ok
@@ -191,7 +193,7 @@ fn saved(path: &Path) -> Vec<u8> {
         }
         opt.step(lpmm_optim::Accumulated).unwrap();
     }
-    opt.save(path).unwrap();
+    opt.save(path, Checkpoint::new()).unwrap();
     std::fs::read(path).unwrap()
 }
 
@@ -242,7 +244,7 @@ fn forge(
 fn load_bytes(bytes: &[u8], name: &str) -> Seen {
     let path = dir().join(name);
     std::fs::write(&path, bytes).unwrap();
-    file_refused(Optimizer::load(&path))
+    file_refused(Canonical::read(&path).and_then(|c| c.into_optimizer(Cpu)))
 }
 
 fn tensor<'a>(
@@ -263,14 +265,17 @@ fn tensor_edit(bytes: &[u8], name: &str, edit: impl Fn(&mut Tensors)) -> Seen {
 /// Saves and loads back: the same tensors and hyperparameters, bit for bit.
 fn round_trips(opt: &Optimizer, name: &str) -> Seen {
     let path = dir().join(name);
-    if let Err(e) = opt.save(&path) {
+    if let Err(e) = opt.save(&path, Checkpoint::new()) {
         return Seen::Refused(variant(&e));
     }
-    let back = match Optimizer::load(&path) {
+    let back = match Canonical::read(&path).and_then(|c| c.into_optimizer(Cpu)) {
         Ok(b) => b,
         Err(e) => return Seen::Silent(format!("saved, then refused on load: {e}")),
     };
-    let (a, b) = (opt.canonical().unwrap(), back.canonical().unwrap());
+    let (a, b) = (
+        Parts::of(opt).canonical(None).unwrap(),
+        Parts::of(&back).canonical(None).unwrap(),
+    );
     if a.to_bytes().unwrap() == b.to_bytes().unwrap() {
         Seen::Correct("saved and loaded back bit for bit".into())
     } else {
@@ -814,7 +819,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let g = opt.add_group(presets::adamw_f32(1e-3)).unwrap();
         let a = opt.add_param("a", &[4], &[0.5; 4], g).unwrap();
         opt.add_param("b", &[4], &[0.5; 4], g).unwrap();
-        opt.set_missing_gradient(policy);
+        opt.settings_mut().missing_gradient = policy;
         opt.accumulate(a, &[0.1; 4]).unwrap();
         let what = format!("a parameter without a gradient in a step ({policy:?} policy)");
         let seen = match opt.step(lpmm_optim::Accumulated) {
@@ -825,7 +830,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
                     "step report names the parameter (missing_gradients); a warning".into(),
                 )
             }
-            Err(e @ OptimError::MissingGradient { .. }) if opt.steps() == 0 => {
+            Err(e @ OptimError::MissingGradient { .. }) if opt.status().steps == 0 => {
                 Seen::Refused(variant(&e))
             }
             other => Seen::Silent(format!("{other:?}")),
@@ -846,7 +851,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         );
         let (mut other, _) = one(presets::adamw_f32(1e-3).build(), 4);
         other.add_param("x", &[1], &[0.0], 0).unwrap();
-        let foreign = other.param_id("x").unwrap();
+        let foreign = other.param("x").map(|p| p.id).unwrap();
         add(
             "steps",
             "a ParamId of another optimizer",
@@ -866,34 +871,34 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "counters",
             "restore(steps = u64::MAX)",
-            refused(opt.restore(id, u64::MAX, 0, false, LrRule::Group)),
+            refused(PartsMut::of(&mut opt).restore(id, u64::MAX, 0, false, LrRule::Group)),
         );
         add(
             "counters",
             "restore(steps = 2^53 + 1)",
-            refused(opt.restore(id, (1 << 53) + 1, 0, false, LrRule::Group)),
+            refused(PartsMut::of(&mut opt).restore(id, (1 << 53) + 1, 0, false, LrRule::Group)),
         );
         add(
             "counters",
             "restore(accumulations = u64::MAX)",
-            refused(opt.restore(id, 0, u64::MAX, false, LrRule::Group)),
+            refused(PartsMut::of(&mut opt).restore(id, 0, u64::MAX, false, LrRule::Group)),
         );
         add(
             "counters",
             "restore(lr rule Scaled(NaN))",
-            refused(opt.restore(id, 0, 0, false, LrRule::Scaled(f64::NAN))),
+            refused(PartsMut::of(&mut opt).restore(id, 0, 0, false, LrRule::Scaled(f64::NAN))),
         );
         add(
             "counters",
             "restore(lr rule Scaled(-2))",
-            refused(opt.restore(id, 0, 0, false, LrRule::Scaled(-2.0))),
+            refused(PartsMut::of(&mut opt).restore(id, 0, 0, false, LrRule::Scaled(-2.0))),
         );
         add(
             "counters",
             "set_steps(u64::MAX)",
-            refused(opt.set_steps(u64::MAX)),
+            refused(PartsMut::of(&mut opt).set_steps(u64::MAX)),
         );
-        opt.set_steps(1 << 53).unwrap();
+        PartsMut::of(&mut opt).set_steps(1 << 53).unwrap();
         opt.accumulate(id, &[0.1; 4]).unwrap();
         add(
             "counters",
@@ -901,14 +906,18 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             refused(opt.step(lpmm_optim::Accumulated)),
         );
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
-        opt.restore(id, 1 << 53, 0, false, LrRule::Group).unwrap();
+        PartsMut::of(&mut opt)
+            .restore(id, 1 << 53, 0, false, LrRule::Group)
+            .unwrap();
         add(
             "counters",
             "a step past 2^53 (parameter counter)",
             refused(opt.step(lpmm_optim::Step::param(id, &[0.1; 4]))),
         );
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
-        opt.restore(id, 0, 1 << 53, false, LrRule::Group).unwrap();
+        PartsMut::of(&mut opt)
+            .restore(id, 0, 1 << 53, false, LrRule::Group)
+            .unwrap();
         add(
             "counters",
             "an accumulate past 2^53",
@@ -918,19 +927,19 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "counters",
             "restore(pending) without an accumulator",
-            refused(released.restore(rid, 0, 0, true, LrRule::Group)),
+            refused(PartsMut::of(&mut released).restore(rid, 0, 0, true, LrRule::Group)),
         );
         let (mut opt, id) = one(presets::adamw_f32(1e-3).build(), 4);
         let mut out = [0f32; 4];
         add(
             "state access",
-            "read_state(0)",
-            refused(opt.read_state(id, 0, &mut out)),
+            "read(State1) into a short buffer",
+            refused(opt.read(id, SlotKind::State1, &mut out[..3])),
         );
         add(
             "state access",
-            "read_state(4)",
-            refused(opt.read_state(id, 4, &mut out)),
+            "read(State2) into a long buffer",
+            refused(opt.read(id, SlotKind::State2, &mut vec![0f32; 5])),
         );
         for (what, state) in [
             ("restore_rule_state(NaN)", [f64::NAN, 0.0]),
@@ -940,14 +949,16 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             add(
                 "counters",
                 what,
-                refused(opt.restore_rule_state(id, lpmm_optim::RuleState(state))),
+                refused(
+                    PartsMut::of(&mut opt).restore_rule_state(id, lpmm_optim::RuleState(state)),
+                ),
             );
         }
         // Schedule-free AdamW at its evaluation point: no step of any kind until train().
         let (mut sf, sid) = one(presets::schedule_free_adamw_f32(1e-3).build(), 4);
         sf.accumulate(sid, &[0.1; 4]).unwrap();
         sf.step(lpmm_optim::Accumulated).unwrap();
-        sf.eval(lpmm_optim::Lent::None).unwrap();
+        sf.set_mode(Mode::Eval, lpmm_optim::Lent::None).unwrap();
         add(
             "evaluation mode",
             "step(Accumulated) at the evaluation point",
@@ -1031,15 +1042,15 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         }
         let twice = {
             let mut v = [0f32; 4];
-            sf.read_param(sid, &mut v).unwrap();
-            sf.eval(lpmm_optim::Lent::None).unwrap();
+            sf.read(sid, SlotKind::Param, &mut v).unwrap();
+            sf.set_mode(Mode::Eval, lpmm_optim::Lent::None).unwrap();
             let mut w = [0f32; 4];
-            sf.read_param(sid, &mut w).unwrap();
+            sf.read(sid, SlotKind::Param, &mut w).unwrap();
             v == w
         };
         add(
             "evaluation mode",
-            "eval(Lent::None) twice",
+            "set_mode(Eval, Lent::None) twice",
             if twice {
                 Seen::Correct("a no-op: the parameters stay at x".into())
             } else {
@@ -1048,8 +1059,8 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         );
         add(
             "state access",
-            "read_param into a short buffer",
-            refused(opt.read_param(id, &mut out[..3])),
+            "read(Param) into a short buffer",
+            refused(opt.read(id, SlotKind::Param, &mut out[..3])),
         );
         add("state access", "set_lr(NaN)", refused(opt.set_lr(f64::NAN)));
         add("state access", "set_lr(-1)", refused(opt.set_lr(-1.0)));
@@ -1063,20 +1074,22 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "set_group_lr on a missing group",
             refused(opt.set_group_lr(3, 0.1)),
         );
-        let host = opt.export_slot(id, SlotKind::Param, None).unwrap();
+        let host = Parts::of(&opt)
+            .export_slot(id, SlotKind::Param, None)
+            .unwrap();
         let mut bad = host.clone();
         bad.regions[0].bytes[..4].copy_from_slice(&f32::NAN.to_le_bytes());
         add(
             "state access",
             "import_slot of a NaN parameter",
-            refused(opt.import_slot(id, SlotKind::Param, &bad, None)),
+            refused(PartsMut::of(&mut opt).import_slot(id, SlotKind::Param, &bad, None)),
         );
         let mut short = host;
         short.regions[0].bytes.truncate(8);
         add(
             "state access",
             "import_slot of the wrong length",
-            refused(opt.import_slot(id, SlotKind::Param, &short, None)),
+            refused(PartsMut::of(&mut opt).import_slot(id, SlotKind::Param, &short, None)),
         );
         let (mut b16, bid) = one(
             presets::adamw_f32(1e-3)
@@ -1084,12 +1097,14 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
                 .build(),
             4,
         );
-        let mut inf = b16.export_slot(bid, SlotKind::State1, None).unwrap();
+        let mut inf = Parts::of(&b16)
+            .export_slot(bid, SlotKind::State1, None)
+            .unwrap();
         inf.regions[0].bytes[..2].copy_from_slice(&0x7F80u16.to_le_bytes());
         add(
             "state access",
             "import_slot of a bf16 +Inf momentum",
-            refused(b16.import_slot(bid, SlotKind::State1, &inf, None)),
+            refused(PartsMut::of(&mut b16).import_slot(bid, SlotKind::State1, &inf, None)),
         );
     }
     // Factorized statistics that are finite but rebuild +Inf (issue 46), or negative: refused,
@@ -1100,10 +1115,10 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             ("a negative row", ".row", 0, -1.0),
         ] {
             let (mut opt, id) = factorized_after_three_steps(config);
-            let before = opt.export_slot(id, slot, None).unwrap();
+            let before = Parts::of(&opt).export_slot(id, slot, None).unwrap();
             let bad = with_value(&before, region, at, value);
-            let seen = match opt.import_slot(id, slot, &bad, None) {
-                Err(e) if opt.export_slot(id, slot, None).unwrap() != before => {
+            let seen = match PartsMut::of(&mut opt).import_slot(id, slot, &bad, None) {
+                Err(e) if Parts::of(&opt).export_slot(id, slot, None).unwrap() != before => {
                     Seen::Silent(format!("refused ({e}), but the slot changed"))
                 }
                 Err(e) if !e.to_string().contains("w") || !e.to_string().contains(slot.name()) => {
@@ -1125,7 +1140,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let (_, config, slot) = factorized_cases()[3];
         let (opt, id) = factorized_after_three_steps(config);
         let path = dir().join("factorized-inf.safetensors");
-        opt.save(&path).unwrap();
+        opt.save(&path, Checkpoint::new()).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let _ = id;
         add(
@@ -1142,17 +1157,23 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let (mut opt, id) = factorized_after_three_steps(config);
         // Equal rows (each rebuilt value is its column) and columns at the largest f32: finite.
         let near = with_all(
-            &with_all(&opt.export_slot(id, slot, None).unwrap(), ".row", 1.0),
+            &with_all(
+                &Parts::of(&opt).export_slot(id, slot, None).unwrap(),
+                ".row",
+                1.0,
+            ),
             ".col",
             f32::MAX,
         );
-        opt.import_slot(id, slot, &near, None).unwrap();
+        PartsMut::of(&mut opt)
+            .import_slot(id, slot, &near, None)
+            .unwrap();
         // Gradients in one row only: that row's average grows past the others, and so would
         // (row / mean) x column, past f32::MAX.
         let mut grad = vec![1e-3f32; 120];
         grad[..10].fill(100.0);
         let report = opt.step(lpmm_optim::Step::param(id, &grad)).unwrap();
-        let kept = opt.export_slot(id, slot, None).unwrap() == near;
+        let kept = Parts::of(&opt).export_slot(id, slot, None).unwrap() == near;
         let seen = if !report.non_finite.is_empty() && kept && finite(&opt, id, 120) {
             Seen::Reported("step report lists the parameter; statistics kept".into())
         } else {
@@ -1185,7 +1206,9 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
     add(
         "checkpoint",
         "a missing file",
-        file_refused(Optimizer::load(dir().join("nothing-here"))),
+        file_refused(
+            Canonical::read(dir().join("nothing-here")).and_then(|c| c.into_optimizer(Cpu)),
+        ),
     );
     add("checkpoint", "an empty file", load_bytes(&[], "empty"));
     add("checkpoint", "8 bytes", load_bytes(&base[..8], "eight"));
@@ -1537,30 +1560,35 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let mut o = Optimizer::new(opts().with_seed(99)).unwrap();
         let g = o.add_group(presets::lpmm_sgdm(0.5, 0.9)).unwrap();
         o.add_param("w", &[16], &[0.3; 16], g).unwrap();
-        o.save(&other_path).unwrap();
+        o.save(&other_path, Checkpoint::new()).unwrap();
     }
     {
         let mut opt = live();
-        let before = opt.canonical().unwrap().to_bytes().unwrap();
-        let r = opt.load_state(&other_path);
-        let unchanged = opt.canonical().unwrap().to_bytes().unwrap() == before;
+        let before = Parts::of(&opt).canonical(None).unwrap().to_bytes().unwrap();
+        let r = opt.load(&other_path, Checkpoint::new());
+        let unchanged = Parts::of(&opt).canonical(None).unwrap().to_bytes().unwrap() == before;
         add(
             "checkpoint",
-            "load_state: same names and shapes, other storages, optimizer, lr and seed",
+            "load: same names and shapes, other storages, optimizer, lr and seed",
             match (file_refused(r), unchanged) {
                 (Seen::Refused(s), true) => Seen::Refused(s),
                 (other, _) => Seen::Silent(format!("{other:?}, unchanged {unchanged}")),
             },
         );
-        let r = opt.load_state_with(&other_path, LoadPolicy::ReplaceConfiguration);
-        let back = Optimizer::load(&other_path).unwrap();
+        let r = opt.load(
+            &other_path,
+            Checkpoint::new().policy(LoadPolicy::ReplaceConfiguration),
+        );
+        let back = Canonical::read(&other_path)
+            .and_then(|c| c.into_optimizer(Cpu))
+            .unwrap();
         add(
             "checkpoint",
-            "load_state_with(ReplaceConfiguration): the same file",
+            "load with LoadPolicy::ReplaceConfiguration: the same file",
             match r {
                 Ok(())
-                    if opt.canonical().unwrap().to_bytes()
-                        == back.canonical().unwrap().to_bytes() =>
+                    if Parts::of(&opt).canonical(None).unwrap().to_bytes()
+                        == Parts::of(&back).canonical(None).unwrap().to_bytes() =>
                 {
                     Seen::Correct("the checkpoint's configuration and state, as asked".into())
                 }
@@ -1574,11 +1602,11 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let g = other.add_group(presets::adamw_f32(1e-3)).unwrap();
         other.add_param("v", &[16], &[0.1; 16], g).unwrap();
         let path = dir().join("names.safetensors");
-        other.save(&path).unwrap();
+        other.save(&path, Checkpoint::new()).unwrap();
         add(
             "checkpoint",
-            "load_state: other parameter names",
-            file_refused(opt.load_state(&path)),
+            "load: other parameter names",
+            file_refused(opt.load(&path, Checkpoint::new())),
         );
     }
 
@@ -1595,7 +1623,8 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         std::fs::create_dir_all(&d).unwrap();
         let stale = d.join(".ckpt.safetensors.tmp-4194303-0");
         std::fs::write(&stale, vec![0u8; 4096]).unwrap();
-        opt.save(d.join("ckpt.safetensors")).unwrap();
+        opt.save(d.join("ckpt.safetensors"), Checkpoint::new())
+            .unwrap();
         add(
             "saving",
             "a temporary file left by a killed save",
@@ -1608,12 +1637,12 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         add(
             "saving",
             "saving to a directory",
-            file_refused(opt.save(dir())),
+            file_refused(opt.save(dir(), Checkpoint::new())),
         );
         add(
             "saving",
             "saving into a missing directory",
-            file_refused(opt.save(dir().join("no/such/dir/x"))),
+            file_refused(opt.save(dir().join("no/such/dir/x"), Checkpoint::new())),
         );
         let (mut b, id) = one(
             presets::adamw_f32(1e-3)

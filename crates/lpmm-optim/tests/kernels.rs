@@ -11,6 +11,7 @@ use lpmm_optim::{
     Adam, HostSlot, Hyper, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId,
     SlotKind, Storage, StoreRounding, presets,
 };
+use lpmm_optim::{Checkpoint, Parts};
 
 /// How a case feeds its gradients.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -187,7 +188,7 @@ fn run(config: ParamConfig, feed: Feed, specialized: bool) -> (Vec<HostSlot>, Ve
             .with_non_finite(NonFinitePolicy::SkipElements),
     )
     .unwrap();
-    opt.set_specialized_kernels(specialized);
+    opt.settings_mut().specialized_kernels = specialized;
     // A quantized accumulator refuses a non-finite micro-batch: those runs keep gradients finite.
     let bounded = matches!(config.grad, Storage::Quantized { .. })
         && matches!(feed, Feed::Accumulated | Feed::Both);
@@ -244,7 +245,7 @@ fn run(config: ParamConfig, feed: Feed, specialized: bool) -> (Vec<HostSlot>, Ve
     let mut slots = Vec::new();
     for &(id, _) in &ids {
         for slot in SlotKind::ALL {
-            slots.push(opt.export_slot(id, slot, None).unwrap());
+            slots.push(Parts::of(&opt).export_slot(id, slot, None).unwrap());
         }
     }
     (slots, reports)
@@ -254,7 +255,7 @@ fn kernel_of(config: ParamConfig) -> String {
     let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
     let g = opt.add_group(config).unwrap();
     let id = opt.add_param("w", &[50, 100], &vec![0.0; 5000], g).unwrap();
-    lpmm_optim::Cpu::kernel_name(&opt.step_plan(id).unwrap())
+    lpmm_optim::Cpu::kernel_name(&opt.param(id).map(|p| p.plan).unwrap())
 }
 
 #[test]
@@ -345,19 +346,19 @@ fn load_state_keeps_the_generic_path_when_it_was_chosen() {
     let id = opt.add_param("w", &[5000], &vec![0.1; 5000], g).unwrap();
     opt.step(lpmm_optim::Step::param(id, &vec![1e-3; 5000]))
         .unwrap();
-    opt.set_specialized_kernels(false);
+    opt.settings_mut().specialized_kernels = false;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("opt.safetensors");
-    opt.save(&path).unwrap();
-    opt.load_state(&path).unwrap();
+    opt.save(&path, Checkpoint::new()).unwrap();
+    opt.load(&path, Checkpoint::new()).unwrap();
     assert_eq!(
-        lpmm_optim::Cpu::kernel_name(&opt.step_plan(id).unwrap()),
+        lpmm_optim::Cpu::kernel_name(&opt.param(id).map(|p| p.plan).unwrap()),
         "generic"
     );
-    opt.set_specialized_kernels(true);
-    opt.load_state(&path).unwrap();
+    opt.settings_mut().specialized_kernels = true;
+    opt.load(&path, Checkpoint::new()).unwrap();
     assert_ne!(
-        lpmm_optim::Cpu::kernel_name(&opt.step_plan(id).unwrap()),
+        lpmm_optim::Cpu::kernel_name(&opt.param(id).map(|p| p.plan).unwrap()),
         "generic"
     );
 }

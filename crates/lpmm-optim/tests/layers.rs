@@ -18,8 +18,9 @@ const LAYERS: &[&[&str]] = &[
     // Formats own what a user names to choose them (Storage, MapKind, StoreRounding).
     &["format"],
     &["config", "presets"],
-    // The seam backends implement, and the step plan it runs.
-    &["backend", "plan"],
+    // The seam backends implement, the step plan it runs, where lent buffers come from, and
+    // the step executor that runs plans over the seam.
+    &["backend", "plan", "lent", "exec"],
     &["cpu"],
     &["optimizer", "checkpoint", "memory", "coverage"],
     // The conformance suite and the checkpoint oracle (feature `testing`) see everything.

@@ -5,6 +5,7 @@
 #[path = "support/counting.rs"]
 mod counting;
 
+use lpmm_optim::Parts;
 use std::sync::atomic::Ordering;
 
 use counting::{CALLS, Counting, LIVE};
@@ -110,19 +111,23 @@ fn a_lent_parameter_is_stepped_in_place_without_a_copy() {
             assert_eq!(r1, r2, "{name}");
         }
         // The caller's buffer holds the parameter's bits, and the other slots are the same.
-        let want = owned.export_slot(a, SlotKind::Param, None).unwrap();
+        let want = Parts::of(&owned)
+            .export_slot(a, SlotKind::Param, None)
+            .unwrap();
         let have = if f32_param {
             HostValues::F32(&buf32)
         } else {
             HostValues::Bf16(&buf16)
         };
         assert_eq!(want.regions[0].bytes, have.bytes(), "{name}: parameter");
-        let got = lent.export_slot(b, SlotKind::Param, Some(have)).unwrap();
+        let got = Parts::of(&lent)
+            .export_slot(b, SlotKind::Param, Some(have))
+            .unwrap();
         assert_eq!(want, got, "{name}: parameter slot");
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
             assert_eq!(
-                owned.export_slot(a, slot, None).unwrap(),
-                lent.export_slot(b, slot, None).unwrap(),
+                Parts::of(&owned).export_slot(a, slot, None).unwrap(),
+                Parts::of(&lent).export_slot(b, slot, None).unwrap(),
                 "{name}: {}",
                 slot.name()
             );

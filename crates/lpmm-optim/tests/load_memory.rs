@@ -7,6 +7,8 @@
 #[path = "support/counting.rs"]
 mod counting;
 
+use lpmm_optim::Checkpoint;
+use lpmm_optim::{Cpu, checkpoint::Canonical};
 use std::sync::atomic::Ordering;
 
 use counting::{Counting, LIVE, PEAK, reset_peak};
@@ -19,7 +21,9 @@ static ALLOCATOR: Counting = Counting;
 fn peak_of(path: &std::path::Path) -> (isize, bool) {
     let before = LIVE.load(Ordering::SeqCst);
     reset_peak();
-    let ok = Optimizer::load(path).is_ok();
+    let ok = Canonical::read(path)
+        .and_then(|c| c.into_optimizer(Cpu))
+        .is_ok();
     (PEAK.load(Ordering::SeqCst) - before, ok)
 }
 
@@ -66,7 +70,7 @@ fn a_load_allocates_linearly_in_the_file_even_for_forged_files() {
             opt.add_param(name, &[*n], &init, g).unwrap();
         }
         let path = dir.join("good.safetensors");
-        opt.save(&path).unwrap();
+        opt.save(&path, Checkpoint::new()).unwrap();
         std::fs::read(&path).unwrap()
     };
     let big = vec![("w".to_string(), 1usize << 20), ("b".to_string(), 1000)];

@@ -14,6 +14,8 @@
 mod common;
 
 use common::{MORE, TENSORS, compare_in, difference, f32s};
+use lpmm_optim::Mode;
+use lpmm_optim::Parts;
 use lpmm_optim::{
     AdEMAMix, Adafactor, Adagrad, Came, Hyper, Lamb, Optimizer, ParamConfig, ParamId, RmsProp,
     ScheduleFreeAdamW, SlotKind, Storage, presets,
@@ -49,7 +51,8 @@ fn run(
 
 /// A tensor-wide region of one slot (factorized statistics) as f32.
 fn region(opt: &Optimizer, id: ParamId, slot: SlotKind, suffix: &str) -> Vec<f32> {
-    opt.export_slot(id, slot, None)
+    Parts::of(opt)
+        .export_slot(id, slot, None)
         .unwrap()
         .f32s(suffix)
         .unwrap_or_else(|| panic!("{slot:?}{suffix}"))
@@ -58,7 +61,7 @@ fn region(opt: &Optimizer, id: ParamId, slot: SlotKind, suffix: &str) -> Vec<f32
 /// A state decoded as f32.
 fn state(opt: &Optimizer, id: ParamId, k: usize, n: usize) -> Vec<f32> {
     let mut out = vec![0f32; n];
-    opt.read_state(id, k, &mut out).unwrap();
+    opt.read(id, SlotKind::ALL[k + 1], &mut out).unwrap();
     out
 }
 
@@ -172,7 +175,8 @@ fn came_follows_the_authors_implementation() {
         );
         // Vectors keep no instability (the reference steps them with the first moment alone).
         assert!(
-            opt.export_slot(id, SlotKind::State3, None)
+            Parts::of(&opt)
+                .export_slot(id, SlotKind::State3, None)
                 .unwrap()
                 .is_empty()
                 == (shape.len() < 2)
@@ -237,21 +241,21 @@ fn schedule_free_follows_the_schedulefree_package() {
             3e-7,
         );
     }
-    opt.eval(lpmm_optim::Lent::None).unwrap();
+    opt.set_mode(Mode::Eval, lpmm_optim::Lent::None).unwrap();
     for (&id, (name, shape)) in ids.iter().zip(TENSORS) {
         let mut x = vec![0f32; shape.iter().product()];
-        opt.read_param(id, &mut x).unwrap();
+        opt.read(id, SlotKind::Param, &mut x).unwrap();
         state_check(&st, &format!("schedulefree.x.{name}"), &x, 3e-7);
     }
     assert!(matches!(
         opt.step(lpmm_optim::Accumulated),
         Err(lpmm_optim::OptimError::EvalMode)
     ));
-    opt.train(lpmm_optim::Lent::None).unwrap();
+    opt.set_mode(Mode::Train, lpmm_optim::Lent::None).unwrap();
     // Back at y: within one rounding of the lerp round trip, as in the package.
     for (&id, (name, shape)) in ids.iter().zip(TENSORS) {
         let mut y = vec![0f32; shape.iter().product()];
-        opt.read_param(id, &mut y).unwrap();
+        opt.read(id, SlotKind::Param, &mut y).unwrap();
         state_check(&st, &format!("schedulefree.step100.{name}"), &y, 3e-7);
     }
 }
@@ -317,7 +321,7 @@ fn rmsprop_and_adagrad_follow_torch() {
         let (opt, ids) = run(&st, anchor, ParamConfig::f32(hyper), |_| 1e-6);
         let (w2, n) = (ids[1], TENSORS[1].1[0]);
         let mut got = vec![0f32; n];
-        opt.read_param(w2, &mut got).unwrap();
+        opt.read(w2, SlotKind::Param, &mut got).unwrap();
         assert!(
             bit_exact(&st, &format!("{anchor}.exact_sqrt.step100.w2"), &got),
             "{anchor}: w2 is not bit-exact with torch's op sequence and a correctly rounded sqrt"
@@ -413,7 +417,7 @@ fn lamb_follows_torch_optimizer() {
         let (opt, ids) = run(&st, anchor, ParamConfig::f32(Hyper::Lamb(rule)), |_| 1e-6);
         let (w2, n) = (ids[1], TENSORS[1].1[0]);
         let mut got = vec![0f32; n];
-        opt.read_param(w2, &mut got).unwrap();
+        opt.read(w2, SlotKind::Param, &mut got).unwrap();
         assert!(
             bit_exact(&st, &format!("{anchor}.lpmm.step100.w2"), &got),
             "{anchor}: w2 is not bit-exact with torch_optimizer's op sequence, a correctly \

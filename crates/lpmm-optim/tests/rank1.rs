@@ -1,5 +1,7 @@
 //! Rank-1 normalized 4-bit second moments in the fused step.
 
+use lpmm_optim::Checkpoint;
+use lpmm_optim::{Cpu, SlotKind, checkpoint::Canonical};
 use lpmm_optim::{Hyper, MapKind, Optimizer, OptimizerOptions, ParamConfig, Storage};
 use lpmm_quant::{BlockSize, QuantRounding, Rank1};
 
@@ -48,7 +50,7 @@ fn the_first_step_stores_exactly_the_rank1_quantization_of_the_new_second_moment
     let mut want = vec![0f32; n];
     q.dequantize(&codes, &scales, &mut want).unwrap();
     let mut got = vec![0f32; n];
-    opt.read_state(id, 2, &mut got).unwrap();
+    opt.read(id, SlotKind::State2, &mut got).unwrap();
     assert_eq!(got, want);
 }
 
@@ -57,7 +59,7 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
     let n = SHAPE[0] * SHAPE[1];
     let init: Vec<f32> = (0..n).map(|e| ((e % 997) as f32 - 498.0) * 1e-3).collect();
     let run = |steps: std::ops::Range<usize>, opt: &mut Optimizer| {
-        let id = opt.param_id("w").unwrap();
+        let id = opt.param("w").map(|p| p.id).unwrap();
         for t in steps {
             opt.accumulate(id, &grad(t)).unwrap();
             opt.step(lpmm_optim::Accumulated).unwrap();
@@ -70,10 +72,10 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
         opt
     };
     let read = |opt: &Optimizer| {
-        let id = opt.param_id("w").unwrap();
+        let id = opt.param("w").map(|p| p.id).unwrap();
         let (mut p, mut v) = (vec![0f32; n], vec![0f32; n]);
-        opt.read_param(id, &mut p).unwrap();
-        opt.read_state(id, 2, &mut v).unwrap();
+        opt.read(id, SlotKind::Param, &mut p).unwrap();
+        opt.read(id, SlotKind::State2, &mut v).unwrap();
         (p, v)
     };
     let mut two = fresh();
@@ -94,8 +96,12 @@ fn rank1_steps_do_not_depend_on_threads_and_resume_exactly() {
     let dir = tmp.path();
     let mut first = fresh();
     run(1..3, &mut first);
-    first.save(dir.join("r.safetensors")).unwrap();
-    let mut resumed = Optimizer::load(dir.join("r.safetensors")).unwrap();
+    first
+        .save(dir.join("r.safetensors"), Checkpoint::new())
+        .unwrap();
+    let mut resumed = Canonical::read(dir.join("r.safetensors"))
+        .and_then(|c| c.into_optimizer(Cpu))
+        .unwrap();
     run(3..5, &mut resumed);
     assert_eq!(read(&resumed), read(&two));
 }
@@ -106,6 +112,6 @@ fn one_dimensional_tensors_fall_back_to_blocks() {
     let g = opt.add_group(config()).unwrap();
     let id = opt.add_param("bias", &[5000], &[0.0; 5000], g).unwrap();
     assert!(
-        matches!(opt.config(id).unwrap().state2, Storage::Quantized { block, .. } if block == BlockSize::B128)
+        matches!(opt.param(id).map(|p| p.config).unwrap().state2, Storage::Quantized { block, .. } if block == BlockSize::B128)
     );
 }

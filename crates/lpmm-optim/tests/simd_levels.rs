@@ -4,6 +4,7 @@
 //! lacks fall back to the ones it has (the test then compares fewer paths, and says so).
 
 use lpmm_formats::simd::{self, Level};
+use lpmm_optim::SlotKind;
 use lpmm_optim::{
     Hyper, NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, Storage, presets,
 };
@@ -90,10 +91,11 @@ fn run(config: ParamConfig) -> Vec<u32> {
     let mut bits = Vec::new();
     for &(id, n) in &ids {
         let mut out = vec![0f32; n];
-        opt.read_param(id, &mut out).unwrap();
+        opt.read(id, SlotKind::Param, &mut out).unwrap();
         bits.extend(out.iter().map(|x| x.to_bits()));
-        for state in 0..2 {
-            if opt.read_state(id, state, &mut out).is_ok() {
+        // State 1 (the index 0 this loop once tried is not a state).
+        for state in [SlotKind::State1] {
+            if opt.read(id, state, &mut out).is_ok() {
                 bits.extend(out.iter().map(|x| x.to_bits()));
             }
         }

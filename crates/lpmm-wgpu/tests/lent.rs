@@ -6,6 +6,7 @@ mod common;
 
 use common::{backend, small};
 use lpmm_backend::{DeviceInput, DeviceOutput};
+use lpmm_optim::Parts;
 use lpmm_optim::backend::Dtype;
 use lpmm_optim::testing::Rng;
 use lpmm_optim::{NonFinitePolicy, Optimizer, OptimizerOptions, SlotKind, presets};
@@ -107,15 +108,17 @@ fn a_lent_parameter_is_stepped_in_place_in_the_callers_buffer() {
         );
     }
     // The caller's buffer holds the parameter's bits; the other slots are the CPU's.
-    let want = cpu.export_slot(a, SlotKind::Param, None).unwrap();
-    let got = dev
+    let want = Parts::of(&cpu)
+        .export_slot(a, SlotKind::Param, None)
+        .unwrap();
+    let got = Parts::of(&dev)
         .export_slot(b, SlotKind::Param, Some(DeviceInput::Device(view)))
         .unwrap();
     assert_eq!(want, got);
     for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
         assert_eq!(
-            cpu.export_slot(a, slot, None).unwrap(),
-            dev.export_slot(b, slot, None).unwrap()
+            Parts::of(&cpu).export_slot(a, slot, None).unwrap(),
+            Parts::of(&dev).export_slot(b, slot, None).unwrap()
         );
     }
     // A step without the buffer is a typed error.

@@ -5,7 +5,7 @@
 //! bits) and [`optim`] (the optimizer core and its CPU reference).
 //!
 //! ```
-//! use lpmm::optim::{Accumulated, Optimizer, OptimizerOptions, presets};
+//! use lpmm::optim::{Accumulated, Optimizer, OptimizerOptions, SlotKind, presets};
 //!
 //! // 8-bit AdamW states over bf16 parameters (bitsandbytes' AdamW8bit with bf16 weights).
 //! let mut opt = Optimizer::new(OptimizerOptions::default())?;
@@ -15,7 +15,7 @@
 //! let report = opt.step(Accumulated)?;
 //! assert!(!report.skipped);
 //! let mut weight = vec![0f32; 256 * 256];
-//! opt.read_param(w, &mut weight)?;
+//! opt.read(w, SlotKind::Param, &mut weight)?;
 //! assert!(weight[0] < 0.02);
 //! # Ok::<(), lpmm::optim::OptimError>(())
 //! ```

@@ -2,6 +2,7 @@
 //! (parameters registered in the checkpoint's order, every slot imported, values written into the
 //! module's tensors), and the canonical layout of the whole state for saving.
 
+use lpmm_optim::Out;
 use std::collections::HashMap;
 
 use burn_core::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId as BurnId};
@@ -20,7 +21,7 @@ impl<L: Lane> Core<L> {
     /// random streams), every slot imported, values the record holds written into the module's
     /// tensors.
     pub fn attach<M: Module>(&mut self, module: M, pending: Pending) -> Result<M, BurnError> {
-        if self.opt.len() > self.external.len() {
+        if self.opt.status().params > self.external.len() {
             return Err(BurnError::Record(
                 "the optimizer has stepped already: load a record into a new optimizer".into(),
             ));
@@ -213,7 +214,7 @@ impl<L: Lane> Lender<L::B> for ModuleLender<'_, L> {
             return f(input);
         }
         // No module: zeros of the parameter's dtype stand in for its primary region.
-        let config = self.core.opt.config(id)?;
+        let config = self.core.opt.param(id)?.config;
         let numel = self
             .core
             .shapes
@@ -276,7 +277,7 @@ impl<L: Lane> Apply<'_, L> {
         match (&self.work, host) {
             (Work::Decode, _) => {
                 let out = core.lane.output(&mut p)?;
-                core.opt.read_into(lid, SlotKind::Param, out)?;
+                core.opt.read(lid, SlotKind::Param, Out::Backend(out))?;
             }
             (Work::Import(_), Some(mut host)) => {
                 if host.region("").is_none() {
@@ -284,7 +285,8 @@ impl<L: Lane> Apply<'_, L> {
                     let bytes = core.lane.to_host_bytes(&p)?;
                     let spec = core
                         .opt
-                        .config(lid)?
+                        .param(lid)?
+                        .config
                         .param
                         .format()
                         .and_then(|f| {

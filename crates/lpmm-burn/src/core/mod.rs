@@ -2,6 +2,7 @@
 //! (gradients accumulated, the global decision, then each parameter stepped in its own tensor),
 //! and attaching a loaded state to a module.
 
+use lpmm_optim::Out;
 use std::collections::{HashMap, HashSet};
 
 use burn_core::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId as BurnId};
@@ -116,7 +117,7 @@ pub(crate) fn optimizer<L: Lane>(
     options: lpmm_optim::OptimizerOptions,
 ) -> Result<Optimizer<L::B>, BurnError> {
     let mut opt = Optimizer::with_backend(lane.backend().clone(), options)?;
-    opt.set_missing_gradient(MissingGradientPolicy::Ignore);
+    opt.settings_mut().missing_gradient = MissingGradientPolicy::Ignore;
     Ok(opt)
 }
 
@@ -148,11 +149,15 @@ impl<L: Lane> Core<L> {
         weights.sort_by_key(|id| id.val());
         for id in weights {
             *checked += 1;
-            if !self.opt.received_gradient(self.index[&id])? {
+            if !self
+                .opt
+                .param(self.index[&id])
+                .map(|p| p.received_gradient)?
+            {
                 missing.push(format!("{} (an LpmmLinear weight)", id.val()));
             }
         }
-        Ok(self.opt.steps() + 1)
+        Ok(self.opt.status().steps + 1)
     }
 
     /// Registers a layer weight (held by lpmm in `config`'s storage) from `t`'s values. Its
@@ -197,7 +202,7 @@ impl<L: Lane> Core<L> {
         self.lane.prepare(&mut p, true)?;
         {
             let out = self.lane.output(&mut p)?;
-            self.opt.read_into(lid, SlotKind::Param, out)?;
+            self.opt.read(lid, SlotKind::Param, Out::Backend(out))?;
         }
         self.lane.settle()?;
         Ok(self.lane.give(p))

@@ -7,6 +7,7 @@
 pub(crate) mod record;
 pub(crate) mod state;
 
+use lpmm_optim::{Parts, PartsMut};
 use std::path::Path;
 
 use lpmm_optim::backend::Backend;
@@ -22,8 +23,8 @@ pub(crate) fn restore_counters<B: Backend>(
     id: ParamId,
     p: &CanonicalParam,
 ) -> Result<(), OptimError> {
-    opt.restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
-    opt.restore_rule_state(id, p.rule_state)
+    PartsMut::of(opt).restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)?;
+    PartsMut::of(opt).restore_rule_state(id, p.rule_state)
 }
 
 /// Replaces one slot of a parameter with canonical host contents; a lent parameter's parameter
@@ -35,7 +36,7 @@ pub(crate) fn import_slot<B: Backend>(
     host: &HostSlot,
     lent: Option<B::Output<'_>>,
 ) -> Result<(), OptimError> {
-    opt.import_slot(id, slot, host, lent)
+    PartsMut::of(opt).import_slot(id, slot, host, lent)
 }
 
 /// One slot of a parameter in the canonical host layout; a lent parameter's parameter slot is
@@ -46,7 +47,7 @@ pub(crate) fn export_slot<B: Backend>(
     slot: SlotKind,
     lent: Option<B::Input<'_>>,
 ) -> Result<HostSlot, OptimError> {
-    opt.export_slot(id, slot, lent)
+    Parts::of(opt).export_slot(id, slot, lent)
 }
 
 /// A parameter's rule state (schedule-free AdamW's averaging weights).
@@ -54,7 +55,7 @@ pub(crate) fn rule_state<B: Backend>(
     opt: &Optimizer<B>,
     id: ParamId,
 ) -> Result<RuleState, OptimError> {
-    opt.rule_state(id)
+    opt.param(id).map(|p| p.rule_state)
 }
 
 /// Sets the count of whole steps taken (a loaded checkpoint's).
@@ -62,7 +63,7 @@ pub(crate) fn set_global_steps<B: Backend>(
     opt: &mut Optimizer<B>,
     steps: u64,
 ) -> Result<(), OptimError> {
-    opt.set_steps(steps)
+    PartsMut::of(opt).set_steps(steps)
 }
 
 /// The whole optimizer in the canonical layout, lent parameters' values from `lender`.
@@ -70,7 +71,7 @@ pub(crate) fn canonical_lent<B: Backend>(
     opt: &Optimizer<B>,
     lender: &mut dyn lpmm_optim::Lender<B>,
 ) -> Result<Canonical, OptimError> {
-    opt.canonical_lent(Some(lender))
+    Parts::of(opt).canonical(Some(lender))
 }
 
 /// Reads lpmm's own safetensors checkpoint.

@@ -3,6 +3,8 @@
 //! index keys their stochastic-rounding streams, as the whole-module optimizer's registration
 //! order does), each stepped alone with its own gradient and learning rate.
 
+use lpmm_optim::Out;
+use lpmm_optim::Parts;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_core::tensor::{Device, Tensor};
@@ -101,15 +103,15 @@ impl<L: Lane> Engine<L> {
 
     /// Whether a parameter can still be registered at `stream` here.
     pub fn free(&self, stream: u64) -> bool {
-        self.opt.len() as u64 <= stream
+        self.opt.status().params as u64 <= stream
     }
 
     /// Registers placeholders (one f32 element each, no gradient expected) until the next
     /// registration gets index `stream`.
     fn pad_to(&mut self, stream: u64, config: &ParamConfig) -> Result<(), BurnError> {
-        while (self.opt.len() as u64) < stream {
+        while (self.opt.status().params as u64) < stream {
             let group = self.opt.add_group(*config)?;
-            let name = format!("pad{}", self.opt.len());
+            let name = format!("pad{}", self.opt.status().params);
             let id = self
                 .opt
                 .add_param_with(&name, &[1], &[0.0], group, *config)?;
@@ -211,7 +213,8 @@ impl<L: Lane> Engine<L> {
                 let bytes = self.lane.to_host_bytes(prim)?;
                 let spec = self
                     .opt
-                    .config(id)?
+                    .param(id)?
+                    .config
                     .param
                     .format()
                     .and_then(|f| {
@@ -241,7 +244,7 @@ impl<L: Lane> Engine<L> {
     /// tensor's). The value of a lent parameter is not read: zeros stand in for it.
     pub fn export(&self, id: ParamId) -> Result<(CanonicalParam, bool), BurnError> {
         let entry = &self.entries[id.index()];
-        let config = self.opt.config(id)?;
+        let config = self.opt.param(id)?.config;
         let numel: usize = entry.shape.iter().product();
         let lent = !entry.held;
         let dtype = config
@@ -250,7 +253,7 @@ impl<L: Lane> Engine<L> {
             .and_then(|f| f.lendable())
             .unwrap_or(Dtype::F32);
         let zeros = lent.then(|| zeros(dtype, numel));
-        let backend = self.opt.backend();
+        let backend = Parts::of(&self.opt).backend();
         let mut slots: [HostSlot; lpmm_optim::backend::SLOTS] = Default::default();
         for (slot, out) in SlotKind::ALL.into_iter().zip(slots.iter_mut()) {
             let input = match (&zeros, slot) {
@@ -282,7 +285,7 @@ impl<L: Lane> Engine<L> {
             self.copies += 1;
         }
         let out = self.lane.output(prim)?;
-        self.opt.read_into(id, SlotKind::Param, out)?;
+        self.opt.read(id, SlotKind::Param, Out::Backend(out))?;
         self.lane.settle()
     }
 
@@ -318,7 +321,7 @@ impl<L: Lane> Engine<L> {
             ));
         }
         self.opt.set_group_lr(group, lr)?;
-        let policy = self.opt.options().non_finite;
+        let policy = self.opt.status().options.non_finite;
         let report = {
             let g = self.lane.input(grad)?;
             if entry.held {

@@ -113,7 +113,7 @@ impl<const D: usize> LpmmState<D> {
 fn export(slot: &Slot) -> Result<Loaded, BurnError> {
     let engine = lock(&slot.engine);
     let (param, outside, options) =
-        on_any!(&*engine, e => e.export(slot.id).map(|(p, o)| (p, o, *e.opt.options())))?;
+        on_any!(&*engine, e => e.export(slot.id).map(|(p, o)| (p, o, e.opt.status().options)))?;
     Ok(Loaded {
         param,
         stream: slot.stream,

@@ -19,7 +19,7 @@ use burn_optim::{AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer as _, 
 use lpmm_burn::{
     BurnError, Lpmm8bitAdamWConfig, LpmmOptimizerConfig, LpmmTensorOptimizer, check_gradients,
 };
-use lpmm_optim::{MissingGradientPolicy, NonFinitePolicy, presets};
+use lpmm_optim::{MissingGradientPolicy, NonFinitePolicy, SlotKind, presets};
 
 pub fn flex() -> Device {
     Device::flex().autodiff()
@@ -216,7 +216,7 @@ fn groups_schedulers_and_clipping_reach_the_step() {
         let bits = model.bits();
         let read1 = |r: &lpmm_optim::Optimizer, id, n: usize| {
             let mut out = vec![0f32; n];
-            r.read_param(id, &mut out).unwrap();
+            r.read(id, SlotKind::Param, &mut out).unwrap();
             out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
         };
         assert_eq!(

@@ -12,6 +12,7 @@ mod model;
 
 use lpmm_dist::{Collective, Mpi, Reduction, ShardOptions, ShardedOptimizer, Zero, rank_order_sum};
 use lpmm_optim::{NonFinitePolicy, OptimizerOptions, ParamConfig, checkpoint::Canonical, presets};
+use lpmm_optim::{Parts, SlotKind};
 use model::{configs, grads, init, model, numels, reference, same_canonical, split_grads};
 
 fn options() -> OptimizerOptions {
@@ -55,7 +56,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
         );
         for (p, (&id, n)) in ids.iter().zip(numels()).enumerate() {
             let mut v = vec![0f32; n];
-            refopt.read_param(id, &mut v).expect("read");
+            refopt.read(id, SlotKind::Param, &mut v).expect("read");
             if let Some(k) = v
                 .iter()
                 .zip(&opt.params()[p])
@@ -78,7 +79,7 @@ fn check(mpi: &Mpi, name: &str, config: ParamConfig, shard: ShardOptions, exact:
     opt.save(&path).expect("save");
     same_canonical(
         &Canonical::read(&path).expect("read"),
-        &refopt.canonical().expect("canonical"),
+        &Parts::of(&refopt).canonical(None).expect("canonical"),
         &format!("{name} {shard:?} at {world} ranks"),
     );
 }
@@ -171,7 +172,7 @@ fn main() {
             }
             same_canonical(
                 &Canonical::read(&args[2]).expect("read"),
-                &refopt.canonical().expect("canonical"),
+                &Parts::of(&refopt).canonical(None).expect("canonical"),
                 "resumed",
             );
             println!("rank {rank}/{world}: resumed bit-identically");

@@ -3,7 +3,10 @@
 //! backend (lpmm-backend's device layer, the CPU reference here) is written against.
 //!
 //! The [`crate::Optimizer`] keeps the bookkeeping (names, groups, counters, policies, the
-//! checkpoint format); a [`Backend`] owns every parameter's slots and does the operations on them.
+//! checkpoint format) and, through its step executor, the schedule of a step (the order of the
+//! phases, the lent-buffer checks, the batching, the host combines: [`run_step`], [`run_batch`]);
+//! a [`Backend`] owns every parameter's slots and does the operations on them, a step as
+//! primitives ([`Backend::fold`], [`Backend::fused`], ...).
 //! The CPU backend ([`crate::Cpu`]) defines the semantics ([docs/OPTIMIZERS.md],
 //! [docs/FORMATS.md]); a device backend implements the same operations on device memory and is
 //! tested against it bit for bit by the conformance suite (`lpmm_optim::conformance_tests!`,
@@ -18,6 +21,8 @@
 //! [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
+use std::sync::atomic::AtomicU32;
+
 use lpmm_formats::bf16;
 use lpmm_quant::RandomStream;
 
@@ -30,6 +35,7 @@ pub use crate::rule::{
     FieldType, KernelStruct, Limits, MAX_STATS, Moment, RuleConsts, RuleState, StepFlags, Updated,
 };
 
+pub use crate::exec::run_batch;
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
 pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
 pub use crate::vocab::{Dtype, F32_MAX_BITS, ParamId, SLOTS, SlotKind, fits};
@@ -221,23 +227,24 @@ impl<B: Backend> std::fmt::Debug for Init<'_, B> {
     }
 }
 
-/// One `step` call: the parameters that step (`plans[i]` is `Some`), each with its plan.
+/// One batch of a step, as each step primitive of a [`Backend`] receives it: the parameters
+/// that step (`plans[i]` is `Some`), each with its plan. The step executor
+/// (`lpmm_optim`'s `exec` module) has checked every lent buffer: each parameter of the batch
+/// that is lent ([`ParamLayout::lent`]) has exactly one buffer in `lent`, of its dtype and size,
+/// and no other parameter has one.
 pub struct StepWork<'a, 'r, 'l, B: Backend> {
     /// Every parameter.
     pub params: &'a mut [B::Param],
     /// Their layouts.
     pub layouts: &'a [ParamLayout],
-    /// The plan of each parameter that steps.
+    /// The plan of each parameter that steps in this batch.
     pub plans: &'a [Option<ParamStep>],
     /// Gradient release: parameter `.0` adds this gradient to what its accumulator holds.
     pub released: Option<(usize, B::Input<'r>)>,
-    /// The buffers of stepping parameters that are lent ([`ParamLayout::lent`]).
+    /// The buffers of the batch's lent parameters.
     pub lent: &'a mut [(ParamId, B::Output<'l>)],
     /// The seed of every random stream.
     pub seed: u64,
-    /// Set to true for each parameter where a non-finite gradient or result was met (those
-    /// elements are left unchanged).
-    pub non_finite: &'a mut [bool],
 }
 
 impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, '_, B> {
@@ -249,6 +256,20 @@ impl<B: Backend> std::fmt::Debug for StepWork<'_, '_, '_, B> {
             .finish()
     }
 }
+
+/// What a tensor-wide phase folded into, handed to the host combine ([`Backend::folded`]).
+#[derive(Debug)]
+pub enum Folded<'a> {
+    /// The rule's sums of squares: [`MAX_STATS`] exponent words, then [`MAX_STATS`] 64-bit
+    /// fixed-point sums as word pairs ([`fixed_total`] reads them).
+    Stats(&'a [AtomicU32]),
+    /// A state slot's tensor-wide regions (the combine writes its results into them).
+    Wide(&'a [Box<[AtomicU32]>]),
+}
+
+/// Words of a parameter's rule sums ([`Folded::Stats`]): [`MAX_STATS`] exponents, then
+/// [`MAX_STATS`] 64-bit sums.
+pub const STAT_WORDS: usize = 3 * MAX_STATS;
 
 /// Where model memory lives and where the step runs.
 ///
@@ -339,14 +360,62 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
         out: &mut [(ExactSum, bool)],
     ) -> Result<(), BackendError>;
 
-    /// The fused step of every parameter with a plan ([docs/OPTIMIZERS.md], "The step"), after
-    /// the tensor-wide phases: the folds and combine of a state 2 with tensor-wide statistics
-    /// ([`Format::folds`]), the rule's sums of squares ([`RuleConsts::stats`], combined into its
-    /// constants), the folds and combine of such a state 3. With [`StepFlags::TRANSFORM`] only
-    /// the parameter moves (no gradient is read or cleared, no state is stored, no phase runs).
+    /// The step primitives: the executor runs a batch as [`run_step`] orders them —
+    /// `prepare`, then each tensor-wide phase a plan takes (`begin_phase`, its `fold` passes,
+    /// `folded` for the host combine), then `fused`, then `swap_wide` — and a backend does
+    /// each over every parameter of the batch at once where it can (one launch on a device).
+    /// Checks a batch's buffers the way only this backend can (a device backend: lent and
+    /// released buffers are its device buffers) and readies what its primitives share, before
+    /// anything moves. The default checks nothing.
+    fn prepare(&self, _work: &mut StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Zeroes what `phase` folds into ([`Format::fold_targets`]; the rule's sums), for each
+    /// parameter of the batch whose plan takes the phase.
+    fn begin_phase(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+    ) -> Result<(), BackendError>;
+
+    /// Fold pass `pass` of `phase` ([`StepPlan::fold_input`]; the rule's sums of squares,
+    /// [`RuleConsts::stats`]) for each parameter of the batch whose plan takes more than `pass`
+    /// passes of it: every element folded into the targets by atomic max and exact addition,
+    /// in any order.
+    fn fold(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+        pass: usize,
+    ) -> Result<(), BackendError>;
+
+    /// Hands what `phase` folded for each parameter with `ran[i]` to `combine(i, ..)` on the
+    /// host, and keeps what the combine writes into a slot's tensor-wide regions.
+    fn folded(
+        &self,
+        params: &mut [Self::Param],
+        layouts: &[ParamLayout],
+        ran: &[bool],
+        phase: Phase,
+        combine: &mut dyn FnMut(usize, Folded<'_>),
+    ) -> Result<(), BackendError>;
+
+    /// The fused pass of every parameter of the batch ([docs/OPTIMIZERS.md], "The step"): decode,
+    /// the rule, encode, one pass over memory. With [`StepFlags::TRANSFORM`] only the parameter
+    /// moves (no gradient is read or cleared, no state is stored). `non_finite[i]` is set where
+    /// a non-finite gradient or result was met (those elements are left unchanged).
     ///
     /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
-    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError>;
+    fn fused(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        non_finite: &mut [bool],
+    ) -> Result<(), BackendError>;
+
+    /// Trades tensor-wide regions `a` and `b` of `slot` (after the fused pass:
+    /// [`StepPlan::swaps`]).
+    fn swap_wide(&self, param: &mut Self::Param, slot: SlotKind, a: usize, b: usize);
 
     /// Clears the gradient accumulator of parameter `only`, or of every parameter.
     fn clear_gradients(

@@ -23,10 +23,9 @@ use std::path::Path;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
-use crate::backend::{Backend, HostSlot, ParamId, SLOTS, SlotKind};
-use crate::cpu::Cpu;
+use crate::backend::{Backend, ParamId, SlotKind};
 use crate::error::OptimError;
-use crate::optimizer::{Lender, Optimizer};
+use crate::optimizer::{Lender, Optimizer, Parts};
 
 pub use codec::{Canonical, CanonicalParam};
 
@@ -46,7 +45,7 @@ const SCHEME: codec::Scheme = codec::Scheme {
 /// The metadata key holding the codec's metadata.
 const META_KEY: &str = "lpmm";
 
-/// What [`Optimizer::load_state_with`] may change besides the state.
+/// What [`Optimizer::load`] may change besides the state ([`Checkpoint::policy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoadPolicy {
     /// The checkpoint must hold this optimizer's configuration: the options (seed, clipping,
@@ -212,11 +211,64 @@ impl Canonical {
     }
 }
 
-impl Optimizer<Cpu> {
-    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
-    /// the CPU backend.
-    pub fn load(path: impl AsRef<Path>) -> Result<Self, OptimError> {
-        Self::load_with(Cpu, path)
+/// How a checkpoint is written or read ([`Optimizer::save`], [`Optimizer::load`]): where lent
+/// parameters' buffers come from, and what a load may change. `Checkpoint::new()` (or
+/// `Default`): no lent parameters, [`LoadPolicy::SameConfiguration`].
+pub struct Checkpoint<'s, B: Backend> {
+    lender: Option<&'s mut dyn Lender<B>>,
+    policy: LoadPolicy,
+}
+
+impl<B: Backend> Default for Checkpoint<'_, B> {
+    fn default() -> Self {
+        Checkpoint {
+            lender: None,
+            policy: LoadPolicy::default(),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Checkpoint<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("lender", &self.lender.is_some())
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl<'s, B: Backend> Checkpoint<'s, B> {
+    /// No lent parameters; a load keeps the configuration.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Lent parameters' buffers ([`Optimizer::add_lent_param`]), lent one at a time: a save
+    /// reads their values (so the file loads anywhere), a load writes the saved values into
+    /// them.
+    pub fn lender(self, lender: &'s mut dyn Lender<B>) -> Self {
+        Checkpoint {
+            lender: Some(lender),
+            ..self
+        }
+    }
+
+    /// What a load may change besides the state ([`LoadPolicy`]).
+    pub fn policy(self, policy: LoadPolicy) -> Self {
+        Checkpoint { policy, ..self }
+    }
+}
+
+impl Canonical {
+    /// A new optimizer on `backend` holding this state (after [`Canonical::check`]): how a
+    /// checkpoint file becomes an optimizer without registering its parameters first
+    /// (`Canonical::read(path)?.into_optimizer(Cpu)`). Its canonical form
+    /// ([`crate::Parts::canonical`]) equals `self`. Every error about the state is an
+    /// [`OptimError::Checkpoint`].
+    pub fn into_optimizer<B: Backend>(self, backend: B) -> Result<Optimizer<B>, OptimError> {
+        let path = Path::new("(canonical)");
+        self.check().map_err(|e| err(path, e))?;
+        Optimizer::build(backend, self).map_err(|e| file_err(path, e))
     }
 }
 
@@ -225,85 +277,42 @@ impl<B: Backend> Optimizer<B> {
     /// flushed to disk, then renamed over `path`. A crash leaves the old file or the new one,
     /// never a partial one; the temporary files a crash leaves behind are removed by the next
     /// save or load of `path`. A state that would not load is refused with a typed error
-    /// ([`Canonical::check`]) and nothing is written.
-    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), OptimError> {
-        self.canonical()?.write(path)
+    /// ([`Canonical::check`]) and nothing is written. Lent parameters' values are read through
+    /// `how`'s lender ([`Checkpoint::lender`]): without one, a lent parameter makes the save fail
+    /// (a checkpoint holds every value).
+    pub fn save(&self, path: impl AsRef<Path>, how: Checkpoint<'_, B>) -> Result<(), OptimError> {
+        Parts::of(self).canonical(how.lender)?.write(path)
     }
 
-    /// [`Optimizer::save`] with the buffers of lent parameters (their values are saved too, so
-    /// the file loads anywhere).
-    pub fn save_lent(
-        &self,
+    /// Replaces this optimizer's state with the checkpoint at `path`, written by
+    /// [`Optimizer::save`] on any backend. It must hold the same parameters (names, shapes,
+    /// order) and, under `how`'s [`LoadPolicy`] ([`Checkpoint::policy`]; by default
+    /// [`LoadPolicy::SameConfiguration`]), the same configuration. Lent parameters' saved values
+    /// go into their buffers ([`Checkpoint::lender`]; needed when the optimizer has lent
+    /// parameters). On any error nothing changes. The [`crate::Settings`] and which parameters
+    /// expect a gradient are kept.
+    pub fn load(
+        &mut self,
         path: impl AsRef<Path>,
-        lender: &mut dyn Lender<B>,
+        how: Checkpoint<'_, B>,
     ) -> Result<(), OptimError> {
-        self.canonical_lent(Some(lender))?.write(path)
-    }
-
-    /// The whole optimizer in the canonical layout (what [`Optimizer::save`] writes).
-    pub fn canonical(&self) -> Result<Canonical, OptimError> {
-        self.canonical_lent(None)
-    }
-
-    /// [`Optimizer::canonical`] with the buffers of lent parameters.
-    pub fn canonical_lent(
-        &self,
-        mut lender: Option<&mut dyn Lender<B>>,
-    ) -> Result<Canonical, OptimError> {
-        let mut params = Vec::with_capacity(self.len());
-        for (i, m) in self.states.iter().enumerate() {
-            let (layout, p) = (&self.layouts[i], &self.params[i]);
-            let mut slots: [HostSlot; SLOTS] = Default::default();
-            for (slot, out) in SlotKind::ALL.into_iter().zip(slots.iter_mut()) {
-                *out = match (&mut lender, slot == SlotKind::Param && layout.lent) {
-                    (Some(lender), true) => {
-                        let mut got = None;
-                        lender.lend(ParamId(i), &mut |buf| {
-                            got = Some(self.backend.export(p, layout, slot, Some(buf))?);
-                            Ok(())
-                        })?;
-                        got.unwrap_or_default()
-                    }
-                    _ => self.backend.export(p, layout, slot, None)?,
-                };
-            }
-            params.push(CanonicalParam {
-                name: m.name.clone(),
-                shape: layout.shape.clone(),
-                group: m.group,
-                requested: m.requested,
-                steps: m.steps,
-                accumulations: m.accumulations,
-                pending: m.pending,
-                lr_rule: m.lr_rule,
-                rule_state: m.rule_state,
-                slots,
-            });
-        }
-        Ok(Canonical {
-            options: self.options,
-            global_steps: self.global_steps,
-            groups: self.groups.clone(),
-            params,
-            eval: self.eval,
-        })
-    }
-
-    /// Reads a checkpoint written by [`Optimizer::save`] (on any backend) into a new optimizer on
-    /// `backend`. Every error about the file is an [`OptimError::Checkpoint`].
-    pub fn load_with(backend: B, path: impl AsRef<Path>) -> Result<Self, OptimError> {
         let path = path.as_ref();
-        let canonical = Canonical::read(path)?;
-        Self::build(backend, canonical).map_err(|e| file_err(path, e))
-    }
-
-    /// A new optimizer on `backend` holding `canonical` (after [`Canonical::check`]): what
-    /// [`Optimizer::load_with`] builds from a file. Its [`Optimizer::canonical`] equals
-    /// `canonical`.
-    pub fn from_canonical(backend: B, canonical: Canonical) -> Result<Self, OptimError> {
-        let path = Path::new("(canonical)");
-        canonical.check().map_err(|e| err(path, e))?;
-        Self::build(backend, canonical).map_err(|e| file_err(path, e))
+        let c = Canonical::read(path)?;
+        self.check_same_parameters(path, &c, how.policy)?;
+        match how.lender {
+            None if self.layouts.iter().any(|l| l.lent) => Err(err(
+                path,
+                "this optimizer holds lent parameters: load with Checkpoint::lender",
+            )),
+            None => {
+                let mut loaded =
+                    Self::build(self.backend.clone(), c).map_err(|e| file_err(path, e))?;
+                loaded.keep_settings(self);
+                *self = loaded;
+                Ok(())
+            }
+            Some(lender) => self.load_lent(path, c, lender),
+        }
     }
 
     /// Builds from a checked canonical state, one parameter at a time (its slots allocated fresh,
@@ -326,35 +335,6 @@ impl<B: Backend> Optimizer<B> {
         Ok(opt)
     }
 
-    /// Replaces this optimizer's state with the checkpoint at `path`, which must hold the same
-    /// parameters (names, shapes, order) and the same configuration
-    /// ([`LoadPolicy::SameConfiguration`]; [`Optimizer::load_state_with`] chooses). On any error
-    /// nothing changes.
-    pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<(), OptimError> {
-        self.load_state_with(path, LoadPolicy::default())
-    }
-
-    /// [`Optimizer::load_state`] with an explicit [`LoadPolicy`].
-    pub fn load_state_with(
-        &mut self,
-        path: impl AsRef<Path>,
-        policy: LoadPolicy,
-    ) -> Result<(), OptimError> {
-        let path = path.as_ref();
-        let c = Canonical::read(path)?;
-        self.check_same_parameters(path, &c, policy)?;
-        if self.layouts.iter().any(|l| l.lent) {
-            return Err(err(
-                path,
-                "this optimizer holds lent parameters: use load_state_lent",
-            ));
-        }
-        let mut loaded = Self::build(self.backend.clone(), c).map_err(|e| file_err(path, e))?;
-        loaded.keep_settings(self);
-        *self = loaded;
-        Ok(())
-    }
-
     /// The checkpoint holds this optimizer's parameters (names, shapes, order) and, under
     /// [`LoadPolicy::SameConfiguration`], its configuration.
     fn check_same_parameters(
@@ -363,7 +343,7 @@ impl<B: Backend> Optimizer<B> {
         c: &Canonical,
         policy: LoadPolicy,
     ) -> Result<(), OptimError> {
-        let same = c.params.len() == self.len()
+        let same = c.params.len() == self.states.len()
             && c.params
                 .iter()
                 .zip(&self.states)
@@ -388,27 +368,15 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// [`Optimizer::load_state`] into an optimizer with lent parameters, whose saved values go
-    /// into their buffers. The checkpoint must hold the same parameters with the same storages;
+    /// [`Optimizer::load`] into an optimizer with lent parameters, whose saved values go into
+    /// their buffers. The checkpoint must hold the same parameters with the same storages;
     /// every slot is checked before anything changes.
-    pub fn load_state_lent(
+    fn load_lent(
         &mut self,
-        path: impl AsRef<Path>,
+        path: &Path,
+        c: Canonical,
         lender: &mut dyn Lender<B>,
     ) -> Result<(), OptimError> {
-        self.load_state_lent_with(path, lender, LoadPolicy::default())
-    }
-
-    /// [`Optimizer::load_state_lent`] with an explicit [`LoadPolicy`].
-    pub fn load_state_lent_with(
-        &mut self,
-        path: impl AsRef<Path>,
-        lender: &mut dyn Lender<B>,
-        policy: LoadPolicy,
-    ) -> Result<(), OptimError> {
-        let path = path.as_ref();
-        let c = Canonical::read(path)?;
-        self.check_same_parameters(path, &c, policy)?;
         for (i, p) in c.params.iter().enumerate() {
             let (m, layout) = (&self.states[i], &self.layouts[i]);
             let resolved = p.requested.resolve(layout.numel, &p.shape);

@@ -13,20 +13,19 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use rayon::prelude::*;
 
 use crate::backend::{
-    Backend, BackendError, Dtype, FoldInput, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    MAX_STATS, ParamLayout, ParamStep, Phase, PlanRunner, SLOTS, SlotKind, StepFlags, StepPlan,
-    StepWork, run_step,
+    Backend, BackendError, Dtype, Folded, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
+    ParamLayout, Phase, SLOTS, STAT_WORDS, SlotKind, StepPlan, StepWork,
 };
-
-mod tile;
-
 use crate::exact::{ExactSum, add_squares};
-use crate::fixed;
 use crate::format::{
     MAX_REGIONS, Place, Random, Regions, RegionsMut, Walked, bytes_of, bytes_of_mut,
 };
-use crate::rule::{Chunk, FoldValue, apply_chunk, fold_inputs};
 use crate::vocab::{CHUNK, fits};
+
+mod passes;
+mod tile;
+
+use passes::{decode_slot, fold_all, for_stepping, fused_step};
 pub use tile::Kernel;
 
 /// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
@@ -228,601 +227,6 @@ fn check_lent(layout: &ParamLayout, info: (Dtype, usize)) -> Result<(), BackendE
         });
     }
     Ok(())
-}
-
-/// Decodes a chunk's gradient: the accumulator plus the released gradient, if any.
-fn load_gradient(
-    layout: &ParamLayout,
-    piece: &Piece,
-    wide: &[Box<[AtomicU32]>],
-    start: usize,
-    released: Option<HostValues<'_>>,
-    g: &mut [f32],
-) {
-    let held = layout.format(SlotKind::Grad).filter(|_| piece.grad_held);
-    match (held, released) {
-        (Some(f), extra) => {
-            f.decode(
-                &piece.view(SlotKind::Grad, wide, &layout.shape, None),
-                start,
-                g,
-            );
-            if let Some(extra) = extra {
-                let mut e = [0f32; CHUNK];
-                let e = &mut e[..g.len()];
-                extra.read_f32(piece.offset + start, e);
-                g.iter_mut().zip(e.iter()).for_each(|(a, &b)| *a += b);
-            }
-        }
-        // The released gradient alone is `0.0 + g`, as if added to an empty accumulator: the
-        // same bits (`-0.0` becomes `+0.0`), read straight into the chunk.
-        (None, Some(extra)) => {
-            extra.read_f32(piece.offset + start, g);
-            g.iter_mut().for_each(|a| *a += 0.0);
-        }
-        (None, None) => g.fill(0.0),
-    }
-}
-
-/// Decodes one slot's chunk (zeros for an unallocated slot).
-fn decode_slot(
-    layout: &ParamLayout,
-    piece: &Piece,
-    wide: &[Box<[AtomicU32]>],
-    slot: SlotKind,
-    lent: Option<&[u8]>,
-    start: usize,
-    out: &mut [f32],
-) {
-    match layout.format(slot).filter(|_| piece.holds(slot)) {
-        Some(f) => f.decode(&piece.view(slot, wide, &layout.shape, lent), start, out),
-        None => out.fill(0.0),
-    }
-}
-
-/// Words of a parameter's sums of squares: `MAX_STATS` exponents, then `MAX_STATS` 64-bit sums
-/// (the layout of the kernels' flag words after the non-finite flag).
-const STAT_WORDS: usize = 3 * MAX_STATS;
-
-/// The f32 scratch of one chunk: gradient, parameter, the three states and the increments.
-struct Scratch {
-    g: [f32; CHUNK],
-    p: [f32; CHUNK],
-    m: [f32; CHUNK],
-    v: [f32; CHUNK],
-    w: [f32; CHUNK],
-    d: [f32; CHUNK],
-}
-
-impl Scratch {
-    fn new() -> Self {
-        Scratch {
-            g: [0.0; CHUNK],
-            p: [0.0; CHUNK],
-            m: [0.0; CHUNK],
-            v: [0.0; CHUNK],
-            w: [0.0; CHUNK],
-            d: [0.0; CHUNK],
-        }
-    }
-
-    /// The first `n` values of each, as a chunk of the rule's work.
-    fn chunk(&mut self, n: usize) -> Chunk<'_> {
-        Chunk {
-            g: &self.g[..n],
-            g_plus: -0.0,
-            p: &mut self.p[..n],
-            m: &mut self.m[..n],
-            v: &mut self.v[..n],
-            w: &mut self.w[..n],
-            d: &mut self.d[..n],
-        }
-    }
-}
-
-/// Decodes a chunk's gradient into `s.g` (zeros with `transform`; nothing with `g_direct`, where
-/// the step reads a released gradient where the caller holds it), parameter and states into `s`,
-/// except the slots stepped `in_place` (indexed by [`SlotKind`]).
-#[allow(clippy::too_many_arguments)]
-fn decode_chunk(
-    s: &mut Scratch,
-    layout: &ParamLayout,
-    piece: &Piece,
-    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
-    released: Option<HostValues<'_>>,
-    lent: Option<&[u8]>,
-    start: usize,
-    n: usize,
-    transform: bool,
-    g_direct: bool,
-    in_place: [bool; SLOTS],
-) {
-    if transform {
-        s.g[..n].fill(0.0);
-    } else if !g_direct {
-        load_gradient(layout, piece, &wide[1], start, released, &mut s.g[..n]);
-    }
-    for (slot, out) in [
-        (SlotKind::Param, &mut s.p),
-        (SlotKind::State1, &mut s.m),
-        (SlotKind::State2, &mut s.v),
-        (SlotKind::State3, &mut s.w),
-    ] {
-        let k = slot as usize;
-        if !in_place[k] {
-            let lent = lent.filter(|_| slot == SlotKind::Param);
-            decode_slot(layout, piece, &wide[k], slot, lent, start, &mut out[..n]);
-        }
-    }
-}
-
-/// Which slots of a piece the fused step updates where they are stored (indexed by
-/// [`SlotKind`]): those whose format holds plain f32 values ([`Format::plain_f32`]: decoding and
-/// encoding would be copies), the parameter only when the step stores it (and, lent, only when
-/// the caller's buffer is f32-aligned), the states only when it stores them (not under
-/// [`StepFlags::TRANSFORM`]). The gradient is always read into the scratch.
-///
-/// [`Format::plain_f32`]: crate::format::Format::plain_f32
-fn in_place_slots(
-    layout: &ParamLayout,
-    piece: &Piece,
-    flags: StepFlags,
-    lent: Option<&[u8]>,
-) -> [bool; SLOTS] {
-    let plain =
-        |slot: SlotKind| piece.holds(slot) && layout.format(slot).is_some_and(|f| f.plain_f32());
-    let mut in_place = [false; SLOTS];
-    in_place[SlotKind::Param as usize] = flags.has(StepFlags::UPDATE_PARAM)
-        && plain(SlotKind::Param)
-        && lent.is_none_or(|l| l.as_ptr().align_offset(4) == 0);
-    if !flags.has(StepFlags::TRANSFORM) {
-        for slot in [SlotKind::State1, SlotKind::State2, SlotKind::State3] {
-            in_place[slot as usize] = plain(slot);
-        }
-    }
-    in_place
-}
-
-/// Elements `start..start + n` of a plain-f32 primary region, as f32.
-fn f32_values(words: &mut [u32], start: usize, n: usize) -> &mut [f32] {
-    bytemuck::cast_slice_mut(&mut words[start..start + n])
-}
-
-/// One fold pass over a piece: the folded values of every chunk — for a slot's statistics (see
-/// [`Format::folds`](crate::format::Format::folds)) its updated value or the rule's moment input, for the rule's sums its stat
-/// inputs.
-#[allow(clippy::too_many_arguments)]
-fn fold_piece(
-    piece: &Piece,
-    layout: &ParamLayout,
-    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
-    stats: &[AtomicU32; STAT_WORDS],
-    plan: &ParamStep,
-    target: Phase,
-    pass: usize,
-    released: Option<HostValues<'_>>,
-    lent: Option<&[u8]>,
-) {
-    let flags = layout.step_flags(plan.flags);
-    let rule = &plan.rule;
-    let mut s = Scratch::new();
-    let mut local = fixed::Local::default();
-    for start in (0..piece.len).step_by(CHUNK) {
-        let n = CHUNK.min(piece.len - start);
-        decode_chunk(
-            &mut s,
-            layout,
-            piece,
-            wide,
-            released,
-            lent,
-            start,
-            n,
-            false,
-            false,
-            [false; SLOTS],
-        );
-        let clip = plan.clip;
-        match target {
-            Phase::Stats => {
-                let (exp, sum) = stats.split_at(MAX_STATS);
-                for k in 0..rule.stats() {
-                    fold_inputs(*rule, flags, FoldValue::Stat(k), clip, &mut s.chunk(n));
-                    // One atomic operation per chunk and sum (the sums are order-free).
-                    fixed::fold_many(exp, sum, k, layout.numel, pass, &s.d[..n]);
-                }
-            }
-            Phase::Slot(slot) => {
-                let Some(format) = layout.format(slot) else {
-                    return;
-                };
-                let k = slot as usize;
-                let view = piece.view(slot, &wide[k], &layout.shape, None);
-                match format.folds()[pass] {
-                    FoldInput::UpdatedState2 => {
-                        // Exactly the fused pass's element-wise work, restore included, so both
-                        // phases agree (the parameter and increments it computes are dropped).
-                        let limits = layout.limits(flags);
-                        apply_chunk(*rule, flags, plan.clip, limits, &mut s.chunk(n));
-                        let values = if slot == SlotKind::State3 { &s.w } else { &s.v };
-                        format.fold(&view, pass, start, &values[..n], &mut local);
-                    }
-                    FoldInput::MomentGradient => {
-                        fold_inputs(*rule, flags, FoldValue::Moment(slot), clip, &mut s.chunk(n));
-                        format.fold(&view, pass, start, &s.d[..n], &mut local);
-                    }
-                }
-            }
-        }
-    }
-    if let Phase::Slot(slot) = target
-        && let Some(format) = layout.format(slot)
-    {
-        let view = piece.view(slot, &wide[slot as usize], &layout.shape, None);
-        format.fold_flush(&view, pass, &local);
-    }
-}
-
-/// The fused step of one piece: for each chunk, decode gradient, parameter and states, apply the
-/// rule, store the states (a quantized state gets the exact absmax of its updated block), the
-/// parameter (Kahan: add the increment), clear the gradient. With [`StepFlags::TRANSFORM`] only
-/// the parameter is stored. Returns whether a non-finite value was met (those elements were left
-/// unchanged).
-fn fused_step(
-    piece: &mut Piece,
-    layout: &ParamLayout,
-    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
-    plan: &ParamStep,
-    seed: u64,
-    released: Option<HostValues<'_>>,
-    mut lent: Option<&mut [u8]>,
-) -> bool {
-    let flags = layout.step_flags(plan.flags);
-    let transform = flags.has(StepFlags::TRANSFORM);
-    let limits = layout.limits(flags);
-    if let Some(kernel) = Kernel::for_plan(&plan.plan).filter(|_| !transform)
-        && let Some(bad) = specialized(
-            kernel,
-            piece,
-            layout,
-            plan,
-            seed,
-            released,
-            lent.as_deref_mut(),
-        )
-    {
-        return bad;
-    }
-    let t = plan.t;
-    let mut s = Scratch::new();
-    let shape = &layout.shape[..];
-    let mut saw_non_finite = false;
-    let in_place = in_place_slots(layout, piece, flags, lent.as_deref());
-    // A released f32 gradient with no accumulator is read where the caller holds it (the rule
-    // adds the `0.0` of `0.0 + g`), not copied into the scratch.
-    let direct = match (
-        layout.format(SlotKind::Grad).filter(|_| piece.grad_held),
-        released,
-    ) {
-        (None, Some(HostValues::F32(v))) if !transform => Some(&v[piece.offset..][..piece.len]),
-        _ => None,
-    };
-    for start in (0..piece.len).step_by(CHUNK) {
-        let n = CHUNK.min(piece.len - start);
-        let at = piece.offset + start;
-        decode_chunk(
-            &mut s,
-            layout,
-            piece,
-            wide,
-            released,
-            lent.as_deref(),
-            start,
-            n,
-            transform,
-            direct.is_some(),
-            in_place,
-        );
-        {
-            // The rule's operands: the stored values of the slots stepped in place, the scratch
-            // for the others.
-            let [rp, _, r1, r2, r3] = &mut piece.regions;
-            let Scratch { g, p, m, v, w, d } = &mut s;
-            let p = match (in_place[SlotKind::Param as usize], lent.as_deref_mut()) {
-                // `in_place_slots` checked the alignment; the length is the piece's (4 bytes per
-                // element), as `decode` reads it.
-                (true, Some(l)) => bytemuck::cast_slice_mut(&mut l[4 * start..4 * (start + n)]),
-                (true, None) => f32_values(&mut rp[0], start, n),
-                (false, _) => &mut p[..n],
-            };
-            let [m, v, w] = [
-                (SlotKind::State1, r1, m),
-                (SlotKind::State2, r2, v),
-                (SlotKind::State3, r3, w),
-            ]
-            .map(|(slot, r, scratch)| match r.first_mut() {
-                Some(words) if in_place[slot as usize] => f32_values(words, start, n),
-                _ => &mut scratch[..n],
-            });
-            let (g, g_plus) = match direct {
-                Some(v) => (&v[start..start + n], 0.0),
-                None => (&g[..n], -0.0),
-            };
-            let mut chunk = Chunk {
-                g,
-                g_plus,
-                p,
-                m,
-                v,
-                w,
-                d: &mut d[..n],
-            };
-            saw_non_finite |= apply_chunk(plan.rule, flags, plan.clip, limits, &mut chunk);
-        }
-        let [rp, rg, r1, r2, r3] = &mut piece.regions;
-        let [bp, bg, b1, b2, b3] = &piece.bytes;
-        if !transform {
-            for (slot, regions, bytes, values) in [
-                (SlotKind::State1, r1, b1, &s.m),
-                (SlotKind::State2, r2, b2, &s.v),
-                (SlotKind::State3, r3, b3, &s.w),
-            ] {
-                if in_place[slot as usize] {
-                    continue;
-                }
-                if let Some(f) = layout.format(slot) {
-                    let w = &wide[slot as usize];
-                    let mut r = view_mut(regions, bytes, w, piece.offset, shape, None);
-                    f.encode(
-                        &mut r,
-                        start,
-                        &values[..n],
-                        random(layout, seed, slot, t, at),
-                    );
-                }
-            }
-        }
-        if flags.has(StepFlags::UPDATE_PARAM)
-            && !in_place[SlotKind::Param as usize]
-            && let Some(f) = layout.format(SlotKind::Param)
-        {
-            let mut r = view_mut(rp, bp, &wide[0], piece.offset, shape, lent.as_deref_mut());
-            if !f.add(&mut r, start, &s.d[..n]) {
-                f.encode(
-                    &mut r,
-                    start,
-                    &s.p[..n],
-                    random(layout, seed, SlotKind::Param, t, at),
-                );
-            }
-        }
-        if !transform && let Some(f) = layout.format(SlotKind::Grad).filter(|_| piece.grad_held) {
-            let mut r = view_mut(rg, bg, &wide[1], piece.offset, shape, None);
-            f.clear(&mut r, start, n);
-        }
-    }
-    saw_non_finite
-}
-
-/// The fused step of one piece by the plan's specialized kernel ([`tile`]); `None` (nothing
-/// written) if the piece's buffers do not fit it.
-fn specialized<'a>(
-    kernel: Kernel,
-    piece: &'a mut Piece,
-    layout: &ParamLayout,
-    plan: &ParamStep,
-    seed: u64,
-    released: Option<HostValues<'a>>,
-    lent: Option<&'a mut [u8]>,
-) -> Option<bool> {
-    let flags = layout.step_flags(plan.flags);
-    let args = tile::StepArgs {
-        rule: plan.rule,
-        flags,
-        clip: plan.clip,
-        limits: layout.limits(flags),
-    };
-    let (offset, len) = (piece.offset, piece.len);
-    let index = layout.offset + offset as u64;
-    let draws = |slot: SlotKind| {
-        layout
-            .format(slot)
-            .filter(|f| f.stochastic())
-            .map(|_| layout.stream(seed, slot, plan.t).draws_at(index))
-    };
-    let held = piece.grad_held && layout.format(SlotKind::Grad).is_some();
-    let Piece { regions, bytes, .. } = piece;
-    let [rp, rg, r1, r2, r3] = regions;
-    let [bp, bg, b1, b2, b3] = &*bytes;
-    let io =
-        |slot: SlotKind, words: &'a mut [Vec<u32>], bytes: &[usize; MAX_REGIONS]| tile::SlotIo {
-            elem: elem_bytes(words, bytes),
-            lanes: layout.format(slot).and_then(|f| f.lanes()),
-            draws: draws(slot),
-        };
-    let mut param = io(SlotKind::Param, rp, bp);
-    if let Some(l) = lent {
-        param.elem[0] = l;
-    }
-    let part = |g: HostValues<'a>| -> HostValues<'a> {
-        match g {
-            HostValues::F32(v) => HostValues::F32(&v[offset..offset + len]),
-            HostValues::Bf16(v) => HostValues::Bf16(&v[offset..offset + len]),
-        }
-    };
-    let grad = match (held, released) {
-        (false, Some(HostValues::F32(v))) => tile::GradIo::Direct(&v[offset..offset + len]),
-        (held, released) => tile::GradIo::Stashed {
-            acc: held.then(|| io(SlotKind::Grad, rg, bg)),
-            released: released.map(part),
-        },
-    };
-    let slots = [
-        param,
-        io(SlotKind::State1, r1, b1),
-        io(SlotKind::State2, r2, b2),
-        io(SlotKind::State3, r3, b3),
-    ];
-    kernel.run(&args, tile::PieceIo { len, grad, slots })
-}
-
-/// Runs one fold pass over every piece of a parameter (in parallel; a lent buffer cut per piece).
-#[allow(clippy::too_many_arguments)]
-fn fold_all(
-    pieces: &[Piece],
-    layout: &ParamLayout,
-    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
-    stats: &[AtomicU32; STAT_WORDS],
-    plan: &ParamStep,
-    target: Phase,
-    pass: usize,
-    released: Option<HostValues<'_>>,
-    lent: Option<&[u8]>,
-) {
-    let stride = lent_stride(layout);
-    let fold = |k: usize, piece: &Piece| {
-        let lent = lent.map(|l| &l[(k * stride).min(l.len())..((k + 1) * stride).min(l.len())]);
-        fold_piece(
-            piece, layout, wide, stats, plan, target, pass, released, lent,
-        );
-    };
-    match pieces {
-        [one] => fold(0, one),
-        many => many
-            .par_iter()
-            .enumerate()
-            .for_each(|(k, piece)| fold(k, piece)),
-    }
-}
-
-/// One parameter's step on the CPU, as the shared schedule runs it ([`run_step`]): the
-/// tensor-wide phases (folds over every piece in parallel, the combine on the host), the fused
-/// pass, the swaps.
-struct Runner<'a, 'r, 'l> {
-    pieces: &'a mut [Piece],
-    wide: &'a mut [Vec<Box<[AtomicU32]>>; SLOTS],
-    stats: &'a [AtomicU32; STAT_WORDS],
-    layout: &'a ParamLayout,
-    /// The step (its rule's constants change as the rule's sums are combined).
-    plan: ParamStep,
-    seed: u64,
-    released: Option<HostValues<'r>>,
-    lent: Option<&'l mut [u8]>,
-    /// A tensor-wide statistic that would not fit kept its old value: the parameter is reported.
-    kept: bool,
-}
-
-impl PlanRunner for Runner<'_, '_, '_> {
-    type Error = std::convert::Infallible;
-
-    fn passes(&self, phase: Phase) -> usize {
-        self.plan.plan.passes(phase, self.plan.flags)
-    }
-
-    fn begin(&mut self, phase: Phase) -> Result<(), Self::Error> {
-        let zero = |w: &AtomicU32| w.store(0, Ordering::Relaxed);
-        match phase {
-            Phase::Stats => self.stats.iter().for_each(zero),
-            Phase::Slot(slot) => {
-                if let Some(f) = self.layout.format(slot) {
-                    for &k in f.fold_targets() {
-                        self.wide[slot as usize][k].iter().for_each(zero);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn fold(&mut self, phase: Phase, pass: usize) -> Result<(), Self::Error> {
-        fold_all(
-            self.pieces,
-            self.layout,
-            self.wide,
-            self.stats,
-            &self.plan,
-            phase,
-            pass,
-            self.released,
-            self.lent.as_deref(),
-        );
-        Ok(())
-    }
-
-    fn combine(&mut self, phase: Phase) -> Result<(), Self::Error> {
-        let layout = self.layout;
-        match phase {
-            Phase::Stats => {
-                let (exp, sum) = self.stats.split_at(MAX_STATS);
-                // On the stack: the step allocates nothing.
-                let mut sums = [0f64; MAX_STATS];
-                let n = self.plan.rule.stats().min(MAX_STATS);
-                for (k, s) in sums[..n].iter_mut().enumerate() {
-                    *s = fixed::total(exp, sum, k, layout.numel);
-                }
-                self.plan.rule.combine_stats(&sums[..n], layout.numel);
-            }
-            Phase::Slot(slot) => {
-                if let Some(f) = layout.format(slot) {
-                    let wide = &self.wide[slot as usize];
-                    self.kept |= f.combine(wide, &layout.shape, &self.plan.rule, slot);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn fused(&mut self) -> Result<(), Self::Error> {
-        let (layout, plan, seed, released) = (self.layout, &self.plan, self.seed, self.released);
-        let wide = &*self.wide;
-        match self.lent.as_deref_mut() {
-            Some(l) => for_pieces_lent(self.pieces, l, lent_stride(layout), |piece, l| {
-                piece.saw_non_finite =
-                    fused_step(piece, layout, wide, plan, seed, released, Some(l));
-            }),
-            None => for_pieces(self.pieces, |piece| {
-                piece.saw_non_finite = fused_step(piece, layout, wide, plan, seed, released, None);
-            }),
-        }
-        Ok(())
-    }
-
-    fn swap(&mut self) -> Result<(), Self::Error> {
-        for (slot, a, b) in self.plan.plan.swaps(self.plan.flags) {
-            self.wide[slot as usize].swap(a, b);
-        }
-        Ok(())
-    }
-}
-
-/// Steps one parameter ([`Runner`]); whether an element was left unchanged or a tensor-wide
-/// statistic kept its old value.
-fn step_param(
-    param: &mut CpuParam,
-    layout: &ParamLayout,
-    plan: &ParamStep,
-    seed: u64,
-    released: Option<HostValues<'_>>,
-    lent: Option<&mut [u8]>,
-) -> bool {
-    let CpuParam {
-        pieces,
-        wide,
-        stats,
-    } = param;
-    let mut runner = Runner {
-        pieces,
-        wide,
-        stats,
-        layout,
-        plan: *plan,
-        seed,
-        released,
-        lent,
-        kept: false,
-    };
-    let Ok(()) = run_step(&mut runner);
-    runner.kept | runner.pieces.iter().any(|p| p.saw_non_finite)
 }
 
 impl Backend for Cpu {
@@ -1096,68 +500,107 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn step(&self, work: StepWork<'_, '_, '_, Self>) -> Result<(), BackendError> {
-        let StepWork {
-            params,
-            layouts,
-            plans,
-            released,
-            lent,
-            seed,
-            non_finite,
-        } = work;
-        for (id, buffer) in lent.iter() {
-            let index = id.index();
-            if !layouts[index].lent {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{index} is not lent, but a buffer was lent for it"),
-                });
+    fn begin_phase(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+    ) -> Result<(), BackendError> {
+        let zero = |w: &AtomicU32| w.store(0, Ordering::Relaxed);
+        for ((p, layout), plan) in work.params.iter_mut().zip(work.layouts).zip(work.plans) {
+            if !plan.is_some_and(|p| p.plan.passes(phase, p.flags) > 0) {
+                continue;
             }
-            check_lent(&layouts[index], buffer.info())?;
-        }
-        let is_lent = |i: usize| lent.iter().any(|(k, _)| k.index() == i);
-        for (i, (layout, plan)) in layouts.iter().zip(plans).enumerate() {
-            if plan.is_some() && layout.lent && !is_lent(i) {
-                return Err(BackendError::Buffer {
-                    what: format!("parameter #{i} is lent: its buffer must be lent to the step"),
-                });
-            }
-        }
-        let extra = |index: usize| match released {
-            Some((i, g)) if i == index => Some(g),
-            _ => None,
-        };
-        non_finite.iter_mut().for_each(|f| *f = false);
-        // Parameters in lpmm's memory, in parallel.
-        params
-            .par_iter_mut()
-            .zip(layouts.par_iter())
-            .zip(plans.par_iter())
-            .zip(non_finite.par_iter_mut())
-            .enumerate()
-            .for_each(|(index, (((param, layout), plan), flag))| {
-                if let Some(plan) = plan
-                    && !layout.lent
-                    && !is_lent(index)
-                {
-                    *flag = step_param(param, layout, plan, seed, extra(index), None);
+            match phase {
+                Phase::Stats => p.stats.iter().for_each(zero),
+                Phase::Slot(slot) => {
+                    if let Some(f) = layout.format(slot) {
+                        for &k in f.fold_targets() {
+                            p.wide[slot as usize][k].iter().for_each(zero);
+                        }
+                    }
                 }
-            });
-        // Lent parameters, each with its buffer.
-        for (id, buffer) in lent.iter_mut() {
-            let i = id.index();
-            if let Some(plan) = &plans[i] {
-                non_finite[i] = step_param(
-                    &mut params[i],
-                    &layouts[i],
-                    plan,
-                    seed,
-                    extra(i),
-                    Some(buffer.bytes_mut()),
+            }
+        }
+        Ok(())
+    }
+
+    fn fold(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        phase: Phase,
+        pass: usize,
+    ) -> Result<(), BackendError> {
+        for_stepping(work, |param, layout, plan, released, lent| {
+            if pass < plan.plan.passes(phase, plan.flags) {
+                let CpuParam {
+                    pieces,
+                    wide,
+                    stats,
+                } = &*param;
+                let lent = lent.as_deref();
+                fold_all(
+                    pieces, layout, wide, stats, plan, phase, pass, released, lent,
+                );
+            }
+        });
+        Ok(())
+    }
+
+    fn folded(
+        &self,
+        params: &mut [CpuParam],
+        _layouts: &[ParamLayout],
+        ran: &[bool],
+        phase: Phase,
+        combine: &mut dyn FnMut(usize, Folded<'_>),
+    ) -> Result<(), BackendError> {
+        for (i, (p, &ran)) in params.iter().zip(ran).enumerate() {
+            if ran {
+                combine(
+                    i,
+                    match phase {
+                        Phase::Stats => Folded::Stats(&p.stats),
+                        Phase::Slot(slot) => Folded::Wide(&p.wide[slot as usize]),
+                    },
                 );
             }
         }
         Ok(())
+    }
+
+    fn fused(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        non_finite: &mut [bool],
+    ) -> Result<(), BackendError> {
+        let seed = work.seed;
+        for_stepping(work, |param, layout, plan, released, lent| {
+            let CpuParam { pieces, wide, .. } = param;
+            let wide = &*wide;
+            match lent {
+                Some(l) => for_pieces_lent(pieces, l, lent_stride(layout), |piece, l| {
+                    piece.saw_non_finite =
+                        fused_step(piece, layout, wide, plan, seed, released, Some(l));
+                }),
+                None => for_pieces(pieces, |piece| {
+                    piece.saw_non_finite =
+                        fused_step(piece, layout, wide, plan, seed, released, None);
+                }),
+            }
+        });
+        for ((p, plan), f) in work
+            .params
+            .iter()
+            .zip(work.plans)
+            .zip(non_finite.iter_mut())
+        {
+            *f = plan.is_some() && p.pieces.iter().any(|piece| piece.saw_non_finite);
+        }
+        Ok(())
+    }
+
+    fn swap_wide(&self, param: &mut CpuParam, slot: SlotKind, a: usize, b: usize) {
+        param.wide[slot as usize].swap(a, b);
     }
 
     fn clear_gradients(

@@ -3,17 +3,18 @@
 //!
 //! A kernel is monomorphized over each slot's *lanes* — how the slot's values reach the rule
 //! ([`Lanes`]): f32 stepped where it is stored, bf16, split f32 and block-quantized codes decoded
-//! into an L1-sized stash before the rule and encoded from it after. A piece is walked in tiles of
-//! [`TILE`] elements (a multiple of every block a kernel takes), each touched once in memory
-//! while the next one is prefetched: the tile's gradient (read where the caller holds it, or
+//! into an L1-sized stash before the rule and encoded from it after, by the format's own lane-level
+//! codec (`crate::format::lanes`), the one its generic chunk path calls too. A piece is walked in
+//! tiles of [`TILE`] elements (a multiple of every block a kernel takes), each touched once in
+//! memory while the next one is prefetched: the tile's gradient (read where the caller holds it, or
 //! decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
 //! generic path's own vectorized loop, `apply_chunk_lean`, without the absent state 3 and the
 //! increments: its bits by construction), then each slot is encoded — a quantized slot's block
 //! maxima, the exact quotient and nearest code or stochastic rounding, packing; bf16 rounding;
 //! splitting — and the accumulator's tile cleared. Nothing is decoded or stored that the
-//! configuration does not have, and no pass is made that cannot change a bit: no sign check of
-//! a second moment (never negative), no work on a state the rule does not have (an absent
-//! state's stash is zeroed once per piece).
+//! configuration does not have, and no pass is made that cannot change a bit: no sign check of a
+//! second moment (never negative), no work on a state the rule does not have (an absent state's
+//! stash is zeroed once per piece).
 //!
 //! The rule's loop and every table kernel it calls (decode, nearest, stochastic rounding, bf16
 //! rounding, random draws: lpmm-formats' and lpmm-quant's vector code, as the generic path calls
@@ -22,12 +23,11 @@
 //! generic path, as do transforms and lent buffers not aligned to their dtype.
 
 use half::bf16;
-use lpmm_formats::packing::{pack, packed_len, unpack};
-use lpmm_formats::{CodeMap, simd};
 use lpmm_quant::RandomDraws;
 
 use crate::backend::{HostValues, SlotKind, StepFlags, StepPlan};
 use crate::format::Lanes;
+use crate::format::lanes::{self, blockwise::Codes, blockwise::Scratch};
 use crate::rule::{Chunk, Limits, RuleConsts, apply_chunk, apply_chunk_lean};
 use crate::vocab::TILE;
 
@@ -252,7 +252,7 @@ impl<'a> SlotLanes<'a> for F32Lanes<'a> {
         f32s(values).map(F32Lanes)
     }
     fn decode(&mut self, at: usize, stash: &mut [f32]) {
-        stash.copy_from_slice(&self.0[at..at + stash.len()]);
+        lanes::f32::decode(&self.0[at..at + stash.len()], stash);
     }
     fn prefetch(&self, at: usize, n: usize) {
         prefetch(&self.0[at..at + n]);
@@ -290,22 +290,15 @@ impl<'a, const SR: bool> SlotLanes<'a> for Bf16Lanes<'a, SR> {
         })
     }
     fn decode(&mut self, at: usize, stash: &mut [f32]) {
-        simd::bf16_to_f32(&self.values[at..at + stash.len()], stash);
+        lanes::bf16::decode(&self.values[at..at + stash.len()], stash);
     }
     fn prefetch(&self, at: usize, n: usize) {
         prefetch(&self.values[at..at + n]);
     }
     fn encode(&mut self, at: usize, values: &[f32]) {
-        let n = values.len();
-        let out = &mut self.values[at..at + n];
-        match &mut self.draws {
-            Some(draws) => {
-                let words = &mut self.words[..n];
-                draws.fill(words);
-                simd::f32_to_bf16_stochastic(values, words, out);
-            }
-            None => simd::f32_to_bf16_nearest(values, out),
-        }
+        let out = &mut self.values[at..at + values.len()];
+        let draws = self.draws.as_mut().map(|d| (d, &mut self.words));
+        lanes::bf16::encode(values, out, draws);
     }
 }
 
@@ -340,7 +333,7 @@ impl<'a> SlotLanes<'a> for SplitLanes<'a> {
     }
     fn decode(&mut self, at: usize, stash: &mut [f32]) {
         let n = stash.len();
-        lpmm_formats::join_f32_slice(&self.hi[at..at + n], &self.rem[at..at + n], stash);
+        lanes::split_f32::decode(&self.hi[at..at + n], &self.rem[at..at + n], stash);
     }
     fn prefetch(&self, at: usize, n: usize) {
         prefetch(&self.hi[at..at + n]);
@@ -349,7 +342,7 @@ impl<'a> SlotLanes<'a> for SplitLanes<'a> {
     fn encode(&mut self, at: usize, values: &[f32]) {
         let n = values.len();
         let (hi, rem) = (&mut self.hi[at..at + n], &mut self.rem[at..at + n]);
-        lpmm_formats::split_f32_slice(values, hi, rem);
+        lanes::split_f32::encode(values, hi, rem);
     }
 }
 
@@ -359,86 +352,58 @@ impl LaneKind for KSplit {
     const KIND: Kind = Kind::Split;
 }
 
-/// Block-wise codes ([docs/FORMATS.md] §6): the block maxima of the new values, the exact
-/// quotient, the nearest code or stochastic rounding, packing — `Blockwise::quantize` without its
-/// checks, which cannot fail here (the step stores finite values only, and a map without
-/// negative values only second moments, which are never negative).
+/// Block-wise codes ([docs/FORMATS.md] §6): the packed codes and the block maxima, decoded and
+/// encoded by the format's [`Codes`].
 ///
 /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 struct QuantLanes<'a> {
-    codes: &'a mut [u8],
+    packed: &'a mut [u8],
     absmax: &'a mut [f32],
-    map: &'static CodeMap,
-    block: usize,
-    bits: u32,
+    codes: Codes,
     draws: Option<RandomDraws>,
-    words: [u32; TILE],
-    unpacked: [u8; TILE],
+    scratch: Scratch,
 }
 
 impl<'a> SlotLanes<'a> for QuantLanes<'a> {
     fn new(io: SlotIo<'a>) -> Option<Self> {
-        let [codes, absmax, _] = io.elem;
-        let Some(Lanes::Quantized {
-            map,
-            block,
-            stochastic,
-        }) = io.lanes
-        else {
+        let [packed, absmax, _] = io.elem;
+        let Some(Lanes::Quantized { codes, stochastic }) = io.lanes else {
             return None;
         };
         Some(QuantLanes {
-            codes,
+            packed,
             absmax: f32s(absmax)?,
-            map,
-            block,
-            bits: map.bits(),
+            codes,
             draws: if stochastic { Some(io.draws?) } else { None },
-            words: [0; TILE],
-            unpacked: [0; TILE],
+            scratch: Scratch::new(),
         })
     }
     fn decode(&mut self, at: usize, stash: &mut [f32]) {
-        let n = stash.len();
-        let scales = &self.absmax[at / self.block..(at + n).div_ceil(self.block)];
-        let codes = if self.bits == 8 {
-            &self.codes[at..at + n]
-        } else {
-            let packed = &self.codes[packed_len(at, self.bits)..packed_len(at + n, self.bits)];
-            // Lengths agree by construction (`at` is a multiple of 8 codes).
-            let _ = unpack(packed, self.bits, &mut self.unpacked[..n]);
-            &self.unpacked[..n]
-        };
-        self.map.decode_blocks(codes, scales, self.block, stash);
+        let (c, end) = (self.codes, at + stash.len());
+        let packed = &self.packed[c.code_bytes(at, end)];
+        c.decode(
+            packed,
+            &self.absmax[c.scales(at, end)],
+            &mut self.scratch,
+            stash,
+        );
     }
     fn prefetch(&self, at: usize, n: usize) {
-        prefetch(&self.codes[packed_len(at, self.bits)..packed_len(at + n, self.bits)]);
-        prefetch(&self.absmax[at / self.block..(at + n).div_ceil(self.block)]);
+        let (c, end) = (self.codes, at + n);
+        prefetch(&self.packed[c.code_bytes(at, end)]);
+        prefetch(&self.absmax[c.scales(at, end)]);
     }
     fn encode(&mut self, at: usize, values: &[f32]) {
-        let n = values.len();
-        let scales = &mut self.absmax[at / self.block..(at + n).div_ceil(self.block)];
-        block_maxima(values, self.block, scales);
-        let scales = &*scales;
-        let out = if self.bits == 8 {
-            &mut self.codes[at..at + n]
-        } else {
-            &mut self.unpacked[..n]
-        };
-        match &mut self.draws {
-            Some(draws) => {
-                let words = &mut self.words[..n];
-                draws.fill(words);
-                self.map
-                    .stochastic_blocks(values, scales, self.block, words, out);
-            }
-            None => self.map.nearest_blocks(values, scales, self.block, out),
-        }
-        if self.bits < 8 {
-            let packed = &mut self.codes[packed_len(at, self.bits)..packed_len(at + n, self.bits)];
-            // Codes come from the map, so they fit its width; lengths match by construction.
-            let _ = pack(&self.unpacked[..n], self.bits, packed);
-        }
+        let (c, end) = (self.codes, at + values.len());
+        let packed = &mut self.packed[c.code_bytes(at, end)];
+        let absmax = &mut self.absmax[c.scales(at, end)];
+        c.encode(
+            values,
+            packed,
+            absmax,
+            self.draws.as_mut(),
+            &mut self.scratch,
+        );
     }
 }
 
@@ -448,20 +413,10 @@ impl LaneKind for KQuant {
     const KIND: Kind = Kind::Quantized;
 }
 
-lpmm_formats::multiversion! {
-    /// `absmax[b]` = the largest `|x|` of block `b` of `xs` (blocks of `block` elements, the last
-    /// one possibly partial), as `Blockwise::quantize` computes it (the largest magnitude's bits).
-    fn block_maxima(xs: &[f32], block: usize, absmax: &mut [f32]) {
-        for (a, b) in absmax.iter_mut().zip(xs.chunks(block)) {
-            *a = f32::from_bits(b.iter().fold(0, |m, x| m.max(x.to_bits() & 0x7FFF_FFFF)));
-        }
-    }
-}
-
 /// The gradient of a piece, tile by tile.
 struct GradLanes<'a> {
     io: GradIo<'a>,
-    unpacked: [u8; TILE],
+    scratch: Scratch,
 }
 
 impl GradLanes<'_> {
@@ -474,8 +429,15 @@ impl GradLanes<'_> {
             GradIo::Stashed { acc, released } => {
                 let g = &mut stash[..n];
                 match acc {
-                    Some(acc) => decode_acc(acc, &mut self.unpacked, at, g),
-                    None => g.fill(0.0),
+                    Some(SlotIo {
+                        elem,
+                        lanes: Some(lanes),
+                        ..
+                    }) => {
+                        let elem = elem.each_ref().map(|e| &**e);
+                        lanes.decode(elem, at, &mut self.scratch, g);
+                    }
+                    _ => g.fill(0.0),
                 }
                 if let Some(r) = released {
                     let mut extra = [0f32; TILE];
@@ -493,19 +455,11 @@ impl GradLanes<'_> {
         match &self.io {
             GradIo::Direct(g) => prefetch(&g[at..at + n]),
             GradIo::Stashed { acc, released } => {
-                if let Some(acc) = acc {
+                if let Some(acc) = acc
+                    && let Some(lanes) = acc.lanes
+                {
                     // The byte ranges of its regions that hold the tile.
-                    let ranges = match acc.lanes {
-                        Some(Lanes::F32) => [4 * at..4 * (at + n), 0..0],
-                        Some(Lanes::Bf16 { .. }) => [2 * at..2 * (at + n), 0..0],
-                        Some(Lanes::Split) => [2 * at..2 * (at + n), 2 * at..2 * (at + n)],
-                        Some(Lanes::Quantized { map, block, .. }) => [
-                            packed_len(at, map.bits())..packed_len(at + n, map.bits()),
-                            4 * (at / block)..4 * (at + n).div_ceil(block),
-                        ],
-                        None => [0..0, 0..0],
-                    };
-                    for (region, r) in acc.elem.iter().zip(ranges) {
+                    for (region, r) in acc.elem.iter().zip(lanes.bytes(at, at + n)) {
                         prefetch(&region[r.start.min(region.len())..r.end.min(region.len())]);
                     }
                 }
@@ -520,57 +474,11 @@ impl GradLanes<'_> {
 
     /// Clears the accumulator's tile after the step read it.
     fn clear(&mut self, at: usize, n: usize) {
-        if let GradIo::Stashed { acc: Some(acc), .. } = &mut self.io {
-            clear_acc(acc, at, n);
+        if let GradIo::Stashed { acc: Some(acc), .. } = &mut self.io
+            && let Some(lanes) = acc.lanes
+        {
+            lanes.clear(&mut acc.elem, at, n);
         }
-    }
-}
-
-/// Decodes elements `at .. at + g.len()` of an accumulator.
-fn decode_acc(acc: &mut SlotIo<'_>, unpacked: &mut [u8; TILE], at: usize, g: &mut [f32]) {
-    let n = g.len();
-    match acc.lanes {
-        Some(Lanes::F32) => {
-            g.copy_from_slice(bytemuck::cast_slice(&acc.elem[0][4 * at..4 * (at + n)]));
-        }
-        Some(Lanes::Bf16 { .. }) | Some(Lanes::Split) => {
-            let h: &[bf16] = bytemuck::cast_slice(&acc.elem[0][2 * at..2 * (at + n)]);
-            lpmm_formats::simd::bf16_to_f32(h, g);
-        }
-        Some(Lanes::Quantized { map, block, .. }) => {
-            let bits = map.bits();
-            let absmax: &[f32] =
-                bytemuck::cast_slice(&acc.elem[1][4 * (at / block)..4 * (at + n).div_ceil(block)]);
-            let codes = if bits == 8 {
-                &acc.elem[0][at..at + n]
-            } else {
-                let packed = &acc.elem[0][packed_len(at, bits)..packed_len(at + n, bits)];
-                let _ = unpack(packed, bits, &mut unpacked[..n]);
-                &unpacked[..n]
-            };
-            map.decode_blocks(codes, absmax, block, g);
-        }
-        None => g.fill(0.0),
-    }
-}
-
-/// Clears elements `at .. at + n` of an accumulator as its format's `clear` does.
-fn clear_acc(acc: &mut SlotIo<'_>, at: usize, n: usize) {
-    match acc.lanes {
-        Some(Lanes::F32) => acc.elem[0][4 * at..4 * (at + n)].fill(0),
-        Some(Lanes::Bf16 { .. }) | Some(Lanes::Split) => {
-            acc.elem[0][2 * at..2 * (at + n)].fill(0);
-            if acc.lanes == Some(Lanes::Split) {
-                acc.elem[1][2 * at..2 * (at + n)].fill(0);
-            }
-        }
-        Some(Lanes::Quantized { map, block, .. }) => {
-            if map.bits() == 8 {
-                acc.elem[0][at..at + n].fill(map.nearest(0.0));
-            }
-            acc.elem[1][4 * (at / block)..4 * (at + n).div_ceil(block)].fill(0);
-        }
-        None => {}
     }
 }
 
@@ -596,7 +504,7 @@ fn piece<P: LaneKind, S1: LaneKind, S2: LaneKind, S3: LaneKind>(
     let mut s3 = S3::Lanes::new(s3)?;
     let mut grad = GradLanes {
         io: grad,
-        unpacked: [0; TILE],
+        scratch: Scratch::new(),
     };
     let moves = a.flags.has(StepFlags::UPDATE_PARAM);
     let mut st = Stash {

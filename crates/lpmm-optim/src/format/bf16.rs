@@ -2,20 +2,25 @@
 //!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
-use lpmm_formats::{bf16, simd};
+use lpmm_formats::bf16;
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
-    u16s,
+    Codec, Cover, Dtype, Extent, HostSlot, Lanes, Random, RegionSpec, Regions, RegionsMut,
+    bf16_finite, u16s,
 };
 use super::{Storage, StoreRounding};
-use crate::vocab::SlotKind;
+use crate::vocab::{SlotKind, TILE};
 
 /// bf16 values.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Bf16 {
     rounding: StoreRounding,
 }
+
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+const NEAREST: Storage = Storage::Bf16(StoreRounding::Nearest);
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+const STOCHASTIC: Storage = Storage::Bf16(StoreRounding::Stochastic);
 
 const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });
 
@@ -27,6 +32,12 @@ pub(crate) const BF16_LIMIT: u32 = 0x7F7F_7FFF;
 
 impl Codec for Bf16 {
     const NAME: &'static str = "bf16";
+    const COVER: Cover = Cover {
+        params: &[NEAREST, STOCHASTIC],
+        grads: &[NEAREST, STOCHASTIC],
+        states: &[(NEAREST, NEAREST), (STOCHASTIC, STOCHASTIC)],
+        ..Cover::NONE
+    };
     const LIMIT: u32 = BF16_LIMIT;
 
     fn from_storage(storage: Storage) -> Option<Self> {
@@ -79,7 +90,7 @@ impl Codec for Bf16 {
 
     fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
         let n = out.len();
-        simd::bf16_to_f32(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
+        lanes::decode(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
     }
 
     fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], random: Random) {
@@ -88,18 +99,60 @@ impl Codec for Bf16 {
         match self.rounding {
             StoreRounding::Stochastic => {
                 let mut draws = random.stream.draws_at(random.index);
-                let mut words = [0u32; 256];
-                for (xs, out) in values.chunks(words.len()).zip(out.chunks_mut(words.len())) {
+                lanes::encode(values, out, Some((&mut draws, &mut [0; TILE])));
+            }
+            StoreRounding::Nearest => lanes::encode(values, out, None),
+        }
+    }
+
+    fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
+        lanes::clear(bytemuck::cast_slice_mut(
+            &mut r.elem[0][2 * at..2 * (at + len)],
+        ));
+    }
+}
+
+/// The format's values on the CPU, a run of elements at a time: its one decode, encode and
+/// clear, which the generic chunk path (the [`Codec`] implementation above, and Kahan's value)
+/// and the specialized step kernels (`crate::cpu::tile`, through [`Lanes::Bf16`]) both call.
+pub(crate) mod lanes {
+    use lpmm_formats::{bf16, simd};
+    use lpmm_quant::RandomDraws;
+
+    use crate::vocab::TILE;
+
+    /// Decodes `values` into `out` (exact).
+    #[inline(always)]
+    pub(crate) fn decode(values: &[bf16], out: &mut [f32]) {
+        simd::bf16_to_f32(values, out);
+    }
+
+    /// Rounds `values` into `out`: to nearest even, or stochastically ([docs/FORMATS.md] §2)
+    /// with `draws` (positioned at the run's first element; the array: scratch for a span's
+    /// draws).
+    ///
+    /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
+    #[inline(always)]
+    pub(crate) fn encode(
+        values: &[f32],
+        out: &mut [bf16],
+        draws: Option<(&mut RandomDraws, &mut [u32; TILE])>,
+    ) {
+        match draws {
+            Some((draws, words)) => {
+                for (xs, out) in values.chunks(TILE).zip(out.chunks_mut(TILE)) {
                     let words = &mut words[..xs.len()];
                     draws.fill(words);
                     simd::f32_to_bf16_stochastic(xs, words, out);
                 }
             }
-            StoreRounding::Nearest => simd::f32_to_bf16_nearest(values, out),
+            None => simd::f32_to_bf16_nearest(values, out),
         }
     }
 
-    fn clear(&self, r: &mut RegionsMut<'_>, at: usize, len: usize) {
-        r.elem[0][2 * at..2 * (at + len)].fill(0);
+    /// Zeroes `values`.
+    #[inline(always)]
+    pub(crate) fn clear(values: &mut [bf16]) {
+        values.fill(bf16::ZERO);
     }
 }

@@ -7,7 +7,7 @@
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
 use super::{
-    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, Storage,
+    Codec, Cover, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, Storage,
     StoreRounding, fits, u16s,
 };
 use crate::vocab::SlotKind;
@@ -61,6 +61,10 @@ pub(crate) fn join24(hi: u16, lo: u8) -> f32 {
 
 impl Codec for Bf16Plus8 {
     const NAME: &'static str = "bf16_plus8";
+    const COVER: Cover = Cover {
+        params: &[Storage::Bf16Plus8(StoreRounding::Stochastic)],
+        ..Cover::NONE
+    };
     const LIMIT: u32 = LIMIT;
 
     fn from_storage(storage: Storage) -> Option<Self> {

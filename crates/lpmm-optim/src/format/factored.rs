@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::Storage;
 use super::{
-    Codec, Dtype, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut, check_scales,
-    set_wide_f32, wide_f32,
+    Codec, Cover, Dtype, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut,
+    check_scales, set_wide_f32, wide_f32,
 };
 use crate::fixed;
 use crate::rule::RuleConsts;
@@ -104,6 +104,10 @@ fn mean_rows(wide: &[Box<[AtomicU32]>], rows: usize) {
 
 impl Codec for Factored {
     const NAME: &'static str = "factored";
+    const COVER: Cover = Cover {
+        tensor_wide: &[("factorized", Storage::Factorized)],
+        ..Cover::NONE
+    };
 
     fn from_storage(storage: Storage) -> Option<Self> {
         (storage == Storage::Factorized).then_some(Factored)

@@ -3,11 +3,12 @@
 //!
 //! [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
 
-use lpmm_formats::{bf16, float, kahan_add, simd};
+use lpmm_formats::{bf16, float, kahan_add};
 
 use super::Storage;
 use super::{
-    Codec, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite, u16s,
+    Codec, Cover, Dtype, Extent, HostSlot, Random, RegionSpec, Regions, RegionsMut, bf16_finite,
+    u16s,
 };
 use crate::vocab::SlotKind;
 
@@ -38,6 +39,10 @@ const COMP_MAX: u16 = 0x7B00;
 
 impl Codec for Kahan {
     const NAME: &'static str = "kahan";
+    const COVER: Cover = Cover {
+        params: &[Storage::Bf16Kahan],
+        ..Cover::NONE
+    };
     /// 2^127: half of bf16's range, the rest is the compensation's headroom (see `VALUE_MAX`).
     const LIMIT: u32 = 0x7F00_0000;
 
@@ -79,7 +84,7 @@ impl Codec for Kahan {
     fn decode(&self, r: &Regions<'_>, at: usize, out: &mut [f32]) {
         // The parameter a model sees is the bf16 value; the compensation only feeds updates.
         let n = out.len();
-        simd::bf16_to_f32(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
+        super::bf16::lanes::decode(bytemuck::cast_slice(&r.elem[0][2 * at..2 * (at + n)]), out);
     }
 
     fn encode(&self, r: &mut RegionsMut<'_>, at: usize, values: &[f32], _random: Random) {

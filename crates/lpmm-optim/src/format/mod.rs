@@ -223,38 +223,136 @@ pub enum FoldInput {
     MomentGradient,
 }
 
-/// How the CPU's specialized step kernels (`crate::cpu::tile`) reach a format's values, 16
-/// lanes at a time: what a format that has them gives [`Codec::lanes`]. A format without them is
-/// stepped by the generic element-wise path only.
+/// How the CPU's specialized step kernels (`crate::cpu::tile`) reach a format's values, a tile
+/// of elements at a time: what a format that has them gives [`Codec::lanes`]. A format without
+/// them is stepped by the generic element-wise path only. Each names its format's lane-level
+/// codec ([`lanes`]), the one decode and encode that the format's [`Codec`] implementation
+/// calls too.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Lanes {
-    /// Plain f32 words (element `j` at bytes `4 j ..`).
+    /// Plain f32 words (element `j` at bytes `4 j ..`): [`lanes::f32`].
     F32,
-    /// bf16 values, rounded to nearest even or stochastically.
+    /// bf16 values, rounded to nearest even or stochastically: [`lanes::bf16`].
     Bf16 {
         /// Stochastic rounding ([docs/FORMATS.md] §2) with the slot's draws.
         ///
         /// [docs/FORMATS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/FORMATS.md
         stochastic: bool,
     },
-    /// Split f32: the bf16 high halves, then the 16-bit remainders.
+    /// Split f32: the bf16 high halves, then the 16-bit remainders: [`lanes::split_f32`].
     Split,
     /// Block-wise absmax codes of at most 8 bits, one f32 absmax per block of 32 to 512
-    /// elements (the kernels' tile).
+    /// elements (the kernels' tile): [`lanes::blockwise`].
     Quantized {
-        /// The code map.
-        map: &'static lpmm_formats::CodeMap,
-        /// Elements per block.
-        block: usize,
+        /// The code map and the block.
+        codes: lanes::blockwise::Codes,
         /// Stochastic rounding onto the map with the slot's draws.
         stochastic: bool,
     },
+}
+
+/// The lane-level codecs: each format's one decode, encode and clear on the CPU over a run of
+/// its elements, in the format's own file. The format's [`Codec`] (the generic chunk path) and
+/// the specialized step kernels (`crate::cpu::tile`, through [`Lanes`]) both call them, so the
+/// two paths store the same bits by construction.
+pub(crate) mod lanes {
+    pub(crate) use super::bf16::lanes as bf16;
+    pub(crate) use super::blockwise::lanes as blockwise;
+    pub(crate) use super::f32::lanes as f32;
+    pub(crate) use super::split_f32::lanes as split_f32;
+}
+
+impl Lanes {
+    /// The byte ranges of the first two element regions that hold elements `a .. b` of a piece.
+    pub(crate) fn bytes(&self, a: usize, b: usize) -> [std::ops::Range<usize>; 2] {
+        match self {
+            Lanes::F32 => [4 * a..4 * b, 0..0],
+            Lanes::Bf16 { .. } => [2 * a..2 * b, 0..0],
+            Lanes::Split => [2 * a..2 * b, 2 * a..2 * b],
+            Lanes::Quantized { codes, .. } => [codes.code_bytes(a, b), codes.scale_bytes(a, b)],
+        }
+    }
+
+    /// Decodes elements `at .. at + out.len()` of a piece's element regions `elem` (word-aligned:
+    /// not a lent buffer) with the format's lane-level decode.
+    pub(crate) fn decode(
+        &self,
+        elem: [&[u8]; MAX_REGIONS],
+        at: usize,
+        scratch: &mut lanes::blockwise::Scratch,
+        out: &mut [f32],
+    ) {
+        let [r0, r1] = self.bytes(at, at + out.len());
+        match self {
+            Lanes::F32 => lanes::f32::decode(bytemuck::cast_slice(&elem[0][r0]), out),
+            Lanes::Bf16 { .. } => lanes::bf16::decode(bytemuck::cast_slice(&elem[0][r0]), out),
+            Lanes::Split => lanes::split_f32::decode(
+                bytemuck::cast_slice(&elem[0][r0]),
+                bytemuck::cast_slice(&elem[1][r1]),
+                out,
+            ),
+            Lanes::Quantized { codes, .. } => codes.decode(
+                &elem[0][r0],
+                bytemuck::cast_slice(&elem[1][r1]),
+                scratch,
+                out,
+            ),
+        }
+    }
+
+    /// Zeroes elements `at .. at + n` of a piece's element regions `elem` (word-aligned) as the
+    /// format's [`Codec::clear`] does: a consumed gradient accumulator.
+    pub(crate) fn clear(&self, elem: &mut [&mut [u8]; MAX_REGIONS], at: usize, n: usize) {
+        let [r0, r1] = self.bytes(at, at + n);
+        let [e0, e1, _] = elem;
+        match self {
+            Lanes::F32 => lanes::f32::clear(bytemuck::cast_slice_mut(&mut e0[r0])),
+            Lanes::Bf16 { .. } => lanes::bf16::clear(bytemuck::cast_slice_mut(&mut e0[r0])),
+            Lanes::Split => lanes::split_f32::clear(
+                bytemuck::cast_slice_mut(&mut e0[r0]),
+                bytemuck::cast_slice_mut(&mut e1[r1]),
+            ),
+            Lanes::Quantized { codes, .. } => {
+                codes.clear(&mut e0[r0], bytemuck::cast_slice_mut(&mut e1[r1]))
+            }
+        }
+    }
+}
+
+/// The storages of a format that the backend conformance suite steps, declared in its file
+/// ([`Codec::COVER`]): `lpmm_optim::testing` builds its storage covers from every format's, so a
+/// new format enters the suite with its file.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+pub(crate) struct Cover {
+    /// As a parameter.
+    pub params: &'static [Storage],
+    /// As a gradient accumulator.
+    pub grads: &'static [Storage],
+    /// As state 1 and state 2 together (a first and a second moment).
+    pub states: &'static [(Storage, Storage)],
+    /// As a tensor-wide second moment, with the name the suite gives the case.
+    pub tensor_wide: &'static [(&'static str, Storage)],
+}
+
+impl Cover {
+    /// No storage: the rest of a format's cover (`..Cover::NONE`).
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+    pub(crate) const NONE: Cover = Cover {
+        params: &[],
+        grads: &[],
+        states: &[],
+        tensor_wide: &[],
+    };
 }
 
 /// The definition of one storage format.
 pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'static {
     /// The stem of its kernel files and its name in the kernels' dispatch.
     const NAME: &'static str;
+    /// The storages of this format the backend conformance suite steps.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+    const COVER: Cover;
     /// The largest magnitude (an f32 bit pattern) the format stores without overflow: a value
     /// beyond it (or non-finite) is never stored — registration refuses it, the step leaves the
     /// element unchanged and reports it, a quantized accumulator refuses the micro-batch. f32 and
@@ -448,6 +546,12 @@ macro_rules! formats {
         /// Every format's [`Format::limit`] as f32 bits, in kernel-id order (the kernels'
         /// `fmt_limit` is generated from it).
         pub const LIMITS: &[u32] = &[$(<$module::$ty as Codec>::LIMIT,)*];
+
+        /// Every format's name and the storages the conformance suite steps it with
+        /// ([`Codec::COVER`]), in kernel-id order.
+        #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
+        pub(crate) const COVERS: &[(&str, Cover)] =
+            &[$((<$module::$ty as Codec>::NAME, <$module::$ty as Codec>::COVER),)*];
 
         impl Format {
             /// The format of `storage` (`None` for [`Storage::None`]).

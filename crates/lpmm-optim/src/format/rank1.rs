@@ -13,7 +13,7 @@ use lpmm_formats::packing;
 use lpmm_quant::{BlockSize, RANK1_MAX_DIMS, Rank1 as Quantizer};
 
 use super::{
-    Codec, Dtype, Extent, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut,
+    Codec, Cover, Dtype, Extent, FoldInput, HostSlot, Random, RegionSpec, Regions, RegionsMut,
     check_scales, wide_f32,
 };
 use super::{MapKind, Storage, StoreRounding};
@@ -39,6 +39,16 @@ impl Rank1 {
 
 impl Codec for Rank1 {
     const NAME: &'static str = "rank1";
+    const COVER: Cover = Cover {
+        tensor_wide: &[(
+            "rank-1",
+            Storage::Rank1 {
+                map: MapKind::LinearWithoutZero4,
+                fallback: BlockSize::B128,
+            },
+        )],
+        ..Cover::NONE
+    };
 
     fn from_storage(storage: Storage) -> Option<Self> {
         match storage {

@@ -1,28 +1,33 @@
 //! The optimizer: parameters registered with their configuration, micro-batch gradient
 //! accumulation, the step, gradient release, learning-rate control, clipping and the
-//! non-finite-gradient policy. The numeric work is the backend's ([`crate::Backend`]); the CPU
-//! backend defines the semantics.
+//! non-finite-gradient policy. The step's schedule is the executor's ([`crate::exec`]), the
+//! numeric work the backend's ([`crate::backend::Backend`]); the CPU backend defines the
+//! semantics. What integrations and backends need beyond a training loop's API is in
+//! [`Parts`] and [`PartsMut`].
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, HostValuesMut, Init, ParamId,
-    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, fits,
+    Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, Init, ParamId, ParamLayout,
+    ParamStep, RuleState, SlotKind, StepFlags, StepPlan, fits,
 };
 use crate::config::ParamConfig;
-use crate::coverage::{
-    CoverageCheck, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
-};
+use crate::coverage::{CoverageCheck, MissingGradients};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
 use crate::format::Storage;
 
+mod info;
+mod parts;
 mod step;
 
-pub use step::{Accumulated, Grad, Gradients, Lender, Lent, Step, WithGradient};
+pub use crate::lent::{Lender, Lent};
+pub use info::{Mode, Out, ParamInfo, ParamKey, Settings, Status};
+pub use parts::{Parts, PartsMut};
+pub use step::{Accumulated, Grad, Gradients, Step, WithGradient};
 
 /// The largest value of a step or accumulation counter: 2^53, the largest count the f64 bias
 /// corrections hold exactly (and what checkpoints accept). A step or `accumulate` that would pass
@@ -142,7 +147,7 @@ pub struct StepReport {
     pub missing_gradients: MissingGradients,
 }
 
-/// This optimizer's part of a step's gradient pre-pass ([`Optimizer::gradient_summary`]).
+/// This optimizer's part of a step's gradient pre-pass ([`PartsMut::gradient_summary`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct GradientSummary {
@@ -193,11 +198,12 @@ pub(crate) struct ParamState {
 }
 
 impl ParamState {
-    /// The plan of the parameter's next step.
-    pub fn plan(&self, flags: StepFlags, clip: f32) -> ParamStep {
+    /// The plan of the parameter's next step (on the generic path where `settings` turn the
+    /// specialized kernels off).
+    pub fn plan(&self, flags: StepFlags, clip: f32, settings: &Settings) -> ParamStep {
         let (hyper, t) = (&self.config.hyper, self.steps + 1);
         ParamStep {
-            plan: self.step_plan,
+            plan: settings.plan(self.step_plan),
             t,
             flags: flags.with(StepFlags::FIRST, self.steps == 0),
             rule: hyper.consts(t, &hyper.advance(t, self.rule_state)),
@@ -227,7 +233,7 @@ fn missing_gradients(states: &[ParamState], covered: impl Fn(usize) -> bool) -> 
     missing
 }
 
-/// The random-stream counters of [`Optimizer::eval`] and [`Optimizer::train`] start here:
+/// The random-stream counters of [`Optimizer::set_mode`] start here:
 /// `2^62 + 2 steps + 1` for the move to evaluation, `2^62 + 2 steps` back.
 pub(crate) const TRANSFORM_COUNTER: u64 = 1 << 62;
 
@@ -248,15 +254,16 @@ pub struct Optimizer<B: Backend = Cpu> {
     stats: Vec<(ExactSum, bool)>,
     select: Vec<bool>,
     given: Vec<bool>,
-    /// Whether plans use the specialized kernels ([`Optimizer::set_specialized_kernels`]).
-    specialized: bool,
+    /// What checkpoints do not hold ([`Optimizer::settings_mut`]).
+    pub(crate) settings: Settings,
     plans: Vec<Option<ParamStep>>,
-    flags: Vec<bool>,
-    call_flags: Vec<bool>,
-    /// The parameters hold their evaluation point ([`Optimizer::eval`]): no step until
-    /// [`Optimizer::train`].
+    /// The step executor's scratch ([`crate::exec`]).
+    exec: crate::exec::Scratch,
+    /// The parameters hold their evaluation point ([`Mode::Eval`]): no step until
+    /// [`Optimizer::set_mode`] with [`Mode::Train`].
     pub(crate) eval: bool,
-    /// The missing-gradient policy and the set it warned about last (not saved in checkpoints).
+    /// The missing-gradient check and the set it warned about last (its policy and help are
+    /// the settings').
     coverage: CoverageCheck,
 }
 
@@ -301,18 +308,12 @@ impl<B: Backend> Optimizer<B> {
             stats: Vec::new(),
             select: Vec::new(),
             given: Vec::new(),
-            specialized: true,
+            settings: Settings::default(),
             plans: Vec::new(),
-            flags: Vec::new(),
-            call_flags: Vec::new(),
+            exec: Default::default(),
             eval: false,
             coverage: CoverageCheck::default(),
         })
-    }
-
-    /// The backend.
-    pub fn backend(&self) -> &B {
-        &self.backend
     }
 
     /// Adds a parameter group: parameters added to it take `config` (unless given their own),
@@ -368,7 +369,7 @@ impl<B: Backend> Optimizer<B> {
             group,
             config,
             resolved,
-            (self.len(), 0),
+            (self.states.len(), 0),
         )
     }
 
@@ -392,7 +393,7 @@ impl<B: Backend> Optimizer<B> {
             group,
             config,
             resolved,
-            (self.len(), 0),
+            (self.states.len(), 0),
         )
     }
 
@@ -450,12 +451,11 @@ impl<B: Backend> Optimizer<B> {
             group,
             config,
             resolved,
-            (self.len(), 0),
+            (self.states.len(), 0),
         )
     }
 
-    /// Registers one shard of a logical parameter of `global_shape` for sharded data
-    /// parallelism (lpmm-dist): elements `range` of it, with initial values `init`
+    /// Registers one shard of a logical parameter ([`PartsMut::add_param_shard`]): elements `range` of it, with initial values `init`
     /// (`range.len()` of them). Formats are decided on the logical parameter's size and shape,
     /// never the shard's, and random words are keyed by (`stream`, logical element index), so a
     /// shard stores exactly the bits the unsharded parameter would hold in that range, whatever
@@ -465,7 +465,7 @@ impl<B: Backend> Optimizer<B> {
     /// (rank-1, factorized) only take the whole parameter. The shard's own shape is
     /// `[range.len()]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_param_shard(
+    pub(crate) fn add_param_shard(
         &mut self,
         name: &str,
         global_shape: &[usize],
@@ -556,7 +556,7 @@ impl<B: Backend> Optimizer<B> {
             lent: matches!(init, Init::Lent),
         };
         let param = self.backend.allocate(&layout, init, self.options.seed)?;
-        let step_plan = self.compile(&layout, &resolved);
+        let step_plan = Self::compile(&layout, &resolved);
         let index = self.states.len();
         self.names.insert(name.to_string(), index);
         self.states.push(ParamState {
@@ -579,135 +579,23 @@ impl<B: Backend> Optimizer<B> {
         self.select.push(false);
         self.given.push(false);
         self.plans.push(None);
-        self.flags.push(false);
-        self.call_flags.push(false);
+        self.exec.push();
         Ok(ParamId(index))
     }
 
-    /// The step plan of a parameter of `layout` with configuration `config`.
-    fn compile(&self, layout: &ParamLayout, config: &ParamConfig) -> StepPlan {
-        let plan = StepPlan::new(layout, &config.hyper.consts(1, &RuleState::default()));
-        if self.specialized {
-            plan
-        } else {
-            plan.generic()
-        }
+    /// The step plan of a parameter of `layout` with configuration `config` (its specialized
+    /// kernels on; [`Settings::specialized_kernels`] is applied when a step is planned).
+    fn compile(layout: &ParamLayout, config: &ParamConfig) -> StepPlan {
+        StepPlan::new(layout, &config.hyper.consts(1, &RuleState::default()))
     }
 
-    /// A parameter's step plan: its tensor-wide phases and the kernel of its fused pass
-    /// ([`Cpu::kernel_name`] names the CPU's).
-    pub fn step_plan(&self, id: ParamId) -> Result<StepPlan, OptimError> {
-        Ok(self.state(id)?.step_plan)
-    }
-
-    /// Steps every parameter's fused pass with the specialized kernels where one exists (`true`,
-    /// the default) or on the generic element-wise path (`false`): the same bits either way (the
-    /// generic path is the reference the kernels are tested against), only speed differs. Not
-    /// saved in checkpoints; [`Optimizer::load_state`] keeps this optimizer's.
-    pub fn set_specialized_kernels(&mut self, on: bool) {
-        self.specialized = on;
-        for i in 0..self.states.len() {
-            self.states[i].step_plan = self.compile(&self.layouts[i], &self.states[i].config);
-        }
-    }
-
-    /// The parameter named `name`.
-    pub fn param_id(&self, name: &str) -> Result<ParamId, OptimError> {
-        self.names
-            .get(name)
-            .map(|&i| ParamId(i))
-            .ok_or_else(|| OptimError::UnknownParam(name.to_string()))
-    }
-
-    /// Number of registered parameters.
-    pub fn len(&self) -> usize {
-        self.states.len()
-    }
-
-    /// Whether no parameter is registered.
-    pub fn is_empty(&self) -> bool {
-        self.states.is_empty()
-    }
-
-    /// The name of a parameter.
-    pub fn name(&self, id: ParamId) -> Result<&str, OptimError> {
-        Ok(&self.state(id)?.name)
-    }
-
-    /// The configuration in force for a parameter (after the minimum-size policy).
-    pub fn config(&self, id: ParamId) -> Result<ParamConfig, OptimError> {
-        Ok(self.state(id)?.config)
-    }
-
-    /// Whether the parameter lives in the caller's buffer ([`Optimizer::add_lent_param`]).
-    pub fn is_lent(&self, id: ParamId) -> Result<bool, OptimError> {
-        self.state(id)?;
-        Ok(self.layouts[id.0].lent)
-    }
-
-    /// The options in force.
-    pub fn options(&self) -> &OptimizerOptions {
-        &self.options
-    }
-
-    /// Steps taken by `step()`.
-    pub fn steps(&self) -> u64 {
-        self.global_steps
-    }
-
-    /// What a step does when parameters that expect a gradient received none
-    /// ([`StepReport::missing_gradients`]): ignore, warn (the default) or refuse the step. Not
-    /// saved in checkpoints; [`Optimizer::load_state`] keeps this optimizer's.
-    pub fn set_missing_gradient(&mut self, policy: MissingGradientPolicy) {
-        self.coverage.set_policy(policy);
-    }
-
-    /// The missing-gradient policy in force.
-    pub fn missing_gradient(&self) -> MissingGradientPolicy {
-        self.coverage.policy()
-    }
-
-    /// The likely causes and instructions that the missing-gradient warning and error give: a
-    /// framework integration names its own operators and API here
-    /// ([`MissingGradientHelp::CORE`] by default).
-    pub fn set_missing_gradient_help(&mut self, help: MissingGradientHelp) {
-        self.coverage.set_help(help);
-    }
-
-    /// Whether parameter `id` is expected to receive a gradient in every step (the default), or
-    /// may go without one — frozen on purpose while registered, or used only in some steps — and
-    /// is then never counted in [`StepReport::missing_gradients`]. A parameter that does receive
-    /// a gradient still steps. Not saved in checkpoints; [`Optimizer::load_state`] keeps it.
-    pub fn set_expects_gradient(&mut self, id: ParamId, expects: bool) -> Result<(), OptimError> {
-        self.state(id)?;
-        self.states[id.0].expects_gradient = expects;
-        Ok(())
-    }
-
-    /// Whether parameter `id` is expected to receive a gradient in every step
-    /// ([`Optimizer::set_expects_gradient`]).
-    pub fn expects_gradient(&self, id: ParamId) -> Result<bool, OptimError> {
-        Ok(self.state(id)?.expects_gradient)
-    }
-
-    /// Whether parameter `id` received a gradient since the last step: accumulated (pending), or
-    /// taken by a released step. A step from accumulators counts it as covered exactly when this
-    /// is true.
-    pub fn received_gradient(&self, id: ParamId) -> Result<bool, OptimError> {
-        let m = self.state(id)?;
-        Ok(m.pending || m.released)
-    }
-
-    /// Keeps `other`'s settings that checkpoints do not hold (the missing-gradient policy, which
-    /// parameters expect a gradient, the specialized kernels on or off) across a load that
-    /// rebuilds the optimizer.
+    /// Keeps `other`'s settings that checkpoints do not hold (the settings, which parameters
+    /// expect a gradient) across a load that rebuilds the optimizer.
     pub(crate) fn keep_settings(&mut self, other: &Self) {
+        self.settings = other.settings;
         self.coverage = other.coverage.clone();
         for (m, o) in self.states.iter_mut().zip(&other.states) {
             m.expects_gradient = o.expects_gradient;
-        }
-        if self.specialized != other.specialized {
-            self.set_specialized_kernels(other.specialized);
         }
     }
 
@@ -722,6 +610,16 @@ impl<B: Backend> Optimizer<B> {
         self.states
             .get(id.0)
             .ok_or_else(|| OptimError::UnknownParam(format!("#{}", id.0)))
+    }
+
+    /// Whether parameter `id` is expected to receive a gradient in every step (the default), or
+    /// may go without one — frozen on purpose while registered, or used only in some steps — and
+    /// is then never counted in [`StepReport::missing_gradients`]. A parameter that does receive
+    /// a gradient still steps. Not saved in checkpoints; [`Optimizer::load`] keeps it.
+    pub fn set_expects_gradient(&mut self, id: ParamId, expects: bool) -> Result<(), OptimError> {
+        self.state(id)?;
+        self.states[id.0].expects_gradient = expects;
+        Ok(())
     }
 
     /// Sets the learning rate of every parameter.
@@ -769,7 +667,12 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    fn check_len(&self, id: ParamId, what: &'static str, len: usize) -> Result<(), OptimError> {
+    pub(crate) fn check_len(
+        &self,
+        id: ParamId,
+        what: &'static str,
+        len: usize,
+    ) -> Result<(), OptimError> {
         let state = self.state(id)?;
         let numel = self.layouts[id.0].numel;
         if len != numel {
@@ -783,26 +686,24 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Reads the parameter's current value as f32 into `out`.
-    pub fn read_param(&self, id: ParamId, out: &mut [f32]) -> Result<(), OptimError> {
-        self.read_slot(id, SlotKind::Param, out)
-    }
-
-    fn read_slot(&self, id: ParamId, slot: SlotKind, out: &mut [f32]) -> Result<(), OptimError> {
-        self.check_len(id, "output", out.len())?;
-        let out = self.backend.host_output(HostValuesMut::F32(out));
-        self.backend
-            .read(&self.params[id.0], &self.layouts[id.0], slot, out)?;
-        Ok(())
-    }
-
-    /// Decodes one slot into a buffer of the backend's (f32 or bf16).
-    pub fn read_into(
+    /// Decodes one slot of parameter `id` — the parameter, the gradient accumulator or a state
+    /// (zeros for a slot its configuration does not have) — into `out`: host f32 values
+    /// (`&mut [f32]`, `&mut Vec<f32>`), host bf16 values ([`crate::backend::HostValuesMut`],
+    /// rounded to nearest), or a buffer of the backend's ([`Out::Backend`]). A lent parameter's
+    /// value is the caller's buffer and cannot be read here.
+    pub fn read<'o>(
         &self,
         id: ParamId,
         slot: SlotKind,
-        out: B::Output<'_>,
+        out: impl Into<Out<'o, B>>,
     ) -> Result<(), OptimError> {
+        let out = match out.into() {
+            Out::Host(host) => {
+                self.check_len(id, "output", host.info().1)?;
+                self.backend.host_output(host)
+            }
+            Out::Backend(out) => out,
+        };
         let (_, len) = self.backend.output_info(&out);
         self.check_len(id, "output", len)?;
         self.backend
@@ -810,63 +711,28 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// One slot of the parameter in the canonical host layout (the stored bits, unsharded): what a
-    /// checkpoint holds, and how two backends are compared bit for bit. A lent parameter's
-    /// parameter slot is read from its buffer, `lent` (`None` for every other slot and
-    /// parameter).
-    pub fn export_slot(
-        &self,
-        id: ParamId,
-        slot: SlotKind,
-        lent: Option<B::Input<'_>>,
-    ) -> Result<HostSlot, OptimError> {
-        self.state(id)?;
-        Ok(self
-            .backend
-            .export(&self.params[id.0], &self.layouts[id.0], slot, lent)?)
-    }
-
-    /// Sets a parameter's rule state ([`RuleState`]: schedule-free AdamW's averaging weights),
-    /// as a checkpoint restores it with [`Optimizer::restore`]. It must be finite and
-    /// non-negative.
-    pub fn restore_rule_state(&mut self, id: ParamId, state: RuleState) -> Result<(), OptimError> {
-        self.state(id)?;
-        if !state.valid() {
-            let value = state.0.into_iter().find(|x| !(x.is_finite() && *x >= 0.0));
-            return Err(OptimError::Hyperparameter {
-                name: "rule state",
-                value: value.unwrap_or(f64::NAN),
-            });
-        }
-        self.states[id.0].rule_state = state;
-        Ok(())
-    }
-
-    /// A parameter's rule state ([`RuleState`]).
-    pub fn rule_state(&self, id: ParamId) -> Result<RuleState, OptimError> {
-        Ok(self.state(id)?.rule_state)
-    }
-
-    /// Whether the parameters hold their evaluation point ([`Optimizer::eval`]).
-    pub fn in_eval(&self) -> bool {
-        self.eval
-    }
-
     /// Moves every parameter whose rule evaluates at another point than it trains at
     /// (schedule-free AdamW: from `y` to the average `x`, the `schedulefree` package's
-    /// `optimizer.eval()`) to its evaluation point; other parameters do not change. Steps are
-    /// refused ([`OptimError::EvalMode`]) until [`Optimizer::train`]. Stored values round as the
-    /// parameter's storage rounds (stochastic rounding draws from a stream no step uses), so a
-    /// low-precision `y` comes back within its rounding, not bit for bit. A no-op in
-    /// evaluation mode. Lent parameters that move need their buffers in `lent` ([`Lent::None`]
-    /// when no parameter is lent).
-    pub fn eval(&mut self, lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
-        self.transform(true, lent)
-    }
-
-    /// Back to the training point ([`Optimizer::eval`]'s inverse: `train()`).
-    pub fn train(&mut self, lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
-        self.transform(false, lent)
+    /// `optimizer.eval()`) to its point in `mode`; other parameters do not change. In
+    /// [`Mode::Eval`] steps are refused ([`OptimError::EvalMode`]) until the mode is
+    /// [`Mode::Train`] again. Stored values round as the parameter's storage rounds (stochastic
+    /// rounding draws from a stream no step uses), so a low-precision `y` comes back within its
+    /// rounding, not bit for bit. A no-op in the mode it is in. Lent parameters that move need
+    /// their buffers in `lent` ([`Lent::None`] when no parameter is lent).
+    pub fn set_mode(&mut self, mode: Mode, mut lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
+        let eval = mode == Mode::Eval;
+        if self.eval == eval {
+            return Ok(());
+        }
+        self.lents().check(&self.backend, &lent)?;
+        self.plans.iter_mut().for_each(|p| *p = None);
+        self.exec.begin();
+        for (i, plan) in self.transforms(eval) {
+            self.plans[i] = Some(plan);
+        }
+        self.run_step(None, &mut lent)?;
+        self.eval = eval;
+        Ok(())
     }
 
     /// The parameters a mode change moves.
@@ -879,7 +745,7 @@ impl<B: Backend> Optimizer<B> {
                 Some((
                     i,
                     ParamStep {
-                        plan: m.step_plan,
+                        plan: self.settings.plan(m.step_plan),
                         // Counters no step reaches (steps stay below 2^53).
                         t: TRANSFORM_COUNTER + 2 * m.steps + u64::from(eval),
                         flags: StepFlags(StepFlags::UPDATE_PARAM | StepFlags::TRANSFORM),
@@ -891,55 +757,9 @@ impl<B: Backend> Optimizer<B> {
             .collect()
     }
 
-    fn transform(&mut self, eval: bool, mut lent: Lent<'_, '_, B>) -> Result<(), OptimError> {
-        if self.eval == eval {
-            return Ok(());
-        }
-        let moves = self.transforms(eval);
-        if let Some(&(i, _)) = moves
-            .iter()
-            .find(|(i, _)| self.layouts[*i].lent && !lent.has(ParamId(*i)))
-        {
-            return Err(self.unlent(i));
-        }
-        self.plans.iter_mut().for_each(|p| *p = None);
-        for &(i, plan) in &moves {
-            if !self.layouts[i].lent {
-                self.plans[i] = Some(plan);
-            }
-        }
-        if self.plans.iter().any(Option::is_some) {
-            self.run_plans(None, &mut [])?;
-        }
-        for &(i, plan) in &moves {
-            if !self.layouts[i].lent {
-                continue;
-            }
-            self.plans.iter_mut().for_each(|p| *p = None);
-            self.plans[i] = Some(plan);
-            self.run_lent(&mut lent, i, None)?;
-        }
-        self.eval = eval;
-        Ok(())
-    }
-
-    /// Reads a state (1, 2 or 3) of the parameter as f32 into `out` (zeros if the optimizer has
-    /// no such state); any other index is [`OptimError::UnknownState`].
-    pub fn read_state(&self, id: ParamId, state: usize, out: &mut [f32]) -> Result<(), OptimError> {
-        let slot = match state {
-            1 => SlotKind::State1,
-            2 => SlotKind::State2,
-            3 => SlotKind::State3,
-            other => return Err(OptimError::UnknownState(other)),
-        };
-        self.read_slot(id, slot, out)
-    }
-
     /// Replaces one slot of a parameter with host contents in the canonical layout of its
-    /// storage (checkpoints, shards assembled by lpmm-dist); a mismatch leaves it unchanged. A
-    /// lent parameter's parameter slot is written to its buffer, `lent` (`None` for every other
-    /// slot and parameter).
-    pub fn import_slot(
+    /// storage; a mismatch leaves it unchanged ([`PartsMut::import_slot`]).
+    pub(crate) fn import_slot(
         &mut self,
         id: ParamId,
         slot: SlotKind,
@@ -966,10 +786,8 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Sets a parameter's counters (which position its random streams) and learning-rate rule,
-    /// as a checkpoint recorded them. Counters beyond [`MAX_COUNTER`], a scaled rule whose factor
-    /// is not finite and positive, and a pending gradient without an accumulator are refused.
-    pub fn restore(
+    /// Sets a parameter's counters and learning-rate rule ([`PartsMut::restore`]).
+    pub(crate) fn restore(
         &mut self,
         id: ParamId,
         steps: u64,
@@ -1002,8 +820,26 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Sets the count of `step()` calls (a checkpoint's); beyond [`MAX_COUNTER`] it is refused.
-    pub fn set_steps(&mut self, steps: u64) -> Result<(), OptimError> {
+    /// Sets a parameter's rule state ([`PartsMut::restore_rule_state`]).
+    pub(crate) fn restore_rule_state(
+        &mut self,
+        id: ParamId,
+        state: RuleState,
+    ) -> Result<(), OptimError> {
+        self.state(id)?;
+        if !state.valid() {
+            let value = state.0.into_iter().find(|x| !(x.is_finite() && *x >= 0.0));
+            return Err(OptimError::Hyperparameter {
+                name: "rule state",
+                value: value.unwrap_or(f64::NAN),
+            });
+        }
+        self.states[id.0].rule_state = state;
+        Ok(())
+    }
+
+    /// Sets the count of `step()` calls ([`PartsMut::set_steps`]).
+    pub(crate) fn set_steps(&mut self, steps: u64) -> Result<(), OptimError> {
         check_counter(|| "the step counter".into(), steps)?;
         self.global_steps = steps;
         Ok(())

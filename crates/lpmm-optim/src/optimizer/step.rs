@@ -3,10 +3,14 @@
 //! sharded model's summary) with lent parameters' buffers ([`Lent`]); and
 //! [`Optimizer::accumulate`], which fills the accumulators.
 
-use crate::backend::{Backend, HostValues, HostValuesMut, ParamId, SlotKind, StepFlags, StepWork};
+use crate::backend::{Backend, HostValues, HostValuesMut, ParamId, SlotKind, StepFlags};
 use crate::cpu::Cpu;
 use crate::error::OptimError;
 use crate::exact::ExactSum;
+use crate::exec::{Batches, Lents};
+use crate::lent::{Lender, Lent};
+
+use crate::coverage::MissingGradients;
 
 use super::{
     GradientSummary, NonFinitePolicy, Optimizer, ParamState, StepReport, check_counter,
@@ -50,59 +54,6 @@ impl<'a, B: Backend, T: AsRef<[f32]> + ?Sized> From<&'a T> for Grad<'a, B> {
 impl<'a, B: Backend> From<HostValues<'a>> for Grad<'a, B> {
     fn from(values: HostValues<'a>) -> Self {
         Grad::Host(values)
-    }
-}
-
-/// Lends the buffers of lent parameters ([`Optimizer::add_lent_param`]) to operations that need
-/// them: a framework hands out its tensors' memory only inside a callback (candle's in-place
-/// operations), so the optimizer asks for one buffer at a time.
-pub trait Lender<B: Backend> {
-    /// Calls `f` with parameter `id`'s buffer, read-only.
-    fn lend(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Input<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-    /// Calls `f` with parameter `id`'s buffer, writable.
-    fn lend_mut(
-        &mut self,
-        id: ParamId,
-        f: &mut dyn FnMut(B::Output<'_>) -> Result<(), OptimError>,
-    ) -> Result<(), OptimError>;
-}
-
-/// Where the buffers of lent parameters ([`Optimizer::add_lent_param`]) are, for the operations
-/// that move parameters: [`Optimizer::step`], [`Optimizer::eval`], [`Optimizer::train`].
-pub enum Lent<'s, 'a: 's, B: Backend> {
-    /// No buffers: no lent parameter may move (an error naming the first that would).
-    None,
-    /// The buffers, each with its parameter (at most once each).
-    Buffers(&'s mut [(ParamId, B::Output<'a>)]),
-    /// Buffers lent one at a time, on request.
-    Lender(&'s mut dyn Lender<B>),
-}
-
-impl<B: Backend> std::fmt::Debug for Lent<'_, '_, B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Lent::None => f.write_str("None"),
-            Lent::Buffers(b) => {
-                let ids: Vec<ParamId> = b.iter().map(|(id, _)| *id).collect();
-                f.debug_tuple("Buffers").field(&ids).finish()
-            }
-            Lent::Lender(_) => f.write_str("Lender(..)"),
-        }
-    }
-}
-
-impl<B: Backend> Lent<'_, '_, B> {
-    /// Whether parameter `id`'s buffer can be had.
-    pub(super) fn has(&self, id: ParamId) -> bool {
-        match self {
-            Lent::None => false,
-            Lent::Buffers(b) => b.iter().any(|(i, _)| *i == id),
-            Lent::Lender(_) => true,
-        }
     }
 }
 
@@ -244,10 +195,10 @@ impl<'s, 'a: 's, B: Backend> Step<'s, 'a, B> {
     }
 
     /// The second half of a step split across ranks (lpmm-dist), after
-    /// [`Optimizer::gradient_summary`]: steps the accumulated gradients with the whole model's
-    /// sum of squares (the norm for clipping) and whether any part of the model has a non-finite
-    /// gradient (the SkipStep decision), as the unsharded model would. `local_non_finite` is this
-    /// optimizer's part, reported back. `global` is `None` when neither clipping nor SkipStep
+    /// [`super::PartsMut::gradient_summary`]: steps the accumulated gradients with the whole
+    /// model's sum of squares (the norm for clipping) and whether any part of the model has a
+    /// non-finite gradient (the SkipStep decision), as the unsharded model would.
+    /// `local_non_finite` is this optimizer's part, reported back. `global` is `None` when neither clipping nor SkipStep
     /// needs the pre-pass.
     pub fn summarized(global: Option<(ExactSum, bool)>, local_non_finite: Vec<ParamId>) -> Self {
         Self::of(Source::Summarized {
@@ -376,13 +327,14 @@ impl<B: Backend> Optimizer<B> {
     /// Takes a step ([`Step`] says from which gradients, and where lent parameters' buffers
     /// are): `opt.step(Accumulated)` after [`Optimizer::accumulate`], `opt.step(&mut grads)`
     /// with the caller's gradients, `opt.step(Step::param(id, &grad))` to release one
-    /// parameter's gradient now. In evaluation mode ([`Optimizer::eval`]) it is refused.
+    /// parameter's gradient now. In evaluation mode ([`super::Mode::Eval`],
+    /// [`Optimizer::set_mode`]) it is refused.
     pub fn step<'s, 'a: 's>(
         &mut self,
         step: impl Into<Step<'s, 'a, B>>,
     ) -> Result<StepReport, OptimError> {
         let Step { source, mut lent } = step.into();
-        self.check_lent(&lent)?;
+        self.lents().check(&self.backend, &lent)?;
         match source {
             Source::Param {
                 id,
@@ -413,39 +365,6 @@ impl<B: Backend> Optimizer<B> {
         Ok(input)
     }
 
-    /// Buffers are for known, lent parameters, each at most once, of the parameter's dtype and
-    /// size: checked before anything moves.
-    fn check_lent(&self, lent: &Lent<'_, '_, B>) -> Result<(), OptimError> {
-        let Lent::Buffers(buffers) = lent else {
-            return Ok(());
-        };
-        for (k, (id, buf)) in buffers.iter().enumerate() {
-            let name = &self.state(*id)?.name;
-            let layout = &self.layouts[id.0];
-            let want = layout.format(SlotKind::Param).and_then(|f| f.lendable());
-            let (dtype, len) = self.backend.output_info(buf);
-            let reason = if !layout.lent {
-                "a buffer was lent for a parameter lpmm holds".to_string()
-            } else if buffers[..k].iter().any(|(i, _)| i == id) {
-                "its buffer was lent twice".to_string()
-            } else if want != Some(dtype) || len != layout.numel {
-                format!(
-                    "its buffer holds {len} {} values, {} {} expected",
-                    dtype.name(),
-                    layout.numel,
-                    want.map_or("?", |d| d.name())
-                )
-            } else {
-                continue;
-            };
-            return Err(OptimError::Lent {
-                param: name.clone(),
-                reason,
-            });
-        }
-        Ok(())
-    }
-
     /// In evaluation mode no parameter steps.
     fn check_training(&self) -> Result<(), OptimError> {
         if self.eval {
@@ -470,64 +389,44 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Runs the backend's step on `self.plans` (cleared after), folding its non-finite flags
-    /// into `self.flags` (cleared when a step begins).
-    pub(super) fn run_plans(
+    /// Runs the plans in `self.plans` (cleared after) through the step executor
+    /// ([`crate::exec`]): every lent buffer they need obtained and checked first, then the
+    /// batches. [`Scratch::done`](crate::exec::Scratch) marks the parameters that moved.
+    pub(super) fn run_step(
         &mut self,
         released: Option<(usize, B::Input<'_>)>,
-        lent: &mut [(ParamId, B::Output<'_>)],
+        lent: &mut Lent<'_, '_, B>,
     ) -> Result<(), OptimError> {
-        let result = self.backend.step(StepWork {
+        let plans = &self.plans;
+        self.lents()
+            .obtain(&self.backend, lent, |i| plans[i].is_some())?;
+        let result = Batches {
+            lents: Lents {
+                name: |i| self.states[i].name.clone(),
+                layouts: &self.layouts,
+            },
+            backend: &self.backend,
             params: &mut self.params,
             layouts: &self.layouts,
             plans: &self.plans,
-            released,
-            lent,
             seed: self.options.seed,
-            non_finite: &mut self.call_flags,
-        });
-        for ((f, &c), p) in self.flags.iter_mut().zip(&self.call_flags).zip(&self.plans) {
-            if p.is_some() {
-                *f |= c;
-            }
+            scratch: &mut self.exec,
         }
+        .run(released, lent);
         self.plans.iter_mut().for_each(|p| *p = None);
-        Ok(result?)
+        result
     }
 
-    /// [`Optimizer::run_plans`] for lent parameter `i` alone (its plan set), in its buffer.
-    pub(super) fn run_lent(
-        &mut self,
-        lent: &mut Lent<'_, '_, B>,
-        i: usize,
-        released: Option<(usize, B::Input<'_>)>,
-    ) -> Result<(), OptimError> {
-        let id = ParamId(i);
-        match lent {
-            Lent::None => Err(self.unlent(i)),
-            Lent::Buffers(buffers) => match buffers.iter().position(|(b, _)| *b == id) {
-                Some(k) => self.run_plans(released, &mut buffers[k..=k]),
-                None => Err(self.unlent(i)),
-            },
-            Lent::Lender(lender) => {
-                lender.lend_mut(id, &mut |buf| self.run_plans(released, &mut [(id, buf)]))
-            }
+    /// The lent-buffer checks over this optimizer's parameters.
+    pub(super) fn lents(&self) -> Lents<'_, impl Fn(usize) -> String + '_> {
+        Lents {
+            name: |i| self.states[i].name.clone(),
+            layouts: &self.layouts,
         }
     }
 
-    pub(super) fn unlent(&self, i: usize) -> OptimError {
-        OptimError::Lent {
-            param: self.states[i].name.clone(),
-            reason: "it takes part but its buffer was not lent".into(),
-        }
-    }
-
-    /// The first half of a step split across ranks (lpmm-dist): the exact sum of squares of the
-    /// finite accumulated gradient values and the parameters whose gradients are not all
-    /// finite. Sums from several optimizers (the shards of one model) add exactly
-    /// ([`ExactSum::merge`], or an integer all-reduce of [`ExactSum::to_words`]) to the
-    /// unsharded model's sum, bit for bit; [`Step::summarized`] takes the step.
-    pub fn gradient_summary(&mut self) -> Result<GradientSummary, OptimError> {
+    /// The first half of a step split across ranks ([`super::PartsMut::gradient_summary`]).
+    pub(crate) fn gradient_summary(&mut self) -> Result<GradientSummary, OptimError> {
         self.select_pending();
         self.backend.gradient_stats(
             &mut self.params,
@@ -563,7 +462,7 @@ impl<B: Backend> Optimizer<B> {
         summary: Option<Summary>,
         lent: &mut Lent<'_, '_, B>,
     ) -> Result<StepReport, OptimError> {
-        let n = self.len();
+        let n = self.states.len();
         let need_stats = self.options.max_grad_norm.is_some()
             || self.options.non_finite == NonFinitePolicy::SkipStep;
         let local_stats = need_stats && summary.is_none();
@@ -615,14 +514,11 @@ impl<B: Backend> Optimizer<B> {
         let takes_part = |this: &Self, i: usize| given[i] || this.states[i].pending;
         // Every parameter taking part must have a step left, and a lent one its buffer.
         self.check_step_counters(|i| takes_part(self, i))?;
-        if let Some(i) =
-            (0..n).find(|&i| takes_part(self, i) && self.layouts[i].lent && !lent.has(ParamId(i)))
-        {
-            return Err(self.unlent(i));
-        }
+        self.lents()
+            .obtain(&self.backend, lent, |i| takes_part(self, i))?;
         // Coverage, before anything moves (no gradient has been consumed yet).
         let missing = missing_gradients(&self.states, |i| takes_part(self, i));
-        self.coverage.check(&missing, self.global_steps + 1)?;
+        self.check_coverage(&missing)?;
         self.forget_released();
         report.missing_gradients = missing;
         // The accumulated ones.
@@ -684,58 +580,61 @@ impl<B: Backend> Optimizer<B> {
                 return Ok(report);
             }
         }
-        let plan = |state: &ParamState| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip);
-        self.flags.iter_mut().for_each(|f| *f = false);
-        // Accumulated gradients: every held parameter in one call, lent ones one at a time.
-        self.plans.iter_mut().for_each(|p| *p = None);
+        let settings = self.settings;
+        let plan =
+            |state: &ParamState| state.plan(StepFlags(StepFlags::UPDATE_PARAM), clip, &settings);
+        self.exec.begin();
+        // Accumulated gradients: the held parameters in one batch, the lent ones in theirs.
         for i in 0..n {
-            if self.select[i] && !self.layouts[i].lent {
-                self.plans[i] = Some(plan(&self.states[i]));
-            }
+            self.plans[i] = self.select[i].then(|| plan(&self.states[i]));
         }
-        if self.plans.iter().any(Option::is_some) {
-            self.run_plans(None, &mut [])?;
-        }
-        for i in 0..n {
-            if self.select[i] && self.layouts[i].lent {
-                self.plans[i] = Some(plan(&self.states[i]));
-                self.run_lent(lent, i, None)?;
-            }
-        }
+        let mut result = self.run_step(None, lent);
         // Given gradients, released as they are consumed.
-        if let Some(grads) = grads {
+        if let (Ok(()), Some(grads)) = (&result, grads) {
             for i in (0..n).filter(|&i| given[i]) {
                 let id = ParamId(i);
-                let is_lent = self.layouts[i].lent;
-                grads.gradient(id, &mut |g| {
+                result = grads.gradient(id, &mut |g| {
                     let Some(g) = g else { return Ok(()) };
                     self.plans.iter_mut().for_each(|p| *p = None);
                     self.plans[i] = Some(plan(&self.states[i]));
-                    if is_lent {
-                        self.run_lent(lent, i, Some((i, g)))
-                    } else {
-                        self.run_plans(Some((i, g)), &mut [])
-                    }
-                })?;
+                    self.run_step(Some((i, g)), lent)
+                });
+                if result.is_err() {
+                    break;
+                }
                 grads.consumed(id);
             }
         }
-        for (i, &was_given) in given.iter().enumerate() {
-            if was_given || self.select[i] {
-                let id = ParamId(i);
-                if self.flags[i] && !report.non_finite.contains(&id) {
-                    report.non_finite.push(id);
-                }
-                let m = &mut self.states[i];
-                m.stepped();
-                m.pending = false;
-                self.select[i] = false;
-                report.updated += 1;
+        // The parameters that moved are counted as stepped, also when the step failed midway
+        // (a retry then steps only the others: one step in all).
+        for i in 0..n {
+            if !self.exec.done[i] {
+                continue;
             }
+            let id = ParamId(i);
+            if self.exec.non_finite[i] && !report.non_finite.contains(&id) {
+                report.non_finite.push(id);
+            }
+            let m = &mut self.states[i];
+            m.stepped();
+            m.pending = false;
+            self.select[i] = false;
+            report.updated += 1;
         }
-        self.global_steps += 1;
+        self.select.iter_mut().for_each(|s| *s = false);
         self.given = given;
+        result?;
+        self.global_steps += 1;
         Ok(report)
+    }
+
+    /// Applies the missing-gradient policy of the settings to what a step found.
+    fn check_coverage(&mut self, missing: &MissingGradients) -> Result<(), OptimError> {
+        if self.coverage.policy() != self.settings.missing_gradient {
+            self.coverage.set_policy(self.settings.missing_gradient);
+        }
+        self.coverage.set_help(self.settings.missing_gradient_help);
+        self.coverage.check(missing, self.global_steps + 1)
     }
 
     /// One parameter stepped now ([`Step::param`], [`Step::states_only`]).
@@ -747,9 +646,7 @@ impl<B: Backend> Optimizer<B> {
         lent: &mut Lent<'_, '_, B>,
     ) -> Result<StepReport, OptimError> {
         let grad = self.grad_input(id, grad)?;
-        if self.layouts[id.0].lent && !lent.has(id) {
-            return Err(self.unlent(id.0));
-        }
+        self.lents().obtain(&self.backend, lent, |i| i == id.0)?;
         self.check_training()?;
         let name = &self.states[id.0].name;
         check_counter(
@@ -789,14 +686,11 @@ impl<B: Backend> Optimizer<B> {
         self.plans[id.0] = Some(state.plan(
             StepFlags(0).with(StepFlags::UPDATE_PARAM, update_param),
             1.0,
+            &self.settings,
         ));
-        self.flags[id.0] = false;
-        if self.layouts[id.0].lent {
-            self.run_lent(lent, id.0, Some((id.0, grad)))?;
-        } else {
-            self.run_plans(Some((id.0, grad)), &mut [])?;
-        }
-        if self.flags[id.0] && !report.non_finite.contains(&id) {
+        self.exec.begin();
+        self.run_step(Some((id.0, grad)), lent)?;
+        if self.exec.non_finite[id.0] && !report.non_finite.contains(&id) {
             report.non_finite.push(id);
         }
         let m = &mut self.states[id.0];

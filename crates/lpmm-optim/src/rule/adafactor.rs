@@ -131,6 +131,42 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// Adafactor as `transformers` defaults it (relative step size scaled by the parameter's RMS,
+    /// no first moment, update clipping): f32 parameters and gradients, the second moment
+    /// factorized (a full f32 one for vectors). The reference for the Adafactor presets.
+    pub fn adafactor_f32() -> Preset<Adafactor> {
+        Preset::f32(Adafactor::new()).with_state2(Storage::Factorized)
+    }
+
+    /// Adafactor with a first moment (`beta1 = 0.9`) stored 8-bit dynamic in blocks of 256, the
+    /// second moment factorized, f32 parameters and gradients.
+    pub fn adafactor_8bit() -> Preset<Adafactor> {
+        adafactor_f32()
+            .beta1(0.9)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+    }
+
+    /// Adafactor with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit
+    /// linear in groups of 64 with stochastic rounding (every tensor, no minimum size), the first
+    /// moment (`beta1 = 0.9`) 8-bit dynamic, the second moment factorized.
+    pub fn adafactor_lpmm() -> Preset<Adafactor> {
+        adafactor_8bit()
+            .with_param(Storage::LINEAR8_GROUP64_SR)
+            .with_grad(Storage::LINEAR8_GROUP64_SR)
+            .with_min_quantized_size(0)
+    }
+
+    cases {
+        "adafactor f32" => adafactor_f32(),
+        "adafactor 8-bit" => adafactor_8bit(),
+        "adafactor lpmm" => adafactor_lpmm(),
+    }
+}
+
 kernel_struct! {
     /// Adafactor's per-step constants. `step`, `neg_step`, `neg_step_wd` and `clip_div` are set
     /// by [`RuleConsts::combine_stats`](crate::backend::RuleConsts::combine_stats) from the tensor-wide sums; the last words are read only there.

@@ -66,6 +66,29 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 Adagrad with `torch.optim.Adagrad`'s defaults: the reference for the Adagrad presets (12
+    /// bytes per parameter).
+    pub fn adagrad_f32(lr: f64) -> Preset<Adagrad> {
+        Preset::f32(Adagrad::new(lr))
+    }
+
+    /// 8-bit Adagrad on an f32 model, bitsandbytes' `Adagrad8bit` layout (blocks of 256): f32
+    /// parameters and gradients, the sum of squares 8-bit dynamic unsigned (bitsandbytes stores it
+    /// with the signed map).
+    pub fn adagrad_8bit(lr: f64) -> Preset<Adagrad> {
+        adagrad_f32(lr).with_state2(Storage::DYNAMIC8_UNSIGNED)
+    }
+
+    cases {
+        "adagrad f32" => adagrad_f32(1e-2),
+        "adagrad 8-bit" => adagrad_8bit(1e-2).initial_accumulator_value(0.1),
+    }
+}
+
 kernel_struct! {
     /// Adagrad's per-step constants.
     pub struct AdagradConsts {

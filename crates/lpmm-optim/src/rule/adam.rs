@@ -71,6 +71,85 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 AdamW: the reference for the AdamW presets (16 bytes per parameter).
+    pub fn adamw_f32(lr: f64) -> Preset<Adam> {
+        Preset::f32(Adam::adamw(lr))
+    }
+
+    /// bitsandbytes' `AdamW8bit` on an f32 model: f32 parameters and gradients, 8-bit dynamic
+    /// states in blocks of 256 (a one-line swap for f32 AdamW; with gradients stepped where the
+    /// framework holds them, no accumulator is ever allocated).
+    pub fn adamw_8bit(lr: f64) -> Preset<Adam> {
+        adamw_f32(lr)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+    }
+
+    /// The 4-bit twin of [`adamw_8bit`] (thu-ml lpmm's 4-bit AdamW states on an f32 model): f32
+    /// parameters and gradients, 4-bit states (signed dynamic-exponent first moment, linear second
+    /// moment, blocks of 128).
+    pub fn adamw_4bit(lr: f64) -> Preset<Adam> {
+        adamw_f32(lr)
+            .with_state1(Storage::FOUR_BIT_SIGNED)
+            .with_state2(Storage::FOUR_BIT_UNSIGNED)
+    }
+
+    /// bitsandbytes-like: bf16 parameters and gradients (round to nearest), 8-bit dynamic states in
+    /// blocks of 256.
+    pub fn adamw_8bit_bf16(lr: f64) -> Preset<Adam> {
+        adamw_8bit(lr)
+            .with_param(Storage::Bf16(StoreRounding::Nearest))
+            .with_grad(Storage::Bf16(StoreRounding::Nearest))
+    }
+
+    /// As [`adamw_8bit_bf16`] with stochastic rounding of the bf16 parameters and gradients.
+    pub fn adamw_8bit_bf16_sr(lr: f64) -> Preset<Adam> {
+        adamw_8bit(lr)
+            .with_param(Storage::Bf16(StoreRounding::Stochastic))
+            .with_grad(Storage::Bf16(StoreRounding::Stochastic))
+    }
+
+    /// 8-bit AdamW with 24-bit master weights ([`Storage::Bf16Plus8`], to nearest: a bf16 value a
+    /// bf16 forward pass reads and an 8-bit correction, 256 times finer than bf16) and bf16
+    /// gradients: one byte a parameter more than [`adamw_8bit_bf16`], whose updates below half a
+    /// bf16 step are lost.
+    pub fn adamw_8bit_bf16_plus8(lr: f64) -> Preset<Adam> {
+        adamw_8bit(lr)
+            .with_param(Storage::Bf16Plus8(StoreRounding::Nearest))
+            .with_grad(Storage::Bf16(StoreRounding::Nearest))
+    }
+
+    /// 4-bit AdamW (lpmm's maps, blocks of 128) with split-f32 parameters (exactly f32,
+    /// bf16-readable) and bf16 gradients.
+    pub fn adamw_4bit_split(lr: f64) -> Preset<Adam> {
+        adamw_4bit(lr)
+            .with_param(Storage::SplitF32)
+            .with_grad(Storage::Bf16(StoreRounding::Nearest))
+    }
+
+    /// The smallest AdamW: bf16 parameters with stochastic rounding, 4-bit states, and no gradient
+    /// memory at all: gradients are released in the backward pass (`Step::param`) or folded into
+    /// the states (`Step::states_only`).
+    pub fn adamw_4bit_bf16_sr_released(lr: f64) -> Preset<Adam> {
+        adamw_4bit(lr)
+            .with_param(Storage::Bf16(StoreRounding::Stochastic))
+            .with_grad(Storage::None)
+    }
+
+    cases {
+        "adamw f32" => adamw_f32(1e-3),
+        "adamw 8-bit bf16" => adamw_8bit_bf16(1e-3),
+        "adamw 8-bit bf16 sr" => adamw_8bit_bf16_sr(1e-3),
+        "adamw 4-bit split" => adamw_4bit_split(1e-3),
+        "adamw 8-bit bf16+8" => adamw_8bit_bf16_plus8(1e-3),
+        "adamw 4-bit released" => adamw_4bit_bf16_sr_released(1e-3),
+    }
+}
+
 kernel_struct! {
     /// Adam's per-step constants.
     pub struct AdamConsts {

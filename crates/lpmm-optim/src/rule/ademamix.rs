@@ -106,6 +106,30 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// AdEMAMix with bitsandbytes' defaults, everything f32: the reference for the AdEMAMix
+    /// presets.
+    pub fn ademamix_f32(lr: f64) -> Preset<AdEMAMix> {
+        Preset::f32(AdEMAMix::new(lr))
+    }
+
+    /// bitsandbytes' `AdEMAMix8bit`: f32 parameters and gradients, both first moments 8-bit dynamic
+    /// signed and the second moment 8-bit dynamic unsigned, in blocks of 256.
+    pub fn ademamix_8bit(lr: f64) -> Preset<AdEMAMix> {
+        ademamix_f32(lr)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+            .with_state3(Storage::DYNAMIC8_SIGNED)
+    }
+
+    cases {
+        "ademamix 8-bit" => ademamix_8bit(1e-3).warmup(Some(3), Some(3)),
+    }
+}
+
 kernel_struct! {
     /// AdEMAMix's per-step constants.
     pub struct AdEMAMixConsts {

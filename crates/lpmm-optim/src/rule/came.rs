@@ -78,6 +78,39 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// CAME with the authors' defaults: f32 parameters, gradients and first moment, the second
+    /// moment and the instability factorized. The reference for the CAME presets.
+    pub fn came_f32(lr: f64) -> Preset<Came> {
+        Preset::f32(Came::new(lr))
+            .with_state2(Storage::Factorized)
+            .with_state3(Storage::Factorized)
+    }
+
+    /// CAME with the first moment 8-bit dynamic in blocks of 256; f32 parameters and gradients.
+    pub fn came_8bit(lr: f64) -> Preset<Came> {
+        came_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
+    }
+
+    /// CAME with the whole model memory LPMM-style: parameters and gradient accumulator 8-bit
+    /// linear in groups of 64 with stochastic rounding (every tensor), the first moment 8-bit
+    /// dynamic, the two statistics factorized.
+    pub fn came_lpmm(lr: f64) -> Preset<Came> {
+        came_8bit(lr)
+            .with_param(Storage::LINEAR8_GROUP64_SR)
+            .with_grad(Storage::LINEAR8_GROUP64_SR)
+            .with_min_quantized_size(0)
+    }
+
+    cases {
+        "came f32" => came_f32(2e-4),
+        "came lpmm" => came_lpmm(2e-4),
+    }
+}
+
 kernel_struct! {
     /// CAME's per-step constants; `clip_div` is set by [`RuleConsts::combine_stats`](crate::backend::RuleConsts::combine_stats).
     pub struct CameConsts {

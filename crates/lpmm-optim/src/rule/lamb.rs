@@ -82,6 +82,32 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 LAMB with `torch_optimizer.Lamb`'s defaults: the reference for the LAMB presets (12
+    /// bytes per parameter).
+    pub fn lamb_f32(lr: f64) -> Preset<Lamb> {
+        Preset::f32(Lamb::new(lr))
+    }
+
+    /// 8-bit LAMB on an f32 model, in the layout of bitsandbytes' `LAMB8bit` states (first moment
+    /// 8-bit dynamic signed, second unsigned, blocks of 256; bitsandbytes' LAMB is AdamW whose
+    /// update is scaled down, never up, to at most the parameter's norm: docs/OPTIMIZERS.md,
+    /// "LAMB").
+    pub fn lamb_8bit(lr: f64) -> Preset<Lamb> {
+        lamb_f32(lr)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+    }
+
+    cases {
+        "lamb f32" => lamb_f32(1e-3),
+        "lamb 8-bit wd debias" => lamb_8bit(1e-3).weight_decay(0.01).debias(true),
+    }
+}
+
 kernel_struct! {
     /// LAMB's per-step constants. `neg_step` is set by
     /// [`RuleConsts::combine_stats`](crate::backend::RuleConsts::combine_stats) from the

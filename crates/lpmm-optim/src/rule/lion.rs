@@ -49,6 +49,26 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 Lion: the reference for the Lion presets (12 bytes per parameter).
+    pub fn lion_f32(lr: f64) -> Preset<Lion> {
+        Preset::f32(Lion::new(lr))
+    }
+
+    /// bitsandbytes' `Lion8bit` without paging: f32 parameters and gradients, the momentum 8-bit
+    /// dynamic in blocks of 256.
+    pub fn lion_8bit(lr: f64) -> Preset<Lion> {
+        lion_f32(lr).with_state1(Storage::DYNAMIC8_SIGNED)
+    }
+
+    cases {
+        "bf16 nearest lion" => bf16_nearest(Lion::new(1e-4)),
+    }
+}
+
 kernel_struct! {
     /// Lion's per-step constants.
     pub struct LionConsts {

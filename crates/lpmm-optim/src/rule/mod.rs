@@ -119,6 +119,31 @@ macro_rules! setters {
     };
 }
 
+/// A rule's named presets, declared once in its file: each a function returning a `Preset` of
+/// the rule (the storages of every slot besides the rule's settings), then the presets the
+/// backend conformance suite steps (`cases`: a name and a preset, `lpmm_optim::testing`'s
+/// `preset_cases`). The tokens are compiled in [`crate::presets`], where `Preset`, `Storage`,
+/// `StoreRounding` and the other presets are in scope (a rule itself knows nothing of
+/// storage): the module's `forward_presets!` hands them there ([`each_rule_presets!`]), so the
+/// presets and their cases have no list outside the rule's file.
+macro_rules! presets {
+    ($d:tt
+        $($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block)*
+        cases { $($case:literal => $preset:expr),* $(,)? }
+    ) => {
+        /// Hands this rule's presets and conformance cases to `$m` (the presets module).
+        macro_rules! forward_presets {
+            ($d m:ident) => {
+                $d m! {
+                    $($(#[$doc])* pub fn $name($($arg: $ty),*) -> $ret $body)*
+                    cases { $($case => $preset,)* }
+                }
+            };
+        }
+        pub(crate) use forward_presets;
+    };
+}
+
 /// The exponential moving average of squares a factorized slot keeps (its row and column
 /// means): `new = beta * old + (1 - beta) * (mean(x^2) + eps)`, all f32, `x` the rule's
 /// [`RuleConsts::moment_input`] for the slot.
@@ -445,6 +470,15 @@ macro_rules! rules {
             };
         }
         pub(crate) use each_rule_setters;
+
+        /// Hands every rule's presets and their conformance cases to `$m`, one invocation per
+        /// rule in the registry's order (each rule file's `presets!`).
+        macro_rules! each_rule_presets {
+            ($d m:ident) => {
+                $($crate::rule::$module::forward_presets!($d m);)*
+            };
+        }
+        pub(crate) use each_rule_presets;
 
         /// The optimizer and its hyperparameters: one variant per update rule. Defaults are the
         /// reference implementations'. Hyperparameters are f64, as PyTorch's are Python floats:

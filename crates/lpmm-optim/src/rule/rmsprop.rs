@@ -76,6 +76,34 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 RMSprop with `torch.optim.RMSprop`'s defaults: the reference for the RMSprop presets (12
+    /// bytes per parameter; 16 with momentum, 20 with momentum and centered).
+    pub fn rmsprop_f32(lr: f64) -> Preset<RmsProp> {
+        Preset::f32(RmsProp::new(lr))
+    }
+
+    /// 8-bit RMSprop on an f32 model, bitsandbytes' `RMSprop8bit` layout (blocks of 256): f32
+    /// parameters and gradients, the square average 8-bit dynamic unsigned (bitsandbytes stores its
+    /// one state with the signed map, a bit of precision less for a value that is never negative),
+    /// the momentum buffer and the centered gradient average, when turned on, 8-bit dynamic signed
+    /// (bitsandbytes has neither: it ignores `momentum` and refuses `centered`).
+    pub fn rmsprop_8bit(lr: f64) -> Preset<RmsProp> {
+        rmsprop_f32(lr)
+            .with_state1(Storage::DYNAMIC8_SIGNED)
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+            .with_state3(Storage::DYNAMIC8_SIGNED)
+    }
+
+    cases {
+        "rmsprop f32" => rmsprop_f32(1e-2),
+        "rmsprop 8-bit momentum centered" => rmsprop_8bit(1e-2).momentum(0.9).centered(true),
+    }
+}
+
 kernel_struct! {
     /// RMSprop's per-step constants.
     pub struct RmsPropConsts {

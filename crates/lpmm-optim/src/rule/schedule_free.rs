@@ -93,6 +93,28 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// Schedule-free AdamW with the package's defaults, everything f32: the reference.
+    pub fn schedule_free_adamw_f32(lr: f64) -> Preset<ScheduleFreeAdamW> {
+        Preset::f32(ScheduleFreeAdamW::new(lr))
+    }
+
+    /// Schedule-free AdamW with the second moment 8-bit dynamic (blocks of 256) and the base
+    /// sequence `z` in bf16 with stochastic rounding; f32 parameters and gradients.
+    pub fn schedule_free_adamw_8bit(lr: f64) -> Preset<ScheduleFreeAdamW> {
+        schedule_free_adamw_f32(lr)
+            .with_state1(Storage::Bf16(StoreRounding::Stochastic))
+            .with_state2(Storage::DYNAMIC8_UNSIGNED)
+    }
+
+    cases {
+        "schedule-free 8-bit" => schedule_free_adamw_8bit(1e-3),
+    }
+}
+
 kernel_struct! {
     /// Schedule-free AdamW's per-step constants.
     pub struct ScheduleFreeConsts {

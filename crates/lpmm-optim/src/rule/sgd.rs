@@ -65,6 +65,32 @@ setters! {
     }
 }
 
+// The rule's named presets (`lpmm_optim::presets`) and those the backend conformance suite
+// steps (`lpmm_optim::testing::preset_cases`): see `presets!`.
+presets! {
+    $
+    /// f32 SGD with momentum: the reference for the SGDM presets (12 bytes per parameter).
+    pub fn sgdm_f32(lr: f64, momentum: f64) -> Preset<Sgd> {
+        Preset::f32(Sgd::new(lr).momentum(momentum))
+    }
+
+    /// LPMM-SGDM: parameters, gradient accumulator and momentum all 8-bit linear in groups of 64
+    /// with stochastic rounding (about 3.19 bytes per parameter), for every tensor however small
+    /// (LPMM keeps the whole model memory in 8 bits; there is no minimum size).
+    pub fn lpmm_sgdm(lr: f64, momentum: f64) -> Preset<Sgd> {
+        sgdm_f32(lr, momentum)
+            .with_param(Storage::LINEAR8_GROUP64_SR)
+            .with_grad(Storage::LINEAR8_GROUP64_SR)
+            .with_state1(Storage::LINEAR8_GROUP64_SR)
+            .with_min_quantized_size(0)
+    }
+
+    cases {
+        "sgdm f32" => sgdm_f32(0.05, 0.9),
+        "lpmm sgdm" => lpmm_sgdm(0.05, 0.9),
+    }
+}
+
 kernel_struct! {
     /// SGD's per-step constants.
     pub struct SgdConsts {

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use lpmm_optim::SlotKind;
 use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, ParamId};
 use safetensors::SafeTensors;
 
@@ -121,7 +122,7 @@ pub fn compare_in(
             }
             let want = f32s(st, &key);
             let mut got = vec![0f32; shape.iter().product()];
-            opt.read_param(id, &mut got).unwrap();
+            opt.read(id, SlotKind::Param, &mut got).unwrap();
             let (diff, rel) = difference(&want, &got);
             out.push((t, *name, diff, rel));
         }

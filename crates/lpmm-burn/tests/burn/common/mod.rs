@@ -6,6 +6,7 @@
 use std::sync::OnceLock;
 
 use burn_core as burn;
+use lpmm_optim::SlotKind;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Device, Tensor, TensorData, activation::relu};
@@ -182,7 +183,7 @@ pub fn reference_step(
     lr: f64,
 ) -> lpmm_optim::StepReport {
     r.set_lr(lr).unwrap();
-    let mut given = vec![Vec::new(); r.len()];
+    let mut given = vec![Vec::new(); r.status().params];
     for (&id, g) in ids.iter().zip(grads) {
         given[id.index()] = g;
     }
@@ -210,7 +211,7 @@ pub fn read(r: &lpmm_optim::Optimizer, ids: &[lpmm_optim::ParamId]) -> Vec<Vec<u
         .zip(shapes())
         .map(|(&id, s)| {
             let mut out = vec![0f32; s.iter().product()];
-            r.read_param(id, &mut out).unwrap();
+            r.read(id, SlotKind::Param, &mut out).unwrap();
             out.into_iter().map(f32::to_bits).collect()
         })
         .collect()

@@ -1,0 +1,304 @@
+//! The presets of the comparison: each with its learning rate for the tasks, its reference and
+//! what the comparison checks of it.
+
+use lpmm_optim::{Hyper, ParamConfig, presets};
+use serde::Serialize;
+
+/// A preset as the comparison runs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Preset {
+    /// Its name in the report.
+    pub name: &'static str,
+    /// The lpmm configuration for a learning rate.
+    pub config: fn(f64) -> ParamConfig,
+    /// Whether it is an SGD preset (takes the SGD learning rate of the task).
+    pub sgd: bool,
+    /// The preset its memory and quality are compared with.
+    pub reference: &'static str,
+    /// Micro-batches per step (LPMM's microbatching: gradients accumulated in the low-precision
+    /// accumulator, one step per batch).
+    pub micro_batches: usize,
+    /// Schedule-free: the learning rate stays at its peak (the rule warms up and averages
+    /// itself) and the model is evaluated at the optimizer's evaluation point
+    /// (`LpmmOptimizer::eval`).
+    pub schedule_free: bool,
+    /// What the comparison checks of it ([`crate::judge`]).
+    pub goal: Goal,
+}
+
+impl Preset {
+    /// A preset judged for quality against `reference`: not SGD, one micro-batch per step, not
+    /// schedule-free.
+    const fn quality(
+        name: &'static str,
+        config: fn(f64) -> ParamConfig,
+        reference: &'static str,
+    ) -> Self {
+        Preset {
+            name,
+            config,
+            sgd: false,
+            reference,
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Quality,
+        }
+    }
+}
+
+/// What the comparison checks of a preset ([`crate::judge::judge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Goal {
+    /// An f32 reference: three seeds, checked for stability; it judges the presets that name it.
+    Reference,
+    /// Within the reference's tolerance (validation loss and accuracy; accuracy for a
+    /// classifier).
+    Quality,
+    /// Within the reference's tolerance, and model memory at least `reduction` (a fraction)
+    /// below the reference's.
+    QualityAndMemory {
+        /// The least memory saving, a fraction of the reference's bytes per parameter.
+        reduction: f64,
+    },
+    /// None in the main table: the naive round-to-nearest baseline, which the low-learning-rate
+    /// condition checks to be visibly worse than its reference.
+    NaiveBaseline,
+}
+
+/// The presets of the comparison, references first.
+pub fn presets() -> Vec<Preset> {
+    vec![
+        Preset {
+            name: "f32 AdamW",
+            config: |lr| presets::adamw_f32(lr).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Reference,
+        },
+        Preset {
+            name: "f32 SGDM",
+            config: |lr| presets::sgdm_f32(lr, 0.9).build(),
+            sgd: true,
+            reference: "f32 SGDM",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Reference,
+        },
+        Preset::quality(
+            "8-bit AdamW, bf16",
+            |lr| presets::adamw_8bit_bf16(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16 SR",
+            |lr| presets::adamw_8bit_bf16_sr(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "4-bit AdamW, split f32",
+            |lr| presets::adamw_4bit_split(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset {
+            name: "LPMM-SGDM",
+            config: |lr| presets::lpmm_sgdm(lr, 0.9).build(),
+            sgd: true,
+            reference: "f32 SGDM",
+            micro_batches: 4,
+            schedule_free: false,
+            goal: Goal::QualityAndMemory { reduction: 0.70 },
+        },
+        Preset {
+            name: "bf16 AdamW, round to nearest",
+            config: |lr| presets::bf16_nearest(Hyper::adamw(lr)).build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::NaiveBaseline,
+        },
+        Preset::quality(
+            "f32 Adafactor",
+            |lr| {
+                presets::adafactor_f32()
+                    .beta1(0.9)
+                    .lr(lr)
+                    .scale_parameter(false)
+                    .build()
+            },
+            "f32 AdamW",
+        ),
+        Preset {
+            name: "Adafactor, LPMM",
+            config: |lr| {
+                presets::adafactor_lpmm()
+                    .lr(lr)
+                    .scale_parameter(false)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 Adafactor",
+            micro_batches: 4,
+            schedule_free: false,
+            goal: Goal::Quality,
+        },
+        Preset::quality(
+            "f32 CAME",
+            |lr| presets::came_f32(lr / 3.0).build(),
+            "f32 AdamW",
+        ),
+        Preset {
+            name: "CAME, LPMM",
+            config: |lr| presets::came_lpmm(lr / 3.0).build(),
+            sgd: false,
+            reference: "f32 CAME",
+            micro_batches: 4,
+            schedule_free: false,
+            goal: Goal::Quality,
+        },
+        Preset {
+            name: "f32 schedule-free AdamW",
+            config: |lr| {
+                presets::schedule_free_adamw_f32(lr)
+                    .warmup_steps(50)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: true,
+            goal: Goal::Quality,
+        },
+        Preset {
+            name: "8-bit schedule-free AdamW",
+            config: |lr| {
+                presets::schedule_free_adamw_8bit(lr)
+                    .warmup_steps(50)
+                    .build()
+            },
+            sgd: false,
+            reference: "f32 schedule-free AdamW",
+            micro_batches: 1,
+            schedule_free: true,
+            goal: Goal::Quality,
+        },
+    ]
+}
+
+/// Presets outside the comparison's default run, for [`run_char_lm`](super::run_char_lm)
+/// (`examples/char_lm.rs --preset NAME`): bitsandbytes' `AdamW8bit`, `Lion8bit` and
+/// `AdEMAMix8bit` equivalents on f32 parameters, the 4-bit AdamW twin, the f32 Lion and
+/// AdEMAMix references, RMSprop, Adagrad and LAMB in f32 and with 8-bit states, and Adafactor
+/// with transformers' defaults (a step size relative to the step count and the parameters' RMS,
+/// which ignores the schedule). Lion steps at a tenth of the AdamW learning rate (its authors
+/// advise 3 to 10 times smaller).
+pub fn more_presets() -> Vec<Preset> {
+    vec![
+        Preset {
+            name: "f32 Adafactor, relative step",
+            config: |_| presets::adafactor_f32().build(),
+            sgd: false,
+            reference: "f32 AdamW",
+            micro_batches: 1,
+            schedule_free: false,
+            goal: Goal::Reference,
+        },
+        Preset::quality(
+            "f32 AdEMAMix",
+            |lr| presets::ademamix_f32(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdEMAMix, f32",
+            |lr| presets::ademamix_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, f32",
+            |lr| presets::adamw_8bit(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "4-bit AdamW, f32",
+            |lr| presets::adamw_4bit(lr).build(),
+            "f32 AdamW",
+        ),
+        // The parameter storages beside 8-bit states, for the low-learning-rate condition
+        // (`char_lm -- --preset NAME --lr 6e-4`): bf16 to nearest and stochastically are the
+        // main table's; Kahan-compensated bf16 and 24-bit master weights (bf16+8) here.
+        Preset::quality(
+            "8-bit AdamW, bf16 Kahan",
+            |lr| {
+                presets::adamw_8bit_bf16(lr)
+                    .with_param(lpmm_optim::Storage::Bf16Kahan)
+                    .build()
+            },
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16+8",
+            |lr| presets::adamw_8bit_bf16_plus8(lr).build(),
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "8-bit AdamW, bf16+8 SR",
+            |lr| {
+                presets::adamw_8bit_bf16_plus8(lr)
+                    .with_param(lpmm_optim::Storage::Bf16Plus8(
+                        lpmm_optim::StoreRounding::Stochastic,
+                    ))
+                    .build()
+            },
+            "f32 AdamW",
+        ),
+        Preset::quality(
+            "f32 Lion",
+            |lr| presets::lion_f32(lr / 10.0).build(),
+            "f32 Lion",
+        ),
+        Preset::quality(
+            "8-bit Lion, f32",
+            |lr| presets::lion_8bit(lr / 10.0).build(),
+            "f32 Lion",
+        ),
+        // RMSprop at half the AdamW rate (3e-3) and Adagrad at five times it (3e-2), the best
+        // of a sweep (`char_lm -- --preset "f32 RMSprop" --lr X`, seed 0): RMSprop 1e-3 1.9788,
+        // 2e-3 1.9621, 3e-3 1.8717, 4e-3 1.9266, 6e-3 2.2224, 1e-2 2.4527; Adagrad 1e-2 2.1401,
+        // 2e-2 2.1015, 3e-2 1.9485, 5e-2 1.9929, 1e-1 2.4559.
+        Preset::quality(
+            "f32 RMSprop",
+            |lr| presets::rmsprop_f32(lr / 2.0).build(),
+            "f32 RMSprop",
+        ),
+        Preset::quality(
+            "8-bit RMSprop, f32",
+            |lr| presets::rmsprop_8bit(lr / 2.0).build(),
+            "f32 RMSprop",
+        ),
+        Preset::quality(
+            "f32 Adagrad",
+            |lr| presets::adagrad_f32(lr * 5.0).build(),
+            "f32 Adagrad",
+        ),
+        Preset::quality(
+            "8-bit Adagrad, f32",
+            |lr| presets::adagrad_8bit(lr * 5.0).build(),
+            "f32 Adagrad",
+        ),
+        // LAMB at 10/3 of the AdamW rate (0.02): its trust ratio makes each tensor's step `lr`
+        // times its norm. Swept with `char_lm -- --preset "f32 LAMB" --lr X`, seed 0: 0.01 1.9078,
+        // 0.015 1.7890, 0.02 1.7646, 0.03 1.8215, 0.05 1.8688, 0.1 1.9517.
+        Preset::quality(
+            "f32 LAMB",
+            |lr| presets::lamb_f32(lr * 10.0 / 3.0).build(),
+            "f32 LAMB",
+        ),
+        Preset::quality(
+            "8-bit LAMB, f32",
+            |lr| presets::lamb_8bit(lr * 10.0 / 3.0).build(),
+            "f32 LAMB",
+        ),
+    ]
+}

@@ -1,0 +1,257 @@
+//! The AVX-512 F/BW/VL kernels (16 lanes, gathers from the scalar search's tables): nearest and
+//! stochastic rounding and decoding of one block, the register-table nearest rounding of maps
+//! of at most 16 values, and the lane helpers the VBMI kernels share. Entered after run-time
+//! detection of AVX-512 F/BW/VL/DQ.
+
+use super::CodeMap;
+use super::search::BUCKET_SHIFT;
+use super::slices::BlockOf;
+
+/// `x / absmax` of 16 lanes (`divisor` holds `absmax` in every lane), or zeros when `absmax` is 0
+/// (those lanes are not divided).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn quotient_lanes(
+    xs: &[f32],
+    _absmax: f32,
+    divisor: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    assert!(xs.len() >= 16, "16 lanes");
+    // SAFETY: `xs` holds at least 16 values (asserted); the load is unaligned.
+    let x = unsafe { _mm512_loadu_ps(xs.as_ptr()) };
+    let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(divisor, _mm512_setzero_ps());
+    _mm512_maskz_div_ps(nonzero, x, divisor)
+}
+
+/// [`CodeMap::stochastic`]'s last step on 16 lanes: `lo + (r < F)` with `F =
+/// u32_saturating(frac * 2^32)`, `frac = (y - lo_v) / (hi_v - lo_v)` in f32, and never above `lo`
+/// in the lanes of `top` (`lo` is the last code there).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn stochastic_step(
+    y: std::arch::x86_64::__m512,
+    lo: std::arch::x86_64::__m512i,
+    lo_v: std::arch::x86_64::__m512,
+    hi_v: std::arch::x86_64::__m512,
+    top: std::arch::x86_64::__mmask16,
+    r: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let frac = _mm512_div_ps(_mm512_sub_ps(y, lo_v), _mm512_sub_ps(hi_v, lo_v));
+    // Saturating like Rust's `as u32` on [0, 2^32]: out of range gives 2^32 - 1.
+    let cut = _mm512_cvttps_epu32(_mm512_mul_ps(frac, _mm512_set1_ps(4_294_967_296.0)));
+    let up = _mm512_cmplt_epu32_mask(r, cut) & !top;
+    _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1))
+}
+
+/// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
+/// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
+/// (`block` a multiple of 16, or a single scale); `None` otherwise.
+pub(super) fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usize> {
+    if block == 0 || !(block.is_multiple_of(16) || scales.len() == 1) {
+        return None;
+    }
+    Some(len.min(scales.len().saturating_mul(block)))
+}
+
+impl CodeMap {
+    /// [`CodeMap::nearest_scaled`] sixteen elements at a time: the bucket's start and each scan
+    /// step are gathers from the same tables the scalar search reads, so the codes are the same.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn nearest_scaled_avx512(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        let n = xs.len().min(out.len());
+        let mut done = 0;
+        if self.values.len() <= 16 {
+            done = self.nearest_small_avx512(&xs[..n], &[absmax], n, &mut out[..n]);
+        } else if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], &[absmax], n, &mut out[..n]) };
+        }
+        self.nearest_scaled_gather(&xs[done..n], absmax, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::nearest_scaled`] over a run of blocks for maps of at most 16 values (4 bits and
+    /// narrower), 16 lanes at a time without gathers: `#{ j : threshold_j <= y }` by a
+    /// branch-free binary search of four steps over the thresholds held in one register
+    /// (`vpermps`; NaN pads the table, and `NaN <= y` is false, so NaN gives code 0 as in
+    /// [`CodeMap::nearest`]). Returns how many leading elements it rounded (a multiple of 16;
+    /// none for a larger map).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn nearest_small_avx512(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        out: &mut [u8],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let Some(n) = lanes_for(xs.len().min(out.len()), scales, block) else {
+            return 0;
+        };
+        if self.thresholds.len() > 15 {
+            return 0;
+        }
+        let mut table = [f32::NAN; 16];
+        table[..self.thresholds.len()].copy_from_slice(&self.thresholds);
+        // SAFETY: `table` holds 16 f32; the load is unaligned.
+        let table = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let whole = n - n % 16;
+        let at = BlockOf::new(block);
+        for i in (0..whole).step_by(16) {
+            let a = scales[at.of(i)];
+            let y = quotient_lanes(&xs[i..i + 16], a, _mm512_set1_ps(a));
+            let mut c = _mm512_setzero_si512();
+            for step in [8, 4, 2, 1] {
+                let probe = _mm512_add_epi32(c, _mm512_set1_epi32(step - 1));
+                let t = _mm512_permutexvar_ps(probe, table);
+                let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, y);
+                c = _mm512_mask_add_epi32(c, le, c, _mm512_set1_epi32(step));
+            }
+            // SAFETY: `i + 16 <= whole <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c)) };
+        }
+        whole
+    }
+
+    /// [`CodeMap::nearest_scaled`] sixteen elements at a time with gathers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn nearest_scaled_gather(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len());
+        let whole = n - n % 16;
+        let divisor = _mm512_set1_ps(absmax);
+        for i in (0..whole).step_by(16) {
+            let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
+            let c = self.nearest_lanes(y);
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c)) };
+        }
+        self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
+    }
+
+    /// [`CodeMap::nearest`] of 16 lanes: the bucket's start code and each scan step are gathers
+    /// from the same tables the scalar search reads, so the codes are the same.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    fn nearest_lanes(&self, y: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y));
+        // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
+        // so each 4-byte read stays inside it.
+        let gathered = unsafe { _mm512_i32gather_epi32::<1>(bucket, self.start.as_ptr().cast()) };
+        let mut c = _mm512_and_si512(gathered, _mm512_set1_epi32(0xFF));
+        for _ in 0..self.scan {
+            // SAFETY: as in `nearest`: `c` never exceeds `thresholds.len() + steps so far`, and
+            // `padded` holds `scan` entries past the thresholds.
+            let t = unsafe { _mm512_i32gather_ps::<4>(c, self.padded.as_ptr()) };
+            let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, y);
+            c = _mm512_mask_add_epi32(c, le, c, _mm512_set1_epi32(1));
+        }
+        // NaN gives code 0, as in `nearest`.
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+        _mm512_mask_mov_epi32(c, nan, _mm512_setzero_si512())
+    }
+
+    /// [`CodeMap::stochastic`] with AVX-512: 64 lanes at a time from register tables where the
+    /// CPU has VBMI and the map allows it, the rest 16 lanes at a time with gathers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn stochastic_scaled_avx512(
+        &self,
+        xs: &[f32],
+        absmax: f32,
+        bits: &[u32],
+        out: &mut [u8],
+    ) {
+        let n = xs.len().min(out.len()).min(bits.len());
+        let mut done = 0;
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done = unsafe {
+                self.stochastic_scaled_vbmi(&xs[..n], &[absmax], n, &bits[..n], &mut out[..n])
+            };
+        }
+        self.stochastic_scaled_gather(&xs[done..n], absmax, &bits[done..n], &mut out[done..n]);
+    }
+
+    /// [`CodeMap::stochastic`] sixteen lanes at a time, step for step, gathering from the tables.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn stochastic_scaled_gather(
+        &self,
+        xs: &[f32],
+        absmax: f32,
+        bits: &[u32],
+        out: &mut [u8],
+    ) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len()).min(bits.len());
+        let whole = n - n % 16;
+        let values = self.values.as_ptr();
+        let zero = _mm512_setzero_si512();
+        let one = _mm512_set1_epi32(1);
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let divisor = _mm512_set1_ps(absmax);
+        for i in (0..whole).step_by(16) {
+            let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
+            let c = self.nearest_lanes(y);
+            // SAFETY: codes from `nearest_lanes` are < values.len().
+            let vc = unsafe { _mm512_i32gather_ps::<4>(c, values) };
+            let below = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(vc, y);
+            let under = below & _mm512_cmpeq_epi32_mask(c, zero);
+            let lo = _mm512_max_epi32(_mm512_mask_sub_epi32(c, below, c, one), zero);
+            let top = _mm512_cmpeq_epi32_mask(lo, last);
+            let hi = _mm512_min_epi32(_mm512_add_epi32(lo, one), last);
+            // `lo` or `hi` is `c` (whose value is `vc`) unless both are: one more gather, of
+            // the other one, gives both values.
+            let lo_is_c = _mm512_cmpeq_epi32_mask(lo, c);
+            let hi_is_c = _mm512_cmpeq_epi32_mask(hi, c);
+            let other = _mm512_mask_mov_epi32(lo, lo_is_c, hi);
+            // SAFETY: `lo` and `hi` are clamped to 0..values.len().
+            let ov = unsafe { _mm512_i32gather_ps::<4>(other, values) };
+            let lo_v = _mm512_mask_mov_ps(ov, lo_is_c, vc);
+            let hi_v = _mm512_mask_mov_ps(ov, hi_is_c, vc);
+            // SAFETY: `i + 16 <= bits.len()`; the load is unaligned.
+            let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(i).cast()) };
+            let mut code = stochastic_step(y, lo, lo_v, hi_v, top, r);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+            code = _mm512_mask_mov_epi32(code, under | nan, zero);
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(code)) };
+        }
+        self.stochastic_scaled_portable(&xs[whole..n], absmax, &bits[whole..n], &mut out[whole..n]);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        let n = codes.len().min(out.len());
+        let mut done = 0;
+        if crate::simd::vbmi() {
+            // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
+            // AVX-512 level, whose F/BW/VL this function was entered with).
+            done = unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) };
+        }
+        self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::decode_scaled`] 16 codes at a time, gathering the values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn decode_scaled_gather(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = codes.len().min(out.len());
+        let whole = n - n % 16;
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let s = _mm512_set1_ps(scale);
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= codes.len()`; the load is unaligned.
+            let c8 = unsafe { _mm_loadu_si128(codes.as_ptr().add(i).cast()) };
+            let c = _mm512_min_epu32(_mm512_cvtepu8_epi32(c8), last);
+            // SAFETY: every index is clamped to `values.len() - 1`.
+            let v = unsafe { _mm512_i32gather_ps::<4>(c, self.values.as_ptr()) };
+            // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
+        }
+        self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
+    }
+}
