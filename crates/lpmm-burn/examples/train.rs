@@ -354,6 +354,9 @@ pub fn run(
         .collect();
     gaps.sort_by(f64::total_cmp);
     let ms_per_step = gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN);
+    if let Some(h) = &handle {
+        eprintln!("lpmm: {:?}", h.stats());
+    }
     let state_bytes = record_tensor_bytes(
         &dir.join("checkpoint")
             .join(format!("optim-{}.bpk", settings.epochs)),
