@@ -458,6 +458,7 @@ impl Drop for Slot {
 }
 
 /// Takes a tensor's primitive, giving the tensor back when the lane refuses it.
+#[allow(clippy::result_large_err)] // the error hands the caller's tensor back, by value
 pub(crate) fn take<L: Lane, const D: usize>(
     lane: &L,
     t: Tensor<D>,

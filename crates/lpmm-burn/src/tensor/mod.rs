@@ -396,7 +396,7 @@ impl LpmmTensorOptimizer {
                                 self.reinitialised(reason);
                                 (None, None)
                             }
-                            None => (Some(l.clone()), Some(l.stream)),
+                            None => (Some((**l).clone()), Some(l.stream)),
                         },
                     },
                 };

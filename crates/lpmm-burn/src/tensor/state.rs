@@ -51,7 +51,7 @@ pub(crate) enum StateInner {
     /// Its slots in an engine.
     Live(Slot),
     /// Read from a record, or moved off its device: registered again at the next step.
-    Loaded(Loaded),
+    Loaded(Box<Loaded>),
     /// A record held something here that is not a usable lpmm state: re-initialised at the next
     /// step, and reported then.
     Refused(String),
@@ -83,17 +83,18 @@ impl<const D: usize> LpmmState<D> {
     pub(crate) fn to_loaded(&self) -> Result<Loaded, BurnError> {
         match &*self.inner {
             StateInner::Live(slot) => export(slot),
-            StateInner::Loaded(l) => Ok(l.clone()),
+            StateInner::Loaded(l) => Ok((**l).clone()),
             StateInner::Refused(reason) => Err(BurnError::Record(reason.clone())),
         }
     }
 
     /// The state moved to `device`: unchanged where it is live there (or not live); otherwise its
     /// slots come to the host and are registered on `device` at the next step.
+    #[allow(clippy::wrong_self_convention)] // burn's name (`Optimizer::to_device`), consuming as burn's
     pub(crate) fn to_device(self, device: &Device) -> Self {
         match &*self.inner {
             StateInner::Live(slot) if slot.device != *device => match export(slot) {
-                Ok(loaded) => LpmmState::new(StateInner::Loaded(loaded)),
+                Ok(loaded) => LpmmState::new(StateInner::Loaded(Box::new(loaded))),
                 Err(e) => LpmmState::new(StateInner::Refused(format!(
                     "its state could not be moved to {device:?}: {e}"
                 ))),
@@ -148,7 +149,7 @@ impl<const D: usize> RecordState for LpmmState<D> {
     fn state_unflatten(prefix: &str, src: &mut StateSource, _device: &Device) -> Option<Self> {
         Some(LpmmState::new(
             match persist::state::unflatten(prefix, D, src) {
-                Ok(loaded) => StateInner::Loaded(loaded),
+                Ok(loaded) => StateInner::Loaded(Box::new(loaded)),
                 Err(reason) => StateInner::Refused(format!("parameter {prefix}: {reason}")),
             },
         ))
