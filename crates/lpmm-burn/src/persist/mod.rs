@@ -16,6 +16,19 @@ use lpmm_optim::{HostSlot, OptimError, Optimizer, ParamId, RuleState, SlotKind};
 
 use crate::BurnError;
 
+/// burn's dtype of an lpmm slot's tensor (records and per-parameter states store them as is).
+pub(crate) fn burn_dtype(d: lpmm_optim::backend::Dtype) -> burn_core::tensor::DType {
+    use burn_core::tensor::DType;
+    use lpmm_optim::backend::Dtype;
+    match d {
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+        Dtype::U16 => DType::U16,
+        Dtype::U8 => DType::U8,
+        Dtype::U32 => DType::U32,
+    }
+}
+
 /// Sets a parameter's counters (step and accumulation counters, pending flag, learning-rate
 /// rule) and its rule's host state as `p` recorded them.
 pub(crate) fn restore_counters<B: Backend>(

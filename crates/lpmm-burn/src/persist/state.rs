@@ -19,13 +19,13 @@
 
 use burn_core::tensor::{DType, TensorData};
 use burn_optim::{StateSink, StateSource};
-use lpmm_optim::backend::Dtype;
 use lpmm_optim::checkpoint::codec::{Decoded, Scheme, Source, Stored};
 use lpmm_optim::checkpoint::{Canonical, CanonicalParam};
 use lpmm_optim::{ParamConfig, SlotKind};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
+use super::burn_dtype;
 use crate::BurnError;
 use crate::tensor::state::Loaded;
 
@@ -42,16 +42,6 @@ const SCHEME: Scheme = Scheme {
     maps: false,
     noun: "record",
 };
-
-fn burn_dtype(d: Dtype) -> DType {
-    match d {
-        Dtype::F32 => DType::F32,
-        Dtype::Bf16 => DType::BF16,
-        Dtype::U16 => DType::U16,
-        Dtype::U8 => DType::U8,
-        Dtype::U32 => DType::U32,
-    }
-}
 
 /// The codec's name of the parameter at stream `k`.
 fn param_name(stream: u64) -> String {
