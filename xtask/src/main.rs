@@ -28,17 +28,23 @@
 //! site-packages directory) or by `python3`; as the dynamic loader reads `LD_LIBRARY_PATH` only at start, xtask re-runs itself with the wheel's
 //! `nvidia/cuda_nvrtc/lib` prepended to it when it is not there yet.
 //!
+//! Then it checks the specialized steps' static gates on the committed PTX (`lpmm_cuda::sass`:
+//! `ptxas -v`'s registers, stack frame and spills; from the SASS of the pinned `nvdisasm`,
+//! 128-bit accesses, barriers and each kernel's fast-path instructions per element against its
+//! budget) and fails if one breaks them.
+//!
 //! - `--check`: writes nothing; fails, naming the architectures, if the committed PTX differs.
-//! - `--report`: then prints the specialized steps' static figures for every architecture
-//!   (`ptxas -v`: registers, stack frame, spills; SASS from the pinned `nvdisasm`: fast-path
-//!   instructions per element, 128-bit accesses, barriers, shuffles; `lpmm_cuda::sass`) and fails
-//!   if one breaks its gates.
+//! - `--report`: prints the figures for every architecture, where each fast path's instructions
+//!   go (from a build with line information) and the issue-rate model's estimate of each kernel
+//!   at 1e9 parameters on an H200 (`--calibration FILE`: the rate a device run measured).
+//! - `--json FILE`: writes the figures as JSON.
 //!
 //! `gpu-bundle` builds every GPU test binary and the GPU example on a machine without a GPU or a
 //! CUDA toolkit, and packs them with `xtask/gpu-run.sh`, which runs them on a GPU machine
 //! (`target/gpu-bundle/bundle.tar.xz`; how: `gpu_bundle.rs`).
 
 mod gpu_bundle;
+mod kernels;
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -63,14 +69,24 @@ enum Task {
         /// Only the cases whose id contains this.
         filter: Option<String>,
     },
-    /// Builds (checks) lpmm-cuda's PTX with the pinned NVRTC wheel.
+    /// Builds (checks) lpmm-cuda's PTX with the pinned NVRTC wheel, and checks the specialized
+    /// steps' static gates (their instruction budgets included).
     Kernels {
         /// Check instead of writing.
         #[arg(long)]
         check: bool,
-        /// Print the specialized steps' static figures (ptxas -v, SASS) and check their gates.
+        /// Print the specialized steps' static figures (ptxas -v, SASS), where their
+        /// instructions go and the issue-rate model's estimates.
         #[arg(long)]
         report: bool,
+        /// With `--report`: the model's rate from a device run (crates/lpmm-cuda/gpu/run.sh's
+        /// calibration.json: `rate_warp_instructions_per_s`) instead of the H200's default.
+        #[arg(long)]
+        calibration: Option<PathBuf>,
+        /// Also write the figures as JSON (what crates/lpmm-cuda/gpu/prepare.sh stages for the
+        /// device run's calibration).
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
     /// Builds the GPU test binaries and the GPU example, without a GPU or a CUDA toolkit, into
     /// target/gpu-bundle/bundle.tar.xz, run on a GPU machine by xtask/gpu-run.sh.
@@ -91,7 +107,12 @@ fn main() -> ExitCode {
             report_only,
             filter,
         } => bench(quick, peers, report_only, filter),
-        Task::Kernels { check, report } => kernels(check, report),
+        Task::Kernels {
+            check,
+            report,
+            calibration,
+            json,
+        } => kernels::kernels(check, report, calibration.as_deref(), json.as_deref()),
         Task::Codegen { check } => codegen(check),
         Task::GpuBundle => gpu_bundle::gpu_bundle(),
     };
@@ -238,129 +259,6 @@ fn bench(
     std::fs::write(report.join("bench.md"), &table).map_err(|e| e.to_string())?;
     println!("\n{table}\n(written to target/lpmm-report/bench.json and bench.md)");
     Ok(())
-}
-
-/// Set in the environment of the re-run with `LD_LIBRARY_PATH` (so it happens once).
-const REEXEC_GUARD: &str = "LPMM_XTASK_NVRTC_REEXEC";
-
-fn kernels(check: bool, report: bool) -> Result<(), String> {
-    use lpmm_cuda::kernels;
-    let wheels = kernels::wheel_paths().map_err(|e| e.to_string())?;
-    // NVRTC is loaded by name, through LD_LIBRARY_PATH as it was when the process started.
-    let ld_path = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
-    if !std::env::split_paths(&ld_path).any(|p| p == wheels.nvrtc_lib) {
-        if std::env::var_os(REEXEC_GUARD).is_some() {
-            return Err(format!(
-                "{} is still not on LD_LIBRARY_PATH after re-running xtask",
-                wheels.nvrtc_lib.display()
-            ));
-        }
-        let paths =
-            std::iter::once(wheels.nvrtc_lib.clone()).chain(std::env::split_paths(&ld_path));
-        let ld_path = std::env::join_paths(paths).map_err(|e| e.to_string())?;
-        let exe =
-            std::env::current_exe().map_err(|e| format!("cannot find xtask's binary: {e}"))?;
-        let status = Command::new(exe)
-            .args(std::env::args_os().skip(1))
-            .env("LD_LIBRARY_PATH", ld_path)
-            .env(REEXEC_GUARD, "1")
-            .status()
-            .map_err(|e| format!("cannot re-run xtask: {e}"))?;
-        std::process::exit(status.code().unwrap_or(1));
-    }
-    let (major, minor) = kernels::nvrtc_version().map_err(|e| e.to_string())?;
-    println!(
-        "NVRTC {major}.{minor} from {}, headers from {}",
-        wheels.nvrtc_lib.display(),
-        wheels.include.display()
-    );
-    let root = workspace_root();
-    let ptx_dir = root.join("crates/lpmm-cuda/ptx");
-    let tmp = root.join("target/tmp/xtask-kernels");
-    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-    let mut differ = Vec::new();
-    for (arch, committed) in kernels::ARCHS {
-        let ptx = kernels::compile(arch, &wheels.include_dirs()).map_err(|e| e.to_string())?;
-        let path = ptx_dir.join(format!("lpmm.{arch}.ptx"));
-        // The committed file as it is now (`ARCHS` holds it as xtask was built).
-        let current = std::fs::read_to_string(&path).unwrap_or_else(|_| committed.to_string());
-        if check {
-            let verdict = if current == ptx {
-                "up to date"
-            } else {
-                "DIFFERS"
-            };
-            println!("{arch}: {verdict}");
-            if current != ptx {
-                differ.push(arch);
-            }
-            continue;
-        }
-        // The PTX must assemble before it is committed.
-        let built = tmp.join(format!("lpmm.{arch}.ptx"));
-        std::fs::write(&built, &ptx).map_err(|e| e.to_string())?;
-        kernels::assemble(
-            &wheels.ptxas,
-            arch,
-            &built,
-            &tmp.join(format!("lpmm.{arch}.cubin")),
-        )?;
-        if current == ptx {
-            println!("{arch}: up to date");
-        } else {
-            std::fs::write(&path, &ptx)
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            println!("{arch}: wrote {}", path.display());
-        }
-    }
-    if report {
-        static_report(&wheels, &ptx_dir, &tmp)?;
-    }
-    if differ.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "the committed PTX of {} differs from what NVRTC builds from kernels/lpmm.generated.cu: run \
-             `cargo xtask kernels` and commit crates/lpmm-cuda/ptx/",
-            differ.join(", ")
-        ))
-    }
-}
-
-/// `kernels --report`: the specialized steps' figures for every architecture (the committed
-/// PTX assembled by ptxas, its SASS read with nvdisasm) as a table, and their gates.
-fn static_report(
-    wheels: &lpmm_cuda::kernels::WheelPaths,
-    ptx_dir: &Path,
-    tmp: &Path,
-) -> Result<(), String> {
-    use lpmm_cuda::sass;
-    let mut all = Vec::new();
-    for (arch, _) in lpmm_cuda::kernels::ARCHS.iter().rev() {
-        let ptx = ptx_dir.join(format!("lpmm.{arch}.ptx"));
-        all.extend(sass::figures(
-            &wheels.ptxas,
-            &wheels.nvdisasm,
-            arch,
-            &ptx,
-            tmp,
-        )?);
-    }
-    println!("{}", sass::table(&all));
-    let broken: Vec<String> = all
-        .iter()
-        .flat_map(|f| {
-            f.violations()
-                .into_iter()
-                .map(move |v| format!("{} ({}): {v}", f.name, f.arch))
-        })
-        .collect();
-    if broken.is_empty() {
-        println!("every specialized step meets its static gates");
-        Ok(())
-    } else {
-        Err(format!("static gates broken:\n{}", broken.join("\n")))
-    }
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {

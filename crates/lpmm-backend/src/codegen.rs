@@ -52,12 +52,21 @@ pub const CORE: &[&str] = &["core", "float", "random", "maps"];
 /// The hand-written sources after the generated dispatch.
 pub const TAIL: &[&str] = &["entries"];
 
-/// The hand-written source of the specialized steps ([`crate::plans`]), after [`TAIL`], in the
-/// languages that have one; their generated entries follow it.
-pub fn plan_source(lang: Lang) -> Option<&'static str> {
+/// The hand-written sources of the specialized steps ([`crate::plans`]), after [`TAIL`], in the
+/// languages that have them; their generated entries follow them.
+pub fn plan_sources(lang: Lang) -> &'static [&'static str] {
     match lang {
-        Lang::Cuda => Some("plan"),
-        Lang::Wgsl => None,
+        Lang::Cuda => &["plan_lanes", "plan"],
+        Lang::Wgsl => &[],
+    }
+}
+
+/// The hand-written sources after [`CORE`] in one language only: CUDA's exact shortcuts
+/// (`kernels/exact.cuh`), which its rules' and specialized steps' fast paths use.
+pub fn core_extra(lang: Lang) -> &'static [&'static str] {
+    match lang {
+        Lang::Cuda => &["exact"],
+        Lang::Wgsl => &[],
     }
 }
 
@@ -67,6 +76,7 @@ pub fn plan_source(lang: Lang) -> Option<&'static str> {
 pub fn sources(lang: Lang) -> Vec<Option<String>> {
     let mut files: Vec<Option<String>> = vec![None];
     files.extend(CORE.iter().map(|s| Some(s.to_string())));
+    files.extend(core_extra(lang).iter().map(|s| Some(s.to_string())));
     files.extend(FORMAT_KERNELS.iter().map(|f| Some(format!("formats/{f}"))));
     files.extend(
         RuleConsts::KERNELS
@@ -75,9 +85,7 @@ pub fn sources(lang: Lang) -> Vec<Option<String>> {
     );
     files.push(None);
     files.extend(TAIL.iter().map(|s| Some(s.to_string())));
-    if let Some(plan) = plan_source(lang) {
-        files.push(Some(plan.to_string()));
-    }
+    files.extend(plan_sources(lang).iter().map(|s| Some(s.to_string())));
     files.push(None);
     files
 }
@@ -443,7 +451,11 @@ fn cuda_lane(format: Option<lpmm_optim::backend::Format>) -> String {
             "f32" => "PlanF32".into(),
             "bf16" => format!("PlanBf16<{}u>", f.kernel_aux()),
             "split_f32" => "PlanSplit".into(),
-            "blockwise" => format!("PlanQuant<{:#010x}u>", f.kernel_aux()),
+            "blockwise" => format!(
+                "PlanQuant<{:#010x}u, {}u>",
+                f.kernel_aux(),
+                crate::plans::buckets(f).expect("plans.rs gives a plan only searchable maps")
+            ),
             other => unreachable!("plans.rs gives no plan a {other} slot"),
         },
     }
@@ -451,7 +463,10 @@ fn cuda_lane(format: Option<lpmm_optim::backend::Format>) -> String {
 
 /// The generated entries of the specialized steps ([`crate::plans::plans`]): an adapter per rule
 /// and one kernel per plan, with (CUDA, for the host emulation) the table of them in plan order.
-pub fn plan_entries(lang: Lang) -> String {
+/// A CUDA adapter's `apply` is the rule's `rule_<name>_apply`; its fast path (`prepare` and
+/// `fast`, see kernels/plan.cuh) is the rule file's `rule_<name>_prepare` and `rule_<name>_fast`
+/// where it defines them (`source_of("rules/<name>")`), else `apply` itself.
+pub fn plan_entries(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
     let plans = crate::plans::plans();
     let c = lang.comment();
     let mut o = format!(
@@ -467,11 +482,27 @@ pub fn plan_entries(lang: Lang) -> String {
             .iter()
             .map(|(_, name, v)| format!("        k.{name} = {v}u;\n"))
             .collect();
+        let rule = p.rule_name();
+        let source = source_of(&format!("rules/{rule}"));
+        let (prepare, fast) = if defines(lang, &source, &format!("rule_{rule}_prepare"))
+            && defines(lang, &source, &format!("rule_{rule}_fast"))
+        {
+            (
+                format!("        C k = c;\n{fixed}        return rule_{rule}_prepare(k);\n"),
+                format!(
+                    "        C k = c;\n{fixed}        return rule_{rule}_fast(k, aux, flags, p, g, m0, v0, w0);\n"
+                ),
+            )
+        } else {
+            (
+                "        return 1.0f;\n".to_string(),
+                "        return apply(c, flags, p, g, m0, v0, w0);\n".to_string(),
+            )
+        };
         o += &format!(
-            "struct Rule_{} {{\n    typedef {} C;\n    __device__ static __forceinline__ Update apply(const C& c, uint32_t flags, float p, float g,\n                                                   float m0, float v0, float w0) {{\n        C k = c;\n{fixed}        return rule_{}_apply(k, flags, p, g, m0, v0, w0);\n    }}\n}};\n\n",
+            "struct Rule_{} {{\n    typedef {} C;\n    __device__ static __forceinline__ Update apply(const C& c, uint32_t flags, float p, float g,\n                                                   float m0, float v0, float w0) {{\n        C k = c;\n{fixed}        return rule_{rule}_apply(k, flags, p, g, m0, v0, w0);\n    }}\n    __device__ static __forceinline__ float prepare(const C& c) {{\n{prepare}    }}\n    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,\n                                                  float g, float m0, float v0, float w0) {{\n{fast}    }}\n}};\n\n",
             p.name,
             p.consts_name(),
-            p.rule_name()
         );
     }
     for p in plans {
@@ -572,7 +603,7 @@ pub fn program(lang: Lang, source_of: &dyn Fn(&str) -> String) -> String {
                 o += &match generated {
                     0 => abi(lang),
                     1 => dispatch(lang, source_of),
-                    _ => plan_entries(lang),
+                    _ => plan_entries(lang, source_of),
                 };
                 generated += 1;
             }

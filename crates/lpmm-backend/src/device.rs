@@ -1,15 +1,15 @@
-//! The one host orchestration of every optimizer operation over device memory: [`Device`] runs
-//! lpmm-optim's [`Backend`] seam on any [`Runtime`] — memory layout (pieces in arenas, tensor-wide
-//! regions), descriptors, batching into as few launches as the bindings and the staging buffer
-//! allow, gradient statistics, the step's tensor-wide phases (folds, combine on the host) and
-//! fused pass,
-//! export and import, lent parameters and device-resident inputs and outputs.
+//! The host side of every optimizer operation over device memory: [`Device`] runs lpmm-optim's
+//! [`Backend`] seam on any [`Runtime`] — memory layout (pieces in arenas, tensor-wide regions),
+//! descriptors, batching into as few launches as the bindings and the staging buffer allow,
+//! gradient statistics, the step primitives (a tensor-wide phase's folds and their read-back,
+//! the fused pass, the swaps), export and import, lent parameters and device-resident inputs and
+//! outputs. lpmm-optim's executor orders the primitives and combines the folds on the host.
 //!
 //! This file holds [`Device`], its options and the [`Backend`] implementation; the parts it is
 //! built from are the crate's modules beside it: `arena` (memory: arenas, reservations, a
 //! parameter's pieces and tensor-wide regions), `launch` (descriptors, items, batching into
 //! launches), `views` (device-resident inputs and outputs, lent buffers and their checks) and
-//! `step` (a step's items and the runner of lpmm-optim's shared schedule).
+//! `step` (a step's items and the step primitives).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -8,11 +8,14 @@
 //!   when the committed files are stale);
 //! - [`Runtime`]: the little a device must offer (memory, copies, launching an entry point over
 //!   descriptors);
-//! - [`Device`]: lpmm-optim's `Backend` on any runtime — the one host orchestration of
-//!   allocation, batching, gradient statistics, the two-phase step (fold, combine, fused pass),
-//!   export and import, lent parameters and device-resident inputs and outputs.
+//! - [`Device`]: lpmm-optim's `Backend` on any runtime — the one host side of every operation on
+//!   device memory: allocation, descriptors and launch batching, gradient statistics, the step
+//!   primitives (folds, their read-back, the fused pass), export and import, lent parameters and
+//!   device-resident inputs and outputs. The step's schedule, its lent-buffer checks and its
+//!   host combines are lpmm-optim's executor's, the same for every backend.
 //!
-//! This crate touches no GPU API: runtimes do.
+//! This crate touches no GPU API: runtimes do. Its only kernel code is what [`codegen`] writes
+//! from the ABI and the registries; the hand-written kernels are the backends'.
 
 pub mod abi;
 mod arena;

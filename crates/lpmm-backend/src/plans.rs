@@ -200,17 +200,71 @@ fn block_of(format: Format) -> Option<usize> {
 }
 
 /// Whether the kernels have a lane for `format`: f32, bf16, split f32, block-wise codes of blocks
-/// up to 512 elements (a warp's 32 threads of 16 elements) whose map has a key table.
+/// up to 512 elements (a warp's 32 threads of 16 elements) whose map the specialized steps can
+/// search exactly ([`buckets`]).
 fn has_lane(format: Format) -> bool {
     match format.name() {
         "f32" | "bf16" | "split_f32" => true,
-        "blockwise" => {
-            block_of(format).is_some_and(|b| b <= 512)
-                && format
-                    .map()
-                    .is_some_and(|m| m.shared().key_table().is_some())
-        }
+        "blockwise" => block_of(format).is_some_and(|b| b <= 512) && buckets(format).is_some(),
         _ => false,
+    }
+}
+
+/// The bucket of `y` (`|y| <= 1`) among the logarithmic buckets of kernels/exact.cuh's
+/// `exact_bucket`: the sign, exponent and top 7 mantissa bits of `max(|y|, 2^-31)`.
+pub fn log_bucket(y: f32) -> u32 {
+    let a = y.abs().max(f32::from_bits(0x3000_0000));
+    ((a.to_bits() | (y.to_bits() & 0x8000_0000)) >> 16).wrapping_sub(0x3000)
+}
+
+/// The bucket of `y` (`|y| <= 1`) among the 257 linear buckets of kernels/exact.cuh's
+/// `exact_linear_bucket`: `RN(128 y + 128)`.
+pub fn linear_bucket(y: f32) -> u32 {
+    y.mul_add(128.0, 12_583_040.0).to_bits() & 0x1FF
+}
+
+/// How a specialized step finds the code of a block-wise slot's value `y` (the quotient by its
+/// block's absmax), if it can exactly (kernels/plan_lanes.cuh `plan_nearest`,
+/// `plan_stochastic`): `Some(1)` with [`linear_bucket`]s, `Some(0)` with [`log_bucket`]s, each
+/// holding at most one of the map's keys (its thresholds for nearest rounding, its values for
+/// stochastic rounding), so a code is a count from a table plus one comparison (linear where
+/// every key is a bucket apart: one instruction fewer). Also what the kernels' exact quotients
+/// assume of the map (docs/FORMATS.md, "Exact shortcuts of the CUDA specialized steps"):
+/// nearest rounding, that no threshold lies within 2^-28 of 0 (every quotient below 2^-30 in
+/// magnitude, exact or not, has 0's code); stochastic rounding, distinct values whose steps are
+/// within [2^-40, 2^40], and one code for every quotient within 2^-58 of 0 whatever its draw.
+pub fn buckets(format: Format) -> Option<u32> {
+    let map = format.map()?.shared();
+    let keys: Vec<f32> = if format.stochastic() {
+        let v = map.values();
+        let steps_ok = v.windows(2).all(|w| {
+            let step = w[1] - w[0];
+            w[0] < w[1] && (2f32.powi(-40)..=2f32.powi(40)).contains(&step)
+        });
+        let tiny = 2f32.powi(-58);
+        let one_code = map.stochastic(-tiny, 0xFFFF_0000) == map.stochastic(tiny, 0) && steps_ok;
+        if !one_code {
+            return None;
+        }
+        v.to_vec()
+    } else {
+        let t = map.thresholds();
+        if t.iter().any(|x| x.abs() <= 2f32.powi(-28)) {
+            return None;
+        }
+        t.to_vec()
+    };
+    if keys.iter().any(|k| !(-1.0..=1.0).contains(k)) {
+        return None;
+    }
+    // Buckets are intervals: at most one key in each iff no two neighbouring keys share one.
+    let apart = |f: fn(f32) -> u32| keys.windows(2).all(|w| f(w[0]) != f(w[1]));
+    if apart(linear_bucket) {
+        Some(1)
+    } else if apart(log_bucket) {
+        Some(0)
+    } else {
+        None
     }
 }
 
@@ -301,5 +355,54 @@ mod tests {
             .find(|p| p.name == "lpmm_plan_adamw_8bit_bf16_acc")
             .unwrap();
         assert_eq!(adam.rule_name(), "adam");
+    }
+
+    #[test]
+    fn every_shipped_map_has_buckets_and_the_linear_ones_are_linear() {
+        use lpmm_optim::Storage;
+        let kinds: Vec<(&str, Option<u32>)> = [
+            ("8-bit signed", Storage::DYNAMIC8_SIGNED),
+            ("8-bit unsigned", Storage::DYNAMIC8_UNSIGNED),
+            ("4-bit signed", Storage::FOUR_BIT_SIGNED),
+            ("4-bit unsigned", Storage::FOUR_BIT_UNSIGNED),
+        ]
+        .into_iter()
+        .map(|(n, s)| (n, s.format().and_then(buckets)))
+        .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("8-bit signed", Some(0)),
+                ("8-bit unsigned", Some(0)),
+                ("4-bit signed", Some(0)),
+                ("4-bit unsigned", Some(1)),
+            ]
+        );
+        // LPMM-SGDM's stochastically rounded linear map.
+        let sgdm = plans().iter().find(|p| p.preset == "lpmm_sgdm").unwrap();
+        let f = sgdm.formats[0].unwrap();
+        assert!(f.stochastic());
+        assert_eq!(buckets(f), Some(1));
+    }
+
+    #[test]
+    fn the_buckets_match_the_kernels() {
+        // exact.cuh: the lowest positive bucket holds every magnitude below 2^-31 (1 + 2^-7);
+        // the negative ones are 0x8000 above; 1.0 is the last.
+        assert_eq!(log_bucket(0.0), 0);
+        assert_eq!(log_bucket(1e-30), 0);
+        assert_eq!(log_bucket(-0.0), 0x8000);
+        assert_eq!(log_bucket(1.0), 0xF80);
+        assert_eq!(log_bucket(-1.0), 0x8F80);
+        assert_eq!(linear_bucket(-1.0), 0);
+        assert_eq!(linear_bucket(0.0), 128);
+        assert_eq!(linear_bucket(1.0), 256);
+        // Monotone: neighbours never step back.
+        let mut last = 0;
+        for k in -1000..=1000 {
+            let b = linear_bucket(k as f32 / 1000.0);
+            assert!(b >= last);
+            last = b;
+        }
     }
 }

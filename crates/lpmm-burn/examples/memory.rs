@@ -12,7 +12,6 @@
 //! cargo run --profile bench -p lpmm-burn --example memory -- --steps 10 --hidden 1024 --backends ndarray
 //! ```
 
-use std::io::Read;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,45 +26,11 @@ use lpmm_optim::Storage;
 use rand_core::{Rng as _, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
-const DIGITS_GZ: &[u8] = include_bytes!("../../lpmm-candle-examples/data/digits.csv.gz");
 const BATCH: usize = 256;
 
-/// The digits (8x8 images in [0, 1], labels 0..9), split as lpmm-candle splits them: sample `i`
-/// validates iff `i % 5 == 0`.
-#[derive(Debug)]
-pub struct Digits {
-    pub train_x: Vec<f32>,
-    pub train_y: Vec<i64>,
-    pub val_x: Vec<f32>,
-    pub val_y: Vec<i64>,
-}
-
-pub fn digits() -> Digits {
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(DIGITS_GZ)
-        .read_to_string(&mut text)
-        .expect("the embedded digits decompress");
-    let mut d = Digits {
-        train_x: Vec::new(),
-        train_y: Vec::new(),
-        val_x: Vec::new(),
-        val_y: Vec::new(),
-    };
-    for (i, line) in text.lines().filter(|l| !l.is_empty()).enumerate() {
-        let v: Vec<u32> = line
-            .split(',')
-            .map(|f| f.trim().parse().expect("a number"))
-            .collect();
-        let (x, y) = if i % 5 == 0 {
-            (&mut d.val_x, &mut d.val_y)
-        } else {
-            (&mut d.train_x, &mut d.train_y)
-        };
-        x.extend(v[..64].iter().map(|&p| p as f32 / 16.0));
-        y.push(v[64] as i64);
-    }
-    d
-}
+#[path = "common/digits.rs"]
+mod digits;
+pub use digits::{digits, status_kib};
 
 /// 64 -> h -> h -> 10.
 #[derive(Module, Debug)]
@@ -235,17 +200,6 @@ pub struct Run {
     pub steady_kib: u64,
 }
 
-fn status_kib(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn loss(model: &Model, x: Tensor<2>, y: Tensor<1, Int>) -> Result<Tensor<1>, String> {
     let logp = log_softmax(model.forward(x)?, 1);
     let picked = logp.gather(1, y.unsqueeze_dim::<2>(1));
@@ -265,23 +219,23 @@ pub fn train(backend: &str, opt: &str, steps: usize, h: usize) -> Result<Run, St
     let mut optim = match opt {
         "none" => Optim::None,
         "burn-adamw" => Optim::Burn(AdamWConfig::new().init()),
-        "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init()),
+        "lpmm-adamw8" => Optim::Lpmm(Lpmm8bitAdamWConfig::new().init_whole_module()),
         "lpmm-adamw4" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
             let config = base
                 .param
                 .with_state1(Storage::FOUR_BIT_SIGNED)
                 .with_state2(Storage::FOUR_BIT_UNSIGNED);
-            Optim::Lpmm(base.with_param(config).init())
+            Optim::Lpmm(base.with_param(config).init_whole_module())
         }
         "lpmm-adamw8-accumulator" => {
             let base = Lpmm8bitAdamWConfig::new().lpmm();
             let config = base.param.with_grad(Storage::F32);
-            Optim::Lpmm(base.with_param(config).init())
+            Optim::Lpmm(base.with_param(config).init_whole_module())
         }
-        "lpmm-sgdm-layers" => {
-            Optim::Lpmm(LpmmOptimizerConfig::from(lpmm_optim::presets::lpmm_sgdm(0.0, 0.9)).init())
-        }
+        "lpmm-sgdm-layers" => Optim::Lpmm(
+            LpmmOptimizerConfig::from(lpmm_optim::presets::lpmm_sgdm(0.0, 0.9)).init_whole_module(),
+        ),
         other => return Err(format!("unknown optimizer {other}")),
     };
     let mut model = match &optim {

@@ -1,5 +1,7 @@
-//! Configurations, used as burn's own: `Lpmm8bitAdamWConfig::new().init()`, or any lpmm
-//! configuration with `LpmmOptimizerConfig::from(preset).init()`.
+//! Configurations, used as burn's own: `Lpmm8bitAdamWConfig::new().init()?` gives the
+//! `ModuleOptimizer` burn-train's `Learner` takes (`build()` the per-tensor optimizer,
+//! `init_whole_module()` the whole-module one), and any lpmm configuration does the same through
+//! `LpmmOptimizerConfig::from(preset)`.
 
 use burn_core as burn;
 use burn_core::config::Config;
@@ -8,7 +10,9 @@ use lpmm_optim::{
     Hyper, MissingGradientPolicy, NonFinitePolicy, OptimizerOptions, ParamConfig, Storage,
 };
 
-use crate::LpmmOptimizer;
+use burn_optim::ModuleOptimizer;
+
+use crate::{BurnError, LpmmOptimizer, LpmmTensorOptimizer};
 
 /// Any lpmm configuration as a burn optimizer: the storage of each slot (parameter, gradient
 /// accumulator, states), the update rule and its hyperparameters ([`ParamConfig`], e.g. one of
@@ -21,8 +25,13 @@ use crate::LpmmOptimizer;
 /// e.g. LPMM-SGDM's 8-bit stochastically rounded gradient), so the step has the preset's exact
 /// numerics. Clipping and the skip-step policy see every gradient either way.
 ///
-/// The learning rate is the one each [`LpmmOptimizer::step`] is given (burn's schedulers drive
-/// it); the configuration's own is replaced at every step.
+/// The learning rate is the one each step is given (burn's schedulers drive it); the
+/// configuration's own is replaced at every step.
+///
+/// Three optimizers come from it: [`LpmmOptimizerConfig::init`], burn's `ModuleOptimizer` over
+/// the per-tensor optimizer (what burn-train's `Learner` takes); [`LpmmOptimizerConfig::build`],
+/// the per-tensor optimizer itself (for `ModuleOptimizer::with_group`); and
+/// [`LpmmOptimizerConfig::init_whole_module`], the whole-module optimizer.
 ///
 /// Every step checks that each of the module's parameters that requires a gradient received one
 /// ([`LpmmOptimizerConfig::with_missing_gradient`]).
@@ -104,9 +113,39 @@ impl LpmmOptimizerConfig {
         self
     }
 
-    /// The optimizer. Nothing is allocated until the first step, which registers the module's
-    /// parameters (in its visiting order) on the lpmm backend of their device.
-    pub fn init(&self) -> LpmmOptimizer {
+    /// The configuration checked for the per-tensor form: valid hyperparameters and storages,
+    /// and no global-norm clipping (it needs every gradient of the module at once: use burn's
+    /// `GradientClipping`, or the whole-module optimizer).
+    fn check_per_tensor(&self) -> Result<(), BurnError> {
+        self.param.validate()?;
+        if let Some(n) = self.options.max_grad_norm {
+            return Err(BurnError::Config(format!(
+                "global-norm clipping (max_grad_norm {n}) needs the whole module's gradients, which burn's per-tensor optimizers never see together: clip with burn's GradientClipping (ModuleOptimizer::with_grad_clipping, or the clipping of ModuleOptimizer::with_group; Norm clips each tensor by its own norm), or use the whole-module optimizer (init_whole_module)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The per-tensor optimizer (`burn_optim::Optimizer`): what `ModuleOptimizer::with_group`
+    /// takes. Refuses invalid hyperparameters and global-norm clipping
+    /// ([`BurnError::Config`], [`BurnError::Optim`]).
+    pub fn build(&self) -> Result<LpmmTensorOptimizer, BurnError> {
+        self.check_per_tensor()?;
+        Ok(LpmmTensorOptimizer::new(*self))
+    }
+
+    /// burn's `ModuleOptimizer` over the per-tensor optimizer: what burn-train's `Learner::new`
+    /// takes, as burn's `AdamWConfig::init()` gives it. Nothing is allocated until a parameter's
+    /// first step.
+    pub fn init(&self) -> Result<ModuleOptimizer, BurnError> {
+        Ok(ModuleOptimizer::from(self.build()?))
+    }
+
+    /// The whole-module optimizer ([`LpmmOptimizer`]: global-norm clipping, the all-or-nothing
+    /// skip, [`crate::LpmmLinear`] layers). Nothing is allocated until the first step, which
+    /// registers the module's parameters (in its visiting order) on the lpmm backend of their
+    /// device.
+    pub fn init_whole_module(&self) -> LpmmOptimizer {
         LpmmOptimizer::new(*self)
     }
 }
@@ -117,6 +156,16 @@ impl LpmmOptimizerConfig {
 /// `AdamWConfig` with 2 bytes of optimizer state per parameter instead of 8. Defaults are burn's
 /// `AdamWConfig`'s (betas 0.9 and 0.999, epsilon 1e-5, weight decay 1e-4); tensors smaller than
 /// 4096 elements keep f32 states (bitsandbytes' `min_8bit_size`).
+///
+/// ```ignore
+/// // burn:  let optim = AdamWConfig::new().init();
+/// let optim = Lpmm8bitAdamWConfig::new().init()?;
+/// let learner = Learner::new(model, optim, lr_scheduler);
+/// ```
+///
+/// Gradient clipping as burn's: `ModuleOptimizer::with_grad_clipping` on what `init` gives.
+/// `max_grad_norm` is the whole-module optimizer's global-norm clipping
+/// ([`Lpmm8bitAdamWConfig::init_whole_module`]); `init` refuses it.
 #[derive(Config, Debug)]
 pub struct Lpmm8bitAdamWConfig {
     /// First-moment decay.
@@ -157,8 +206,19 @@ impl Lpmm8bitAdamWConfig {
             .with_max_grad_norm(self.max_grad_norm)
     }
 
-    /// The optimizer.
-    pub fn init(&self) -> LpmmOptimizer {
+    /// The per-tensor optimizer (for `ModuleOptimizer::with_group`).
+    pub fn build(&self) -> Result<LpmmTensorOptimizer, BurnError> {
+        self.lpmm().build()
+    }
+
+    /// burn's `ModuleOptimizer` over the per-tensor optimizer: what burn-train's `Learner::new`
+    /// takes.
+    pub fn init(&self) -> Result<ModuleOptimizer, BurnError> {
         self.lpmm().init()
+    }
+
+    /// The whole-module optimizer.
+    pub fn init_whole_module(&self) -> LpmmOptimizer {
+        self.lpmm().init_whole_module()
     }
 }

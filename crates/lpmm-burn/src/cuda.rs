@@ -11,7 +11,7 @@
 use std::any::Any;
 use std::sync::Mutex;
 
-use burn_backend::{BackendTypes, TensorMetadata, ops::FloatTensorOps};
+use burn_backend::{TensorMetadata, ops::FloatTensorOps};
 use burn_core::backend::DispatchDevice;
 use burn_core::tensor::{Device, Tensor};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
@@ -22,8 +22,7 @@ use lpmm_optim::backend::Dtype;
 use crate::BurnError;
 use crate::lane::{Lane, lpmm_dtype};
 
-type Cube = burn_cubecl::Cube;
-type FusionPrim = <Cube as BackendTypes>::FloatTensorPrimitive;
+use crate::cube::{Cube, FusionPrim};
 type CudaServer = <CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
 /// lpmm's backend on each burn CUDA device it met.
@@ -159,26 +158,24 @@ impl Lane for CudaLane {
                 p.fusion.dtype()
             )));
         }
-        let mut copied = false;
-        if write && !p.fusion.can_mut() {
-            let data = self.data(p)?;
-            p.fusion = Cube::float_from_data(data, &self.device);
-            copied = true;
-        }
         let client = p.fusion.client.clone();
         let mut cube: burn_cubecl::tensor::CubeTensor =
             client.resolve_tensor_float::<CubeBackend>(p.fusion.clone());
+        let mut copied = false;
+        if write && (!p.fusion.can_mut() || !cube.is_contiguous()) {
+            // Shared with another tensor (burn-train's `Learner` keeps the model it steps), or
+            // not contiguous: a private contiguous copy, made on the device (counted).
+            let copy = if cube.is_contiguous() {
+                cube.copy()
+            } else {
+                burn_cubecl::kernel::into_contiguous(cube.copy())
+            };
+            p.fusion = crate::cube::register(copy, &client);
+            cube = client.resolve_tensor_float::<CubeBackend>(p.fusion.clone());
+            copied = true;
+        }
         if !cube.is_contiguous() {
-            if write {
-                let data = self.data(p)?;
-                p.fusion = Cube::float_from_data(data, &self.device);
-                copied = true;
-                let client = p.fusion.client.clone();
-                cube = client.resolve_tensor_float::<CubeBackend>(p.fusion.clone());
-            }
-            if !cube.is_contiguous() {
-                cube = burn_cubecl::kernel::into_contiguous(cube);
-            }
+            cube = burn_cubecl::kernel::into_contiguous(cube);
         }
         let resource = cube
             .client

@@ -27,6 +27,10 @@ pub enum BurnError {
     /// A record or checkpoint could not be written, read or applied.
     #[error("record: {0}")]
     Record(String),
+    /// The configuration cannot be used in this form (global-norm clipping in the per-tensor
+    /// optimizer).
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 impl BurnError {

@@ -7,14 +7,12 @@ use burn_core::module::{Module, ModuleVisitor, Param};
 use burn_core::tensor::{Device, Tensor};
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn_optim::{GradientsParams, OptimizerRecord};
-use lpmm_optim::{
-    CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport,
-    checkpoint::Canonical,
-};
+use lpmm_optim::{CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport};
 
 use crate::core::{Core, Pending, Uncovered};
 use crate::lane::Lane;
-use crate::{BurnError, LpmmOptimizerConfig, record};
+use crate::persist::{self, record};
+use crate::{BurnError, LpmmOptimizerConfig};
 
 /// The lpmm optimizer on the lane of the module's device.
 #[derive(Debug)]
@@ -85,10 +83,15 @@ pub struct LpmmStats {
     pub host_read_bytes: Option<u64>,
 }
 
-/// A burn optimizer for any lpmm configuration, used like burn's `ModuleOptimizer`:
+/// The whole-module optimizer: any lpmm configuration over a whole burn module, used like burn's
+/// `ModuleOptimizer` in a training loop written by hand, for what burn's per-tensor optimizers
+/// (and so [`crate::LpmmTensorOptimizer`], what burn-train's `Learner` takes) cannot do:
+/// global-norm clipping, the all-or-nothing skip of a step with a non-finite gradient, layers
+/// whose weights live only in lpmm's storage below 16 bits ([`crate::LpmmLinear`]), and a report
+/// naming the parameters that received no gradient.
 ///
 /// ```ignore
-/// let mut optim = Lpmm8bitAdamWConfig::new().init();          // was: AdamWConfig::new().init()
+/// let mut optim = Lpmm8bitAdamWConfig::new().init_whole_module();
 /// let grads = GradientsParams::from_grads(loss.backward(), &model);
 /// model = optim.step(lr, model, grads)?;
 /// ```
@@ -128,7 +131,7 @@ pub(crate) struct Shared {
 }
 
 /// What lpmm-burn's missing-gradient warning and error say about causes and remedies.
-const MISSING_GRADIENT_HELP: MissingGradientHelp = MissingGradientHelp::new(
+pub(crate) const MISSING_GRADIENT_HELP: MissingGradientHelp = MissingGradientHelp::new(
     "GradientsParams built for another module than the one stepped \
      (GradientsParams::from_grads(loss.backward(), &model) takes the model given to step)",
     "burn's own way: Param::set_require_grad(false) or Module::no_grad() on the frozen part",
@@ -259,14 +262,14 @@ impl LpmmOptimizer {
 
     /// Saves lpmm's own safetensors checkpoint (`lpmm_optim::Optimizer::save`'s format),
     /// complete: the parameters' values are read from `module`'s tensors, so it loads anywhere,
-    /// with or without burn (`lpmm_optim::Optimizer::load`).
+    /// with or without burn (`lpmm_optim::Canonical::read(path)?.into_optimizer(backend)`).
     pub fn save_lpmm<M: Module>(
         &self,
         path: impl AsRef<Path>,
         module: &M,
     ) -> Result<(), BurnError> {
         match self.lock().canonical(Some(module))? {
-            Some(p) => Ok(p.canonical.write(path)?),
+            Some(p) => persist::write_checkpoint(&p.canonical, path),
             None => Err(BurnError::Record(
                 "nothing to save: the optimizer has not stepped".into(),
             )),
@@ -278,7 +281,7 @@ impl LpmmOptimizer {
     /// the next step its parameter values go into the module's tensors and everything else into
     /// the optimizer.
     pub fn load_lpmm(self, path: impl AsRef<Path>) -> Result<Self, BurnError> {
-        let canonical = Canonical::read(path)?;
+        let canonical = persist::read_checkpoint(path)?;
         let from_module = vec![false; canonical.params.len()];
         self.lock().set_pending(Some(Pending {
             canonical,

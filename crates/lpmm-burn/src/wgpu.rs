@@ -26,7 +26,7 @@
 use std::any::Any;
 use std::sync::Mutex;
 
-use burn_backend::{BackendTypes, TensorMetadata, ops::FloatTensorOps};
+use burn_backend::{TensorMetadata, ops::FloatTensorOps};
 use burn_core::backend::DispatchDevice;
 use burn_core::tensor::{Device, Tensor};
 use burn_cubecl::cubecl::wgpu::{AutoCompiler, WgpuServer};
@@ -40,9 +40,7 @@ use crate::lane::{Lane, lpmm_dtype};
 pub use burn_core::tensor::wgpu::{WgpuOptions as BurnWgpuOptions, WgpuSetup};
 pub use lpmm_wgpu::WgpuOptions as LpmmWgpuOptions;
 
-/// burn's cubecl backend as dispatch holds it (fused, as burn's default build is).
-type Cube = burn_cubecl::Cube;
-type FusionPrim = <Cube as BackendTypes>::FloatTensorPrimitive;
+use crate::cube::{Cube, FusionPrim};
 
 /// lpmm's backend on each burn wgpu device shared with it.
 static SHARED: Mutex<Vec<(CubeDevice, Wgpu)>> = Mutex::new(Vec::new());
@@ -238,30 +236,27 @@ impl Lane for WgpuLane {
                 p.fusion.dtype()
             )));
         }
-        let mut copied = false;
-        if write && !p.fusion.can_mut() {
-            // Shared with another tensor: step a private copy, as burn's in-place operations
-            // would (through the host: a rare path, counted).
-            let data = self.data(p)?;
-            p.fusion = Cube::float_from_data(data, &self.device);
-            copied = true;
-        }
         // Drains the fusion stream (burn's pending operations run) and hands out a tensor that
         // shares the buffer (read-only resolve: the fusion tensor stays the owner).
         let client = p.fusion.client.clone();
         let mut cube: burn_cubecl::tensor::CubeTensor =
             client.resolve_tensor_float::<CubeBackend>(p.fusion.clone());
-        if !cube.is_contiguous() {
-            if write {
-                let data = self.data(p)?;
-                p.fusion = Cube::float_from_data(data, &self.device);
-                copied = true;
-            }
-            let client = p.fusion.client.clone();
+        let mut copied = false;
+        if write && (!p.fusion.can_mut() || !cube.is_contiguous()) {
+            // Shared with another tensor (burn-train's `Learner` keeps the model it steps), or
+            // not contiguous: step a private contiguous copy, as burn's in-place operations
+            // would, made on the device (counted).
+            let copy = if cube.is_contiguous() {
+                cube.copy()
+            } else {
+                burn_cubecl::kernel::into_contiguous(cube.copy())
+            };
+            p.fusion = crate::cube::register(copy, &client);
             cube = client.resolve_tensor_float::<CubeBackend>(p.fusion.clone());
-            if !cube.is_contiguous() {
-                cube = burn_cubecl::kernel::into_contiguous(cube);
-            }
+            copied = true;
+        }
+        if !cube.is_contiguous() {
+            cube = burn_cubecl::kernel::into_contiguous(cube);
         }
         // Flushes cubecl's stream to the queue and pins the memory while it is lent.
         let resource = cube
@@ -309,4 +304,41 @@ impl Lane for WgpuLane {
     fn host_reads(&self) -> Option<(u64, u64)> {
         Some((self.wgpu.host_reads(), self.wgpu.host_read_bytes()))
     }
+}
+
+/// Device memory on a burn wgpu device, as each side reports it: cubecl's memory pools (burn's
+/// tensors, every stream) and lpmm-wgpu's own buffers (lpmm's optimizer states). On a GPU this is
+/// the device's memory; on lavapipe it is part of the process's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct DeviceMemory {
+    /// Bytes cubecl's pools reserve on the device.
+    pub burn_reserved: u64,
+    /// Of those, bytes in use by live tensors.
+    pub burn_in_use: u64,
+    /// Bytes of lpmm-wgpu's segment buffers and its staging buffer (0 where the device is not
+    /// shared with lpmm).
+    pub lpmm_reserved: u64,
+    /// Of the segments, bytes reserved for parameters' slots.
+    pub lpmm_in_use: u64,
+}
+
+/// The memory of burn's wgpu `device` now (`None` for another device).
+pub fn memory(device: &Device) -> Option<DeviceMemory> {
+    use burn_cubecl::cubecl::MemoryScope;
+    use cubecl_runtime::runtime::Runtime;
+    let CubeDevice::Wgpu(w) = cube_device(device)? else {
+        return None;
+    };
+    let client = <burn_cubecl::cubecl::wgpu::WgpuRuntime as Runtime>::client(&w);
+    let usage = client.memory_report(MemoryScope::Device).usage();
+    let lpmm = backend(device);
+    Some(DeviceMemory {
+        burn_reserved: usage.bytes_reserved,
+        burn_in_use: usage.bytes_in_use,
+        lpmm_reserved: lpmm.as_ref().map_or(0, |l| {
+            4 * (l.segments() as u64 * l.segment_words() as u64 + l.options().io_floats as u64)
+        }),
+        lpmm_in_use: lpmm.map_or(0, |l| 4 * l.reserved_words()),
+    })
 }

@@ -168,7 +168,7 @@ fn states(opt: &LpmmOptimizer, m: &Model) -> candle_core::Result<Vec<String>> {
             for slot in [SlotKind::State1, SlotKind::State2] {
                 out.push(format!(
                     "{name} {:?}",
-                    Parts::of(&o).export_slot(id, slot, None).unwrap()
+                    Parts::of(o).export_slot(id, slot, None).unwrap()
                 ));
             }
             out.push(format!(

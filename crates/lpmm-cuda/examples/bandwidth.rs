@@ -1,7 +1,9 @@
-//! Effective bandwidth of the fused step: 8-bit and 4-bit AdamW (bf16 parameters and gradient
-//! accumulators), LPMM-SGDM, 8-bit Lion and f32 AdamW at the given sizes, each against a
-//! device-to-device copy of the same bytes measured in the same run; and (`--many`) many small
-//! tensors stepped together.
+//! Effective bandwidth of the fused step: 8-bit AdamW (bf16 parameters and gradient accumulators;
+//! nearest and stochastic rounding of the parameter), 4-bit AdamW, LPMM-SGDM, 8-bit Lion and f32
+//! AdamW at the given sizes, each against a device-to-device copy of the same bytes measured in
+//! the same run; and (`--many`) many small tensors stepped together. Each row names the
+//! specialized step that ran it (`plan`), whose static instruction count
+//! `crates/lpmm-cuda/gpu/calibrate.py` turns into the issue-rate model's measured rate.
 //!
 //! ```text
 //! cargo run --release -p lpmm-cuda --example bandwidth -- --params 1e8,1e9 [--iters 20]
@@ -12,11 +14,14 @@
 //!
 //! Bytes moved per step: every slot read once and written once (the accumulator is cleared), the
 //! backend's own accounting (`Backend::bytes`) times two. Effective bandwidth = bytes moved / time
-//! per step; the copy's = 2 x bytes copied / time. The step is timed through `Backend::step`, as
-//! `Optimizer::step` calls it without clipping under `NonFinitePolicy::SkipElements`: one launch
-//! per plan and the read-back of the flag words per step.
+//! per step; the copy's = 2 x bytes copied / time. The step is timed through
+//! `lpmm_optim::backend::run_batch` (the executor's run of one batch over the backend's
+//! primitives), as `Optimizer::step` runs it without clipping under
+//! `NonFinitePolicy::SkipElements`: one launch per plan and the read-back of the flag words per
+//! step.
 //!
-//! - `--cases`: which of `adamw8`, `adamw4`, `sgdm`, `lion8`, `adamw32` (default: all).
+//! - `--cases`: which of `adamw8`, `adamw8sr`, `adamw4`, `sgdm`, `lion8`, `adamw32` (default:
+//!   all).
 //! - `--generic`: also each case with the specialized steps off (`CudaOptions::with_specialized`):
 //!   the generic kernel, for the speed-up.
 //! - `--many N`: also N tensors of 4096 to 2^20 elements (`many_sizes`, the same sizes as
@@ -40,11 +45,11 @@ struct Args {
     /// Parameter counts, comma-separated (`1e8` notation accepted; 0 is skipped).
     #[arg(long, value_delimiter = ',', value_parser = count, default_value = "1e8,1e9")]
     params: Vec<usize>,
-    /// The cases, comma-separated: adamw8, adamw4, sgdm, lion8, adamw32.
+    /// The cases, comma-separated: adamw8, adamw8sr, adamw4, sgdm, lion8, adamw32.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "adamw8,adamw4,sgdm,lion8,adamw32"
+        default_value = "adamw8,adamw8sr,adamw4,sgdm,lion8,adamw32"
     )]
     cases: Vec<String>,
     /// Timed steps per case.
@@ -97,23 +102,26 @@ fn four_bit(lr: f64) -> ParamConfig {
 fn config(case: &str) -> Result<(&'static str, ParamConfig), String> {
     Ok(match case {
         "adamw8" => ("adamw 8-bit", presets::adamw_8bit_bf16(1e-3).build()),
+        "adamw8sr" => ("adamw 8-bit sr", presets::adamw_8bit_bf16_sr(1e-3).build()),
         "adamw4" => ("adamw 4-bit", four_bit(1e-3)),
         "sgdm" => ("lpmm-sgdm", presets::lpmm_sgdm(0.05, 0.9).build()),
         "lion8" => ("lion 8-bit", presets::lion_8bit(1e-4).build()),
         "adamw32" => ("adamw f32", presets::adamw_f32(1e-3).build()),
         other => {
             return Err(format!(
-                "unknown case {other:?}: adamw8, adamw4, sgdm, lion8 or adamw32"
+                "unknown case {other:?}: adamw8, adamw8sr, adamw4, sgdm, lion8 or adamw32"
             ));
         }
     })
 }
 
-/// One measurement: seconds per step and bytes moved per step.
+/// One measurement: seconds per step and bytes moved per step, and the specialized steps that
+/// step its parameters (lpmm-backend's plans; `-` for the generic step).
 struct Figure {
     step_s: f64,
     moved: usize,
     plan_launches: u64,
+    plans: Vec<String>,
 }
 
 /// Allocates one parameter per size with `config`, fills each accumulator once, and times
@@ -158,6 +166,17 @@ fn measure(
         .zip(&layouts)
         .map(|(r, l)| StepPlan::new(l, &r.hyper.consts(1, &Default::default())))
         .collect();
+    let mut plans: Vec<String> = resolved_all
+        .iter()
+        .zip(&layouts)
+        .map(|(r, l)| {
+            let consts = r.hyper.consts(2, &Default::default());
+            lpmm_backend::plans::find(l, &consts, lpmm_backend::plans::GradInput::None)
+                .map_or("-".into(), |k| lpmm_backend::plans::plans()[k].name.clone())
+        })
+        .collect();
+    plans.sort();
+    plans.dedup();
     let mut flags = vec![false; params.len()];
     let mut steps = 0u64;
     let mut step = |params: &mut [_]| {
@@ -198,6 +217,7 @@ fn measure(
         step_s: t0.elapsed().as_secs_f64() / iters.max(1) as f64,
         moved,
         plan_launches: (backend.plan_launches() - launches) / iters.max(1) as u64,
+        plans,
     })
 }
 
@@ -248,8 +268,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     step_bw / copy_bw,
                     f.plan_launches
                 );
+                // The plan of a specialized run (one per case: every tensor resolves alike).
+                let plan = if *kernel == "specialized" && f.plans.len() == 1 {
+                    f.plans[0].clone()
+                } else {
+                    "-".into()
+                };
                 rows.push(format!(
-                    "{{\"case\":\"{name}\",\"kernel\":\"{kernel}\",\"workload\":\"{what}\",\"tensors\":{},\"params\":{total},\"step_s\":{},\"bytes_moved\":{},\"step_gbps\":{step_bw},\"copy_gbps\":{copy_bw},\"ratio\":{},\"plan_launches_per_step\":{}}}",
+                    "{{\"case\":\"{name}\",\"kernel\":\"{kernel}\",\"plan\":\"{plan}\",\"workload\":\"{what}\",\"tensors\":{},\"params\":{total},\"step_s\":{},\"bytes_moved\":{},\"step_gbps\":{step_bw},\"copy_gbps\":{copy_bw},\"ratio\":{},\"plan_launches_per_step\":{}}}",
                     sizes.len(),
                     f.step_s,
                     f.moved,

@@ -6,14 +6,17 @@
 #   crates/lpmm-cuda/gpu/prepare.sh [--no-wheels]
 #
 # - .gpu/bin/: the release binaries, stripped: lpmm-cuda's conformance test (tests/parity.rs, the
-#   GPU half included when a device is present), its `bandwidth` example and lpmm-wgpu's
-#   `first_step` example.
-# - .gl/: the Vulkan and GL loaders (the GPU machine's image has the NVIDIA driver, not the loader).
-# - .whl/: torchao and bitsandbytes wheels for Python 3.12 (the image has torch, not these), as
-#   far as they fit the call's 64 MiB with the working tree; run.sh reports a peer it lacks.
+#   GPU half included when a device is present) and its `bandwidth` example.
+# - .gpu/static.json: the specialized steps' static figures (`cargo xtask kernels --json`: fast-path
+#   SASS instructions per element of every plan on sm_80 and sm_90, from the committed PTX and
+#   the pinned CUDA wheels, which LPMM_CUDA_WHEELS or python3 must find), from which
+#   calibrate.py turns the measured times into the issue-rate model's rate.
+# - .whl/: the torchao wheel for Python 3.12 (the image has torch, not torchao), if it fits the
+#   call's 64 MiB with the working tree; run.sh reports a peer it lacks.
 #
-# Then, from the repository root, one call of the device tool (about 9 minutes of GPU time):
-#   run(command: "bash crates/lpmm-cuda/gpu/run.sh", carry: [".gpu", ".gl", ".whl"], timeout_s: 600)
+# Then, from the repository root, one call of the device tool (about 8 minutes of GPU time):
+#   run(command: "bash crates/lpmm-cuda/gpu/run.sh", carry: [".gpu", ".whl"], timeout_s: 600)
+# and, without a device, the same script's dry run: OUT=/tmp/gpu-dry bash crates/lpmm-cuda/gpu/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 wheels=1
@@ -33,36 +36,25 @@ for line in sys.stdin:
 }
 parity=$(cargo test --release --locked -p lpmm-cuda --test parity --no-run --message-format=json-render-diagnostics | artifact parity)
 bandwidth=$(cargo build --release --locked -p lpmm-cuda --example bandwidth --message-format=json-render-diagnostics | artifact bandwidth)
-first_step=$(cargo build --release --locked -p lpmm-wgpu --example first_step --message-format=json-render-diagnostics | artifact first_step)
-for b in "$parity" "$bandwidth" "$first_step"; do
+for b in "$parity" "$bandwidth"; do
   [ -x "$b" ] || { echo "no binary built: $b" >&2; exit 1; }
 done
 cp "$parity" .gpu/bin/parity
 cp "$bandwidth" .gpu/bin/bandwidth
-cp "$first_step" .gpu/bin/first_step
 strip .gpu/bin/*
-
-# The loaders, as the device tool's README says (amd64 packages, unpacked there).
-if [ ! -d .gl ] || ! ls .gl/*.deb >/dev/null 2>&1; then
-  mkdir -p .gl /tmp/amd64/partial
-  o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
-  # shellcheck disable=SC2086 # the options are words
-  apt-get $o update -qq
-  # shellcheck disable=SC2086
-  (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2)
-fi
+cargo xtask kernels --check --json .gpu/static.json
 
 size() { du -sk "$@" 2>/dev/null | awk '{ s += $1 } END { print s + 0 }'; }
 if [ "$wheels" = 1 ]; then
   mkdir -p .whl
   platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
-  for w in torchao==0.18.0 bitsandbytes==0.50.2; do
+  for w in torchao==0.18.0; do
     dir=$(mktemp -d)
     # shellcheck disable=SC2086
     if python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp $platforms -d "$dir" "$w"; then
       tree=$(git ls-files -z | du -ck --files0-from=- | tail -1 | cut -f1)
-      total=$((tree + $(size .gpu .gl .whl) + $(size "$dir")))
+      total=$((tree + $(size .gpu .whl) + $(size "$dir")))
       if [ "$total" -lt $((62 * 1024)) ]; then
         mv "$dir"/*.whl .whl/
       else
@@ -75,6 +67,6 @@ if [ "$wheels" = 1 ]; then
   done
 fi
 tree=$(git ls-files -z | du -ck --files0-from=- | tail -1 | cut -f1)
-echo "staged: $(ls .gpu/bin | tr '\n' ' ')| $(ls .gl | wc -l) debs | $(ls .whl 2>/dev/null | tr '\n' ' ')"
-echo "the call carries about $(( (tree + $(size .gpu .gl .whl)) / 1024 )) MiB (limit 64)"
-echo 'run(command: "bash crates/lpmm-cuda/gpu/run.sh", carry: [".gpu", ".gl", ".whl"], timeout_s: 600)'
+echo "staged: $(ls .gpu/bin | tr '\n' ' ')| $(ls .gpu/static.json) | $(ls .whl 2>/dev/null | tr '\n' ' ')"
+echo "the call carries about $(( (tree + $(size .gpu .whl)) / 1024 )) MiB (limit 64)"
+echo 'run(command: "bash crates/lpmm-cuda/gpu/run.sh", carry: [".gpu", ".whl"], timeout_s: 600)'

@@ -112,6 +112,9 @@ inline uint32_t atomicMax(uint32_t* p, uint32_t v) {
     return old;
 }
 
+// The specialized steps' test hook (plan_lanes.cuh PLAN_FORCE_COLD): every cold path taken.
+thread_local bool lpmm_force_cold = false;
+
 // CUDA-only pragmas and the arguments some formats do not use.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
@@ -207,6 +210,53 @@ extern "C" int lpmm_emulate_plan(uint32_t plan, uint32_t grid, const Desc* descs
         return -1;
     }
     return run(LPMM_PLAN_KERNELS[plan], grid, descs, ndesc, maps, flags);
+}
+
+// Makes the specialized steps launched from the calling thread take every cold path they have
+// (`on` nonzero) or none they need not (0): a test hook.
+extern "C" void lpmm_emulate_force_cold(int on) { lpmm_force_cold = on != 0; }
+
+// The exact shortcuts (exact.cuh) as the kernels compute them, for tests/exact.rs.
+extern "C" float lpmm_emulate_exact_quotient(float a, float b, float rb) {
+    return exact_quotient(a, b, rb);
+}
+
+extern "C" uint32_t lpmm_emulate_exact_bf16(float x, uint32_t r, int stochastic) {
+    return stochastic != 0 ? exact_bf16_stochastic(x, r) : exact_bf16_nearest(x);
+}
+
+extern "C" uint32_t lpmm_emulate_exact_bucket(float y, int linear) {
+    return linear != 0 ? exact_linear_bucket(y) : exact_bucket(y);
+}
+
+// The codes the specialized steps give the quotients `ys` (with draws `rs` where `stochastic`)
+// with map `map` of the table `maps` in shared map 0, its buckets `linear` or logarithmic: the
+// map loaded and its bucket table built as a block's threads do (one after another), then
+// plan_nearest or plan_stochastic, read back from a packed word. Writes `n` codes to `out`.
+extern "C" void lpmm_emulate_codes(const uint32_t* maps, uint32_t map, int stochastic, int linear,
+                                   const float* ys, const uint32_t* rs, uint32_t n,
+                                   uint32_t* out) {
+    for (uint32_t t = 0; t < THREADS; t++) {
+        threadIdx = Dim3{t, 0, 0};
+        plan_load_map(0u, maps, map, stochastic != 0);
+    }
+    for (uint32_t t = 0; t < THREADS; t++) {
+        threadIdx = Dim3{t, 0, 0};
+        plan_build_map(0u, linear != 0);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t w = stochastic != 0 ? 0xFFFFFFFFu : 0u;
+        if (stochastic != 0 && linear != 0) {
+            plan_stochastic<true>(0u, ys[i], rs[i], w, 0u);
+        } else if (stochastic != 0) {
+            plan_stochastic<false>(0u, ys[i], rs[i], w, 0u);
+        } else if (linear != 0) {
+            plan_nearest<true>(0u, ys[i], w, 0u);
+        } else {
+            plan_nearest<false>(0u, ys[i], w, 0u);
+        }
+        out[i] = w;
+    }
 }
 
 // The layout the Rust side mirrors: sizeof(Desc), offsetof(Desc, slots), sizeof(SlotDesc).

@@ -12,11 +12,13 @@ __device__ __forceinline__ bool is_finite(float x) {
 
 // format/mod.rs `fits`: finite and at most `limit` (f32 bits) in magnitude.
 __device__ __forceinline__ bool fits(float x, uint32_t limit) {
+    // sass: checks
     return (f2u(x) & 0x7FFFFFFFu) <= limit;
 }
 
 // half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
 __device__ __forceinline__ uint32_t bf16_nearest(float x) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
         return (b >> 16u) | 0x40u;
@@ -29,6 +31,7 @@ __device__ __forceinline__ uint32_t bf16_nearest(float x) {
 
 // float::bf16_stochastic.
 __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) >= 0x7F800000u) {
         return bf16_nearest(x);
@@ -42,6 +45,7 @@ __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
 }
 
 __device__ __forceinline__ float bf16_value(uint32_t h) {
+    // sass: decode
     return u2f(h << 16u);
 }
 

@@ -471,11 +471,13 @@ __device__ __forceinline__ bool is_finite(float x) {
 
 // format/mod.rs `fits`: finite and at most `limit` (f32 bits) in magnitude.
 __device__ __forceinline__ bool fits(float x, uint32_t limit) {
+    // sass: checks
     return (f2u(x) & 0x7FFFFFFFu) <= limit;
 }
 
 // half::bf16::from_f32: round to nearest even, NaN kept quiet with its sign.
 __device__ __forceinline__ uint32_t bf16_nearest(float x) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
         return (b >> 16u) | 0x40u;
@@ -488,6 +490,7 @@ __device__ __forceinline__ uint32_t bf16_nearest(float x) {
 
 // float::bf16_stochastic.
 __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
+    // sass: round
     uint32_t b = f2u(x);
     if ((b & 0x7FFFFFFFu) >= 0x7F800000u) {
         return bf16_nearest(x);
@@ -501,6 +504,7 @@ __device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t r) {
 }
 
 __device__ __forceinline__ float bf16_value(uint32_t h) {
+    // sass: decode
     return u2f(h << 16u);
 }
 
@@ -559,6 +563,7 @@ __device__ __forceinline__ uint64_t fixed_term(float x, uint32_t stored, int32_t
 // nonce `step` is word i % 16 of the block with 64-bit counter i / 16.
 
 __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
+    // sass: random
     x[a] = x[a] + x[b];
     uint32_t r = x[d] ^ x[a];
     x[d] = (r << 16u) | (r >> 16u);
@@ -575,6 +580,7 @@ __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
 
 __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t counter,
                                         uint64_t nonce, uint32_t out[16]) {
+    // sass: random
     uint32_t s[16];
     s[0] = 0x61707865u;
     s[1] = 0x3320646eu;
@@ -621,6 +627,7 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
 // (lpmm-quant `RandomStream::draws_at`).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
+    // sass: random
     // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
     uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).
@@ -698,6 +705,99 @@ __device__ __forceinline__ uint32_t map_stochastic(const uint32_t* maps, uint32_
         cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
     }
     return lo + (r < cut ? 1u : 0u);
+}
+
+// ---- kernels/exact.cuh ----
+
+// Cheap exact arithmetic for the specialized steps (kernels/plan.cuh): each function returns the
+// bits of the dearer operation it stands for, under the conditions stated beside it. The
+// arguments are in docs/FORMATS.md ("Exact shortcuts of the CUDA specialized steps"); the tests
+// that would catch a wrong bit are crates/lpmm-cuda/tests/exact.rs (the schemes, on adversarial
+// and exhaustive inputs) and tests/plans.rs (every plan against the CPU reference).
+
+// The quotient a / b correctly rounded, from rb = RN(1 / b) (one IEEE division per divisor,
+// shared by every quotient by it): q0 = RN(a rb), then one correction with the exact remainder
+// r = a - b q0 (Markstein). It is RN(a / b) when 1/b is normal, |a / b| >= 2^-125 and |a| >=
+// 2^-100 (no intermediate underflows); exact_small_quotient bounds it where a is smaller.
+__device__ __forceinline__ float exact_quotient(float a, float b, float rb) {
+    float q0 = a * rb;
+    float r = __fmaf_rn(-b, q0, a);
+    return __fmaf_rn(r, rb, q0);
+}
+
+// The divisors exact_quotient takes in the specialized steps: 2^-70 <= b <= 2^120 (a block's
+// absmax; a bias correction), so 1/b is normal and every quotient by b of an |a| >= b 2^-30 meets
+// exact_quotient's conditions. Outside, the steps divide in IEEE arithmetic (a cold path).
+__device__ __forceinline__ bool exact_divisor(float b) {
+    return b >= 0x1p-70f && b <= 0x1p120f;
+}
+
+// bf16 rounding, the bf16 in the top half of the result (exact_pack_halves packs two): for |x|
+// <= 0x7F7F7FFF as bits (finite, rounding to a finite bf16), half::bf16::from_f32 (float.cuh
+// bf16_nearest) is the top half of x + 0x7FFF + (bit 16 of x), to nearest even; the non-finite
+// cases of bf16_nearest never arise there, and the carry never reaches the sign.
+__device__ __forceinline__ uint32_t exact_bf16_nearest(float x) {
+    // sass: round
+    uint32_t b = f2u(x);
+    return b + 0x7FFFu + ((b >> 16u) & 1u);
+}
+
+// float.cuh bf16_stochastic with the draw d in the top half of r (its low half 0), for |x| <=
+// 0x7F7EFFFF as bits: the top half of b + 0xFFFF - d, which carries into it exactly when d < the
+// low half of b (bf16_stochastic's `up`). Its result never reaches infinity, so neither of
+// bf16_stochastic's fallbacks to nearest rounding is taken.
+__device__ __forceinline__ uint32_t exact_bf16_stochastic(float x, uint32_t r) {
+    // sass: round
+    return f2u(x) + ((~r) >> 16u);
+}
+
+// The top halves of a and b as the low and high half of one word (a bf16 pair).
+__device__ __forceinline__ uint32_t exact_pack_halves(uint32_t a, uint32_t b) {
+    // sass: pack
+    return (a >> 16u) | (b & 0xFFFF0000u);
+}
+
+// The nearest-code bucket of y (|y| <= 1, the quotient by a block's absmax): the sign, the
+// exponent and the top 7 bits of the mantissa of max(|y|, 2^-31) (so every magnitude below
+// 2^-31 (1 + 2^-7) shares its sign's first bucket), less the bucket of 2^-31: 0 ..= 0xF80 for a
+// sign bit of 0, 0x8000 ..= 0x8F80 for 1. Each bucket is an interval of values; lpmm-backend's
+// plans.rs takes a map for a specialized step only if none of its buckets holds two thresholds
+// (codemap's `nearest` is then the count at the bucket's lowest value plus one comparison).
+__device__ __forceinline__ uint32_t exact_bucket(float y) {
+    // sass: search
+    float a = fmaxf(fabsf(y), 0x1p-31f);
+    return ((f2u(a) | (f2u(y) & 0x80000000u)) >> 16u) - 0x3000u;
+}
+
+// The bucket of y (|y| <= 1) on a uniform grid of 256 buckets of width 2^-7: RN(128 y + 128)
+// (0 ..= 256), read from the bits of y 128 + (128 + 1.5 2^23), whose rounding to an integer is
+// the fma's. Monotone in y, so each bucket is an interval of values; for the maps whose keys are
+// at least a bucket apart (plans.rs: the linear maps).
+__device__ __forceinline__ uint32_t exact_linear_bucket(float y) {
+    // sass: search
+    return f2u(__fmaf_rn(y, 128.0f, 12583040.0f)) & 0x1FFu;
+}
+
+// The lowest value of bucket k (0 ..= 0xFFF or 0x8000 ..= 0x8FFF; past magnitude 1, its sign's
+// 1): the inverse of exact_bucket at the bucket's low end.
+__device__ __forceinline__ float exact_bucket_low(uint32_t k) {
+    uint32_t h = (k & 0xFFFu) + 0x3000u;
+    h = h < 0x3F80u ? h : 0x3F80u;
+    if (k < 0x8000u) {
+        return h == 0x3000u ? 0.0f : u2f(h << 16u);
+    }
+    return u2f(0x80000000u | (h << 16u) | 0xFFFFu);
+}
+
+// The number of thresholds <= y of a sorted table of 256 (NaN past the last one, so they never
+// count): a binary search, for building the bucket table.
+__device__ __forceinline__ uint32_t exact_count(const float* thresholds, float y) {
+    uint32_t c = 0u;
+#pragma unroll
+    for (uint32_t step = 128u; step > 0u; step /= 2u) {
+        c = thresholds[c + step - 1u] <= y ? c + step : c;
+    }
+    return c;
 }
 
 // ---- kernels/formats/f32.cuh ----
@@ -1231,6 +1331,7 @@ __device__ __forceinline__ void fmt_bf16_plus8_clear(const Tile& t, const uint32
 
 __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, float p, float g,
                                                  float m0, float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -1267,8 +1368,13 @@ __device__ __forceinline__ Update rule_sgd_apply(SgdConsts c, uint32_t flags, fl
 
 // Adam / AdamW (lpmm-optim rule/adam.rs), PyTorch's order; `__fmaf_rn` where the CPU fuses.
 
-__device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
-                                                  float m0, float v0, float w0) {
+// The update, with sqrt(v) / bias_correction2_sqrt divided in IEEE arithmetic (`fast` false) or
+// as exact.cuh's exact_quotient from `inv`, RN(1 / bias_correction2_sqrt) (`fast`: the same bits
+// where rule_adam_prepare allows it).
+__device__ __forceinline__ Update rule_adam_update(AdamConsts c, bool fast, float inv,
+                                                   uint32_t flags, float p, float g, float m0,
+                                                   float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -1294,11 +1400,38 @@ __device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, 
     if ((flags & F_GIVEN_V) == 0u) {
         u.v = __fmaf_rn(c.one_minus_beta2 * gg, gg, v0 * c.beta2);
     }
-    float denom = sqrtf(u.v) / c.bias_correction2_sqrt + c.eps;
+    float root = sqrtf(u.v);
+    float scaled = fast ? exact_quotient(root, c.bias_correction2_sqrt, inv)
+                        : root / c.bias_correction2_sqrt;
+    float denom = scaled + c.eps;
     float step = c.neg_step_size * u.m / denom;
     u.p = decayed + step;
     u.d = decay_delta + step;
     return u;
+}
+
+__device__ __forceinline__ Update rule_adam_apply(AdamConsts c, uint32_t flags, float p, float g,
+                                                  float m0, float v0, float w0) {
+    return rule_adam_update(c, false, 0.0f, flags, p, g, m0, v0, w0);
+}
+
+// The specialized steps' fast path (kernels/plan.cuh): RN(1 / bias_correction2_sqrt), or 0 (no
+// fast path) where exact_quotient would not give the IEEE quotient. Its numerators are square
+// roots: +0, or at least 2^-75 (the root of the least subnormal), at most 2^64; with a divisor
+// in [2^-40, 2^40] every quotient is then exact, but for a root of -0 (v = -0), whose quotient
+// comes out +0: the same denominator but with eps = -0, which is left to the IEEE path.
+__device__ __forceinline__ float rule_adam_prepare(AdamConsts c) {
+    // sass: rule
+    float b = c.bias_correction2_sqrt;
+    if (!(b >= 0x1p-40f && b <= 0x1p40f) || f2u(c.eps) == 0x80000000u) {
+        return 0.0f;
+    }
+    return 1.0f / b;
+}
+
+__device__ __forceinline__ Update rule_adam_fast(AdamConsts c, float inv, uint32_t flags, float p,
+                                                 float g, float m0, float v0, float w0) {
+    return rule_adam_update(c, true, inv, flags, p, g, m0, v0, w0);
 }
 
 // The gradient the second moment sees: Adam's L2 penalty folded in.
@@ -1317,6 +1450,7 @@ __device__ __forceinline__ float rule_adam_moment_input(AdamConsts c, uint32_t f
 
 __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, float p, float g,
                                                   float m0, float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;
@@ -2118,14 +2252,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
     }
 }
 
-// ---- kernels/plan.cuh ----
+// ---- kernels/plan_lanes.cuh ----
 
-// The specialized fused steps (crates/lpmm-backend/src/plans.rs): one kernel per hot plan, each a
-// `plan_step` with the rule, every slot's format (as a lane type below) and the gradient's input
-// fixed at compile time; `cargo xtask codegen` writes their entries after this file. They compute
-// what `lpmm_step` computes for the same items, with the same functions in the same order (the
-// rule's `rule_<name>_apply`, `fits`, bf16 and split rounding, the random draws): only the memory
-// access and the code search differ, and the search gives the same count of thresholds.
+// The specialized fused steps' memory access, code maps and lanes (crates/lpmm-backend/src/plans.rs:
+// one kernel per hot plan, each a plan.cuh `plan_step` with the rule, every slot's format, as a
+// lane type below, and the gradient's input fixed at compile time; `cargo xtask codegen` writes
+// their entries after plan.cuh). They compute what `lpmm_step` computes for the same items: the
+// fast path with exact.cuh's shortcuts (the same bits: docs/FORMATS.md §13), the cold path with
+// the same functions in the same order as `lpmm_step` (the rule's `rule_<name>_apply`, `fits`,
+// bf16 and split rounding, the random draws).
 //
 // What differs from `lpmm_step`:
 // - no format or rule dispatch: each slot's loads and stores are its lane's, inlined;
@@ -2135,12 +2270,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
 //   idle, blocks whole; lpmm-backend's Device steps the rest with `lpmm_step`);
 // - a block's absmax is a warp shuffle over the threads that own it (blocks up to 512 elements,
 //   32 threads), not a shared-memory tree with barriers;
-// - each quantized slot's code map (values, thresholds, key table; lpmm-formats
-//   `CodeMap::key_table`) is in shared memory, and the nearest code is two reads and one
-//   comparison;
+// - each quantized slot's code map (values, keys, bucket table, interval steps) is in shared
+//   memory, built once per block, and a code is a table count plus one comparison;
 // - a block walks a contiguous range of tiles (the grid is sized to the device), so the maps are
-//   loaded once per block, and reads its descriptor's fields once per tile.
+//   built once per block, and reads its descriptor's fields once per tile.
 // Only what a plan has is loaded or stored; nothing is indexed by a run-time value but memory.
+// `// sass: <category>` comments mark where each instruction goes in `cargo xtask kernels
+// --report` (crates/lpmm-cuda/src/sass/lines.rs).
 
 #define PLAN_IO_NONE 0u
 #define PLAN_IO_F32 1u
@@ -2151,10 +2287,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_step(LPMM_ARGS) {
 // host build (emulate.cpp) has no PTX: plain accesses.
 #ifdef LPMM_HOST
 __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
     return *reinterpret_cast<const uint4*>(p);
 }
 
 __device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
     return *reinterpret_cast<const uint2*>(p);
 }
 
@@ -2162,6 +2300,7 @@ __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) { return *p; }
 
 __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
                                          uint32_t d) {
+    // sass: stores
     uint4 v;
     v.x = a;
     v.y = b;
@@ -2171,6 +2310,7 @@ __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, ui
 }
 
 __device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
     uint2 v;
     v.x = a;
     v.y = b;
@@ -2183,6 +2323,7 @@ __device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) { *p = a; }
 // nothing another thread of the launch stores but an accumulator's absmax, which is cleared
 // after a `__syncwarp` (plan_step).
 __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
+    // sass: loads
     uint4 v;
     asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -2191,12 +2332,14 @@ __device__ __forceinline__ uint4 plan_ld4(const uint32_t* p) {
 }
 
 __device__ __forceinline__ uint2 plan_ld2(const uint32_t* p) {
+    // sass: loads
     uint2 v;
     asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 
 __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) {
+    // sass: loads
     uint32_t v;
     asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
@@ -2204,27 +2347,32 @@ __device__ __forceinline__ uint32_t plan_ld1(const uint32_t* p) {
 
 __device__ __forceinline__ void plan_st4(uint32_t* p, uint32_t a, uint32_t b, uint32_t c,
                                          uint32_t d) {
+    // sass: stores
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c),
                  "r"(d)
                  : "memory");
 }
 
 __device__ __forceinline__ void plan_st2(uint32_t* p, uint32_t a, uint32_t b) {
+    // sass: stores
     asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
 }
 
 __device__ __forceinline__ void plan_st1(uint32_t* p, uint32_t a) {
+    // sass: stores
     asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(a) : "memory");
 }
 #endif
 
 // The 16-bit value of element `i` of a region of halves.
 __device__ __forceinline__ uint32_t plan_ld_half(const uint32_t* p, uint32_t i) {
+    // sass: loads
     return (plan_ld1(p + i / 2u) >> (16u * (i & 1u))) & 0xFFFFu;
 }
 
 // Eight words of a region (a thread's 16 bf16 or 16-bit halves).
 __device__ __forceinline__ void plan_ld8(const uint32_t* p, uint32_t w[8]) {
+    // sass: loads
     uint4 a = plan_ld4(p);
     uint4 b = plan_ld4(p + 4u);
     w[0] = a.x;
@@ -2238,71 +2386,201 @@ __device__ __forceinline__ void plan_ld8(const uint32_t* p, uint32_t w[8]) {
 }
 
 __device__ __forceinline__ void plan_st8(uint32_t* p, const uint32_t w[8]) {
+    // sass: stores
     plan_st4(p, w[0], w[1], w[2], w[3]);
     plan_st4(p + 4u, w[4], w[5], w[6], w[7]);
 }
 
-// A code map in shared memory: its values (the last repeated to 256: CodeMap::value), its
-// thresholds (NaN past the last: no comparison counts there) and its key table.
-struct PlanMap {
-    float values[256];
-    float thresholds[256];
-    uint32_t meta[64];
-    unsigned char starts[512];
-};
+// The code maps of a plan (plan.cuh `plan_maps`: at most PLAN_MAPS), in one shared byte array
+// for every plan's kernel, so that addresses are constants. Map k's keys are the sorted table its
+// stores search: its thresholds for nearest rounding (NaN past the last: no comparison counts
+// there), its values for stochastic rounding (NaN past the last). Its bucket table (exact.cuh
+// `exact_bucket`: the number of keys at or below each bucket's lowest value) lies at k 0x1000 for
+// the buckets of a sign bit 0, and 0x8000 above that for the others; in the space between, at
+// 0x3000 + k 0x800, its values (the last repeated to 256: CodeMap::value) and keys, at 0x4800 +
+// 4 k the code of 0 (an accumulator's clear), and at 0x4810 + k 0x1010 (stochastic rounding) the
+// step of each interval between values (plan_stochastic).
+#define PLAN_MAPS 3u
+alignas(16) __shared__ unsigned char plan_sm[0x8000u + 0x1000u * PLAN_MAPS];
 
-// Copies map `map` of the table (abi.rs `map_table`) into `m`. Called by every thread.
-__device__ __forceinline__ void plan_load_map(PlanMap* m, const uint32_t* maps, uint32_t map) {
+__device__ __forceinline__ float* plan_values(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3000u + 0x800u * k);
+}
+
+__device__ __forceinline__ float* plan_keys(uint32_t k) {
+    return reinterpret_cast<float*>(plan_sm + 0x3400u + 0x800u * k);
+}
+
+// The code of 0 in every byte (8-bit codes: an accumulator's clear).
+__device__ __forceinline__ uint32_t* plan_zero(uint32_t k) {
+    return reinterpret_cast<uint32_t*>(plan_sm + 0x4800u + 4u * k);
+}
+
+// The bucket of y in map k's table: exact.cuh's linear buckets (LINEAR) or its logarithmic ones.
+template <bool LINEAR>
+__device__ __forceinline__ uint32_t plan_bucket(uint32_t k, float y) {
+    // sass: search
+    return 0x1000u * k + (LINEAR ? exact_linear_bucket(y) : exact_bucket(y));
+}
+
+// Interval i of map k, for a y with i values at or below it (0 ..= len): the lower value lo_v
+// (x), the step den = hi_v - lo_v (y) and rden = RN(1 / den) (z) of CodeMap::stochastic's
+// fraction (y - lo_v) / den, as exact.cuh's exact_quotient divides it. Below the first value (i =
+// 0) every fraction is at least 1 (lo_v -2, den and rden 1: the draw always rounds up, to code
+// 0); at or above the last (i = len) every fraction is 0 (rden 0: the last code).
+__device__ __forceinline__ uint4* plan_steps(uint32_t k) {
+    return reinterpret_cast<uint4*>(plan_sm + 0x4810u + 0x1010u * k);
+}
+
+// Copies map `map` of the table (abi.rs `map_table`) into shared map k, with its keys for
+// stochastic rounding (`sr`) or nearest rounding. Called by every thread; the bucket table needs
+// the keys (plan_build_map, after a barrier).
+__device__ __forceinline__ void plan_load_map(uint32_t k, const uint32_t* maps, uint32_t map,
+                                              bool sr) {
     uint32_t len = maps[MAP_LENS + map];
     const uint32_t* base = maps + MAP_STRIDE * map;
-    for (uint32_t k = threadIdx.x; k < 256u; k += THREADS) {
-        m->values[k] = u2f(base[k < len ? k : len - 1u]);
-        m->thresholds[k] = k + 1u < len ? u2f(base[256u + k]) : u2f(0x7FC00000u);
+    for (uint32_t i = threadIdx.x; i < 256u; i += THREADS) {
+        plan_values(k)[i] = u2f(base[i < len ? i : len - 1u]);
+        if (sr) {
+            plan_keys(k)[i] = i < len ? u2f(base[i]) : u2f(0x7FC00000u);
+        } else {
+            plan_keys(k)[i] = i + 1u < len ? u2f(base[256u + i]) : u2f(0x7FC00000u);
+        }
     }
-    const uint32_t* keys = maps + MAP_KEYS + MAP_KEY_WORDS * map;
-    for (uint32_t k = threadIdx.x; k < 64u; k += THREADS) {
-        m->meta[k] = keys[k];
+    for (uint32_t i = threadIdx.x; sr && i <= len; i += THREADS) {
+        uint4 e;
+        e.w = 0u;
+        if (i == 0u) {
+            e.x = f2u(-2.0f);
+            e.y = f2u(1.0f);
+            e.z = f2u(1.0f);
+        } else if (i == len) {
+            e.x = base[len - 1u];
+            e.y = f2u(1.0f);
+            e.z = 0u;
+        } else {
+            float lo = u2f(base[i - 1u]);
+            float den = u2f(base[i]) - lo;
+            e.x = f2u(lo);
+            e.y = f2u(den);
+            e.z = f2u(1.0f / den);
+        }
+        plan_steps(k)[i] = e;
     }
-    uint32_t* starts = reinterpret_cast<uint32_t*>(m->starts);
-    for (uint32_t k = threadIdx.x; k < 128u; k += THREADS) {
-        starts[k] = keys[64u + k];
+    if (threadIdx.x == 0u) {
+        // CodeMap::nearest(0): the thresholds at or below 0 (binary search).
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            uint32_t at = c + step - 1u;
+            c = at + 1u < len && u2f(base[256u + at]) <= 0.0f ? c + step : c;
+        }
+        *plan_zero(k) = c * 0x01010101u;
     }
 }
 
-// CodeMap::nearest for |y| < 2 (a quotient by its block's absmax is at most 1): the number of
-// thresholds <= y, as the count at the bottom of y's key-table bucket plus one comparison (a
-// bucket holds at most one threshold; codemap.rs `KeyTable`).
-__device__ __forceinline__ uint32_t plan_nearest(const PlanMap* m, float y) {
-    uint32_t h = f2u(y) >> 16u;
-    uint32_t e = (h >> 7u) & 0xFFu;
-    uint32_t b = e > 96u ? e - 96u : 0u;
-    uint32_t meta = m->meta[((h >> 15u) << 5u) | b];
-    uint32_t key = (meta & 0xFFFu) + ((h & 0x7Fu) >> (meta >> 12u));
-    uint32_t c = m->starts[key];
-    return c + (m->thresholds[c] <= y ? 1u : 0u);
+// The bucket table of shared map k (after plan_load_map and a barrier): for logarithmic buckets
+// the keys at or below each bucket's lowest value, for linear ones the keys of the buckets below
+// (a binary search: the linear bucket is monotone in the key). Called by every thread.
+__device__ __forceinline__ void plan_build_map(uint32_t k, bool linear) {
+    const float* keys = plan_keys(k);
+    for (uint32_t i = threadIdx.x; linear && i <= 256u; i += THREADS) {
+        uint32_t c = 0u;
+        for (uint32_t step = 128u; step > 0u; step /= 2u) {
+            float key = keys[c + step - 1u];
+            c = key == key && exact_linear_bucket(key) < i ? c + step : c;
+        }
+        plan_sm[0x1000u * k + i] = (unsigned char)c;
+    }
+    for (uint32_t i = threadIdx.x; !linear && i < 0x2000u; i += THREADS) {
+        uint32_t b = i < 0x1000u ? i : i + 0x7000u;
+        plan_sm[0x1000u * k + b] = (unsigned char)exact_count(keys, exact_bucket_low(b));
+    }
 }
 
-// CodeMap::stochastic for |y| < 2 (maps.cuh `map_stochastic`), with selects for its early
-// returns: the same code.
-__device__ __forceinline__ uint32_t plan_stochastic(const PlanMap* m, uint32_t len, float y,
-                                                    uint32_t r) {
-    uint32_t c = plan_nearest(m, y);
-    uint32_t below = m->values[c] > y ? 1u : 0u;
-    bool under = below > c;
-    uint32_t lo = under ? 0u : c - below;
-    bool top = lo + 1u == len;
-    float lo_v = m->values[lo];
-    float hi_v = m->values[top ? lo : lo + 1u];
-    float frac = (y - lo_v) / (hi_v - lo_v);
-    float scaled = frac * 4294967296.0f;
-    // Rust's saturating `as u32`.
-    uint32_t cut = 0xFFFFFFFFu;
-    if (scaled < 4294967296.0f) {
-        cut = scaled > 0.0f ? (uint32_t)scaled : 0u;
+// The 16 bytes at shared address p in one load. An explicit vector load: NVVM otherwise splits
+// some of these into word loads, differently from one compilation to the next (the PTX must be
+// the same every time: tests/ptx.rs).
+__device__ __forceinline__ uint4 plan_lds4(const uint4* p) {
+#ifdef LPMM_HOST
+    return *p;
+#else
+    uint4 v;
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(at));
+    return v;
+#endif
+}
+
+// Where a <= b: x += dx and y += dy; where a < b (unsigned): x += dx. One comparison and
+// predicated adds (the compiler's form of these selects a sum or adds a select).
+__device__ __forceinline__ void plan_add2_if_le(float a, float b, uint32_t& x, uint32_t dx,
+                                                uint32_t& y, uint32_t dy) {
+#ifdef LPMM_HOST
+    if (a <= b) {
+        x += dx;
+        y += dy;
     }
-    uint32_t code = lo + (r < cut ? 1u : 0u);
-    code = top ? lo : code;
-    return under ? 0u : code;
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.le.f32 p, %2, %3;\n\t@p add.u32 %0, %0, %4;\n\t"
+        "@p add.u32 %1, %1, %5;\n\t}"
+        : "+r"(x), "+r"(y)
+        : "f"(a), "f"(b), "r"(dx), "r"(dy));
+#endif
+}
+
+__device__ __forceinline__ void plan_add_if_lt(uint32_t a, uint32_t b, uint32_t& x, uint32_t dx) {
+#ifdef LPMM_HOST
+    if (a < b) {
+        x += dx;
+    }
+#else
+    asm("{\n\t.reg .pred p;\n\tsetp.lt.u32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}"
+        : "+r"(x)
+        : "r"(a), "r"(b), "r"(dx));
+#endif
+}
+
+// CodeMap::nearest for |y| <= 1 (a quotient by its block's absmax) with map k, added to `word` at
+// bit `at` (the packing: see PlanQuant::store): the number of thresholds at or below y, as the
+// count at the bottom of y's bucket plus one comparison (a bucket holds at most one threshold:
+// plans.rs checks it of every map a plan quantizes with).
+template <bool LINEAR>
+__device__ __forceinline__ void plan_nearest(uint32_t k, float y, uint32_t& word, uint32_t at) {
+    // sass: search
+    uint32_t c = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += c << at;
+    // sass: search
+    uint32_t unused = 0u;
+    plan_add2_if_le(plan_keys(k)[c], y, word, 1u << at, unused, 0u);
+}
+
+// CodeMap::stochastic for |y| <= 1 (a quotient by its block's absmax) with map k and the draw r,
+// added to `word` at bit `at` less 1 (the packing: see PlanQuant::store): i = the number of values
+// at or below y (the count at the bottom of y's bucket, plus one where the interval's next value
+// is at or below y: the next interval's entry), then the code below y (i - 1) plus one where r <
+// floor(frac 2^32) (saturating), frac = (y - lo_v) / (hi_v - lo_v) in f32 as exact_quotient
+// divides it (plan_steps: 0 where y is at or above the last value, at least 1 below the first).
+// CodeMap::stochastic's `lo` is i - 1: the nearest code less one where its value is above y.
+template <bool LINEAR>
+__device__ __forceinline__ void plan_stochastic(uint32_t k, float y, uint32_t r, uint32_t& word,
+                                                uint32_t at) {
+    // sass: search
+    uint32_t i = plan_sm[plan_bucket<LINEAR>(k, y)];
+    // sass: pack
+    word += i << at;
+    // sass: search
+    plan_add2_if_le(plan_keys(k)[i], y, word, 1u << at, i, 1u);
+    uint4 e = plan_lds4(plan_steps(k) + i);
+    float frac = exact_quotient(y - u2f(e.x), u2f(e.y), u2f(e.z));
+    // Rust's saturating `as u32` of frac 2^32 (frac >= +0: at most 1, but below the first value),
+    // as the comparison with the draw sees it: from 2^32 up the reference's cut is 2^32 - 1, here
+    // the largest f32 below 2^32 truncated (2^32 - 256); every draw (at most 0xFFFF0000) is below
+    // both.
+    uint32_t cut = (uint32_t)fminf(frac * 4294967296.0f, 4294967040.0f);
+    plan_add_if_lt(r, cut, word, 1u << at);
 }
 
 // The cold path of a thread whose run of 16 elements is cut by its item's end (or past it): its
@@ -2315,47 +2593,65 @@ __device__ __forceinline__ uint32_t plan_stochastic(const PlanMap* m, uint32_t l
 #define PLAN_COLD() asm volatile("pmevent 7;")
 #endif
 
+// The host emulation's test hook (kernels/emulate.cpp `lpmm_emulate_force_cold`): with it, every
+// thread takes every cold path it has, so that the tests hold those to the reference's bits too.
+#ifdef LPMM_HOST
+#define PLAN_FORCE_COLD lpmm_force_cold
+#else
+#define PLAN_FORCE_COLD false
+#endif
+
 // The lanes: how a plan reaches one slot. `at` points the lane at a descriptor's slot; `load`
 // decodes a thread's 16 elements from element `first` (a multiple of 16) with 16-byte accesses,
 // `load_part` its first `count` (the rest 0) with scalar ones; `store` encodes them (with the
 // slot's random draws `r` if it rounds stochastically; every thread of the warp calls it) and
 // writes all 16 (`count` 16) or the first `count`; `clear` clears an accumulator's. Each mirrors
-// formats/<name>.cuh.
+// formats/<name>.cuh. `store` rounds as exact.cuh does where `exact` is false (the thread's
+// values passed the fast checks, plan_step: each is within the lane's FAST_LIMIT), and as its
+// format does otherwise. FAST_LIMIT is the largest magnitude (f32 bits) the fast checks let
+// through: the format's limit (format/mod.rs `fits`), or less where exact.cuh needs less.
 
 // No slot: zeros in (the rule never changes a state it does not have), nothing out.
 struct PlanAbsent {
     static constexpr uint32_t FMT = FMT_NONE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = false;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {}
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {}
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             v[j] = 0.0f;
         }
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         load(first, v);
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {}
+                                          const uint32_t r[16], bool exact) const {}
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {}
 };
 
 // f32 (formats/f32.cuh).
 struct PlanF32 {
     static constexpr uint32_t FMT = FMT_F32;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             uint4 w = plan_ld4(a + first + 4u * k);
@@ -2366,13 +2662,15 @@ struct PlanF32 {
         }
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             v[j] = (uint32_t)j < count ? u2f(plan_ld1(a + first + j)) : 0.0f;
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
+        // sass: stores
         if (count == 16u) {
 #pragma unroll
             for (int k = 0; k < 4; k++) {
@@ -2390,6 +2688,7 @@ struct PlanF32 {
         }
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         if (count == 16u) {
 #pragma unroll
             for (int k = 0; k < 4; k++) {
@@ -2409,6 +2708,7 @@ struct PlanF32 {
 
 // Words `k < (count + 1) / 2` of a region of 16-bit halves at `p` (the rest 0).
 __device__ __forceinline__ void plan_ld8_part(const uint32_t* p, uint32_t count, uint32_t w[8]) {
+    // sass: loads
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         w[k] = (uint32_t)(2 * k) < count ? plan_ld1(p + k) : 0u;
@@ -2418,6 +2718,7 @@ __device__ __forceinline__ void plan_ld8_part(const uint32_t* p, uint32_t count,
 // Writes the 16-bit pairs of `w` (all 8 words when `count` is 16; else the words of the first
 // `count` halves, a last odd half with 0 above it, as formats/bf16.cuh writes them).
 __device__ __forceinline__ void plan_st8_count(uint32_t* p, uint32_t count, const uint32_t w[8]) {
+    // sass: stores
     if (count == 16u) {
         plan_st8(p, w);
     } else {
@@ -2437,13 +2738,17 @@ struct PlanBf16 {
     static constexpr uint32_t FMT = FMT_BF16;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = (AUX & 1u) != 0u;
+    static constexpr bool LINEAR = false;
+    // exact.cuh: bf16 rounding without its non-finite and overflow cases.
+    static constexpr uint32_t FAST_LIMIT = SR ? 0x7F7EFFFFu : 0x7F7F7FFFu;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* a;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         a = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
     }
     __device__ __forceinline__ static void decode(const uint32_t w[8], float v[16]) {
+        // sass: decode
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             v[2 * k] = bf16_value(w[k] & 0xFFFFu);
@@ -2451,11 +2756,13 @@ struct PlanBf16 {
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         uint32_t w[8];
         plan_ld8(a + first / 2u, w);
         decode(w, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         uint32_t w[8];
         plan_ld8_part(a + first / 2u, count, w);
         decode(w, v);
@@ -2465,24 +2772,33 @@ struct PlanBf16 {
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
+        // sass: round
         uint32_t w[8];
+        if (exact) {
+            PLAN_COLD();
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            uint32_t h0;
-            uint32_t h1;
-            if (SR) {
-                h0 = bf16_stochastic(v[2 * k], r[2 * k]);
-                h1 = bf16_stochastic(v[2 * k + 1], r[2 * k + 1]);
-            } else {
-                h0 = bf16_nearest(v[2 * k]);
-                h1 = bf16_nearest(v[2 * k + 1]);
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? bf16_stochastic(v[2 * k], r[2 * k]) : bf16_nearest(v[2 * k]);
+                uint32_t h1 =
+                    SR ? bf16_stochastic(v[2 * k + 1], r[2 * k + 1]) : bf16_nearest(v[2 * k + 1]);
+                w[k] = h0 | (h1 << 16u);
             }
-            w[k] = h0 | (h1 << 16u);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t h0 = SR ? exact_bf16_stochastic(v[2 * k], r[2 * k])
+                                 : exact_bf16_nearest(v[2 * k]);
+                uint32_t h1 = SR ? exact_bf16_stochastic(v[2 * k + 1], r[2 * k + 1])
+                                 : exact_bf16_nearest(v[2 * k + 1]);
+                w[k] = exact_pack_halves(h0, h1);
+            }
         }
+        // sass: stores
         plan_st8_count(a + first / 2u, count, w);
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
         plan_st8_count(a + first / 2u, count, w);
     }
@@ -2491,18 +2807,21 @@ struct PlanBf16 {
 // Split f32: bf16 halves and remainders (formats/split_f32.cuh).
 struct PlanSplit {
     static constexpr uint32_t FMT = FMT_SPLIT_F32;
+    static constexpr uint32_t FAST_LIMIT = 0x7F7F7FFFu;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = false;
+    static constexpr bool LINEAR = false;
     static constexpr uint32_t QUANT = 0u;
     static constexpr uint32_t MAP = 0u;
     uint32_t* hi;
     uint32_t* rem;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* m, uint32_t n) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t k, uint32_t n) {
         hi = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
         rem = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
     }
     __device__ __forceinline__ static void decode(const uint32_t a[8], const uint32_t b[8],
                                                   float v[16]) {
+        // sass: decode
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             uint32_t shift = 16u * (j & 1);
@@ -2513,6 +2832,7 @@ struct PlanSplit {
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         uint32_t a[8];
         uint32_t b[8];
         plan_ld8(hi + first / 2u, a);
@@ -2520,6 +2840,7 @@ struct PlanSplit {
         decode(a, b, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         uint32_t a[8];
         uint32_t b[8];
         plan_ld8_part(hi + first / 2u, count, a);
@@ -2531,7 +2852,7 @@ struct PlanSplit {
         }
     }
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
+                                          const uint32_t r[16], bool exact) const {
         uint32_t a[8];
         uint32_t b[8];
 #pragma unroll
@@ -2554,6 +2875,7 @@ struct PlanSplit {
         plan_st8_count(rem + first / 2u, count, b);
     }
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
         plan_st8_count(hi + first / 2u, count, w);
         plan_st8_count(rem + first / 2u, count, w);
@@ -2561,10 +2883,13 @@ struct PlanSplit {
 };
 
 // Block-wise codes of 8 or 4 bits and one absmax per block (formats/blockwise.cuh), blocks of at
-// most 512 elements: a block's threads are consecutive lanes of one warp.
-template <uint32_t AUX>
+// most 512 elements: a block's threads are consecutive lanes of one warp. BUCKETS: the map's
+// bucket table, exact.cuh's logarithmic buckets (0) or its linear ones (1: plans.rs `buckets`).
+template <uint32_t AUX, uint32_t BUCKETS>
 struct PlanQuant {
+    static constexpr bool LINEAR = BUCKETS == 1u;
     static constexpr uint32_t FMT = FMT_BLOCKWISE;
+    static constexpr uint32_t FAST_LIMIT = LIMIT_F32;
     static constexpr bool PRESENT = true;
     static constexpr bool SR = ((AUX >> 16u) & 1u) != 0u;
     static constexpr uint32_t QUANT = 1u;
@@ -2580,10 +2905,9 @@ struct PlanQuant {
     static_assert(GROUP >= 1u && GROUP <= 32u, "a block within one warp");
     uint32_t* codes;
     uint32_t* absmax;
-    const PlanMap* m;
+    uint32_t m;
     uint32_t len;
-    __device__ __forceinline__ void at(const Desc* d, uint32_t s, const PlanMap* map,
-                                       uint32_t map_len) {
+    __device__ __forceinline__ void at(const Desc* d, uint32_t s, uint32_t map, uint32_t map_len) {
         codes = reinterpret_cast<uint32_t*>(d->slots[s].region[0]);
         absmax = reinterpret_cast<uint32_t*>(d->slots[s].region[1]);
         m = map;
@@ -2591,13 +2915,15 @@ struct PlanQuant {
     }
     __device__ __forceinline__ void decode(const uint32_t w[WORDS], float scale,
                                            float v[16]) const {
+        // sass: decode
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             uint32_t code = (w[j / PER_WORD] >> (BITS * (j % PER_WORD))) & ((1u << BITS) - 1u);
-            v[j] = m->values[code] * scale;
+            v[j] = plan_values(m)[code] * scale;
         }
     }
     __device__ __forceinline__ void load(uint32_t first, float v[16]) const {
+        // sass: loads
         float scale = u2f(plan_ld1(absmax + (first >> LOG)));
         uint32_t w[WORDS];
         if (BITS == 8u) {
@@ -2614,6 +2940,7 @@ struct PlanQuant {
         decode(w, scale, v);
     }
     __device__ __forceinline__ void load_part(uint32_t first, uint32_t count, float v[16]) const {
+        // sass: loads
         float scale = count > 0u ? u2f(plan_ld1(absmax + (first >> LOG))) : 0.0f;
         uint32_t w[WORDS];
 #pragma unroll
@@ -2626,38 +2953,68 @@ struct PlanQuant {
             v[j] = (uint32_t)j < count ? v[j] : 0.0f;
         }
     }
-    // Blockwise::quantize_block: the block's absmax (the largest |x| as bits, shuffled across
-    // its threads; a thread's elements past `count` are 0), then each code nearest to (or
-    // stochastically rounded from) x / absmax.
+    // The divisors whose quotients exact.cuh's exact_quotient gives as the IEEE division does
+    // wherever the code depends on them: nearest rounding needs quotients of magnitude 2^-30 and
+    // above (smaller ones share a code: plans.rs checks that no threshold lies within 2^-28 of
+    // 0), stochastic rounding 2^-60 and above (plans.rs: every quotient within 2^-58 of 0 rounds
+    // to one code whatever its draw). Other divisors divide in IEEE arithmetic.
+    static constexpr float DIV_LO = SR ? 0x1p-40f : 0x1p-70f;
+    static constexpr float DIV_HI = SR ? 0x1p40f : 0x1p120f;
+    // Blockwise::quantize_block: the block's absmax (the largest |x|: finite values, so the float
+    // maximum is the maximum of the bits; shuffled across its threads as bits; a thread's elements
+    // past `count` are 0), then each code nearest to (or stochastically rounded from) x / absmax.
     __device__ __forceinline__ void store(uint32_t first, uint32_t count, const float v[16],
-                                          const uint32_t r[16]) const {
-        uint32_t local = 0u;
+                                          const uint32_t r[16], bool exact) const {
+        // sass: absmax
+        float big = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) {
-            uint32_t a = f2u(v[j]) & 0x7FFFFFFFu;
-            local = a > local ? a : local;
+            big = fmaxf(fabsf(v[j]), big);
         }
+        uint32_t local = f2u(big);
 #pragma unroll
         for (uint32_t off = 1u; off < GROUP; off *= 2u) {
             uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, local, off);
             local = o > local ? o : local;
         }
+        // sass: quotient
         float scale = u2f(local);
-        // x / 1 for an all-zero block, whose quotients are then replaced by 0 (no branch; the
-        // same codes).
+        // x / 1 for an all-zero block: every quotient is a zero, whose code is 0's (the
+        // reference's quotients there are 0).
         float den = scale != 0.0f ? scale : 1.0f;
+        float y[16];
+        if (den >= DIV_LO && den <= DIV_HI && !PLAN_FORCE_COLD) {
+            float rb = 1.0f / den;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = exact_quotient(v[j], den, rb);
+            }
+        } else {
+            PLAN_COLD();
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                y[j] = v[j] / den;
+            }
+        }
+        // sass: pack
+        // The codes' sum (disjoint bits: their packing), less 1 per code where plan_stochastic
+        // adds its code plus 1.
         uint32_t w[WORDS];
 #pragma unroll
         for (uint32_t k = 0u; k < WORDS; k++) {
-            w[k] = 0u;
+            w[k] = SR ? 0u - (BITS == 8u ? 0x01010101u : 0x11111111u) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < 16; j++) {
-            float y = v[j] / den;
-            y = scale != 0.0f ? y : 0.0f;
-            uint32_t code = SR ? plan_stochastic(m, len, y, r[j]) : plan_nearest(m, y);
-            w[j / PER_WORD] |= code << (BITS * (j % PER_WORD));
+            // Disjoint bits: the sum is the packing (shift-and-adds).
+            uint32_t at = BITS * (j % PER_WORD);
+            if (SR) {
+                plan_stochastic<LINEAR>(m, y[j], r[j], w[j / PER_WORD], at);
+            } else {
+                plan_nearest<LINEAR>(m, y[j], w[j / PER_WORD], at);
+            }
         }
+        // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
         if (count == 16u) {
             if (BITS == 8u) {
@@ -2687,9 +3044,9 @@ struct PlanQuant {
     }
     // A zero absmax; 8-bit codes also get the code of 0 (formats/blockwise.cuh).
     __device__ __forceinline__ void clear(uint32_t first, uint32_t count) const {
+        // sass: stores
         bool lead = (first & ((1u << LOG) - 1u)) == 0u;
-        uint32_t zero = plan_nearest(m, 0.0f);
-        uint32_t z = zero | (zero << 8u) | (zero << 16u) | (zero << 24u);
+        uint32_t z = *plan_zero(m);
         if (count == 16u) {
             if (BITS == 8u) {
                 plan_st4(codes + first / 4u, z, z, z, z);
@@ -2714,6 +3071,12 @@ struct PlanQuant {
     }
 };
 
+
+// ---- kernels/plan.cuh ----
+
+// The specialized fused steps' kernel body, `plan_step` (see plan_lanes.cuh for what they are and
+// how they differ from `lpmm_step`), and the thread pairs' random draws.
+
 // The index of the last descriptor whose first tile is at or before `tile`.
 __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndesc,
                                                 uint32_t tile) {
@@ -2730,13 +3093,106 @@ __device__ __forceinline__ uint32_t plan_search(const Desc* descs, uint32_t ndes
     return lo;
 }
 
+// random.cuh `qr` on four registers.
+__device__ __forceinline__ void plan_qr(uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+    // sass: random
+    a = a + b;
+    d = d ^ a;
+    d = (d << 16u) | (d >> 16u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 12u) | (b >> 20u);
+    a = a + b;
+    d = d ^ a;
+    d = (d << 8u) | (d >> 24u);
+    c = c + d;
+    b = b ^ c;
+    b = (b << 7u) | (b >> 25u);
+}
+
+// random.cuh `thread_bits` for a pair of threads that share one ChaCha8 block (lanes 2i and
+// 2i + 1 when the tile's first key is a multiple of 32: the even lane takes words 0-7, the odd
+// one 8-15), computed by both: each lane holds two of its four columns (lane q: columns 2q and
+// 2q + 1), runs the two quarter rounds of a column round on them, trades four words with its
+// partner for the diagonal round's two (its diagonals 2q and 2q + 1), and trades them back; at
+// the end each hands its partner the four words of the partner's half. The same words as
+// `chacha8`, in half its rounds per lane. Every lane of the warp calls it.
+__device__ __forceinline__ void plan_pair_bits(const Tile& t, uint32_t lt, uint32_t slot,
+                                               uint64_t counter, uint32_t r[16]) {
+    // sass: random
+    uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
+    uint64_t block = (t.d->key + t.start + PER * lt) >> 5;
+    uint64_t seed = t.d->seed;
+    bool q = (lt & 1u) != 0u;
+    // Lane q's columns of the initial state: constants, key (seed, tensor), zeros, the block
+    // counter and the nonce (the step).
+    const uint32_t s_a0 = q ? 0x79622d32u : 0x61707865u;
+    const uint32_t s_a1 = q ? 0x6b206574u : 0x3320646eu;
+    const uint32_t s_b0 = q ? (uint32_t)tensor : (uint32_t)seed;
+    const uint32_t s_b1 = q ? (uint32_t)(tensor >> 32) : (uint32_t)(seed >> 32);
+    const uint32_t s_d0 = q ? (uint32_t)counter : (uint32_t)block;
+    const uint32_t s_d1 = q ? (uint32_t)(counter >> 32) : (uint32_t)(block >> 32);
+    uint32_t a0 = s_a0, a1 = s_a1, b0 = s_b0, b1 = s_b1;
+    uint32_t c0 = 0u, c1 = 0u, d0 = s_d0, d1 = s_d1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        plan_qr(a0, b0, c0, d0);
+        plan_qr(a1, b1, c1, d1);
+        uint32_t pb0 = __shfl_xor_sync(0xFFFFFFFFu, b0, 1u);
+        uint32_t pc0 = __shfl_xor_sync(0xFFFFFFFFu, c0, 1u);
+        uint32_t pc1 = __shfl_xor_sync(0xFFFFFFFFu, c1, 1u);
+        uint32_t pd1 = __shfl_xor_sync(0xFFFFFFFFu, d1, 1u);
+        plan_qr(a0, b1, pc0, pd1);
+        plan_qr(a1, pb0, pc1, d0);
+        b0 = __shfl_xor_sync(0xFFFFFFFFu, pb0, 1u);
+        c0 = __shfl_xor_sync(0xFFFFFFFFu, pc0, 1u);
+        c1 = __shfl_xor_sync(0xFFFFFFFFu, pc1, 1u);
+        d1 = __shfl_xor_sync(0xFFFFFFFFu, pd1, 1u);
+    }
+    // The keystream: the state plus the initial state (the zeros add nothing).
+    a0 += s_a0;
+    a1 += s_a1;
+    b0 += s_b0;
+    b1 += s_b1;
+    d0 += s_d0;
+    d1 += s_d1;
+    // Lane 0 takes rows 0 and 1 (words 0-7), lane 1 rows 2 and 3 (words 8-15), each row's
+    // other two columns from its partner.
+    uint32_t r0 = __shfl_xor_sync(0xFFFFFFFFu, q ? a0 : c0, 1u);
+    uint32_t r1 = __shfl_xor_sync(0xFFFFFFFFu, q ? a1 : c1, 1u);
+    uint32_t r2 = __shfl_xor_sync(0xFFFFFFFFu, q ? b0 : d0, 1u);
+    uint32_t r3 = __shfl_xor_sync(0xFFFFFFFFu, q ? b1 : d1, 1u);
+    uint32_t w[8];
+    w[0] = q ? r0 : a0;
+    w[1] = q ? r1 : a1;
+    w[2] = q ? c0 : r0;
+    w[3] = q ? c1 : r1;
+    w[4] = q ? r2 : b0;
+    w[5] = q ? r3 : b1;
+    w[6] = q ? d0 : r2;
+    w[7] = q ? d1 : r3;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        r[2 * j] = w[j] << 16u;
+        r[2 * j + 1] = w[j] & 0xFFFF0000u;
+    }
+}
+
 // The random draws of slot `s` for a thread's 16 elements (random.cuh `thread_bits`), if the
-// lane rounds stochastically.
+// lane rounds stochastically: shared by thread pairs where the tile's first key is a multiple
+// of 32 (`paired`: every item, as pieces and shards start at multiples of 256), else one ChaCha8
+// block per thread (a cold path). Every thread of the warp calls it.
 template <class L>
 __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s,
-                                          uint64_t counter, uint32_t r[16]) {
+                                          uint64_t counter, bool paired, uint32_t r[16]) {
+    // sass: random
     if (L::SR) {
-        thread_bits(t, lt, s, counter, r);
+        if (paired && !PLAN_FORCE_COLD) {
+            plan_pair_bits(t, lt, s, counter, r);
+        } else {
+            PLAN_COLD();
+            thread_bits(t, lt, s, counter, r);
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < 16; j++) {
@@ -2745,21 +3201,83 @@ __device__ __forceinline__ void plan_bits(const Tile& t, uint32_t lt, uint32_t s
     }
 }
 
+// Which shared code map each slot of a plan reads: slots quantized with the same map share one,
+// whose keys are its values if a slot stores with stochastic rounding (`sr`), its thresholds
+// otherwise; the accumulator (slot 1) only decodes and clears, with either. No map serves both
+// roundings or both kinds of buckets (`mixed`).
+struct PlanMaps {
+    // The map of slot s, as an index into the plan's shared maps.
+    uint32_t index[5];
+    // The shared maps: how many, each one's map id and rounding.
+    uint32_t count;
+    uint32_t id[5];
+    bool sr[5];
+    bool linear[5];
+    bool mixed;
+};
+
+__device__ constexpr PlanMaps plan_maps(const uint32_t quant[5], const uint32_t map[5],
+                                        const bool sr[5], const bool linear[5]) {
+    PlanMaps o{};
+    for (uint32_t s = 0u; s < 5u; s++) {
+        o.index[s] = 0u;
+        if (quant[s] == 0u) {
+            continue;
+        }
+        uint32_t k = 0u;
+        while (k < o.count && o.id[k] != map[s]) {
+            k++;
+        }
+        if (k == o.count) {
+            o.id[k] = map[s];
+            o.sr[k] = false;
+            o.linear[k] = linear[s];
+            o.count++;
+        }
+        o.mixed = o.mixed || o.linear[k] != linear[s];
+        if (s != 1u) {
+            bool first = true;
+            for (uint32_t t = 0u; t < s; t++) {
+                first = first && !(t != 1u && quant[t] != 0u && map[t] == map[s]);
+            }
+            o.mixed = o.mixed || (!first && o.sr[k] != sr[s]);
+            o.sr[k] = sr[s];
+        }
+        o.index[s] = k;
+    }
+    return o;
+}
+
+// Is x within `limit` (f32 bits) in magnitude? format/mod.rs `fits` (NaN is not), as one float
+// comparison.
+__device__ __forceinline__ bool plan_fits(float x, uint32_t limit) {
+    // sass: checks
+    return fabsf(x) <= u2f(limit);
+}
+
 // entries.cuh `lpmm_step` for the items of one plan: rule `R` (a generated adapter over
-// `rule_<name>_apply`), gradient input `IO`, lanes of the parameter, the accumulator and the
-// three states. Every item is whole (see the top of this file), the parameter moves
-// (F_UPDATE_PARAM), no state is given and nothing is a transform: the host sends other steps to
-// `lpmm_step`.
+// `rule_<name>_apply` and, where its file has them, `rule_<name>_prepare` and `_fast`), gradient
+// input `IO`, lanes of the parameter, the accumulator and the three states. Every item is whole
+// (see kernels/plan_lanes.cuh), the parameter moves (F_UPDATE_PARAM), no state is given and
+// nothing is a transform: the host sends other steps to `lpmm_step`.
+//
+// A thread first takes the fast path over its 16 elements: the rule's fast apply and the fast
+// checks, which let through only values every element's `fits` passes and the lanes' exact.cuh
+// rounding takes (FAST_LIMIT). If one element fails them, if the thread's run is cut by its
+// item's end, or if the rule's constants are outside its fast apply's range (`prepare` gives
+// 0), the thread redoes the step as `lpmm_step` does, from its elements as stored (nothing has
+// been written yet): the cold path, which keeps the old values of an element that does not fit
+// and reports it. Either way the values are the reference's; the stores follow.
 template <class R, uint32_t IO, class P, class G, class S1, class S2, class S3>
 __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, const uint32_t* maps,
                                           uint32_t* flags) {
-    constexpr uint32_t IP = 0u;
-    constexpr uint32_t IG = IP + P::QUANT;
-    constexpr uint32_t I1 = IG + G::QUANT;
-    constexpr uint32_t I2 = I1 + S1::QUANT;
-    constexpr uint32_t I3 = I2 + S2::QUANT;
-    constexpr uint32_t NQ = I3 + S3::QUANT;
-    __shared__ PlanMap smap[NQ > 0u ? NQ : 1u];
+    constexpr uint32_t QUANT[5] = {P::QUANT, G::QUANT, S1::QUANT, S2::QUANT, S3::QUANT};
+    constexpr uint32_t MAP[5] = {P::MAP, G::MAP, S1::MAP, S2::MAP, S3::MAP};
+    constexpr bool SR[5] = {P::SR, G::SR, S1::SR, S2::SR, S3::SR};
+    constexpr bool LINEAR[5] = {P::LINEAR, G::LINEAR, S1::LINEAR, S2::LINEAR, S3::LINEAR};
+    constexpr PlanMaps PM = plan_maps(QUANT, MAP, SR, LINEAR);
+    static_assert(PM.count <= PLAN_MAPS, "at most PLAN_MAPS maps per plan");
+    static_assert(!PM.mixed, "a map with both roundings or both kinds of buckets");
     if (ndesc == 0u) {
         return;
     }
@@ -2772,20 +3290,14 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
     if (tile >= end) {
         return;
     }
-    if (P::QUANT) {
-        plan_load_map(&smap[IP], maps, P::MAP);
+#pragma unroll
+    for (uint32_t k = 0u; k < PM.count; k++) {
+        plan_load_map(k, maps, PM.id[k], PM.sr[k]);
     }
-    if (G::QUANT) {
-        plan_load_map(&smap[IG], maps, G::MAP);
-    }
-    if (S1::QUANT) {
-        plan_load_map(&smap[I1], maps, S1::MAP);
-    }
-    if (S2::QUANT) {
-        plan_load_map(&smap[I2], maps, S2::MAP);
-    }
-    if (S3::QUANT) {
-        plan_load_map(&smap[I3], maps, S3::MAP);
+    __syncthreads();
+#pragma unroll
+    for (uint32_t k = 0u; k < PM.count; k++) {
+        plan_build_map(k, PM.linear[k]);
     }
     __syncthreads();
     const uint32_t len_p = maps[MAP_LENS + P::MAP];
@@ -2808,7 +3320,6 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         uint32_t first = t.start + PER * lt;
         // A thread's elements: 16, or fewer at its item's end (0 past it).
         uint32_t count = first < len ? (len - first < PER ? len - first : PER) : 0u;
-        bool full = count == PER;
         // The descriptor's fields, read once (the stores below may alias nothing of it, but the
         // compiler cannot know).
         const typename R::C c = *reinterpret_cast<const typename R::C*>(d->consts);
@@ -2817,23 +3328,26 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
         const uint64_t counter = d->step;
         const uint32_t flag_index = d->flag_index;
         const uint32_t* io = reinterpret_cast<const uint32_t*>(d->io);
+        const float aux = R::prepare(c);
         P p_lane;
         G g_lane;
         S1 s1_lane;
         S2 s2_lane;
         S3 s3_lane;
-        p_lane.at(d, S_PARAM, &smap[IP], len_p);
-        g_lane.at(d, S_GRAD, &smap[IG], 0u);
-        s1_lane.at(d, S_STATE1, &smap[I1], len_1);
-        s2_lane.at(d, S_STATE2, &smap[I2], len_2);
-        s3_lane.at(d, S_STATE3, &smap[I3], len_3);
+        p_lane.at(d, S_PARAM, PM.index[0], len_p);
+        g_lane.at(d, S_GRAD, PM.index[1], 0u);
+        s1_lane.at(d, S_STATE1, PM.index[2], len_1);
+        s2_lane.at(d, S_STATE2, PM.index[3], len_2);
+        s3_lane.at(d, S_STATE3, PM.index[4], len_3);
         float g[16];
         float x[16];
         float p[16];
         float m[16];
         float v[16];
         float w[16];
-        if (full) {
+        bool exact = count != PER || aux == 0.0f || PLAN_FORCE_COLD;
+        if (!exact) {
+            // sass: loads
             g_lane.load(first, g);
             if (IO == PLAN_IO_F32) {
 #pragma unroll
@@ -2847,13 +3361,37 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             } else if (IO == PLAN_IO_BF16) {
                 uint32_t y[8];
                 plan_ld8(io + first / 2u, y);
+                // sass: decode
                 PlanBf16<0u>::decode(y, x);
             }
+            // sass: loads
             p_lane.load(first, p);
             s1_lane.load(first, m);
             s2_lane.load(first, v);
             s3_lane.load(first, w);
-        } else {
+            bool bad = false;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                // sass: rule
+                // entries.cuh `gradient`: the accumulator (0 without one) plus the input.
+                float gi = (IO != PLAN_IO_NONE ? g[j] + x[j] : g[j]) * clip;
+                Update u = R::fast(c, aux, fl, p[j], gi, m[j], v[j], w[j]);
+                // sass: checks
+                // One comparison each, accumulated without a branch.
+                bad |= !plan_fits(gi, LIMIT_F32);
+                bad |= !plan_fits(u.p, P::FAST_LIMIT);
+                bad |= !plan_fits(u.d, LIMIT_F32);
+                bad |= !plan_fits(u.m, S1::FAST_LIMIT);
+                bad |= !plan_fits(u.v, S2::FAST_LIMIT);
+                bad |= !plan_fits(u.w, S3::FAST_LIMIT);
+                p[j] = u.p;
+                m[j] = u.m;
+                v[j] = u.v;
+                w[j] = u.w;
+            }
+            exact = bad;
+        }
+        if (exact) {
             PLAN_COLD();
             g_lane.load_part(first, count, g);
             if (IO == PLAN_IO_F32) {
@@ -2872,45 +3410,39 @@ __device__ __forceinline__ void plan_step(const Desc* descs, uint32_t ndesc, con
             s1_lane.load_part(first, count, m);
             s2_lane.load_part(first, count, v);
             s3_lane.load_part(first, count, w);
-        }
-        if (IO != PLAN_IO_NONE) {
-            // entries.cuh `gradient`: the accumulator (0 without one) plus the input.
+            const uint32_t lim_p = fmt_limit(P::FMT);
+            const uint32_t lim_1 = fmt_limit(S1::FMT);
+            const uint32_t lim_2 = fmt_limit(S2::FMT);
+            const uint32_t lim_3 = fmt_limit(S3::FMT);
+            bool bad = false;
 #pragma unroll
             for (int j = 0; j < 16; j++) {
-                g[j] = g[j] + x[j];
+                float gi = (IO != PLAN_IO_NONE ? g[j] + x[j] : g[j]) * clip;
+                Update u = R::apply(c, fl, p[j], gi, m[j], v[j], w[j]);
+                // entries.cuh `step_ok`. Past `count` (all zeros) nothing is reported: every
+                // value there is dropped.
+                bool ok = fits(gi, LIMIT_F32) && fits(u.p, lim_p) && fits(u.d, LIMIT_F32) &&
+                          fits(u.m, lim_1) && fits(u.v, lim_2) && fits(u.w, lim_3);
+                m[j] = ok ? u.m : m[j];
+                v[j] = ok ? u.v : v[j];
+                w[j] = ok ? u.w : w[j];
+                p[j] = ok ? u.p : p[j];
+                bad = bad || (!ok && (uint32_t)j < count);
+            }
+            if (bad) {
+                atomicOr(&flags[flag_index], 1u);
             }
         }
-        const uint32_t lim_p = fmt_limit(P::FMT);
-        const uint32_t lim_1 = fmt_limit(S1::FMT);
-        const uint32_t lim_2 = fmt_limit(S2::FMT);
-        const uint32_t lim_3 = fmt_limit(S3::FMT);
-        bool bad = false;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            float gi = g[j] * clip;
-            Update u = R::apply(c, fl, p[j], gi, m[j], v[j], w[j]);
-            // entries.cuh `step_ok`. Past `count` (all zeros) nothing is reported: every value
-            // there is dropped.
-            bool ok = fits(gi, LIMIT_F32) && fits(u.p, lim_p) && fits(u.d, LIMIT_F32) &&
-                      fits(u.m, lim_1) && fits(u.v, lim_2) && fits(u.w, lim_3);
-            m[j] = ok ? u.m : m[j];
-            v[j] = ok ? u.v : v[j];
-            w[j] = ok ? u.w : w[j];
-            p[j] = ok ? u.p : p[j];
-            bad = bad || (!ok && (uint32_t)j < count);
-        }
-        if (bad) {
-            atomicOr(&flags[flag_index], 1u);
-        }
         uint32_t r[16];
-        plan_bits<S1>(t, lt, S_STATE1, counter, r);
-        s1_lane.store(first, count, m, r);
-        plan_bits<S2>(t, lt, S_STATE2, counter, r);
-        s2_lane.store(first, count, v, r);
-        plan_bits<S3>(t, lt, S_STATE3, counter, r);
-        s3_lane.store(first, count, w, r);
-        plan_bits<P>(t, lt, S_PARAM, counter, r);
-        p_lane.store(first, count, p, r);
+        const bool paired = ((d->key + t.start) & 16u) == 0u;
+        plan_bits<S1>(t, lt, S_STATE1, counter, paired, r);
+        s1_lane.store(first, count, m, r, exact);
+        plan_bits<S2>(t, lt, S_STATE2, counter, paired, r);
+        s2_lane.store(first, count, v, r, exact);
+        plan_bits<S3>(t, lt, S_STATE3, counter, paired, r);
+        s3_lane.store(first, count, w, r, exact);
+        plan_bits<P>(t, lt, S_PARAM, counter, paired, r);
+        p_lane.store(first, count, p, r, exact);
         // Every thread of a block has read the accumulator's absmax before it is zeroed.
         __syncwarp();
         g_lane.clear(first, count);
@@ -2928,6 +3460,17 @@ struct Rule_lpmm_plan_adamw_f32_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_f32_acc_f32 {
@@ -2937,6 +3480,17 @@ struct Rule_lpmm_plan_adamw_f32_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2948,6 +3502,17 @@ struct Rule_lpmm_plan_adamw_f32_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_acc {
@@ -2957,6 +3522,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2968,6 +3544,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_acc_bf16 {
@@ -2977,6 +3564,17 @@ struct Rule_lpmm_plan_adamw_8bit_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -2988,6 +3586,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_acc_f32 {
@@ -2997,6 +3606,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3008,6 +3628,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc {
@@ -3017,6 +3648,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3028,6 +3670,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16 {
@@ -3037,6 +3690,17 @@ struct Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3048,6 +3712,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_acc_f32 {
@@ -3057,6 +3732,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc_f32 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3068,6 +3754,17 @@ struct Rule_lpmm_plan_adamw_4bit_acc_bf16 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_acc {
@@ -3077,6 +3774,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3088,6 +3796,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16 {
@@ -3097,6 +3816,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3108,6 +3838,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32 {
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16 {
@@ -3117,6 +3858,17 @@ struct Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16 {
         C k = c;
         k.decoupled = 1u;
         return rule_adam_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_prepare(k);
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        C k = c;
+        k.decoupled = 1u;
+        return rule_adam_fast(k, aux, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3128,6 +3880,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc {
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lpmm_sgdm_acc_f32 {
@@ -3137,6 +3896,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc_f32 {
         C k = c;
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3148,6 +3914,13 @@ struct Rule_lpmm_plan_lpmm_sgdm_acc_bf16 {
         k.options = 2u;
         return rule_sgd_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lion_8bit_acc {
@@ -3156,6 +3929,13 @@ struct Rule_lpmm_plan_lion_8bit_acc {
                                                    float m0, float v0, float w0) {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3166,6 +3946,13 @@ struct Rule_lpmm_plan_lion_8bit_acc_f32 {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
     }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
+    }
 };
 
 struct Rule_lpmm_plan_lion_8bit_acc_bf16 {
@@ -3174,6 +3961,13 @@ struct Rule_lpmm_plan_lion_8bit_acc_bf16 {
                                                    float m0, float v0, float w0) {
         C k = c;
         return rule_lion_apply(k, flags, p, g, m0, v0, w0);
+    }
+    __device__ static __forceinline__ float prepare(const C& c) {
+        return 1.0f;
+    }
+    __device__ static __forceinline__ Update fast(const C& c, float aux, uint32_t flags, float p,
+                                                  float g, float m0, float v0, float w0) {
+        return apply(c, flags, p, g, m0, v0, w0);
     }
 };
 
@@ -3194,117 +3988,117 @@ extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_f32_acc_bf
 
 // adamw_8bit: adam (param f32, grad f32, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit: adam (param f32, grad f32 + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit: adam (param f32, grad f32 + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16 + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16: adam (param bf16, grad bf16 + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc, PLAN_IO_NONE, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc, PLAN_IO_NONE, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr + f32 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32, PLAN_IO_F32, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_f32, PLAN_IO_F32, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_8bit_bf16_sr: adam (param bf16 sr, grad bf16 sr + bf16 io, states 8-bit DynamicSigned8/256 / 8-bit DynamicUnsigned8/256 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_8bit_bf16_sr_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u>, PlanQuant<0x08000801u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_8bit_bf16_sr_acc_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanBf16<1u>, PlanQuant<0x08000800u, 0u>, PlanQuant<0x08000801u, 0u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32 + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit: adam (param f32, grad f32 + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc, PLAN_IO_NONE, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16 + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_f32, PLAN_IO_F32, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16: adam (param bf16, grad bf16 + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_acc_bf16, PLAN_IO_BF16, PlanBf16<0u>, PlanBf16<0u>, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16_sr_released: adam (param bf16 sr, grad - + f32 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_sr_released_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32, PLAN_IO_F32, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_f32, PLAN_IO_F32, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // adamw_4bit_bf16_sr_released: adam (param bf16 sr, grad - + bf16 io, states 4-bit DynamicExponentSigned4/128 / 4-bit LinearWithoutZero4/128 / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_adamw_4bit_bf16_sr_released_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u>, PlanQuant<0x04000703u>, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_adamw_4bit_bf16_sr_released_bf16, PLAN_IO_BF16, PlanBf16<1u>, PlanAbsent, PlanQuant<0x04000702u, 0u>, PlanQuant<0x04000703u, 1u>, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc, PLAN_IO_NONE, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc, PLAN_IO_NONE, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr + f32 io, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_f32, PLAN_IO_F32, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_f32, PLAN_IO_F32, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lpmm_sgdm: sgd (param 8-bit LinearSigned8/64 sr, grad 8-bit LinearSigned8/64 sr + bf16 io, states 8-bit LinearSigned8/64 sr / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lpmm_sgdm_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_bf16, PLAN_IO_BF16, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanQuant<0x08010604u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lpmm_sgdm_acc_bf16, PLAN_IO_BF16, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanQuant<0x08010604u, 1u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc, PLAN_IO_NONE, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32 + f32 io, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc_f32(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc_f32, PLAN_IO_F32, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 // lion_8bit: lion (param f32, grad f32 + bf16 io, states 8-bit DynamicSigned8/256 / - / -).
 extern "C" __global__ void __launch_bounds__(THREADS) lpmm_plan_lion_8bit_acc_bf16(LPMM_ARGS) {
-    plan_step<Rule_lpmm_plan_lion_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
+    plan_step<Rule_lpmm_plan_lion_8bit_acc_bf16, PLAN_IO_BF16, PlanF32, PlanF32, PlanQuant<0x08000800u, 0u>, PlanAbsent, PlanAbsent>(descs, ndesc, maps, flags);
 }
 
 #ifdef LPMM_HOST

@@ -5,6 +5,7 @@
 // nonce `step` is word i % 16 of the block with 64-bit counter i / 16.
 
 __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
+    // sass: random
     x[a] = x[a] + x[b];
     uint32_t r = x[d] ^ x[a];
     x[d] = (r << 16u) | (r >> 16u);
@@ -21,6 +22,7 @@ __device__ __forceinline__ void qr(uint32_t x[16], int a, int b, int c, int d) {
 
 __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t counter,
                                         uint64_t nonce, uint32_t out[16]) {
+    // sass: random
     uint32_t s[16];
     s[0] = 0x61707865u;
     s[1] = 0x3320646eu;
@@ -67,6 +69,7 @@ __device__ __forceinline__ void chacha8(uint64_t seed, uint64_t tensor, uint64_t
 // (lpmm-quant `RandomStream::draws_at`).
 __device__ __forceinline__ void thread_bits(const Tile& t, uint32_t lt, uint32_t slot,
                                             uint64_t counter, uint32_t r[16]) {
+    // sass: random
     // backend `stream_tensor`: stream << 2 | slot; state 3's 2^63 | stream << 2.
     uint64_t tensor = slot == S_STATE3 ? (1ull << 63) | (t.d->stream << 2) : (t.d->stream << 2) | slot;
     // The logical index of the thread's first element (a multiple of 16).

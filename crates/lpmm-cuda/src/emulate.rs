@@ -22,6 +22,83 @@ unsafe extern "C" {
         flags: *mut u32,
     ) -> i32;
     fn lpmm_emulate_layout(out: *mut u32);
+    fn lpmm_emulate_force_cold(on: i32);
+    fn lpmm_emulate_exact_quotient(a: f32, b: f32, rb: f32) -> f32;
+    fn lpmm_emulate_exact_bf16(x: f32, r: u32, stochastic: i32) -> u32;
+    fn lpmm_emulate_exact_bucket(y: f32, linear: i32) -> u32;
+    fn lpmm_emulate_codes(
+        maps: *const u32,
+        map: u32,
+        stochastic: i32,
+        linear: i32,
+        ys: *const f32,
+        rs: *const u32,
+        n: u32,
+        out: *mut u32,
+    );
+}
+
+/// Test hooks into the emulated kernels (not part of the crate's API): the specialized steps'
+/// cold paths forced, and kernels/exact.cuh's shortcuts and the steps' code search as the
+/// kernels compute them (the same C++), for crates/lpmm-cuda/tests/exact.rs and tests/plans.rs.
+pub mod testing {
+    /// Makes the specialized steps launched from the calling thread take every cold path they
+    /// have (plan_lanes.cuh `PLAN_FORCE_COLD`), or (`false`) only those they must.
+    pub fn force_cold_paths(on: bool) {
+        // SAFETY: sets a thread-local flag of the emulation.
+        unsafe { super::lpmm_emulate_force_cold(i32::from(on)) }
+    }
+
+    /// exact.cuh `exact_quotient(a, b, rb)`.
+    pub fn quotient(a: f32, b: f32, rb: f32) -> f32 {
+        // SAFETY: a pure function of its arguments.
+        unsafe { super::lpmm_emulate_exact_quotient(a, b, rb) }
+    }
+
+    /// exact.cuh `exact_bf16_nearest(x)` (`stochastic` false) or `exact_bf16_stochastic(x, r)`:
+    /// the bf16 in the top half of the result.
+    pub fn bf16(x: f32, r: u32, stochastic: bool) -> u32 {
+        // SAFETY: a pure function of its arguments.
+        unsafe { super::lpmm_emulate_exact_bf16(x, r, i32::from(stochastic)) }
+    }
+
+    /// exact.cuh `exact_linear_bucket(y)` (`linear`) or `exact_bucket(y)`.
+    pub fn bucket(y: f32, linear: bool) -> u32 {
+        // SAFETY: a pure function of its arguments.
+        unsafe { super::lpmm_emulate_exact_bucket(y, i32::from(linear)) }
+    }
+
+    /// The codes plan_lanes.cuh's `plan_nearest` (or, `stochastic`, `plan_stochastic` with the
+    /// draws `rs`) gives `ys` with map `map` (an id of lpmm-backend's `abi::map_table`), its
+    /// buckets `linear` or logarithmic (lpmm-backend's `plans::buckets`). Panics if `rs` is
+    /// shorter than `ys` where stochastic.
+    pub fn codes(map: u32, stochastic: bool, linear: bool, ys: &[f32], rs: &[u32]) -> Vec<u32> {
+        assert!(!stochastic || rs.len() >= ys.len(), "a draw per value");
+        let table = lpmm_backend::abi::map_table();
+        let zeros = vec![0u32; ys.len()];
+        let rs = if stochastic { rs } else { &zeros };
+        let mut out = vec![0u32; ys.len()];
+        assert!(
+            (map as usize) < lpmm_optim::MapKind::ALL.len(),
+            "no map {map}"
+        );
+        // SAFETY: `table` holds every map (abi.rs `map_table`) and `map` was checked against it
+        // above; `ys`, `rs` and `out` hold `ys.len()` elements; the emulation's shared memory is
+        // a thread-local array of the calling thread.
+        unsafe {
+            super::lpmm_emulate_codes(
+                table.as_ptr(),
+                map,
+                i32::from(stochastic),
+                i32::from(linear),
+                ys.as_ptr(),
+                rs.as_ptr(),
+                ys.len() as u32,
+                out.as_mut_ptr(),
+            )
+        };
+        out
+    }
 }
 
 /// Runs `entry` over `grid` blocks; `maps` and `flags` are host addresses of the emulated

@@ -283,12 +283,35 @@ pub fn compile_source(
     arch: &str,
     include_dirs: &[std::path::PathBuf],
 ) -> Result<String, NvrtcError> {
+    compile_source_with(source, arch, include_dirs, &[])
+}
+
+/// [`compile`] with line information (`-lineinfo`: `.loc` directives, which ptxas turns into
+/// the line table `nvdisasm -gi` prints): the build `cargo xtask kernels --report` reads where
+/// the instructions go from ([`crate::sass::breakdowns`]). Not the committed PTX.
+#[cfg(feature = "nvrtc")]
+pub fn compile_with_lines(
+    arch: &str,
+    include_dirs: &[std::path::PathBuf],
+) -> Result<String, NvrtcError> {
+    compile_source_with(SOURCE, arch, include_dirs, &["-lineinfo"])
+}
+
+/// [`compile_source`] with `extra` options after [`nvrtc_options`].
+#[cfg(feature = "nvrtc")]
+pub fn compile_source_with(
+    source: &str,
+    arch: &str,
+    include_dirs: &[std::path::PathBuf],
+    extra: &[&str],
+) -> Result<String, NvrtcError> {
     use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
     let found = nvrtc_version()?;
     if found != NVRTC_VERSION {
         return Err(NvrtcError::Version { found });
     }
     let mut options = nvrtc_options(arch);
+    options.extend(extra.iter().map(|o| o.to_string()));
     options.extend(include_dirs.iter().map(|d| format!("-I{}", d.display())));
     let opts = CompileOptions {
         options,

@@ -44,6 +44,11 @@ use lpmm_optim::backend::Dtype;
 mod device;
 #[cfg(feature = "emulate")]
 mod emulate;
+
+/// Test hooks into the kernels' host emulation (feature `emulate`): not part of the API.
+#[cfg(feature = "emulate")]
+#[doc(hidden)]
+pub use emulate::testing;
 pub mod kernels;
 pub mod sass;
 

@@ -2,7 +2,9 @@
 //! every plan, on the kernels' host emulation (warp shuffles emulated), from each gradient source
 //! it is compiled for, on tensors whose items end inside a thread's 16 elements and inside a
 //! block, with non-finite, overflowing and subnormal gradients and clipping; and they run (the
-//! device counts their launches).
+//! device counts their launches). Each plan twice: as a GPU runs it, and with every cold path
+//! forced (kernels/plan_lanes.cuh `PLAN_FORCE_COLD`: IEEE division and rounding, per-thread
+//! random blocks), so that both ways are held to the reference.
 
 use lpmm_backend::DeviceInput;
 use lpmm_backend::plans::{GradInput, plans};
@@ -44,6 +46,18 @@ fn gradient(rng: &mut Rng, n: usize, step: usize, released: bool) -> Vec<f32> {
 
 #[test]
 fn every_plan_steps_the_cpus_bits() {
+    every_plan(false);
+}
+
+#[test]
+fn every_plan_steps_the_cpus_bits_on_its_cold_paths() {
+    lpmm_cuda::testing::force_cold_paths(true);
+    every_plan(true);
+    lpmm_cuda::testing::force_cold_paths(false);
+}
+
+/// Every plan against the CPU (`cold`: with the cold paths forced, for the messages).
+fn every_plan(cold: bool) {
     let d = Cuda::emulated(SMALL).unwrap();
     for (k, plan) in plans().iter().enumerate() {
         for clip in [None, Some(1.0)] {
@@ -114,7 +128,12 @@ fn every_plan_steps_the_cpus_bits() {
                     &cpu,
                     &dev,
                     &only,
-                    &format!("{} (clip {clip:?}), step {}", plan.name, step + 1),
+                    &format!(
+                        "{} (clip {clip:?}{}), step {}",
+                        plan.name,
+                        if cold { ", cold paths" } else { "" },
+                        step + 1
+                    ),
                 );
             }
             assert!(

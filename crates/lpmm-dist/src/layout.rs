@@ -8,7 +8,7 @@
 //! alignment, at most 4096) and cut into `world` equal ranges, whose boundaries are therefore
 //! multiples of every parameter's alignment. The other parameters are placed whole, each
 //! on the rank with the least memory so far. Formats are decided on each logical parameter's
-//! size before any of this (`Optimizer::add_param_shard`), so the world size never changes them.
+//! size before any of this (`PartsMut::add_param_shard`), so the world size never changes them.
 
 use std::ops::Range;
 

@@ -448,8 +448,8 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
     }
 
     /// Writes the canonical, unsharded checkpoint (the format `Optimizer::save` writes, readable
-    /// by `Optimizer::load`) from every rank's shards; rank 0 writes the file. Every rank must
-    /// call it.
+    /// by `Optimizer::load` and `Canonical::read`) from every rank's shards; rank 0 writes the
+    /// file. Every rank must call it.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), DistError> {
         let local = Parts::of(&self.opt).canonical(None)?;
         // This rank's shards: (param, start, counters, rule state, the slots).
@@ -652,7 +652,7 @@ impl<C: Collective, B: Backend> ShardedOptimizer<C, B> {
         let c = Canonical::read(path.as_ref())?;
         if c.eval {
             return Err(DistError::Checkpoint(
-                "the checkpoint holds the parameters at their evaluation point (schedule-free eval()): the sharded optimizer steps in training mode; load it with Optimizer::load, call train() and save it again".into(),
+                "the checkpoint holds the parameters at their evaluation point (schedule-free Mode::Eval): the sharded optimizer steps in training mode; load it with Canonical::read(path)?.into_optimizer(Cpu), call set_mode(Mode::Train, ..) and save it again".into(),
             ));
         }
         let defs: Vec<ParamDef> = c

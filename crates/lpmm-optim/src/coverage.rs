@@ -111,17 +111,18 @@ pub struct MissingGradientHelp {
     pub causes: &'static str,
     /// How to exclude parameters frozen on purpose.
     pub exclude: &'static str,
-    /// How to set the policy.
+    /// How to set the policy: a function called with it (`LpmmConfig::with_missing_gradient`),
+    /// or where it is assigned, ending in `=` (`opt.settings_mut().missing_gradient =`).
     pub policy: &'static str,
 }
 
 impl MissingGradientHelp {
     /// The optimizer core's own: [`crate::Optimizer::set_expects_gradient`] and
-    /// [`crate::Optimizer::set_missing_gradient`].
+    /// [`crate::Settings::missing_gradient`] (through [`crate::Optimizer::settings_mut`]).
     pub const CORE: MissingGradientHelp = MissingGradientHelp {
         causes: "",
         exclude: "Optimizer::set_expects_gradient(id, false)",
-        policy: "Optimizer::set_missing_gradient",
+        policy: "Optimizer::settings_mut().missing_gradient =",
     };
 
     /// Help with these causes, exclusion and policy instructions.
@@ -150,9 +151,12 @@ impl MissingGradientHelp {
                 self.exclude
             ),
             format!(
-                "To silence this check: {}(MissingGradientPolicy::Ignore); to refuse such a step \
-                 instead: MissingGradientPolicy::Error.",
-                self.policy
+                "To silence this check: {}; to refuse such a step instead: \
+                 MissingGradientPolicy::Error.",
+                match self.policy.strip_suffix('=') {
+                    Some(place) => format!("{place}= MissingGradientPolicy::Ignore"),
+                    None => format!("{}(MissingGradientPolicy::Ignore)", self.policy),
+                }
             ),
         ]
     }

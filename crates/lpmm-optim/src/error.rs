@@ -81,7 +81,7 @@ pub enum OptimError {
         /// The largest magnitude it holds.
         limit: f32,
     },
-    /// `read_state` takes state 1 or 2.
+    /// A state slot that does not exist (states are 1, 2 and 3; slots are named by `SlotKind`).
     #[error("optimizer state {0} does not exist: the states are 1, 2 and 3")]
     UnknownState(usize),
     /// A step or accumulation counter beyond [`crate::MAX_COUNTER`] (2^53: the largest count
@@ -139,9 +139,9 @@ pub enum OptimError {
         param: String,
     },
     /// A step was asked for while the parameters hold their evaluation point
-    /// (`Optimizer::eval`): `Optimizer::train` first.
+    /// (`Optimizer::set_mode` with `Mode::Eval`): `Mode::Train` first.
     #[error(
-        "the optimizer is in evaluation mode (parameters hold their evaluation point): call train() before stepping"
+        "the optimizer is in evaluation mode (parameters hold their evaluation point): call Optimizer::set_mode(Mode::Train, ..) (an integration's train()) before stepping"
     )]
     EvalMode,
     /// Parameters that expect a gradient received none in a step, under

@@ -57,8 +57,8 @@ pub fn checkpoint(data: &[u8]) -> Outcomes {
     Outcomes { raw, resealed }
 }
 
-/// Loads `bytes` as `Optimizer::load` does (parse and validate, then build on the CPU), and
-/// checks the round trip of whatever loads.
+/// Loads `bytes` as `Canonical::read(path)?.into_optimizer(Cpu)` does (parse and validate, then
+/// build on the CPU), and checks the round trip of whatever loads.
 pub fn load_round_trip(bytes: &[u8]) -> Outcome {
     let canonical = match Canonical::from_bytes(bytes) {
         Ok(c) => c,

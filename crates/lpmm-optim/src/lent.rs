@@ -5,8 +5,8 @@
 use crate::backend::{Backend, ParamId};
 use crate::error::OptimError;
 
-/// Lends the buffers of lent parameters ([`crate::Optimizer::add_lent_param`]) to operations that need
-/// them: a framework hands out its tensors' memory only inside a callback (candle's in-place
+/// Lends the buffers of lent parameters ([`crate::Optimizer::add_lent_param`]) to operations that
+/// need them: a framework hands out its tensors' memory only inside a callback (candle's in-place
 /// operations), so the optimizer asks for one buffer at a time.
 pub trait Lender<B: Backend> {
     /// Calls `f` with parameter `id`'s buffer, read-only.
@@ -23,8 +23,10 @@ pub trait Lender<B: Backend> {
     ) -> Result<(), OptimError>;
 }
 
-/// Where the buffers of lent parameters ([`crate::Optimizer::add_lent_param`]) are, for the operations
-/// that move parameters: [`crate::Optimizer::step`], [`crate::Optimizer::set_mode`], [`crate::Optimizer::save`] and [`crate::Optimizer::load`] (a lender).
+/// Where the buffers of lent parameters ([`crate::Optimizer::add_lent_param`]) are, for the
+/// operations that move them: [`crate::Optimizer::step`] (`Step::lent`) and
+/// [`crate::Optimizer::set_mode`]. [`crate::Optimizer::save`] and [`crate::Optimizer::load`] take
+/// a [`Lender`] ([`crate::Checkpoint::lender`]).
 pub enum Lent<'s, 'a: 's, B: Backend> {
     /// No buffers: no lent parameter may move (an error naming the first that would).
     None,

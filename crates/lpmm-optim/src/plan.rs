@@ -4,9 +4,9 @@
 //! executes them by ([`run_step`]).
 //!
 //! A plan is data: the CPU backend reads its kernel (a specialized single-pass kernel for the
-//! hot configurations, the generic element-wise path for the others) and both the CPU and the
-//! device backends (lpmm-backend) run its phases through [`run_step`], so the order of the
-//! phases is written here once.
+//! hot configurations, the generic element-wise path for the others), and the step executor
+//! ([`crate::exec`]) runs its phases through [`run_step`] on every backend's primitives, so the
+//! order of the phases is written here once.
 //!
 //! A rule with a matrix phase (Muon: [`NewtonSchulz`]) steps each of its parameters on its own
 //! after the tensor-wide phases: the rule's matrix input gathered into a workspace, the

@@ -164,6 +164,7 @@ crate::rule::each_rule_presets!(define);
 /// Every named preset of every rule (its file's `presets!`), in the registry's order: its name
 /// and its configuration with every argument 0 (what it stores; its hyperparameters are not the
 /// point).
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
 pub(crate) fn named() -> Vec<(&'static str, ParamConfig)> {
     let mut named = Vec::new();
     macro_rules! collect {
@@ -178,6 +179,7 @@ pub(crate) fn named() -> Vec<(&'static str, ParamConfig)> {
 
 /// The presets the backend conformance suite steps (`lpmm_optim::testing::preset_cases`): every
 /// rule's `cases` (its file's `presets!`), in the registry's order.
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
 pub(crate) fn conformance_cases() -> Vec<(&'static str, ParamConfig)> {
     let mut cases = Vec::new();
     macro_rules! collect {

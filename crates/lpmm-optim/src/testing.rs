@@ -362,8 +362,9 @@ pub fn clipping_and_non_finite_gradients_are_bit_exact<B: Backend>(gpu: &B) {
     }
 }
 
-/// Schedule-free AdamW's evaluation point: `eval()` and `train()` move the parameters (f32 and
-/// bf16 with stochastic rounding) as the CPU does, bit for bit, and steps resume from them.
+/// Schedule-free AdamW's evaluation point: `set_mode(Mode::Eval, ..)` and back move the
+/// parameters (f32 and bf16 with stochastic rounding) as the CPU does, bit for bit, and steps
+/// resume from them.
 pub fn evaluation_points_are_bit_exact<B: Backend>(gpu: &B) {
     for param in [Storage::F32, BF_SR] {
         let config = presets::schedule_free_adamw_8bit(2.5e-3)

@@ -545,7 +545,7 @@ fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for &(id, _) in ids {
         for slot in lpmm_optim::SlotKind::ALL {
-            for r in Parts::of(&opt).export_slot(id, slot, None).unwrap().regions {
+            for r in Parts::of(opt).export_slot(id, slot, None).unwrap().regions {
                 out.push(r.bytes);
             }
         }

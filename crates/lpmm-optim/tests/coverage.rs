@@ -82,7 +82,7 @@ fn everything(opt: &Optimizer, ids: &[ParamId]) -> Vec<String> {
         for slot in SlotKind::ALL {
             out.push(format!(
                 "{:?}",
-                Parts::of(&opt).export_slot(id, slot, None).unwrap()
+                Parts::of(opt).export_slot(id, slot, None).unwrap()
             ));
         }
         out.push(format!(

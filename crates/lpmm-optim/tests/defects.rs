@@ -1,8 +1,9 @@
-//! Issue 22's defects, one test each, written against the API as it was before the fix (so they
-//! compile there too): every one fails at commit 6ebcecf and passes now. To see them fail:
-//! `git worktree add /tmp/before 6ebcecf && cp crates/lpmm-optim/tests/defects.rs
-//! /tmp/before/crates/lpmm-optim/tests/ && cd /tmp/before && cargo test --release -p lpmm-optim
-//! --test defects`. tests/hostile.rs has the full table of bad inputs.
+//! Issue 22's defects, one test each: every one fails at commit 6ebcecf and passes now. The file
+//! as written then, against that commit's API, is commit 91afe55's; since then it follows the
+//! API. To see them fail: `git worktree add /tmp/before 6ebcecf && git show
+//! 91afe55:crates/lpmm-optim/tests/defects.rs > /tmp/before/crates/lpmm-optim/tests/defects.rs
+//! && cd /tmp/before && cargo test --release -p lpmm-optim --test defects`. tests/hostile.rs has
+//! the full table of bad inputs.
 
 use lpmm_optim::{
     Adam, Hyper, LrRule, OptimError, Optimizer, OptimizerOptions, ParamConfig, Storage,

@@ -56,8 +56,8 @@ fn same(a: &Optimizer, b: &Optimizer, what: &str) {
         let id = a.param(&format!("p{k}")).map(|p| p.id).unwrap();
         for slot in SlotKind::ALL {
             assert_eq!(
-                Parts::of(&a).export_slot(id, slot, None).unwrap(),
-                Parts::of(&b).export_slot(id, slot, None).unwrap(),
+                Parts::of(a).export_slot(id, slot, None).unwrap(),
+                Parts::of(b).export_slot(id, slot, None).unwrap(),
                 "{what}: p{k} {}",
                 slot.name()
             );
@@ -259,16 +259,16 @@ fn bad_lent_buffers_are_refused_before_anything_moves() {
     let slots = |opt: &Optimizer, buf: &[f32]| {
         let mut all = Vec::new();
         for slot in [SlotKind::Grad, SlotKind::State1, SlotKind::State2] {
-            all.push(Parts::of(&opt).export_slot(h, slot, None).unwrap());
-            all.push(Parts::of(&opt).export_slot(l, slot, None).unwrap());
+            all.push(Parts::of(opt).export_slot(h, slot, None).unwrap());
+            all.push(Parts::of(opt).export_slot(l, slot, None).unwrap());
         }
         all.push(
-            Parts::of(&opt)
+            Parts::of(opt)
                 .export_slot(h, SlotKind::Param, None)
                 .unwrap(),
         );
         all.push(
-            Parts::of(&opt)
+            Parts::of(opt)
                 .export_slot(l, SlotKind::Param, Some(HostValues::F32(buf)))
                 .unwrap(),
         );

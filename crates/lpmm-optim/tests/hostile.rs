@@ -1,7 +1,7 @@
 //! Bad inputs, tried as a hostile user would: every one must be refused with a typed error,
 //! reported by the step (the non-finite policy), or handled correctly (and checked to be) —
 //! never accepted silently. The test prints the table of cases and outcomes that
-//! docs/OPTIMIZERS.md ("Bad input") reproduces:
+//! docs/BAD_INPUT.md reproduces:
 //!
 //! `cargo test -p lpmm-optim --release --test hostile -- --nocapture`
 
@@ -273,7 +273,7 @@ fn round_trips(opt: &Optimizer, name: &str) -> Seen {
         Err(e) => return Seen::Silent(format!("saved, then refused on load: {e}")),
     };
     let (a, b) = (
-        Parts::of(&opt).canonical(None).unwrap(),
+        Parts::of(opt).canonical(None).unwrap(),
         Parts::of(&back).canonical(None).unwrap(),
     );
     if a.to_bytes().unwrap() == b.to_bytes().unwrap() {
@@ -933,12 +933,12 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let mut out = [0f32; 4];
         add(
             "state access",
-            "read into a short buffer",
+            "read(State1) into a short buffer",
             refused(opt.read(id, SlotKind::State1, &mut out[..3])),
         );
         add(
             "state access",
-            "read into a long buffer",
+            "read(State2) into a long buffer",
             refused(opt.read(id, SlotKind::State2, &mut vec![0f32; 5])),
         );
         for (what, state) in [
@@ -1050,7 +1050,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         };
         add(
             "evaluation mode",
-            "eval(Lent::None) twice",
+            "set_mode(Eval, Lent::None) twice",
             if twice {
                 Seen::Correct("a no-op: the parameters stay at x".into())
             } else {
@@ -1059,7 +1059,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         );
         add(
             "state access",
-            "read_param into a short buffer",
+            "read(Param) into a short buffer",
             refused(opt.read(id, SlotKind::Param, &mut out[..3])),
         );
         add("state access", "set_lr(NaN)", refused(opt.set_lr(f64::NAN)));
@@ -1569,7 +1569,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         let unchanged = Parts::of(&opt).canonical(None).unwrap().to_bytes().unwrap() == before;
         add(
             "checkpoint",
-            "load_state: same names and shapes, other storages, optimizer, lr and seed",
+            "load: same names and shapes, other storages, optimizer, lr and seed",
             match (file_refused(r), unchanged) {
                 (Seen::Refused(s), true) => Seen::Refused(s),
                 (other, _) => Seen::Silent(format!("{other:?}, unchanged {unchanged}")),
@@ -1584,7 +1584,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             .unwrap();
         add(
             "checkpoint",
-            "load_state_with(ReplaceConfiguration): the same file",
+            "load with LoadPolicy::ReplaceConfiguration: the same file",
             match r {
                 Ok(())
                     if Parts::of(&opt).canonical(None).unwrap().to_bytes()
@@ -1605,7 +1605,7 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
         other.save(&path, Checkpoint::new()).unwrap();
         add(
             "checkpoint",
-            "load_state: other parameter names",
+            "load: other parameter names",
             file_refused(opt.load(&path, Checkpoint::new())),
         );
     }

@@ -51,7 +51,7 @@ fn run(
 
 /// A tensor-wide region of one slot (factorized statistics) as f32.
 fn region(opt: &Optimizer, id: ParamId, slot: SlotKind, suffix: &str) -> Vec<f32> {
-    Parts::of(&opt)
+    Parts::of(opt)
         .export_slot(id, slot, None)
         .unwrap()
         .f32s(suffix)

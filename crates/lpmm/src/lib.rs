@@ -5,7 +5,7 @@
 //! bits) and [`optim`] (the optimizer core and its CPU reference).
 //!
 //! ```
-//! use lpmm::optim::{Accumulated, Optimizer, OptimizerOptions, presets};
+//! use lpmm::optim::{Accumulated, Optimizer, OptimizerOptions, SlotKind, presets};
 //!
 //! // 8-bit AdamW states over bf16 parameters (bitsandbytes' AdamW8bit with bf16 weights).
 //! let mut opt = Optimizer::new(OptimizerOptions::default())?;

@@ -43,7 +43,7 @@ fn same_as_reference(device: &Device, config: LpmmOptimizerConfig, mut optim: Lp
 #[test]
 fn eight_bit_adamw_on_ndarray_equals_lpmm_bit_for_bit() {
     let config = Lpmm8bitAdamWConfig::new();
-    same_as_reference(&ndarray(), config.lpmm(), config.init());
+    same_as_reference(&ndarray(), config.lpmm(), config.init_whole_module());
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn with_an_f32_accumulator_the_step_equals_accumulating_and_stepping() {
         .with_max_grad_norm(Some(0.05))
         .lpmm();
     config.param.grad = lpmm_optim::Storage::F32;
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let mut model = Mlp::new(&device, 3);
     let (mut r, ids) = reference(&config, &values(&model));
     for step in 0..4 {
@@ -79,34 +79,34 @@ fn with_an_f32_accumulator_the_step_equals_accumulating_and_stepping() {
 #[test]
 fn global_norm_clipping_over_the_whole_module_equals_lpmm() {
     let config = Lpmm8bitAdamWConfig::new().with_max_grad_norm(Some(0.05));
-    same_as_reference(&ndarray(), config.lpmm(), config.init());
+    same_as_reference(&ndarray(), config.lpmm(), config.init_whole_module());
 }
 
 #[test]
 fn eight_bit_parameters_held_by_lpmm_are_written_back_exactly() {
     // LPMM-SGDM: parameters, gradients and momentum 8-bit with stochastic rounding.
     let config = LpmmOptimizerConfig::from(presets::lpmm_sgdm(0.0, 0.9)).with_seed(3);
-    same_as_reference(&ndarray(), config, config.init());
+    same_as_reference(&ndarray(), config, config.init_whole_module());
     // 4-bit AdamW with split-f32 parameters (bf16 + remainder: not an f32 tensor's dtype).
     let config = LpmmOptimizerConfig::from(presets::adamw_4bit_split(0.0));
-    same_as_reference(&ndarray(), config, config.init());
+    same_as_reference(&ndarray(), config, config.init_whole_module());
 }
 
 #[test]
 fn flex_steps_too() {
     let device = Device::flex().autodiff();
     let config = Lpmm8bitAdamWConfig::new().lpmm();
-    same_as_reference(&device, config, config.init());
+    same_as_reference(&device, config, config.init_whole_module());
     // bf16 parameters with stochastic rounding: held by lpmm beside an f32 tensor.
     let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
-    same_as_reference(&device, config, config.init());
+    same_as_reference(&device, config, config.init_whole_module());
 }
 
 #[test]
 fn parameters_are_stepped_in_the_modules_own_buffers() {
     let device = ndarray();
     let mut model = Mlp::new(&device, 1);
-    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let mut optim = Lpmm8bitAdamWConfig::new().init_whole_module();
     let before = model.w1.val().into_data();
     for step in 0..3 {
         let g = grads(&model, step, &device);
@@ -150,7 +150,7 @@ fn a_non_finite_gradient_skips_the_whole_step_or_only_its_elements() {
         let mut optim = Lpmm8bitAdamWConfig::new()
             .lpmm()
             .with_non_finite(policy)
-            .init();
+            .init_whole_module();
         let g = grads(&model, 0, &device);
         model = optim.step(1e-3, model, g).unwrap();
         let before = model.bits();
@@ -187,7 +187,7 @@ fn resumes_exactly(lpmm_checkpoint: bool) {
     let eight = Lpmm8bitAdamWConfig::new().lpmm().with_seed(9);
     for config in [config, eight] {
         let mut model = Mlp::new(&device, 4);
-        let mut optim = config.init();
+        let mut optim = config.init_whole_module();
         for step in 0..3 {
             let g = grads(&model, step, &device);
             model = optim.step(0.01, model, g).unwrap();
@@ -203,12 +203,15 @@ fn resumes_exactly(lpmm_checkpoint: bool) {
                 .save_lpmm(dir.join("optim.safetensors"), &model)
                 .unwrap();
             config
-                .init()
+                .init_whole_module()
                 .load_lpmm(dir.join("optim.safetensors"))
                 .unwrap()
         } else {
             optim.save(dir.join("optim.bpk")).unwrap();
-            config.init().load(dir.join("optim.bpk")).unwrap()
+            config
+                .init_whole_module()
+                .load(dir.join("optim.bpk"))
+                .unwrap()
         };
         // A fresh model (other values, other ids) loaded from the module record.
         let mut other = Mlp::new(&device, 5).load_record(module_record);
@@ -241,7 +244,7 @@ fn an_lpmm_checkpoint_resumes_bit_for_bit() {
 fn stepped_8bit_adamw(steps: usize) -> (Mlp, LpmmOptimizer) {
     let device = ndarray();
     let mut model = Mlp::new(&device, 4);
-    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let mut optim = Lpmm8bitAdamWConfig::new().init_whole_module();
     for step in 0..steps {
         let g = grads(&model, step, &device);
         model = optim.step(0.01, model, g).unwrap();
@@ -255,7 +258,7 @@ fn a_record_from_another_model_is_a_typed_error() {
     let device = ndarray();
     let record = optim.to_record().unwrap();
     let mut loaded = Lpmm8bitAdamWConfig::new()
-        .init()
+        .init_whole_module()
         .load_record(record)
         .unwrap();
     // A new model: other ParamIds.
@@ -284,7 +287,10 @@ fn edit_record_metadata(
 
 /// The error of loading `record` into a fresh 8-bit AdamW optimizer.
 fn load_error(record: burn_optim::OptimizerRecord) -> lpmm_burn::BurnError {
-    match Lpmm8bitAdamWConfig::new().init().load_record(record) {
+    match Lpmm8bitAdamWConfig::new()
+        .init_whole_module()
+        .load_record(record)
+    {
         Ok(_) => panic!("the record loaded"),
         Err(e) => e,
     }
@@ -296,7 +302,7 @@ fn a_record_with_a_metadata_key_this_build_does_not_know_is_a_typed_error() {
     let record = || optim.to_record().unwrap();
     // The edit pipeline itself keeps a record loadable.
     Lpmm8bitAdamWConfig::new()
-        .init()
+        .init_whole_module()
         .load_record(edit_record_metadata(record(), |_| {}))
         .unwrap();
     for (what, edit) in [
@@ -333,7 +339,11 @@ fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
     let load = |b: Vec<u8>| {
         OptimizerRecord::from_bytes(Bytes::from_bytes_vec(b))
             .map_err(|e| lpmm_burn::BurnError::Record(format!("burn: {e}")))
-            .and_then(|r| Lpmm8bitAdamWConfig::new().init().load_record(r))
+            .and_then(|r| {
+                Lpmm8bitAdamWConfig::new()
+                    .init_whole_module()
+                    .load_record(r)
+            })
     };
     // The unflipped record loads and writes itself back unchanged.
     let again = load(bytes.clone()).unwrap().to_record().unwrap();
@@ -377,7 +387,7 @@ fn a_record_with_any_bit_flipped_is_refused_or_loads_the_same_state() {
 fn bf16_tensors_on_flex_are_the_parameters_of_bf16_storage() {
     let device = Device::flex().autodiff();
     let config = LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(0.0)).with_seed(5);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let mut model = Mlp::new_in(&device, 8, DType::BF16);
     assert_eq!(model.w1.val().dtype(), DType::BF16);
     let (mut r, ids) = reference(&config, &values(&model));
@@ -399,7 +409,7 @@ fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothi
     let device = ndarray();
     let config = Lpmm8bitAdamWConfig::new().lpmm();
     // The default policy warns: the step goes ahead and its report names the parameter.
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let model = WithSpare::new(&device, 4, false);
     let label = model.spare_label();
     let g = model.grads(0, &device);
@@ -425,7 +435,7 @@ fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothi
     // The error policy: refused before anything changes, at the first step (nothing registered)
     // and at a later one (nothing stepped), naming the parameter.
     let strict = config.with_missing_gradient(MissingGradientPolicy::Error);
-    let mut optim = strict.init();
+    let mut optim = strict.init_whole_module();
     let model = WithSpare::new(&device, 4, false);
     let label = model.spare_label();
     let g = model.grads(0, &device);
@@ -454,7 +464,7 @@ fn a_parameter_without_a_gradient_is_reported_and_the_error_policy_changes_nothi
     let model = frozen(thawed, true);
     let g = model.grads(1, &device);
     let model = optim.step(1e-3, model, g).unwrap();
-    let mut reference = strict.init();
+    let mut reference = strict.init_whole_module();
     let mut other = WithSpare::new(&device, 4, true);
     for step in 0..2 {
         let g = other.grads(step, &device);
@@ -513,7 +523,7 @@ fn a_version_1_record_still_loads() {
     };
     for ((name, config), lent) in v1_record_configs().into_iter().zip([true, false]) {
         let v1 = std::fs::read(v1_record_path(name)).unwrap();
-        let loaded = config.init().load_record(record(&v1)).unwrap();
+        let loaded = config.init_whole_module().load_record(record(&v1)).unwrap();
         let v2 = loaded.to_record().unwrap().into_bytes().unwrap().to_vec();
         let (old, new) = (reader(&v1), reader(&v2));
         // Every tensor, renamed `{id}.{slot}` to `{id}/{slot}`, with the same bytes, and no other.
@@ -571,7 +581,7 @@ fn a_version_1_record_still_loads() {
         // It resumes as the version 2 record of it does.
         let model = with_fixed_ids(Mlp::new(&device, 4));
         let mut from_v1 = loaded;
-        let mut from_v2 = config.init().load_record(record(&v2)).unwrap();
+        let mut from_v2 = config.init_whole_module().load_record(record(&v2)).unwrap();
         let (mut m1, mut m2) = (model.clone(), model);
         for step in 2..4 {
             let g = grads(&m1, step, &device);
@@ -598,7 +608,7 @@ fn a_version_1_record_still_loads() {
             .into_bytes()
             .unwrap();
         let err = match config
-            .init()
+            .init_whole_module()
             .load_record(OptimizerRecord::from_bytes(flipped).unwrap())
         {
             Ok(_) => panic!("{name}: a flipped version 1 record loaded"),

@@ -29,7 +29,7 @@ fn same_as_cpu(config: LpmmOptimizerConfig, steps: usize) {
         return;
     };
     let mut model = Mlp::new(&device, 7);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let (mut r, ids) = reference(&config, &values(&model));
     for step in 0..steps {
         let g = grads(&model, step, &device);

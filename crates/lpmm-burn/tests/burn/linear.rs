@@ -100,8 +100,8 @@ fn an_f32_layer_weight_steps_exactly_as_a_burn_parameter_would() {
     // both models step to the same bits.
     let d = ndarray();
     let config = LpmmOptimizerConfig::from(presets::adamw_f32(0.0));
-    let mut o1 = config.init();
-    let mut o2 = config.init();
+    let mut o1 = config.init_whole_module();
+    let mut o2 = config.init_whole_module();
     let mut a = layers(&o1, &d, 3);
     let mut b = plain(&d, 3);
     for step in 0..4 {
@@ -133,7 +133,7 @@ fn a_layer_left_out_of_the_forward_pass_is_reported() {
     let d = ndarray();
     let config = LpmmOptimizerConfig::from(presets::adamw_f32(0.0))
         .with_missing_gradient(MissingGradientPolicy::Error);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let m = layers(&optim, &d, 3);
     // Only `l2`, on an input of its width: `l1`'s weight and bias receive no gradient.
     let (_, y) = batch(0, &d);
@@ -159,7 +159,7 @@ fn eight_bit_layers_train_and_hold_only_their_lpmm_storage() {
             .build(),
     )
     .with_seed(4);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let mut m = layers(&optim, &d, 5);
     let first = loss_layers(&m, 0, &d).into_scalar::<f32>();
     for step in 0..30 {
@@ -186,7 +186,7 @@ fn eight_bit_layers_train_and_hold_only_their_lpmm_storage() {
 fn a_model_with_lpmm_layers_resumes_from_its_records_exactly() {
     let d = ndarray();
     let config = LpmmOptimizerConfig::from(presets::lpmm_sgdm(0.0, 0.9)).with_seed(8);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let mut m = layers(&optim, &d, 6);
     for step in 0..3 {
         let g = GradientsParams::from_grads(loss_layers(&m, step, &d).backward(), &m);
@@ -195,7 +195,7 @@ fn a_model_with_lpmm_layers_resumes_from_its_records_exactly() {
     let module_record = m.clone().into_record();
     let record = optim.to_record().unwrap();
     // Another process would build the model again (same layer order, other initial values).
-    let mut resumed = config.init();
+    let mut resumed = config.init_whole_module();
     let other = layers(&resumed, &d, 99).load_record(module_record);
     resumed = resumed.load_record(record).unwrap();
     // Its weights come from the optimizer's record: attach before the first forward pass.

@@ -9,4 +9,6 @@ mod cpu;
 mod cuda;
 mod linear;
 mod processes;
+mod tensor;
+mod train;
 mod wgpu;

@@ -53,7 +53,7 @@ fn child_main(mode: &str, dir: &Path) {
         match mode.split_once(':').map_or((mode, ""), |(m, t)| (m, t)) {
             ("straight", tag) => {
                 let mut model = Mlp::new(&device, 21);
-                let mut optim = config.init();
+                let mut optim = config.init_whole_module();
                 for step in 0..STEPS {
                     let g = grads(&model, step, &device);
                     model = optim.step(lr, model, g).unwrap();
@@ -62,7 +62,7 @@ fn child_main(mode: &str, dir: &Path) {
             }
             ("first", _) => {
                 let mut model = Mlp::new(&device, 21);
-                let mut optim = config.init();
+                let mut optim = config.init_whole_module();
                 for step in 0..SPLIT {
                     let g = grads(&model, step, &device);
                     model = optim.step(lr, model, g).unwrap();
@@ -77,7 +77,7 @@ fn child_main(mode: &str, dir: &Path) {
                 let mut model =
                     Mlp::new(&device, 99).load_file(dir.join(format!("{name}-model.bpk")));
                 let mut optim = config
-                    .init()
+                    .init_whole_module()
                     .load(dir.join(format!("{name}-optim.bpk")))
                     .unwrap();
                 for step in SPLIT..STEPS {

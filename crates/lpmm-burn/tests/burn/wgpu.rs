@@ -3,39 +3,13 @@
 //! where burn wrote them. A step maps nothing back to the host but lpmm's 4-byte non-finite
 //! flags when no gradient norm is needed, and its results equal lpmm's CPU reference bit for bit.
 
-use std::sync::OnceLock;
-
 use crate::common::{
-    D_IN, D_OUT, HIDDEN, Mlp, grads, host_grads, read, reference, reference_step, values,
+    D_IN, D_OUT, HIDDEN, Mlp, grads, host_grads, read, reference, reference_step, serial, values,
+    wgpu_device as device,
 };
 use burn_core::tensor::Device;
 use lpmm_burn::{Lpmm8bitAdamWConfig, LpmmOptimizerConfig};
 use lpmm_optim::{NonFinitePolicy, presets};
-
-/// The tests share one device and its read counters: one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// burn's wgpu device shared with lpmm (initialised once per process), or `None` with a message
-/// when there is no adapter; `LPMM_REQUIRE_WGPU=1` (CI) makes that a failure.
-fn device() -> Option<Device> {
-    static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
-    match DEVICE
-        .get_or_init(|| lpmm_burn::wgpu::init(Device::wgpu_options()).map_err(|e| e.to_string()))
-    {
-        Ok(d) => Some(d.clone().autodiff()),
-        Err(e) => {
-            if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
-                panic!("LPMM_REQUIRE_WGPU=1 but {e}");
-            }
-            eprintln!("skipping the burn wgpu test: {e}");
-            None
-        }
-    }
-}
 
 /// Trains on the wgpu device and with lpmm's CPU reference on the same gradients; every
 /// parameter bit must agree after every step. Returns the host reads (maps, bytes) of each step.
@@ -43,7 +17,7 @@ fn same_as_cpu(config: LpmmOptimizerConfig, steps: usize) -> Option<Vec<(u64, u6
     let _serial = serial();
     let device = device()?;
     let mut model = Mlp::new(&device, 7);
-    let mut optim = config.init();
+    let mut optim = config.init_whole_module();
     let (mut r, ids) = reference(&config, &values(&model));
     let mut reads = Vec::new();
     for step in 0..steps {
@@ -112,7 +86,7 @@ fn the_step_writes_burns_own_buffers() {
         return;
     };
     let mut model = Mlp::new(&device, 1);
-    let mut optim = Lpmm8bitAdamWConfig::new().init();
+    let mut optim = Lpmm8bitAdamWConfig::new().init_whole_module();
     for step in 0..3 {
         let g = grads(&model, step, &device);
         model = optim.step(1e-3, model, g).unwrap();
@@ -124,4 +98,134 @@ fn the_step_writes_burns_own_buffers() {
     // are the parameters, burn's gradient buffers are read where they are.
     assert_eq!(optim.memory_report().slot_totals()[0], 0);
     assert_eq!(optim.memory_report().slot_totals()[1], 0);
+}
+
+/// The per-tensor optimizer (burn's `ModuleOptimizer` over `LpmmTensorOptimizer`) on the wgpu
+/// device against lpmm's CPU reference, every bit after every step; `keep` keeps a clone of the
+/// model during each step, as burn-train's `Learner` does. Returns each step's host reads.
+fn per_tensor_same_as_cpu(
+    config: LpmmOptimizerConfig,
+    steps: usize,
+    keep: bool,
+) -> Option<(Vec<(u64, u64)>, lpmm_burn::LpmmTensorStats)> {
+    let _serial = serial();
+    let device = device()?;
+    let mut model = Mlp::new(&device, 7);
+    let handle = config.build().unwrap();
+    let mut optim = burn_optim::ModuleOptimizer::from(handle.clone());
+    let (mut r, ids) = reference(&config, &values(&model));
+    let mut reads = Vec::new();
+    // The device's counters (the optimizer's own appear with its first engine).
+    let backend = lpmm_burn::wgpu::backend(&device).unwrap();
+    let counts =
+        |_: &lpmm_burn::LpmmTensorOptimizer| (backend.host_reads(), backend.host_read_bytes());
+    for step in 0..steps {
+        let g = grads(&model, step, &device);
+        reference_step(&mut r, &ids, host_grads(&model, &g), 1e-2);
+        let kept = keep.then(|| model.clone());
+        let before = counts(&handle);
+        model = optim.step(1e-2, model, g);
+        let after = counts(&handle);
+        drop(kept);
+        reads.push((after.0 - before.0, after.1 - before.1));
+        assert_eq!(model.bits(), read(&r, &ids), "step {step}");
+    }
+    let stats = handle.stats();
+    assert_eq!(stats.lane, Some("wgpu"));
+    assert_eq!((stats.error_count, stats.params), (0, 4), "{stats:?}");
+    Some((reads, stats))
+}
+
+#[test]
+fn per_tensor_eight_bit_adamw_on_wgpu_equals_the_cpu_reference_without_host_round_trips() {
+    let config = Lpmm8bitAdamWConfig::new()
+        .lpmm()
+        .with_non_finite(NonFinitePolicy::SkipElements);
+    let Some((reads, stats)) = per_tensor_same_as_cpu(config, 4, false) else {
+        return;
+    };
+    // Each tensor step reads back lpmm's non-finite flags and nothing else: one read of one
+    // word per parameter the engine holds (4 here: 16 bytes), 4 tensors, 4 reads. The first
+    // step registers the parameters too: lpmm checks that each is finite (4 reads of 4 bytes),
+    // and the flags read then grow with the parameters registered (4 + 8 + 12 + 16 bytes).
+    assert_eq!(reads[0], (8, 56), "{reads:?}");
+    for &r in &reads[1..] {
+        assert_eq!(r, (4, 64), "{reads:?}");
+    }
+    assert_eq!(stats.copies, 0);
+    // Under `SkipStep` the gradient's finiteness is read first: one more read per tensor.
+    let config = Lpmm8bitAdamWConfig::new().lpmm();
+    let (reads, _) = per_tensor_same_as_cpu(config, 3, false).unwrap();
+    // (4 finiteness checks of 4 bytes, 4 flag reads of 16.)
+    assert_eq!(reads[0], (12, 72), "{reads:?}");
+    for &r in &reads[1..] {
+        assert_eq!(r, (8, 80), "{reads:?}");
+    }
+}
+
+#[test]
+fn per_tensor_steps_copy_a_shared_parameter_on_the_device() {
+    // burn-train's `Learner` keeps the model it steps: each parameter is shared, so each step
+    // copies it -- on the device, with no more host reads than the flags.
+    let config = Lpmm8bitAdamWConfig::new()
+        .lpmm()
+        .with_non_finite(NonFinitePolicy::SkipElements);
+    let Some((reads, stats)) = per_tensor_same_as_cpu(config, 3, true) else {
+        return;
+    };
+    for &r in &reads[1..] {
+        assert_eq!(r, (4, 64), "{reads:?}");
+    }
+    assert_eq!(stats.copies, 12, "{stats:?}");
+}
+
+#[test]
+fn per_tensor_held_parameters_on_wgpu_equal_the_cpu_reference() {
+    let config = LpmmOptimizerConfig::from(presets::lpmm_sgdm(0.0, 0.9)).with_seed(3);
+    per_tensor_same_as_cpu(config, 3, false);
+}
+
+#[test]
+fn a_per_tensor_state_moves_between_wgpu_and_the_cpu() {
+    use burn_core::tensor::{Tensor, TensorData};
+    use burn_optim::Optimizer as _;
+    let _serial = serial();
+    let Some(gpu) = device() else {
+        return;
+    };
+    let gpu = gpu.inner();
+    let cpu = Device::flex();
+    let config = LpmmOptimizerConfig::from(presets::adamw_8bit(0.0)).with_seed(6);
+    let values: Vec<f32> = (0..64 * 80)
+        .map(|i| ((i % 13) as f32 - 6.0) * 0.01)
+        .collect();
+    let grad = |k: usize, d: &Device| {
+        let g: Vec<f32> = (0..64 * 80)
+            .map(|i| (((i * 7 + k * 3) % 17) as f32 - 8.0) * 1e-3)
+            .collect();
+        Tensor::<2>::from_data(TensorData::new(g, [64, 80]), d)
+    };
+    let t0 = |d: &Device| Tensor::<2>::from_data(TensorData::new(values.clone(), [64, 80]), d);
+    let bits = |t: Tensor<2>| -> Vec<u32> {
+        let v: Vec<f32> = t.into_data().try_to_vec().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    };
+    let optim = config.build().unwrap();
+    let (mut t, mut s) = (t0(&cpu), None);
+    for k in 0..6 {
+        (t, s) = optim.step(0.01, t, grad(k, &cpu), s);
+    }
+    let straight = bits(t);
+    // 2 steps on the CPU, 2 on wgpu, 2 on the CPU again (an optimizer of its own: a second
+    // tensor met by one optimizer is another parameter, with another random stream).
+    let optim = config.build().unwrap();
+    let (mut t, mut s) = (t0(&cpu), None);
+    for k in 0..6 {
+        let d = if (2..4).contains(&k) { &gpu } else { &cpu };
+        s = s.map(|s| lpmm_burn::LpmmTensorOptimizer::to_device(s, d));
+        t = t.to_device(d);
+        (t, s) = optim.step(0.01, t, grad(k, d), s);
+    }
+    assert_eq!(bits(t), straight);
+    assert_eq!(optim.stats().error_count, 0, "{:?}", optim.stats());
 }

@@ -2,6 +2,7 @@
 
 __device__ __forceinline__ Update rule_lion_apply(LionConsts c, uint32_t flags, float p, float g,
                                                   float m0, float v0, float w0) {
+    // sass: rule
     Update u;
     u.p = p;
     u.d = 0.0f;

@@ -3,7 +3,10 @@
 //! backend (lpmm-backend's device layer, the CPU reference here) is written against.
 //!
 //! The [`crate::Optimizer`] keeps the bookkeeping (names, groups, counters, policies, the
-//! checkpoint format); a [`Backend`] owns every parameter's slots and does the operations on them.
+//! checkpoint format) and, through its step executor, the schedule of a step (the order of the
+//! phases, the lent-buffer checks, the batching, the host combines: [`run_step`], [`run_batch`]);
+//! a [`Backend`] owns every parameter's slots and does the operations on them, a step as
+//! primitives ([`Backend::fold`], [`Backend::fused`], ...).
 //! The CPU backend ([`crate::Cpu`]) defines the semantics ([docs/OPTIMIZERS.md],
 //! [docs/FORMATS.md]); a device backend implements the same operations on device memory and is
 //! tested against it bit for bit by the conformance suite (`lpmm_optim::conformance_tests!`,

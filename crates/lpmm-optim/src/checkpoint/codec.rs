@@ -25,7 +25,7 @@
 //! (`crate::optimizer::Lender`), a burn module's tensor, which the module's own record saves.
 //! Its other regions (a Kahan compensation, a split-f32 remainder) and slots are stored as
 //! usual. The decoded parameter slot then lacks its primary region; whoever joins the value to
-//! the state checks the whole slot then (`Optimizer::import_slot` with the buffer).
+//! the state checks the whole slot then (`PartsMut::import_slot` with the buffer).
 //!
 //! No name can collide with another: a parameter's tensors are `<name>/<slot><suffix>`, and
 //! neither slot names nor suffixes contain `/`, so the text after the last `/` tells the slot and
@@ -130,7 +130,7 @@ struct CheckpointMeta {
     global_steps: u64,
     groups: Vec<ParamConfig>,
     params: Vec<ParamMeta>,
-    /// Whether the parameters hold their evaluation point (`Optimizer::eval`).
+    /// Whether the parameters hold their evaluation point (`Optimizer::set_mode`, `Mode::Eval`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     eval: bool,
     /// The checksum (module documentation). Every checkpoint carries one; `None` only while it
@@ -300,8 +300,8 @@ pub struct CanonicalParam {
 }
 
 /// A whole checkpoint in the canonical layout: what `Optimizer::save` writes and
-/// `Optimizer::load` reads, what lpmm-burn's records hold, also assembled from (and cut into)
-/// shards by lpmm-dist.
+/// `Optimizer::load` (or `Canonical::read(path)?.into_optimizer(backend)`) reads, what
+/// lpmm-burn's records hold, also assembled from (and cut into) shards by lpmm-dist.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canonical {
     /// The optimizer's options.
@@ -312,7 +312,7 @@ pub struct Canonical {
     pub groups: Vec<ParamConfig>,
     /// Parameters, in registration order.
     pub params: Vec<CanonicalParam>,
-    /// Whether the parameters hold their evaluation point (`Optimizer::eval`).
+    /// Whether the parameters hold their evaluation point (`Optimizer::set_mode`, `Mode::Eval`).
     pub eval: bool,
 }
 

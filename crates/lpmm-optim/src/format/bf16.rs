@@ -17,7 +17,9 @@ pub struct Bf16 {
     rounding: StoreRounding,
 }
 
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
 const NEAREST: Storage = Storage::Bf16(StoreRounding::Nearest);
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
 const STOCHASTIC: Storage = Storage::Bf16(StoreRounding::Stochastic);
 
 const VALUES: RegionSpec = RegionSpec::new("", Dtype::Bf16, Extent::Elements { bits: 16 });

@@ -323,6 +323,7 @@ impl Lanes {
 /// ([`Codec::COVER`]): `lpmm_optim::testing` builds its storage covers from every format's, so a
 /// new format enters the suite with its file.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
 pub(crate) struct Cover {
     /// As a parameter.
     pub params: &'static [Storage],
@@ -336,6 +337,7 @@ pub(crate) struct Cover {
 
 impl Cover {
     /// No storage: the rest of a format's cover (`..Cover::NONE`).
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
     pub(crate) const NONE: Cover = Cover {
         params: &[],
         grads: &[],
@@ -349,6 +351,7 @@ pub(crate) trait Codec: Copy + std::fmt::Debug + PartialEq + Send + Sync + 'stat
     /// The stem of its kernel files and its name in the kernels' dispatch.
     const NAME: &'static str;
     /// The storages of this format the backend conformance suite steps.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
     const COVER: Cover;
     /// The largest magnitude (an f32 bit pattern) the format stores without overflow: a value
     /// beyond it (or non-finite) is never stored — registration refuses it, the step leaves the
@@ -546,6 +549,7 @@ macro_rules! formats {
 
         /// Every format's name and the storages the conformance suite steps it with
         /// ([`Codec::COVER`]), in kernel-id order.
+        #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))] // read by `testing`
         pub(crate) const COVERS: &[(&str, Cover)] =
             &[$((<$module::$ty as Codec>::NAME, <$module::$ty as Codec>::COVER),)*];
 

@@ -1,7 +1,9 @@
 //! The optimizer: parameters registered with their configuration, micro-batch gradient
 //! accumulation, the step, gradient release, learning-rate control, clipping and the
-//! non-finite-gradient policy. The numeric work is the backend's ([`crate::Backend`]); the CPU
-//! backend defines the semantics.
+//! non-finite-gradient policy. The step's schedule is the executor's ([`crate::exec`]), the
+//! numeric work the backend's ([`crate::backend::Backend`]); the CPU backend defines the
+//! semantics. What integrations and backends need beyond a training loop's API is in
+//! [`Parts`] and [`PartsMut`].
 
 use std::collections::HashMap;
 
@@ -145,7 +147,7 @@ pub struct StepReport {
     pub missing_gradients: MissingGradients,
 }
 
-/// This optimizer's part of a step's gradient pre-pass ([`Optimizer::gradient_summary`]).
+/// This optimizer's part of a step's gradient pre-pass ([`PartsMut::gradient_summary`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct GradientSummary {
@@ -231,7 +233,7 @@ fn missing_gradients(states: &[ParamState], covered: impl Fn(usize) -> bool) -> 
     missing
 }
 
-/// The random-stream counters of [`Optimizer::eval`] and [`Optimizer::train`] start here:
+/// The random-stream counters of [`Optimizer::set_mode`] start here:
 /// `2^62 + 2 steps + 1` for the move to evaluation, `2^62 + 2 steps` back.
 pub(crate) const TRANSFORM_COUNTER: u64 = 1 << 62;
 
@@ -261,8 +263,8 @@ pub struct Optimizer<B: Backend = Cpu> {
     /// rule takes the phase, and its capacity (elements, `m × m` elements).
     matrices: Option<B::Matrices>,
     matrix_capacity: (usize, usize),
-    /// The parameters hold their evaluation point ([`Optimizer::eval`]): no step until
-    /// [`Optimizer::train`].
+    /// The parameters hold their evaluation point ([`Mode::Eval`]): no step until
+    /// [`Optimizer::set_mode`] with [`Mode::Train`].
     pub(crate) eval: bool,
     /// The missing-gradient check and the set it warned about last (its policy and help are
     /// the settings').
@@ -731,9 +733,9 @@ impl<B: Backend> Optimizer<B> {
 
     /// Decodes one slot of parameter `id` — the parameter, the gradient accumulator or a state
     /// (zeros for a slot its configuration does not have) — into `out`: host f32 values
-    /// (`&mut [f32]`, `&mut Vec<f32>`), host bf16 values ([`HostValuesMut`], rounded to
-    /// nearest), or a buffer of the backend's ([`Out::Backend`]). A lent parameter's value is
-    /// the caller's buffer and cannot be read here.
+    /// (`&mut [f32]`, `&mut Vec<f32>`), host bf16 values ([`crate::backend::HostValuesMut`],
+    /// rounded to nearest), or a buffer of the backend's ([`Out::Backend`]). A lent parameter's
+    /// value is the caller's buffer and cannot be read here.
     pub fn read<'o>(
         &self,
         id: ParamId,

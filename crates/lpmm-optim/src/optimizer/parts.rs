@@ -1,13 +1,5 @@
-//! The optimizer's parts, for implementors of integrations and backends: what a framework
-//! integration (lpmm-candle, lpmm-burn), the sharded optimizer (lpmm-dist) or a backend's
-//! conformance suite needs beyond a training loop's API — a slot's stored bits in and out, the
-//! canonical form of the whole state, the counters a checkpoint restores, shards, the gradient
-//! pre-pass of a sharded step, the backend and the parameters' layouts.
-//!
-//! A training loop never needs these: [`Optimizer::save`] and [`Optimizer::load`] checkpoint
-//! the whole state, and [`Optimizer::read`] decodes a slot. [`Parts`] reads,
-//! [`PartsMut`] changes; each checks what it is given before anything changes, as the
-//! optimizer's own methods do.
+//! The optimizer's parts, for implementors of integrations and backends ([`Parts`],
+//! [`PartsMut`]).
 
 use std::ops::Range;
 
@@ -19,11 +11,23 @@ use crate::rule::RuleState;
 
 use super::{GradientSummary, Lender, LrRule, Optimizer};
 
-/// Read access to an optimizer's parts ([module docs](self)): `Parts::of(&opt)`.
+/// Read access to an optimizer's parts, for implementors of integrations and backends:
+/// `Parts::of(&opt)`.
+///
+/// What a framework integration (lpmm-candle, lpmm-burn), the sharded optimizer (lpmm-dist) or a
+/// backend's conformance suite needs beyond a training loop's API — a slot's stored bits in and
+/// out, the canonical form of the whole state, the counters a checkpoint restores, shards, the
+/// gradient pre-pass of a sharded step, the backend and the parameters' layouts — is here
+/// ([`Parts`] reads) and in [`PartsMut`] (changes). Each checks what it is given before anything
+/// changes, as the optimizer's own methods do.
+///
+/// A training loop never needs these: [`Optimizer::save`] and [`Optimizer::load`] checkpoint
+/// the whole state, and [`Optimizer::read`] decodes a slot.
 #[derive(Debug, Clone, Copy)]
 pub struct Parts<'a, B: Backend>(&'a Optimizer<B>);
 
-/// Write access to an optimizer's parts ([module docs](self)): `PartsMut::of(&mut opt)`.
+/// Write access to an optimizer's parts, for implementors of integrations and backends
+/// ([`Parts`] says which): `PartsMut::of(&mut opt)`.
 #[derive(Debug)]
 pub struct PartsMut<'a, B: Backend>(&'a mut Optimizer<B>);
 

@@ -195,10 +195,10 @@ impl<'s, 'a: 's, B: Backend> Step<'s, 'a, B> {
     }
 
     /// The second half of a step split across ranks (lpmm-dist), after
-    /// [`Optimizer::gradient_summary`]: steps the accumulated gradients with the whole model's
-    /// sum of squares (the norm for clipping) and whether any part of the model has a non-finite
-    /// gradient (the SkipStep decision), as the unsharded model would. `local_non_finite` is this
-    /// optimizer's part, reported back. `global` is `None` when neither clipping nor SkipStep
+    /// [`super::PartsMut::gradient_summary`]: steps the accumulated gradients with the whole
+    /// model's sum of squares (the norm for clipping) and whether any part of the model has a
+    /// non-finite gradient (the SkipStep decision), as the unsharded model would.
+    /// `local_non_finite` is this optimizer's part, reported back. `global` is `None` when neither clipping nor SkipStep
     /// needs the pre-pass.
     pub fn summarized(global: Option<(ExactSum, bool)>, local_non_finite: Vec<ParamId>) -> Self {
         Self::of(Source::Summarized {
@@ -327,7 +327,8 @@ impl<B: Backend> Optimizer<B> {
     /// Takes a step ([`Step`] says from which gradients, and where lent parameters' buffers
     /// are): `opt.step(Accumulated)` after [`Optimizer::accumulate`], `opt.step(&mut grads)`
     /// with the caller's gradients, `opt.step(Step::param(id, &grad))` to release one
-    /// parameter's gradient now. In evaluation mode ([`Optimizer::eval`]) it is refused.
+    /// parameter's gradient now. In evaluation mode ([`super::Mode::Eval`],
+    /// [`Optimizer::set_mode`]) it is refused.
     pub fn step<'s, 'a: 's>(
         &mut self,
         step: impl Into<Step<'s, 'a, B>>,

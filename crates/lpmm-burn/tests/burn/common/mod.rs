@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+use std::sync::OnceLock;
+
 use burn_core as burn;
 use lpmm_optim::SlotKind;
 
@@ -243,5 +245,30 @@ impl WithSpare {
     /// The spare parameter's label in lpmm-burn's reports: its id and module path.
     pub fn spare_label(&self) -> String {
         format!("{} (spare)", self.spare.id.val())
+    }
+}
+
+/// The wgpu tests share one device and its read counters: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// burn's wgpu device shared with lpmm (initialised once per process), or `None` with a message
+/// when there is no adapter; `LPMM_REQUIRE_WGPU=1` (CI) makes that a failure.
+pub fn wgpu_device() -> Option<Device> {
+    static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
+    match DEVICE
+        .get_or_init(|| lpmm_burn::wgpu::init(Device::wgpu_options()).map_err(|e| e.to_string()))
+    {
+        Ok(d) => Some(d.clone().autodiff()),
+        Err(e) => {
+            if std::env::var("LPMM_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                panic!("LPMM_REQUIRE_WGPU=1 but {e}");
+            }
+            eprintln!("skipping the burn wgpu test: {e}");
+            None
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! lpmm's canonical state inside a burn record (burnpack): the container only. The layout, the
+//! The whole-module optimizer's canonical state inside a burn record (burnpack): the container only. The layout, the
 //! metadata, the checksum and every check are lpmm's checkpoint codec's (`lpmm_optim::checkpoint::codec`).
 //!
 //! Layout (version 2): every tensor of the codec's encoding as a 1-D burnpack tensor in the
@@ -16,14 +16,14 @@
 //! bytes only) still load: [`v1`] checks their checksum, then hands the codec the same state in
 //! today's layout.
 
-use burn_core::tensor::{Bytes, DType};
+use burn_core::tensor::Bytes;
 use burn_optim::OptimizerRecord;
-use lpmm_optim::backend::Dtype;
 use lpmm_optim::checkpoint::Canonical;
 use lpmm_optim::checkpoint::codec::{self, Decoded, Scheme, Source, Stored};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
+use super::burn_dtype;
 use crate::BurnError;
 use crate::core::Pending;
 
@@ -40,16 +40,6 @@ const SCHEME: Scheme = Scheme {
     maps: false,
     noun: "record",
 };
-
-fn burn_dtype(d: Dtype) -> DType {
-    match d {
-        Dtype::F32 => DType::F32,
-        Dtype::Bf16 => DType::BF16,
-        Dtype::U16 => DType::U16,
-        Dtype::U8 => DType::U8,
-        Dtype::U32 => DType::U32,
-    }
-}
 
 fn err(e: impl std::fmt::Display) -> BurnError {
     BurnError::Record(e.to_string())

@@ -1,23 +1,29 @@
 //! The static gates of the specialized steps, read from their machine code without a GPU:
 //! `ptxas -v` (registers, stack frame, spills) and the SASS `nvdisasm` prints of the cubin ptxas
 //! assembles from the committed PTX, both from the pinned wheels ([`crate::kernels::WHEELS`]).
-//! `cargo xtask kernels --report` prints the table ([`table`]); lpmm-cuda's `tests/ptx.rs` fails,
-//! naming that command, when a kernel breaks a gate ([`Figures::violations`]).
+//! `cargo xtask kernels --check` fails when a kernel breaks a gate ([`Figures::violations`]), as
+//! does lpmm-cuda's `tests/ptx.rs`, naming the command that prints the table ([`COMMAND`]:
+//! [`table`], with where the instructions go, [`lines::breakdown_table`], and the time the
+//! issue-rate model gives, [`lines::summary`]).
 //!
 //! The *fast path* is counted on the control-flow graph of a kernel's SASS: the longest path
-//! through one iteration of its tile loop (the loop after the block's one barrier, whose
-//! iteration is one tile of 16 elements per thread) that enters no block calling a slow-path
+//! through one iteration of its tile loop (the loop after the block's barriers, whose iteration
+//! is one tile of 16 elements per thread) that enters no *cold* block: one calling a slow-path
 //! routine (`CALL` of a `$__internal_` subroutine: IEEE division and square root outside their
-//! fast range) and no block of
-//! the cold path of a thread cut by its item's end (kernels/plan.cuh marks it with a `PMTRIG`,
-//! a performance-monitor event). Longest, so that every branch on a rule's options and the
-//! non-finite report count at their dearer side: an upper bound of what a thread issues per
-//! tile. Divided by 16, it is the instructions per element.
+//! fast range) or one of kernels/plan.cuh's cold paths, which carry a `PMTRIG` (a
+//! performance-monitor event): a thread whose run of 16 is cut by its item's end, or one of whose
+//! elements fails the fast checks (non-finite or out of its format's range), a divisor outside
+//! the exact shortcuts' range, a tile whose random draws do not pair its threads. Longest, so
+//! that every branch on a rule's options counts at its dearer side: an upper bound of what a
+//! thread issues per tile. Divided by 16, it is the instructions per element; the longest path
+//! with the cold blocks is reported beside it ([`FastPath::cold`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use lpmm_backend::plans::{GradInput, PlanKernel};
+
+pub mod lines;
 
 /// One kernel's line of `ptxas -v`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -74,6 +80,10 @@ pub struct Instruction {
     pub opcode: String,
     /// The operands as printed.
     pub operands: String,
+    /// The source lines it comes from, innermost first (the line of the inlined function, then
+    /// each call site out to the kernel's), where the cubin has line information (`ptxas
+    /// -lineinfo`, printed by `nvdisasm -gi`); empty otherwise.
+    pub lines: Vec<u32>,
 }
 
 /// A function's SASS: its instructions and its labels (label to instruction index).
@@ -94,6 +104,10 @@ pub fn functions(nvdisasm_output: &str) -> BTreeMap<String, Function> {
     let mut name: Option<String> = None;
     let mut f = Function::default();
     let mut pending: Vec<String> = Vec::new();
+    // The current source location (`//## File "...", line N [inlined at ...]` comments, one per
+    // inlining level, innermost first) and whether the last line read was one of them.
+    let mut lines: Vec<u32> = Vec::new();
+    let mut in_group = false;
     let mut finish = |name: &mut Option<String>, f: &mut Function| {
         if let Some(n) = name.take() {
             if f.own == 0 {
@@ -113,6 +127,20 @@ pub fn functions(nvdisasm_output: &str) -> BTreeMap<String, Function> {
         if name.is_none() {
             continue;
         }
+        if let Some(rest) = t.strip_prefix("//## File") {
+            if !in_group {
+                lines.clear();
+                in_group = true;
+            }
+            let line: Option<u32> = rest
+                .split("line ")
+                .nth(1)
+                .and_then(|l| l.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|n| n.parse().ok());
+            lines.extend(line);
+            continue;
+        }
+        in_group = false;
         if let Some(label) = t.strip_suffix(':') {
             if label.starts_with(".L_x_") {
                 pending.push(label.to_string());
@@ -141,6 +169,7 @@ pub fn functions(nvdisasm_output: &str) -> BTreeMap<String, Function> {
             predicated,
             opcode: opcode.to_string(),
             operands: operands.trim().to_string(),
+            lines: lines.clone(),
         });
     }
     finish(&mut name, &mut f);
@@ -162,6 +191,11 @@ pub struct FastPath {
     pub barriers: usize,
     /// Warp shuffles on it.
     pub shuffles: usize,
+    /// Instructions on the longest path through the tile loop with its cold blocks (a thread
+    /// that takes every cold path: one instruction for each call of a slow-path routine).
+    pub cold: usize,
+    /// The fast path's instructions (indices into [`Function::code`]), in program order.
+    pub path: Vec<usize>,
 }
 
 /// The width in bits of a global access's opcode (`LDG.E.128`: 128; `LDG.E`: 32; `LDG.E.U8`: 8).
@@ -328,43 +362,52 @@ impl Function {
             .ok_or("no tile loop after the barrier")?;
         // Its body without cold blocks and without back edges (inner loops: the descriptor
         // search), in topological order; then the longest and shortest paths head -> latch.
-        let inside = |k: usize| member[k] && !cold[k];
-        let (inner, order) = back_edges(head, &inside);
-        let mut long: Vec<Option<usize>> = vec![None; blocks.len()];
-        let mut short: Vec<Option<usize>> = vec![None; blocks.len()];
-        let mut via: Vec<Option<usize>> = vec![None; blocks.len()];
-        long[head] = Some(size(head));
-        short[head] = Some(size(head));
-        for &k in &order {
-            let (Some(l), Some(sh)) = (long[k], short[k]) else {
-                continue;
-            };
-            if k == latch {
-                continue;
-            }
-            for &t in &succ[k] {
-                if !inside(t) || t == head || inner.contains(&(k, t)) {
+        // The longest and shortest paths head -> latch through the blocks `inside` admits,
+        // and the predecessor of each block on the longest one.
+        type Paths = (Vec<Option<usize>>, Vec<Option<usize>>, Vec<Option<usize>>);
+        let paths = |inside: &dyn Fn(usize) -> bool| -> Paths {
+            let (inner, order) = back_edges(head, inside);
+            let mut long: Vec<Option<usize>> = vec![None; blocks.len()];
+            let mut short: Vec<Option<usize>> = vec![None; blocks.len()];
+            let mut via: Vec<Option<usize>> = vec![None; blocks.len()];
+            long[head] = Some(size(head));
+            short[head] = Some(size(head));
+            for &k in &order {
+                let (Some(l), Some(sh)) = (long[k], short[k]) else {
+                    continue;
+                };
+                if k == latch {
                     continue;
                 }
-                if long[t].is_none_or(|x| x < l + size(t)) {
-                    long[t] = Some(l + size(t));
-                    via[t] = Some(k);
-                }
-                if short[t].is_none_or(|x| x > sh + size(t)) {
-                    short[t] = Some(sh + size(t));
+                for &t in &succ[k] {
+                    if !inside(t) || t == head || inner.contains(&(k, t)) {
+                        continue;
+                    }
+                    if long[t].is_none_or(|x| x < l + size(t)) {
+                        long[t] = Some(l + size(t));
+                        via[t] = Some(k);
+                    }
+                    if short[t].is_none_or(|x| x > sh + size(t)) {
+                        short[t] = Some(sh + size(t));
+                    }
                 }
             }
-        }
+            (long, short, via)
+        };
+        let (long, short, via) = paths(&|k: usize| member[k] && !cold[k]);
         let (Some(instructions), Some(shortest)) = (long[latch], short[latch]) else {
             return Err("no fast path through the tile loop".into());
         };
+        let (with_cold, _, _) = paths(&|k: usize| member[k]);
         let mut path = FastPath {
             instructions,
             shortest,
+            cold: with_cold[latch].unwrap_or(instructions),
             ..FastPath::default()
         };
         let mut k = latch;
         loop {
+            path.path.splice(0..0, blocks[k].0..blocks[k].1);
             for ins in &code[blocks[k].0..blocks[k].1] {
                 let op = ins.opcode.as_str();
                 if op.starts_with("LDG") {
@@ -421,9 +464,15 @@ impl Figures {
         self.path.instructions as f64 / PER as f64
     }
 
+    /// Instructions per element on the longest path with the cold blocks ([`FastPath::cold`]).
+    pub fn cold_per_element(&self) -> f64 {
+        self.path.cold as f64 / PER as f64
+    }
+
     /// The gates this kernel breaks, in words (empty: it passes): a 0-byte stack frame, no
     /// spills, no local memory, every element moved in 128-bit accesses (64-bit for a thread's
-    /// 4-bit codes), at most one barrier per quantization block, its instruction budget.
+    /// 4-bit codes), at most one barrier per quantization block in the tile loop (and two before
+    /// it: the maps' load and their bucket tables), its instruction budget.
     pub fn violations(&self) -> Vec<String> {
         let mut v = Vec::new();
         let r = self.resources;
@@ -448,7 +497,7 @@ impl Figures {
                 self.path.loads, self.path.stores
             ));
         }
-        if self.path.barriers > self.blocks_per_tile || self.barriers > 1 + self.blocks_per_tile {
+        if self.path.barriers > self.blocks_per_tile || self.barriers > 2 + self.blocks_per_tile {
             v.push(format!(
                 "{} barriers per tile ({} in all) for {} quantization blocks",
                 self.path.barriers, self.barriers, self.blocks_per_tile
@@ -465,10 +514,10 @@ impl Figures {
     }
 }
 
-/// The budget of fast-path SASS instructions per element of a plan's kernel: 8-bit (and 4-bit)
-/// AdamW with nearest rounding 180 (issue 42), a stochastically rounded slot 40 more for its
-/// random draws (a ChaCha8 block per 16 elements), f32 AdamW and 8-bit Lion 100, LPMM-SGDM
-/// (three stochastically rounded 8-bit slots) 280.
+/// The budget of fast-path SASS instructions per element of a plan's kernel (issue 57): AdamW
+/// with block-wise 8- or 4-bit states 100, and 15 more for a stochastically rounded parameter
+/// (its random draws: a ChaCha8 block per two threads); f32 AdamW 75 (it moves 28 B/param and is
+/// memory-bound below that); LPMM-SGDM 120; 8-bit Lion 80. A rule not among these gets AdamW's.
 pub fn budget(plan: &PlanKernel) -> f64 {
     // Stochastically rounded slots that store (an accumulator is only cleared).
     let stochastic = plan
@@ -477,18 +526,16 @@ pub fn budget(plan: &PlanKernel) -> f64 {
         .enumerate()
         .filter(|&(k, f)| k != 1 && f.is_some_and(|f| f.stochastic()))
         .count() as f64;
-    match plan.rule_name() {
-        "adam"
-            if plan
-                .formats
-                .iter()
-                .flatten()
-                .any(|f| f.name() == "blockwise") =>
-        {
-            180.0 + 40.0 * stochastic
-        }
-        "sgd" => 280.0,
-        _ => 100.0 + 40.0 * stochastic,
+    let quantized = plan
+        .formats
+        .iter()
+        .flatten()
+        .any(|f| f.name() == "blockwise");
+    match (plan.rule_name(), quantized) {
+        ("adam", false) => 75.0 + 15.0 * stochastic,
+        ("sgd", _) => 120.0,
+        ("lion", _) => 80.0 + 15.0 * stochastic,
+        _ => 100.0 + 15.0 * stochastic,
     }
 }
 
@@ -522,6 +569,30 @@ pub fn vector_accesses(plan: &PlanKernel) -> ((usize, usize), (usize, usize)) {
     ((l128, s128), (l64, s64))
 }
 
+/// The bytes one element of `plan` moves in global memory per step: every slot read and written
+/// (the accumulator cleared), a block-wise slot's codes and its absmax per block, and the io
+/// gradient read.
+pub fn bytes_per_element(plan: &PlanKernel) -> f64 {
+    let mut bytes = 0.0;
+    for f in plan.formats.iter().flatten() {
+        let one = match f.name() {
+            "f32" | "split_f32" => 4.0,
+            "bf16" => 2.0,
+            _ => {
+                let aux = f.kernel_aux();
+                f64::from(aux >> 24) / 8.0 + 4.0 / f64::from(1u32 << ((aux >> 8) & 0xFF))
+            }
+        };
+        bytes += 2.0 * one;
+    }
+    bytes
+        + match plan.input {
+            GradInput::None => 0.0,
+            GradInput::F32 => 4.0,
+            GradInput::Bf16 => 2.0,
+        }
+}
+
 /// Quantization blocks per tile of `plan` (its smallest block's; 1 without a quantized slot).
 pub fn blocks_per_tile(plan: &PlanKernel) -> usize {
     let tile = lpmm_backend::abi::TILE as usize;
@@ -534,6 +605,53 @@ pub fn blocks_per_tile(plan: &PlanKernel) -> usize {
         .unwrap_or(1)
 }
 
+/// Runs `ptxas -v` (and `extra` options) on `ptx` for `arch`, writing the cubin to `cubin`, then
+/// `nvdisasm -c` (and `disasm` options) on it: ptxas's output and the SASS.
+fn disassemble(
+    ptxas: &Path,
+    nvdisasm: &Path,
+    arch: &str,
+    ptx: &Path,
+    cubin: &Path,
+    extra: &[&str],
+    disasm: &[&str],
+) -> Result<(String, String), String> {
+    let out = std::process::Command::new(ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg("-v")
+        .args(extra)
+        .arg(ptx)
+        .arg("-o")
+        .arg(cubin)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ptxas -arch={arch} -v failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let info = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new(nvdisasm)
+        .arg("-c")
+        .args(disasm)
+        .arg(cubin)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", nvdisasm.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "nvdisasm -c {} failed: {}",
+            cubin.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok((info, String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
 /// Runs `ptxas -v` on `ptx` for `arch` (writing the cubin to `dir`) and `nvdisasm` on the cubin,
 /// and returns every plan's figures (lpmm-backend's `plans` order).
 pub fn figures(
@@ -544,38 +662,9 @@ pub fn figures(
     dir: &Path,
 ) -> Result<Vec<Figures>, String> {
     let cubin = dir.join(format!("lpmm.{arch}.cubin"));
-    let out = std::process::Command::new(ptxas)
-        .arg(format!("-arch={arch}"))
-        .arg("-v")
-        .arg(ptx)
-        .arg("-o")
-        .arg(&cubin)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "ptxas -arch={arch} -v failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let res = resources(&format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    ));
-    let out = std::process::Command::new(nvdisasm)
-        .arg("-c")
-        .arg(&cubin)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", nvdisasm.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "nvdisasm -c {} failed: {}",
-            cubin.display(),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let sass = functions(&String::from_utf8_lossy(&out.stdout));
+    let (info, sass) = disassemble(ptxas, nvdisasm, arch, ptx, &cubin, &[], &[])?;
+    let res = resources(&info);
+    let sass = functions(&sass);
     lpmm_backend::plans::plans()
         .iter()
         .map(|plan| {
@@ -601,26 +690,60 @@ pub fn figures(
         .collect()
 }
 
+/// Every plan's fast path by category ([`lines::breakdown`]) for `arch`, from `ptx`: the program
+/// `source` compiled with line information (NVRTC's `-lineinfo`), assembled with `ptxas
+/// -lineinfo` into `dir` and disassembled with `nvdisasm -gi`. Each row's per-element count is
+/// this build's; the report checks it against the committed build's.
+pub fn breakdowns(
+    ptxas: &Path,
+    nvdisasm: &Path,
+    arch: &str,
+    ptx: &Path,
+    dir: &Path,
+    source: &str,
+) -> Result<Vec<lines::Breakdown>, String> {
+    let categories = lines::line_categories(source)?;
+    let cubin = dir.join(format!("lpmm.{arch}.lineinfo.cubin"));
+    let (_, sass) = disassemble(ptxas, nvdisasm, arch, ptx, &cubin, &["-lineinfo"], &["-gi"])?;
+    let sass = functions(&sass);
+    lpmm_backend::plans::plans()
+        .iter()
+        .map(|plan| {
+            let f = sass
+                .get(&plan.name)
+                .ok_or_else(|| format!("{}: not in the cubin's SASS", plan.name))?;
+            let path = f.fast_path().map_err(|e| format!("{}: {e}", plan.name))?;
+            Ok((
+                plan.name.clone(),
+                arch.to_string(),
+                path.instructions as f64 / PER as f64,
+                lines::breakdown(f, &path, &categories),
+            ))
+        })
+        .collect()
+}
+
 /// The figures as a markdown table.
 pub fn table(figures: &[Figures]) -> String {
     let mut o = String::from(
-        "| kernel | arch | registers | stack frame | spills | SASS instructions | LDL/STL | fast path per element (shortest) | budget | 128-bit loads / stores | 64-bit loads / stores | barriers per tile (in all) | shuffles per tile |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| kernel | arch | fast path per element (shortest) | budget | with cold paths | registers | stack frame | spills | SASS instructions | LDL/STL | 128-bit loads / stores | 64-bit loads / stores | barriers per tile (in all) | shuffles per tile |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for f in figures {
         let r = f.resources;
         let got = |m: &BTreeMap<u32, usize>, w| m.get(&w).copied().unwrap_or(0);
         o += &format!(
-            "| {} | {} | {} | {} B | {} B | {} | {} | {:.1} ({:.1}) | {} | {} / {} | {} / {} | {} ({}) | {} |\n",
+            "| {} | {} | {:.1} ({:.1}) | {} | {:.1} | {} | {} B | {} B | {} | {} | {} / {} | {} / {} | {} ({}) | {} |\n",
             f.name.trim_start_matches("lpmm_plan_"),
             f.arch,
+            f.per_element(),
+            f.path.shortest as f64 / PER as f64,
+            f.budget,
+            f.cold_per_element(),
             r.registers,
             r.stack_frame,
             r.spill_stores + r.spill_loads,
             f.instructions,
             f.local_accesses,
-            f.per_element(),
-            f.path.shortest as f64 / PER as f64,
-            f.budget,
             got(&f.path.loads, 128),
             got(&f.path.stores, 128),
             got(&f.path.loads, 64),
@@ -673,6 +796,69 @@ $__internal_0_slowpath:
         assert_eq!(p.shortest, 5);
         assert_eq!(p.loads[&128], 1);
         assert_eq!(p.stores[&128], 1);
+        // With the call's block: one more.
+        assert_eq!(p.cold, 8);
+        assert_eq!(p.path.len(), 7);
+    }
+
+    #[test]
+    fn the_budgets_are_issue_57s() {
+        // 8-bit AdamW bf16 (nearest) 100, with stochastic rounding 115; 4-bit AdamW 100 (115
+        // with a stochastically rounded parameter); LPMM-SGDM 120; Lion 8-bit 80; f32 AdamW 75.
+        let want = [
+            ("adamw_f32", 75.0),
+            ("adamw_8bit", 100.0),
+            ("adamw_8bit_bf16", 100.0),
+            ("adamw_8bit_bf16_sr", 115.0),
+            ("adamw_4bit", 100.0),
+            ("adamw_4bit_bf16", 100.0),
+            ("adamw_4bit_bf16_sr_released", 115.0),
+            ("lpmm_sgdm", 120.0),
+            ("lion_8bit", 80.0),
+        ];
+        let plans = lpmm_backend::plans::plans();
+        for (preset, b) in want {
+            let of: Vec<f64> = plans
+                .iter()
+                .filter(|p| p.preset == preset)
+                .map(budget)
+                .collect();
+            assert!(!of.is_empty(), "{preset} has plans");
+            assert!(of.iter().all(|&x| x == b), "{preset}: {of:?}, want {b}");
+        }
+        assert_eq!(
+            plans
+                .iter()
+                .filter(|p| !want.iter().any(|w| w.0 == p.preset))
+                .count(),
+            0,
+            "every plan's preset has a budget above"
+        );
+    }
+
+    #[test]
+    fn bytes_per_element_are_the_benchmarks() {
+        // docs/BENCHMARKS.md: 8-bit AdamW with bf16 parameter and accumulator 12.06 B/param; f32
+        // AdamW with an f32 accumulator 32, and 2 more for a bf16 gradient read.
+        let of = |name: &str| {
+            let p = lpmm_backend::plans::plans()
+                .iter()
+                .find(|p| p.name == name)
+                .unwrap();
+            bytes_per_element(p)
+        };
+        assert!((of("lpmm_plan_adamw_8bit_bf16_acc") - 12.0625).abs() < 1e-9);
+        assert!((of("lpmm_plan_adamw_f32_acc") - 32.0).abs() < 1e-9);
+        assert!((of("lpmm_plan_adamw_f32_acc_bf16") - 34.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn line_information_is_read() {
+        let sass = "//--------------------- .text.k --------------------------\n\t//## File \"a.cu\", line 20 inlined at \"a.cu\", line 7\n\t//## File \"a.cu\", line 7\n        /*0000*/                   FADD R1, R2, R3 ;\n        /*0010*/                   FMUL R1, R2, R3 ;\n\t//## File \"a.cu\", line 9\n        /*0020*/                   EXIT ;\n";
+        let f = &functions(sass)["k"];
+        assert_eq!(f.code[0].lines, [20, 7]);
+        assert_eq!(f.code[1].lines, [20, 7]);
+        assert_eq!(f.code[2].lines, [9]);
     }
 
     #[test]

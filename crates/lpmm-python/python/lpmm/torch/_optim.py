@@ -1,0 +1,369 @@
+"""The torch optimizers: ``LpmmOptimizer`` (any preset by name) and one class per common preset."""
+
+import json
+import warnings
+
+import torch
+
+from .. import _lpmm
+from .._errors import AliasError, ConfigError, StateDictError, StepError, TensorError
+
+__all__ = ["LpmmOptimizer", "NonFiniteGradientWarning"]
+
+#: The state dict's per-parameter keys besides the regions.
+_META = "lpmm"
+_STEP = "step"
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """A step met a NaN or infinite gradient: skipped (``non_finite="skip_step"``, the default) or
+    those elements left unchanged (``"skip_elements"``)."""
+
+
+def _plain(value, default):
+    """``value`` as JSON-ready data of ``default``'s kind (torch's schedulers may store tensors or
+    numpy numbers in a param group)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(default, bool):
+        return bool(value)
+    if isinstance(default, (list, tuple)):
+        return [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
+    if default is None:
+        return None if value is None else int(value)
+    if isinstance(default, int):
+        return int(value)
+    return float(value)
+
+
+def _torch_value(value):
+    """A JSON value as a torch user reads it in a param group (tuples, not lists)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+class LpmmOptimizer(torch.optim.Optimizer):
+    r"""Any lpmm preset as a :class:`torch.optim.Optimizer`.
+
+    Args:
+        params: parameters or param-group dicts, as for any torch optimizer (named parameters,
+            ``model.named_parameters()``, name the parameters in errors).
+        preset (str): one of :data:`lpmm.PRESETS` (``"adamw_8bit"``, ``"adamw_4bit"``,
+            ``"lpmm_sgdm"``, ``"lion_8bit"``, ...). It decides the update rule and how the
+            optimizer states are stored.
+        lr (float): learning rate.
+        param_storage (str): where each parameter's value lives. ``"auto"`` (default): in the
+            tensor itself, stepped in place; float32 tensors as f32, bfloat16 tensors as bf16 with
+            stochastic rounding. ``"bf16"`` (round to nearest), ``"bf16_sr"``, ``"bf16_kahan"``
+            (a Kahan compensation held by lpmm), ``"split_f32"`` (a 16-bit remainder held by lpmm:
+            f32 master weights behind a bf16 tensor), ``"bf16_plus8"``/``"bf16_plus8_sr"``
+            (24-bit master weights): a bfloat16 tensor stepped in place. ``"preset"``: the preset's
+            own storage; ``"linear8_sr"``: LPMM-SGDM's 8-bit parameter. A storage that is not the
+            tensor's dtype is held by lpmm and written into the tensor after every step.
+        seed (int): seed of every stochastic-rounding stream.
+        max_grad_norm (float or None): clip the global gradient norm to this before the step.
+        non_finite (str): ``"skip_step"`` (default: a NaN or infinite gradient skips the whole
+            step, as AMP's GradScaler does) or ``"skip_elements"``.
+        missing_gradient (str): a parameter without a gradient is skipped, as torch skips it
+            (``"ignore"``, default), or named in a warning (``"warn"``), or refused
+            (``"error"``).
+        grad_release (bool): step each parameter as soon as its gradient is accumulated
+            (``register_post_accumulate_grad_hook``) and free that gradient: the whole model's
+            gradients never exist at once. ``step()`` then has nothing left to do.
+        min_quantized_size (int or None): tensors with fewer elements keep quantized states in
+            f32 (bitsandbytes' ``min_8bit_size``; the preset's value, 4096 for most, by default).
+        **hyper: the update rule's hyperparameters (``betas``, ``eps``, ``weight_decay``,
+            ``momentum``, ...); ``defaults`` lists them.
+    """
+
+    def __init__(
+        self,
+        params,
+        preset="adamw_8bit",
+        lr=1e-3,
+        *,
+        param_storage="auto",
+        seed=0,
+        max_grad_norm=None,
+        non_finite="skip_step",
+        missing_gradient="ignore",
+        grad_release=False,
+        min_quantized_size=None,
+        **hyper,
+    ):
+        if grad_release and max_grad_norm is not None:
+            raise ConfigError(
+                "grad_release steps each parameter alone as its gradient arrives, so the global "
+                "gradient norm that max_grad_norm clips to is never known: use one or the other"
+            )
+        if min_quantized_size is not None and (
+            not isinstance(min_quantized_size, int) or min_quantized_size < 0
+        ):
+            raise ConfigError(f"min_quantized_size {min_quantized_size!r}: a non-negative int")
+        rule, defaults = _lpmm.Engine.defaults(preset, 0.0 if lr is None else float(lr))
+        defaults = json.loads(defaults)
+        for key in hyper:
+            if key not in defaults:
+                raise ConfigError(
+                    f"{preset} ({rule}) has no hyperparameter {key!r}; its hyperparameters are: "
+                    + ", ".join(defaults)
+                )
+        defaults.update(hyper)
+        self._preset = preset
+        self._rule_defaults = dict(defaults)
+        self._param_storage = param_storage
+        self._min_quantized_size = min_quantized_size
+        self._grad_release = bool(grad_release)
+        self._engine = _lpmm.Engine(
+            int(seed),
+            None if max_grad_norm is None else float(max_grad_norm),
+            non_finite,
+            missing_gradient,
+        )
+        self._params = []  # registered tensors, in the engine's order
+        self._torch_index = []  # each one's index in torch's state dict
+        self._index = {}  # id(tensor) -> engine index
+        self._synced = []  # each group's hyperparameters as the engine has them
+        self._hooks = []
+        self._broken = None  # why the optimizer cannot go on, if it cannot
+        self._count = 0  # parameters in all groups, registered or not (torch's indexing)
+        #: The last step's report: ``updated``, ``skipped``, ``non_finite`` (names),
+        #: ``grad_norm``, ``missing`` (names).
+        self.last_report = None
+        super().__init__(params, {k: _torch_value(v) for k, v in defaults.items()})
+
+    # -- groups and parameters -------------------------------------------------------------
+
+    def _hyper(self, group):
+        """Group ``group``'s hyperparameters as JSON-ready data."""
+        return {k: _plain(group[k], d) for k, d in self._rule_defaults.items()}
+
+    def add_param_group(self, param_group):
+        """Adds a param group (torch's ``add_param_group``), registering its tensors with lpmm.
+        A tensor lpmm cannot step in place, or one sharing memory with another parameter, raises
+        before the group is added."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        g = len(self.param_groups) - 1
+        try:
+            names = group.get("param_names")
+            new = []
+            for i, p in enumerate(group["params"]):
+                name = names[i] if names else f"param_groups[{g}]['params'][{i}]"
+                if id(p) in self._index or any(p is q for _, q, _ in new):
+                    raise AliasError(
+                        f"parameter {name} is listed twice; nothing was changed", name
+                    )
+                new.append((name, p, self._count + i))
+            stepped = [(n, p, k) for n, p, k in new if p.numel() > 0]
+            taken = {self._engine.name(i) for i in range(len(self._params))}
+            for name, p, _ in stepped:
+                if name in taken:
+                    raise ConfigError(f"two parameters are named {name!r}", name)
+                taken.add(name)
+            _lpmm.check(
+                [self._engine.name(i) for i in range(len(self._params))] + [n for n, _, _ in stepped],
+                self._params + [p for _, p, _ in stepped],
+            )
+            for name, p, _ in stepped:
+                if p.is_floating_point() and not torch.isfinite(p.detach()).all():
+                    raise TensorError(
+                        f"parameter {name} holds NaN or infinite values; nothing was changed", name
+                    )
+            hyper = self._hyper(group)
+            index = self._engine.add_group(
+                self._preset, json.dumps(hyper), self._param_storage, self._min_quantized_size
+            )
+            if index != g:
+                raise ConfigError(f"lpmm's group {index} is torch's group {g}")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._synced.append(hyper)
+        for name, p, k in stepped:
+            try:
+                self._engine.add_param(name, p, list(p.shape), g)
+            except BaseException as e:
+                # Checked above, so not expected: lpmm has part of the group; refuse to go on.
+                self._broken = f"registering {name} failed ({e}); create the optimizer again"
+                raise
+            self._index[id(p)] = len(self._params)
+            self._params.append(p)
+            self._torch_index.append(k)
+            if self._grad_release:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._release))
+        self._count += len(new)
+
+    def param_info(self):
+        """Each registered parameter: its name, whether it is stepped in place in the tensor
+        (``lent``), and the storage lpmm keeps its value in."""
+        return [self._engine.info(i) for i in range(len(self._params))]
+
+    def memory(self):
+        """Bytes lpmm holds, by slot: ``param`` (values lpmm holds beside or instead of the
+        tensor: a Kahan compensation, an 8-bit parameter), ``grad`` (always 0: torch's
+        gradients are read where they are), ``state1``, ``state2``, ``state3``."""
+        return dict(zip(("param", "grad", "state1", "state2", "state3"), self._engine.memory()))
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def _sync(self):
+        """Passes the param groups' hyperparameters to lpmm where they changed (LR schedulers
+        change ``lr``; a change of another hyperparameter moves the state to an optimizer with
+        the new ones, which costs a copy of it)."""
+        for g, group in enumerate(self.param_groups):
+            hyper = self._hyper(group)
+            old = self._synced[g]
+            if hyper == old:
+                continue
+            if all(hyper[k] == old[k] for k in hyper if k != "lr"):
+                self._engine.set_group_lr(g, hyper["lr"])
+            else:
+                self._engine.set_group_hyper(g, json.dumps(hyper), self._params)
+            self._synced[g] = hyper
+
+    def _finish(self, report, stepped):
+        self.last_report = report
+        if stepped and not report["skipped"]:
+            torch.autograd.graph.increment_version(stepped)
+        if report["non_finite"]:
+            what = "the step was skipped" if report["skipped"] else "those elements were left unchanged"
+            warnings.warn(
+                "non-finite gradient in " + ", ".join(report["non_finite"]) + f": {what}",
+                NonFiniteGradientWarning,
+                stacklevel=3,
+            )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every parameter with a gradient (a parameter whose ``.grad`` is None is
+        skipped). Every tensor is checked first; a refused step changes nothing."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_usable()
+        self._sync()
+        grads = [p.grad for p in self._params]
+        params = [None if g is None else p for p, g in zip(self._params, grads)]
+        report = self._engine.step(params, grads)
+        self._finish(report, [p for p in params if p is not None])
+        return loss
+
+    def _check_usable(self):
+        if self._broken:
+            raise StepError(self._broken)
+
+    def _release(self, p):
+        """The post-accumulate-grad hook of ``grad_release``: steps ``p`` and frees its
+        gradient."""
+        if p.grad is None:
+            return
+        self._check_usable()
+        self._sync()
+        with torch.no_grad():
+            report = self._engine.step_param(self._index[id(p)], p, p.grad)
+        p.grad = None
+        self._finish(report, [p])
+
+    def train(self):
+        """Parameters back at their training point (schedule-free presets; others: no-op)."""
+        self._engine.set_eval(False, self._params)
+
+    def eval(self):
+        """Parameters at their evaluation point: schedule-free AdamW's averaged weights (the
+        ``schedulefree`` package's ``optimizer.eval()``); other presets: no-op. Steps are
+        refused until ``train()``."""
+        self._engine.set_eval(True, self._params)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's state dict: ``param_groups`` as torch writes them, and per parameter
+        ``step``, ``lpmm`` (its metadata as JSON bytes) and each region of its optimizer state as
+        raw bytes (uint8 tensors, exact under the dtype cast of torch's ``load_state_dict``). A
+        parameter stepped in its tensor has its values in the model's state dict, not here."""
+        sd = super().state_dict()
+        saved = self._engine.state(self._params)
+        state = sd["state"]
+        for k, (meta, steps, regions) in zip(self._torch_index, saved):
+            entry = {_STEP: torch.tensor(float(steps)), _META: _bytes_tensor(meta.encode())}
+            for key, data in regions:
+                entry[key] = _bytes_tensor(data)
+            state[k] = entry
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this optimizer's ``state_dict()`` (after ``torch.save`` and
+        ``torch.load``, cast to the parameters' dtype by torch or not): the parameters' counters,
+        stochastic-rounding streams and states resume bit for bit, and the param groups'
+        hyperparameters are the saved ones. A state dict of another optimizer (torch's AdamW,
+        bitsandbytes', another preset) or of another model raises :class:`lpmm.StateDictError`
+        and changes nothing."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise StateDictError("not an optimizer state dict (no 'state' and 'param_groups')")
+        for k, entry in state_dict["state"].items():
+            if not isinstance(entry, dict) or _META not in entry:
+                keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+                raise StateDictError(
+                    f"the state of parameter {k} holds {keys}, not lpmm's state: it was written by "
+                    "another optimizer (torch.optim.AdamW writes exp_avg and exp_avg_sq, "
+                    "bitsandbytes state1 and state2); lpmm.torch loads only its own state dicts. "
+                    "Nothing was changed"
+                )
+        for g, group in enumerate(state_dict["param_groups"]):
+            missing = [k for k in self._rule_defaults if k not in group]
+            if missing:
+                raise StateDictError(
+                    f"param group {g} of the state dict has no {', '.join(missing)}: it was written "
+                    f"by another optimizer or preset (this one is {self._preset}). Nothing was changed"
+                )
+        old_groups = [dict(g) for g in self.param_groups]
+        old_state = self.state
+        try:
+            super().load_state_dict(state_dict)
+            hypers = [json.dumps(self._hyper(g)) for g in self.param_groups]
+            saved = []
+            for p in self._params:
+                entry = self.state.get(p)
+                if entry is None:
+                    raise StateDictError(
+                        f"no state for parameter {self._engine.name(len(saved))}: the state dict is "
+                        "of another model"
+                    )
+                regions = {
+                    k: _from_bytes_tensor(v, k) for k, v in entry.items() if k not in (_STEP, _META)
+                }
+                meta = bytes(_from_bytes_tensor(entry[_META], _META).tolist()).decode()
+                saved.append((meta, regions))
+            self._engine.load_state(hypers, saved, self._params)
+        except BaseException:
+            for g, old in zip(self.param_groups, old_groups):
+                g.clear()
+                g.update(old)
+            self.state = old_state
+            raise
+        self.state = type(old_state)()
+        self._synced = [self._hyper(g) for g in self.param_groups]
+
+
+def _bytes_tensor(data):
+    return torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+
+
+def _from_bytes_tensor(value, key):
+    """A state entry back as uint8: torch's ``load_state_dict`` casts every state tensor to a
+    floating parameter's dtype, and bytes come back exactly from float32 and bfloat16 (every
+    integer up to 256 is exact in both); anything else is refused."""
+    if not isinstance(value, torch.Tensor):
+        raise StateDictError(f"state entry {key!r} is a {type(value).__name__}, not a tensor")
+    value = value.detach().cpu().reshape(-1)
+    if value.dtype == torch.uint8:
+        return value.contiguous()
+    as_bytes = value.to(torch.uint8)
+    if value.is_floating_point() and torch.equal(as_bytes.to(value.dtype), value):
+        return as_bytes
+    raise StateDictError(
+        f"state entry {key!r} is a {value.dtype} tensor whose values are not bytes: the state "
+        "dict was changed or written by another optimizer"
+    )
+
