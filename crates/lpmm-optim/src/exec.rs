@@ -25,8 +25,8 @@
 //! [`RuleConsts::combine_matrix`]: crate::rule::RuleConsts::combine_matrix
 
 use crate::backend::{
-    Backend, BackendError, Dtype, Folded, MAX_STATS, MatrixOp, MatrixShape, NewtonSchulz,
-    ParamId, ParamLayout, ParamStep, Phase, PlanRunner, SlotKind, StepWork, run_step,
+    Backend, BackendError, Dtype, Folded, MAX_STATS, MatrixOp, MatrixShape, NewtonSchulz, ParamId,
+    ParamLayout, ParamStep, Phase, PlanRunner, SlotKind, StepWork, run_step,
 };
 use crate::error::OptimError;
 use crate::fixed;
@@ -430,9 +430,8 @@ impl<B: Backend> PlanRunner for Exec<'_, '_, '_, B> {
     }
 
     fn begin_matrix(&mut self) -> Result<Option<NewtonSchulz>, BackendError> {
-        let next = (0..self.plans.len()).find(|&i| {
-            !self.matrixed[i] && self.plans[i].is_some_and(|p| p.plan.matrix(p.flags))
-        });
+        let next = (0..self.plans.len())
+            .find(|&i| !self.matrixed[i] && self.plans[i].is_some_and(|p| p.plan.matrix(p.flags)));
         let Some(i) = next else {
             return Ok(None);
         };
@@ -501,7 +500,12 @@ impl<B: Backend> PlanRunner for Exec<'_, '_, '_, B> {
         let non_finite = &mut *self.non_finite;
         // The parameters that took the matrix phase have stepped.
         let plans: &[Option<ParamStep>] = if self.matrixed.iter().any(|&m| m) {
-            for ((r, p), &m) in self.rest.iter_mut().zip(self.plans.iter()).zip(&*self.matrixed) {
+            for ((r, p), &m) in self
+                .rest
+                .iter_mut()
+                .zip(self.plans.iter())
+                .zip(&*self.matrixed)
+            {
                 *r = if m { None } else { *p };
             }
             if self.rest.iter().all(Option::is_none) {

@@ -71,6 +71,6 @@ pub use optimizer::{
     NonFinitePolicy, Optimizer, OptimizerOptions, Out, ParamInfo, ParamKey, Parts, PartsMut,
     Settings, Status, Step, StepReport, WithGradient,
 };
-pub use rule::configs::*;
 pub use routing::{DEFAULT_OTHERS, Hybrid, Route, name_matches};
+pub use rule::configs::*;
 pub use rule::{AdjustLr, Hyper, RuleState};

@@ -460,7 +460,12 @@ mod tests {
         let mut r = Record(Vec::new(), [0, 2, 0], 2);
         run_step(&mut r).unwrap();
         let iteration = ["Gram", "Poly", "Next", "swap X"];
-        let mut want = vec!["begin Stats", "fold Stats 0", "fold Stats 1", "combine Stats"];
+        let mut want = vec![
+            "begin Stats",
+            "fold Stats 0",
+            "fold Stats 1",
+            "combine Stats",
+        ];
         for _ in 0..2 {
             want.push("begin matrix");
             want.extend(iteration);

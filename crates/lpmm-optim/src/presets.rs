@@ -22,8 +22,8 @@
 use crate::config::ParamConfig;
 use crate::format::{Storage, StoreRounding};
 // Every rule's configuration type (the registry's list), for `forward!` and the presets.
-use crate::rule::configs::*;
 use crate::routing::Hybrid;
+use crate::rule::configs::*;
 use crate::rule::{AdjustLr, Hyper, Rule};
 
 /// A preset being customised: an update rule `R` ([`Adam`], [`Lion`], [`Sgd`], or any

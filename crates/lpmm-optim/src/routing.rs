@@ -99,8 +99,7 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
     if parts.len() == 1 {
         return pattern == name;
     }
-    if name.len() < first.len() + last.len() || !name.starts_with(first) || !name.ends_with(last)
-    {
+    if name.len() < first.len() + last.len() || !name.starts_with(first) || !name.ends_with(last) {
         return false;
     }
     let mut rest = &name[first.len()..name.len() - last.len()];

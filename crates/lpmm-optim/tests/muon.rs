@@ -13,9 +13,10 @@ use common::{difference, f32s, grad, init};
 use lpmm_optim::backend::MatrixShape;
 use lpmm_optim::testing::Rng;
 use lpmm_optim::{
-    AdjustLr, Checkpoint, Muon, NonFinitePolicy, OptimError, Optimizer, OptimizerOptions,
-    ParamConfig, ParamId, Parts, SlotKind, Step, Storage, presets,
+    AdjustLr, Checkpoint, Hybrid, MapKind, Muon, NonFinitePolicy, OptimError, Optimizer,
+    OptimizerOptions, ParamConfig, ParamId, Parts, Route, SlotKind, Step, presets,
 };
+use lpmm_quant::{BlockSize, Blockwise, QuantRounding};
 
 /// torch's `Muon` step in f64 (the Newton–Schulz products in f64 too): what lpmm's f32 Muon
 /// approximates. `p`, `g` and `buf` are row-major `rows × cols`.
@@ -26,14 +27,23 @@ fn reference_step(rule: &Muon, shape: [usize; 2], p: &mut [f64], buf: &mut [f64]
         *b += (1.0 - mu) * (gi - *b);
     }
     let u: Vec<f64> = if rule.nesterov {
-        g.iter().zip(buf.iter()).map(|(&gi, &b)| gi + mu * (b - gi)).collect()
+        g.iter()
+            .zip(buf.iter())
+            .map(|(&gi, &b)| gi + mu * (b - gi))
+            .collect()
     } else {
         buf.to_vec()
     };
     let m = MatrixShape { rows, cols };
     let (mm, nn) = (m.m(), m.n());
     // The wide view.
-    let at = |i: usize, j: usize| if m.transposed() { j * cols + i } else { i * cols + j };
+    let at = |i: usize, j: usize| {
+        if m.transposed() {
+            j * cols + i
+        } else {
+            i * cols + j
+        }
+    };
     let mut x: Vec<f64> = (0..mm * nn).map(|k| u[at(k / nn, k % nn)]).collect();
     let norm = x.iter().map(|v| v * v).sum::<f64>().sqrt().max(rule.eps);
     x.iter_mut().for_each(|v| *v /= norm);
@@ -119,7 +129,11 @@ fn f32_muon_follows_the_algorithm_in_f64() {
                 opt.step(Step::param(id, &g)).unwrap();
             }
             let got = read(&opt, id, SlotKind::Param, n);
-            let moved: Vec<f64> = p.iter().zip(&init).map(|(a, &b)| a - f64::from(b)).collect();
+            let moved: Vec<f64> = p
+                .iter()
+                .zip(&init)
+                .map(|(a, &b)| a - f64::from(b))
+                .collect();
             let got_moved: Vec<f32> = got.iter().zip(&init).map(|(a, b)| a - b).collect();
             let (rp, rm) = (
                 relative(&p, &got),
@@ -229,7 +243,9 @@ fn f32_muon_follows_torch() {
             let want = f32s(&st, &format!("{anchor}.{ns}.momentum.t"));
             let got = read(&opt, ids[1], SlotKind::State1, want.len());
             assert!(
-                want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                want.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{anchor}: the momentum of t is not torch's bit for bit"
             );
         }
@@ -314,8 +330,11 @@ fn a_checkpoint_resumes_exactly() {
     let step = |opt: &mut Optimizer, ids: &[ParamId], t: usize| {
         for (k, &id) in ids.iter().enumerate() {
             let n = shapes[k][0] * shapes[k][1];
-            opt.step(Step::param(id, &Rng::new((t * 10 + k) as u64).spread(n, 1.0)))
-                .unwrap();
+            opt.step(Step::param(
+                id,
+                &Rng::new((t * 10 + k) as u64).spread(n, 1.0),
+            ))
+            .unwrap();
         }
     };
     let snapshot = |opt: &Optimizer, ids: &[ParamId]| -> Vec<Vec<u8>> {
@@ -338,4 +357,134 @@ fn a_checkpoint_resumes_exactly() {
     resumed.load(&path, Checkpoint::default()).unwrap();
     (3..6).for_each(|t| step(&mut resumed, &ids, t));
     assert!(snapshot(&resumed, &ids) == snapshot(&straight, &ids));
+}
+
+/// 8-bit Muon's momentum codes are lpmm-quant's block-wise quantizer's (bitsandbytes' signed
+/// dynamic map, blocks of 256, nearest) of the momentum f32 Muon holds after the same steps: the
+/// matrix phase reads the momentum, it does not change how it is stored.
+#[test]
+fn eight_bit_momentum_codes_are_the_quantizers() {
+    let shape = [48usize, 64];
+    let n = shape[0] * shape[1];
+    let mut rng = Rng::new(21);
+    let init = rng.spread(n, 0.5);
+    let g = rng.spread(n, 1.0);
+    let one_step = |config: ParamConfig| {
+        let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+        let group = opt.add_group(config.with_min_quantized_size(0)).unwrap();
+        let id = opt.add_param("w", &shape, &init, group).unwrap();
+        opt.step(Step::param(id, &g)).unwrap();
+        (opt, id)
+    };
+    // From a zero momentum, one step stores lerp(0, g, 1 - mu): exact in f32 and 8 bits alike.
+    let (f32_opt, f32_id) = one_step(presets::muon_f32(0.02).into());
+    let momentum = read(&f32_opt, f32_id, SlotKind::State1, n);
+    let (q_opt, q_id) = one_step(presets::muon_8bit(0.02).into());
+    let stored = Parts::of(&q_opt)
+        .export_slot(q_id, SlotKind::State1, None)
+        .unwrap();
+    let quantizer = Blockwise::new(MapKind::DynamicSigned8.shared(), BlockSize::B256);
+    let (mut codes, mut absmax) = (vec![0u8; n], vec![0f32; n.div_ceil(256)]);
+    quantizer
+        .quantize(&momentum, &mut codes, &mut absmax, QuantRounding::Nearest)
+        .unwrap();
+    assert_eq!(stored.regions[0].bytes, codes, "the momentum's codes");
+    let absmax_bytes: Vec<u8> = absmax.iter().flat_map(|a| a.to_le_bytes()).collect();
+    assert_eq!(stored.regions[1].bytes, absmax_bytes, "the blocks' absmax");
+}
+
+/// What a careless user sends Muon: a vector (Muon alone refuses it, naming the rule and the
+/// hybrid; the hybrid routes it to AdamW), an empty matrix (refused), a NaN gradient (the step
+/// skipped by default, nothing changed; under `SkipElements` that element left as it was and
+/// the parameter reported), and a gradient whose momentum overflows f32 (the elements left as
+/// they were, reported as non-finite input).
+#[test]
+fn bad_inputs_get_typed_errors_or_the_documented_handling() {
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let muon = opt.add_group(presets::muon_8bit_bf16_sr(0.02)).unwrap();
+    let e = opt.add_param("bias", &[17], &[0.0; 17], muon).unwrap_err();
+    assert!(
+        matches!(&e, OptimError::NotAMatrix { param, rule: "muon", shape } if param == "bias" && shape == &[17]),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("Hybrid"), "{e}");
+    let e = opt.add_param("empty", &[0, 8], &[], muon).unwrap_err();
+    assert!(matches!(e, OptimError::Shape { .. }), "{e:?}");
+    let e = opt
+        .add_param("cube", &[2, 3, 4], &[0.0; 24], muon)
+        .unwrap_err();
+    assert!(matches!(e, OptimError::NotAMatrix { .. }), "{e:?}");
+
+    // The hybrid: matrices to Muon, a vector and the embedding to AdamW, a route overrides.
+    let hybrid = presets::muon_adamw_8bit_bf16_sr(0.02, 3e-4).route("head.weight", Route::Others);
+    assert_eq!(hybrid.route_of("layers.0.w", &[8, 8]), Route::Matrices);
+    assert_eq!(hybrid.route_of("layers.0.b", &[8]), Route::Others);
+    assert_eq!(hybrid.route_of("embed.weight", &[100, 8]), Route::Others);
+    assert_eq!(hybrid.route_of("head.weight", &[8, 100]), Route::Others);
+    let forced = Hybrid::new(presets::muon_f32(0.02), presets::adamw_f32(1e-3))
+        .route("bias", Route::Matrices);
+    let mut o = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let g = o.add_group(forced.config_for("bias", &[17])).unwrap();
+    assert!(matches!(
+        o.add_param("bias", &[17], &[0.0; 17], g),
+        Err(OptimError::NotAMatrix { .. })
+    ));
+
+    let shape = [16usize, 24];
+    let n = shape[0] * shape[1];
+    let mut rng = Rng::new(5);
+    let init = rng.spread(n, 0.5);
+    for policy in [NonFinitePolicy::SkipStep, NonFinitePolicy::SkipElements] {
+        let mut opt = Optimizer::new(OptimizerOptions::default().with_non_finite(policy)).unwrap();
+        let group = opt.add_group(presets::muon_f32(0.02)).unwrap();
+        let id = opt.add_param("w", &shape, &init, group).unwrap();
+        opt.step(Step::param(id, &rng.spread(n, 1.0))).unwrap();
+        let (p0, m0) = (
+            read(&opt, id, SlotKind::Param, n),
+            read(&opt, id, SlotKind::State1, n),
+        );
+        let mut bad = rng.spread(n, 1.0);
+        bad[7] = f32::NAN;
+        let report = opt.step(Step::param(id, &bad)).unwrap();
+        let (p1, m1) = (
+            read(&opt, id, SlotKind::Param, n),
+            read(&opt, id, SlotKind::State1, n),
+        );
+        assert_eq!(report.non_finite, vec![id], "{policy:?}");
+        match policy {
+            NonFinitePolicy::SkipStep => {
+                assert!(report.skipped);
+                assert_eq!((p1.clone(), m1.clone()), (p0.clone(), m0.clone()));
+            }
+            _ => {
+                assert!(!report.skipped);
+                assert_eq!(p1[7].to_bits(), p0[7].to_bits(), "the NaN element is left");
+                assert_eq!(m1[7].to_bits(), m0[7].to_bits());
+                assert!(p1.iter().zip(&p0).filter(|(a, b)| a != b).count() > n / 2);
+            }
+        }
+        assert!(p1.iter().chain(&m1).all(|v| v.is_finite()));
+    }
+
+    // A momentum that overflows: -MAX then +MAX gives lerp(m, g, 0.05) = m + 0.05 (g - m) with
+    // g - m beyond f32.
+    let mut opt = Optimizer::new(OptimizerOptions::default()).unwrap();
+    let group = opt.add_group(presets::muon_f32(0.02)).unwrap();
+    let id = opt.add_param("w", &[4, 4], &[0.25; 16], group).unwrap();
+    opt.step(Step::param(id, &[-f32::MAX; 16])).unwrap();
+    let before = (
+        read(&opt, id, SlotKind::Param, 16),
+        read(&opt, id, SlotKind::State1, 16),
+    );
+    let report = opt.step(Step::param(id, &[f32::MAX; 16])).unwrap();
+    let after = (
+        read(&opt, id, SlotKind::Param, 16),
+        read(&opt, id, SlotKind::State1, 16),
+    );
+    assert_eq!(
+        report.non_finite,
+        vec![id],
+        "reported like non-finite input"
+    );
+    assert_eq!(after, before, "every element overflowed: none moved");
 }

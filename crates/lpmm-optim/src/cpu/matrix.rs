@@ -109,7 +109,9 @@ impl CpuMatrices {
 
     /// One operation of the phase.
     pub(super) fn run(&mut self, op: MatrixOp) -> Result<(), BackendError> {
-        let shape = self.shape.ok_or_else(|| bad("an operation before its matrix input"))?;
+        let shape = self
+            .shape
+            .ok_or_else(|| bad("an operation before its matrix input"))?;
         match op {
             MatrixOp::Swap => {
                 self.update = 1 - self.update;
@@ -245,7 +247,9 @@ impl Cpu {
     ) -> Result<(), BackendError> {
         if !matrices.fits(shape) || work.layouts.get(index).map(|l| l.numel) != Some(shape.numel())
         {
-            return Err(bad("a matrix larger than the workspace, or not the parameter's"));
+            return Err(bad(
+                "a matrix larger than the workspace, or not the parameter's",
+            ));
         }
         matrices.shape = Some(shape);
         matrices.update = 0;

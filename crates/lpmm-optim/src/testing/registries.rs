@@ -152,7 +152,11 @@ pub fn registries_doc() -> String {
     let matrix_rules: Vec<&str> = RuleConsts::KERNELS
         .iter()
         .map(|&(rule, _, _)| rule)
-        .filter(|&rule| settings.iter().any(|(_, h)| h.name() == rule && h.takes_matrix()))
+        .filter(|&rule| {
+            settings
+                .iter()
+                .any(|(_, h)| h.name() == rule && h.takes_matrix())
+        })
         .collect();
     w(&format!(
         "Each case trains the same tensors on the CPU and on the backend and compares every \
