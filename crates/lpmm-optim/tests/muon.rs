@@ -2,8 +2,7 @@
 //! (golden/muon.safetensors, made by golden/gen_muon.py) and a plain f64 reference of the
 //! algorithm (wide, tall, square matrices), the same bits on every thread count, exact resume,
 //! the 8-bit momentum's codes equal lpmm-quant's quantizer's, and the bad inputs (a vector, an
-//! empty matrix, non-finite gradients and momentum). burn-optim's `Muon` is compared in
-//! lpmm-burn's tests (`tests/burn/muon.rs`) within the bound stated here.
+//! empty matrix, non-finite gradients and momentum) and the hybrid's routing.
 //!
 //! `cargo test -p lpmm-optim --release --test muon -- --nocapture` prints the measured figures.
 
@@ -158,7 +157,7 @@ const GOLDEN: [(usize, &str, [usize; 2]); 4] = [
 /// the golden scenario, relative to the tensor's largest |value| (about 0.5): torch runs the
 /// Newton–Schulz iterations in bf16 (its `_zeropower_via_newtonschulz` casts the update to
 /// bfloat16), lpmm in f32, and the bf16 rounding of the orthogonalised update is what the bound
-/// covers. docs/OPTIMIZERS.md ("Muon") states it; burn-optim's `Muon` is held to it too.
+/// covers. docs/OPTIMIZERS.md ("Muon") states it.
 pub const TORCH_BOUND: f64 = 1e-2;
 
 /// Against the same torch function with float32 in place of bfloat16 (the algorithm lpmm
