@@ -224,6 +224,9 @@ impl<R: Runtime> Backend for Device<R> {
     type Param = DeviceParam<R>;
     type Input<'a> = DeviceInput<'a, R>;
     type Output<'a> = DeviceOutput<'a, R>;
+    // No matrix phase: the trait's defaults refuse it, so a rule that takes one (Muon) cannot
+    // be registered on a device (docs/BACKENDS.md).
+    type Matrices = ();
 
     fn name(&self) -> &'static str {
         self.inner.rt.name()

@@ -92,6 +92,8 @@ macro_rules! device_backend {
             type Param = $crate::DeviceParam<$rt>;
             type Input<'a> = $crate::DeviceInput<'a, $rt>;
             type Output<'a> = $crate::DeviceOutput<'a, $rt>;
+            // No matrix phase on a device (the trait's defaults refuse it: docs/BACKENDS.md).
+            type Matrices = ();
 
             fn name(&self) -> &'static str {
                 self.0.name()

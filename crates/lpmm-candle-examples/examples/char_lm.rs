@@ -8,7 +8,8 @@
 //! alone, split as a `--text` file: 1 to 6 or a name), `--held-out-play PLAY` (train on five of
 //! the six plays, validate on this one), `--preset NAME` (default
 //! "f32 AdamW"; the names of the comparison's table), `--seed N`, `--steps N`, `--batch N`,
-//! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--width N`, `--heads N`, `--layers N`,
+//! `--lr X` (AdamW presets), `--sgd-lr X` (SGD presets), `--muon-lr X` (Muon's matrices in the
+//! Muon presets), `--width N`, `--heads N`, `--layers N`,
 //! `--context N`, `--warmup N`, `--final-lr-fraction X`, `--init-std X` (0: candle's own
 //! initialisation).
 
@@ -49,6 +50,9 @@ struct Args {
     /// Peak learning rate of the SGD presets.
     #[arg(long)]
     sgd_lr: Option<f64>,
+    /// Peak learning rate of Muon in the Muon presets (their AdamW part takes `--lr`).
+    #[arg(long)]
+    muon_lr: Option<f64>,
     #[arg(long)]
     width: Option<usize>,
     #[arg(long)]
@@ -85,6 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     set(&mut recipe.warmup, args.warmup);
     recipe.adamw_lr = args.lr.unwrap_or(recipe.adamw_lr);
     recipe.sgd_lr = args.sgd_lr.unwrap_or(recipe.sgd_lr);
+    recipe.muon_lr = args.muon_lr.unwrap_or(recipe.muon_lr);
     recipe.final_lr_fraction = args.final_lr_fraction.unwrap_or(recipe.final_lr_fraction);
     recipe.init_std = args.init_std.unwrap_or(recipe.init_std);
     let (text_path, preset_name, seed) = (&args.text, &args.preset, args.seed);

@@ -4,7 +4,8 @@
 use candle_core::DType;
 use lpmm_optim::backend::{Backend, Dtype};
 use lpmm_optim::{
-    MissingGradientHelp, MissingGradientPolicy, Optimizer, OptimizerOptions, ParamConfig,
+    Hybrid, MissingGradientHelp, MissingGradientPolicy, Optimizer, OptimizerOptions, ParamConfig,
+    Route,
 };
 
 /// The configuration of an [`LpmmOptimizer`](crate::LpmmOptimizer): one lpmm configuration for
@@ -26,6 +27,10 @@ pub struct LpmmConfig {
     /// What a step does when registered parameters received no gradient (crate docs, "Does my
     /// model train?"): warn by default.
     pub missing_gradient: MissingGradientPolicy,
+    /// Muon for the hidden matrices ([`Hybrid`]): a parameter no group pattern matches and
+    /// that the hybrid routes to its matrices takes [`Hybrid::matrices`] (its own group, the
+    /// last); `param` is then the hybrid's other configuration.
+    pub hybrid: Option<Hybrid>,
 }
 
 impl From<ParamConfig> for LpmmConfig {
@@ -36,6 +41,19 @@ impl From<ParamConfig> for LpmmConfig {
             groups: Vec::new(),
             frozen: Vec::new(),
             missing_gradient: MissingGradientPolicy::default(),
+            hybrid: None,
+        }
+    }
+}
+
+/// Muon for the hidden matrices and AdamW for the rest (e.g.
+/// `lpmm_optim::presets::muon_adamw_8bit_bf16_sr(0.02, 3e-4)`): each `Var` routed by its name and
+/// shape ([`Hybrid::route_of`]; groups added with [`LpmmConfig::with_group`] come first).
+impl From<Hybrid> for LpmmConfig {
+    fn from(hybrid: Hybrid) -> Self {
+        LpmmConfig {
+            hybrid: Some(hybrid.clone()),
+            ..LpmmConfig::from(hybrid.others)
         }
     }
 }
@@ -112,25 +130,40 @@ impl LpmmConfig {
         }
     }
 
-    /// The group (0: the default) and configuration of parameter `name`.
-    pub(crate) fn config_for(&self, name: &str) -> (usize, ParamConfig) {
-        self.groups
+    /// The group (0: the default) and configuration of parameter `name` of `shape`.
+    pub(crate) fn config_for(&self, name: &str, shape: &[usize]) -> (usize, ParamConfig) {
+        if let Some(found) = self
+            .groups
             .iter()
             .enumerate()
             .find(|(_, (p, _))| matches(p, name))
-            .map_or((0, self.param), |(k, (_, c))| (k + 1, *c))
+        {
+            return (found.0 + 1, found.1.1);
+        }
+        match &self.hybrid {
+            Some(h) if h.route_of(name, shape) == Route::Matrices => {
+                (self.groups.len() + 1, h.matrices)
+            }
+            _ => (0, self.param),
+        }
+    }
+
+    /// Every group's configuration in the optimizer's order: the default, the pattern groups,
+    /// then the hybrid's matrices.
+    pub(crate) fn all_groups(&self) -> Vec<ParamConfig> {
+        std::iter::once(self.param)
+            .chain(self.groups.iter().map(|(_, c)| *c))
+            .chain(self.hybrid.iter().map(|h| h.matrices))
+            .collect()
     }
 
     /// Each group's learning rate as a fraction of the default group's (the default first):
     /// what `set_learning_rate` keeps (1 for every group when the default's rate is 0).
     pub(crate) fn lr_ratios(&self) -> Vec<f64> {
         let base = self.param.hyper.lr();
-        std::iter::once(1.0)
-            .chain(
-                self.groups
-                    .iter()
-                    .map(|(_, c)| if base > 0.0 { c.hyper.lr() / base } else { 1.0 }),
-            )
+        self.all_groups()
+            .iter()
+            .map(|c| if base > 0.0 { c.hyper.lr() / base } else { 1.0 })
             .collect()
     }
 }

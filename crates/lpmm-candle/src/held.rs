@@ -49,7 +49,7 @@ impl Inner {
             )
         })?;
         let shape = init.dims().to_vec();
-        let (group, config) = self.config.config_for(name);
+        let (group, config) = self.config.config_for(name, &shape);
         initial_f32(init, |values| {
             on_engine!(&mut self.opt, o => o.add_param_with(name, &shape, values, group, config))
                 .map_err(wrap)

@@ -54,9 +54,8 @@ impl LpmmOptimizer {
     pub fn empty(config: LpmmConfig) -> Result<Self> {
         let mut opt = Optimizer::new(config.options).map_err(wrap)?;
         configure(&mut opt, &config);
-        opt.add_group(config.param).map_err(wrap)?;
-        for (_, c) in &config.groups {
-            opt.add_group(*c).map_err(wrap)?;
+        for c in config.all_groups() {
+            opt.add_group(c).map_err(wrap)?;
         }
         Ok(LpmmOptimizer {
             shared: Shared(Arc::new(Mutex::new(Inner {

@@ -81,7 +81,7 @@ impl Inner {
         let dims = var.dims().to_vec();
         // A scalar Var has no dimensions; lpmm stores it as one element.
         let shape = if dims.is_empty() { vec![1] } else { dims };
-        let (group, config) = self.config.config_for(name);
+        let (group, config) = self.config.config_for(name, &shape);
         let numel: usize = shape.iter().product();
         let lendable = config
             .resolve(numel, &shape)
@@ -129,8 +129,7 @@ impl Inner {
     /// An empty engine on `device` in place of the current (empty) one: the same groups and
     /// learning rates.
     fn switch_device(&mut self, device: &Device) -> Result<()> {
-        let groups =
-            std::iter::once(self.config.param).chain(self.config.groups.iter().map(|(_, c)| *c));
+        let groups = self.config.all_groups();
         // A learning rate set before (`set_learning_rate`) is set again, as it set it.
         let base = self.config.param.hyper.lr();
         let set_lrs: Option<Vec<f64>> = (self.lr != base).then(|| {

@@ -65,6 +65,8 @@ typedef int int32_t;
 #define RULE_RMSPROP 7u
 #define RULE_ADAGRAD 8u
 #define RULE_LAMB 9u
+#define RULE_MUON 10u
+#define RULE_ADALOMO 11u
 #define ENTRY_INIT 0u
 #define ENTRY_ACCUMULATE 1u
 #define ENTRY_DECODE 2u
@@ -241,6 +243,40 @@ struct LambConsts {
     float neg_step;
     float neg_step_size;
     float clamp;
+};
+
+struct MuonConsts {
+    float w_momentum;
+    float w_nesterov;
+    uint32_t nesterov;
+    float decay;
+    float neg_lr_wd;
+    float norm;
+    float neg_step;
+    float eps;
+    uint32_t lr_lo;
+    uint32_t lr_hi;
+    uint32_t adjust;
+    float ns_a;
+    float ns_b;
+    float ns_c;
+    uint32_t ns_steps;
+};
+
+struct AdaLomoConsts {
+    float beta2t;
+    float one_minus_beta2t;
+    float eps1;
+    float clip_value;
+    float neg_step;
+    float decay;
+    float neg_step_wd;
+    float clip_div;
+    uint32_t lr_lo;
+    uint32_t lr_hi;
+    float eps2;
+    float clip_threshold;
+    float wd;
 };
 
 
@@ -1744,6 +1780,118 @@ __device__ __forceinline__ float rule_lamb_stat_input(LambConsts c, uint32_t fla
     return lamb_update(c, p, m, v);
 }
 
+// ---- kernels/rules/muon.cuh ----
+
+// Muon (lpmm-optim rule/muon.rs), torch.optim.Muon's order; `__fmaf_rn` where the CPU fuses. The
+// matrix phase (the Newton-Schulz iterations) has no kernel here: a device backend refuses a rule
+// that takes one (docs/BACKENDS.md), so `v0` (the phase's result) is read only by the CPU today;
+// the element-wise parts are the CPU's, for a backend that adds the phase.
+
+// torch's CPU lerp: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
+__device__ __forceinline__ float muon_lerp(float a, float b, float w) {
+    if (fabsf(w) < 0.5f) {
+        return __fmaf_rn(w, b - a, a);
+    }
+    return __fmaf_rn(w - 1.0f, b - a, b);
+}
+
+// The update the matrix phase orthogonalises, from the new momentum; 0 where the gradient, the
+// momentum or the update is not finite.
+__device__ __forceinline__ float muon_update(const MuonConsts& c, float g, float m0) {
+    float m = muon_lerp(m0, g, c.w_momentum);
+    float u = c.nesterov != 0u ? muon_lerp(g, m, c.w_nesterov) : m;
+    bool ok = fits(g, LIMIT_F32) && fits(m, LIMIT_F32) && fits(u, LIMIT_F32);
+    return ok ? u : 0.0f;
+}
+
+__device__ __forceinline__ Update rule_muon_apply(MuonConsts c, uint32_t flags, float p, float g,
+                                                  float m0, float v0, float w0) {
+    Update u;
+    u.p = p;
+    u.d = 0.0f;
+    u.m = muon_lerp(m0, g, c.w_momentum);
+    u.v = v0;
+    u.w = w0;
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    // v0: the matrix phase's result. param.mul_(1 - lr*wd); param.add_(update, alpha=-lr').
+    u.p = __fmaf_rn(v0, c.neg_step, p * c.decay);
+    u.d = __fmaf_rn(v0, c.neg_step, p * c.neg_lr_wd);
+    return u;
+}
+
+// Sum 0: the update (its Frobenius norm).
+__device__ __forceinline__ float rule_muon_stat_input(MuonConsts c, uint32_t flags, uint32_t k,
+                                                      float p, float g, float m, float v,
+                                                      float w) {
+    return muon_update(c, g, m);
+}
+
+// ---- kernels/rules/adalomo.cuh ----
+
+// AdaLomo (lpmm-optim rule/adalomo.rs), lomo-optim's order; `__fmaf_rn` where the CPU fuses.
+
+// The gradient, clamped where a clamp is set (a NaN stays NaN).
+__device__ __forceinline__ float adalomo_clamped(const AdaLomoConsts& c, float g) {
+    float x = g;
+    if (c.clip_value > 0.0f) {
+        if (x < -c.clip_value) {
+            x = -c.clip_value;
+        }
+        if (x > c.clip_value) {
+            x = c.clip_value;
+        }
+    }
+    return x;
+}
+
+// The unclipped update rsqrt(v) * g, the new second moment into *v (given when factorized).
+__device__ __forceinline__ float adalomo_unscaled(const AdaLomoConsts& c, uint32_t flags, float g,
+                                                  float* v) {
+    if ((flags & F_GIVEN_V) == 0u) {
+        *v = __fmaf_rn(g * g + c.eps1, c.one_minus_beta2t, *v * c.beta2t);
+    }
+    return (1.0f / sqrtf(*v)) * g;
+}
+
+__device__ __forceinline__ Update rule_adalomo_apply(AdaLomoConsts c, uint32_t flags, float p,
+                                                     float g, float m0, float v0, float w0) {
+    Update u;
+    u.p = p;
+    u.d = 0.0f;
+    u.m = m0;
+    u.v = v0;
+    u.w = w0;
+    float x = adalomo_unscaled(c, flags, adalomo_clamped(c, g), &u.v);
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    x = x / c.clip_div;
+    float decayed = c.wd != 0.0f ? p * c.decay : p;
+    float decay_delta = c.wd != 0.0f ? p * c.neg_step_wd : 0.0f;
+    u.p = __fmaf_rn(x, c.neg_step, decayed);
+    u.d = __fmaf_rn(x, c.neg_step, decay_delta);
+    return u;
+}
+
+// The clamped gradient.
+__device__ __forceinline__ float rule_adalomo_moment_input(AdaLomoConsts c, uint32_t flags,
+                                                           uint32_t s, float p, float g, float m,
+                                                           float v, float w) {
+    return adalomo_clamped(c, g);
+}
+
+// Sum 0: the parameter; sum 1: the unclipped update.
+__device__ __forceinline__ float rule_adalomo_stat_input(AdaLomoConsts c, uint32_t flags,
+                                                         uint32_t k, float p, float g, float m,
+                                                         float v, float w) {
+    if (k == 0u) {
+        return p;
+    }
+    return adalomo_unscaled(c, flags, adalomo_clamped(c, g), &v);
+}
+
 // Generated by `cargo xtask codegen`: the dispatch over the registered formats and rules.
 
 __device__ float fmt_load(const Tile& t, const uint32_t* maps, uint32_t s, uint32_t i) {
@@ -1831,6 +1979,8 @@ __device__ Update apply_rule(const Desc* d, uint32_t flags, float p, float g, fl
     case RULE_RMSPROP: return rule_rmsprop_apply(*reinterpret_cast<const RmsPropConsts*>(d->consts), flags, p, g, m0, v0, w0);
     case RULE_ADAGRAD: return rule_adagrad_apply(*reinterpret_cast<const AdagradConsts*>(d->consts), flags, p, g, m0, v0, w0);
     case RULE_LAMB: return rule_lamb_apply(*reinterpret_cast<const LambConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_MUON: return rule_muon_apply(*reinterpret_cast<const MuonConsts*>(d->consts), flags, p, g, m0, v0, w0);
+    case RULE_ADALOMO: return rule_adalomo_apply(*reinterpret_cast<const AdaLomoConsts*>(d->consts), flags, p, g, m0, v0, w0);
     default: { Update u; u.p = p; u.d = 0.0f; u.m = m0; u.v = v0; u.w = w0; return u; }
     }
 }
@@ -1839,6 +1989,7 @@ __device__ float moment_input(const Desc* d, uint32_t flags, uint32_t s, float p
     switch (d->rule) {
     case RULE_ADAM: return rule_adam_moment_input(*reinterpret_cast<const AdamConsts*>(d->consts), flags, s, p, g, m, v, w);
     case RULE_CAME: return rule_came_moment_input(*reinterpret_cast<const CameConsts*>(d->consts), flags, s, p, g, m, v, w);
+    case RULE_ADALOMO: return rule_adalomo_moment_input(*reinterpret_cast<const AdaLomoConsts*>(d->consts), flags, s, p, g, m, v, w);
     default: return g;
     }
 }
@@ -1848,6 +1999,8 @@ __device__ float stat_input(const Desc* d, uint32_t flags, uint32_t k, float p, 
     case RULE_ADAFACTOR: return rule_adafactor_stat_input(*reinterpret_cast<const AdafactorConsts*>(d->consts), flags, k, p, g, m, v, w);
     case RULE_CAME: return rule_came_stat_input(*reinterpret_cast<const CameConsts*>(d->consts), flags, k, p, g, m, v, w);
     case RULE_LAMB: return rule_lamb_stat_input(*reinterpret_cast<const LambConsts*>(d->consts), flags, k, p, g, m, v, w);
+    case RULE_MUON: return rule_muon_stat_input(*reinterpret_cast<const MuonConsts*>(d->consts), flags, k, p, g, m, v, w);
+    case RULE_ADALOMO: return rule_adalomo_stat_input(*reinterpret_cast<const AdaLomoConsts*>(d->consts), flags, k, p, g, m, v, w);
     default: return 0.0f;
     }
 }

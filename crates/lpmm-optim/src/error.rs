@@ -32,6 +32,18 @@ pub enum OptimError {
     /// A shape with a zero dimension, or whose element count overflows.
     #[error("parameter {param}: shape {shape:?} is empty or too large")]
     Shape { param: String, shape: Vec<usize> },
+    /// A rule that steps matrices (Muon) was given a tensor of another number of dimensions.
+    #[error(
+        "parameter {param}: {rule} steps matrices (tensors of 2 dimensions), not shape {shape:?}: give it another rule (lpmm_optim::Hybrid routes matrices to Muon and the rest to AdamW)"
+    )]
+    NotAMatrix {
+        /// The parameter.
+        param: String,
+        /// The rule.
+        rule: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
     /// Initial parameter values must be finite.
     #[error("parameter {param}: initial value {index} is {value}")]
     NonFiniteParam {

@@ -11,17 +11,22 @@
 //! - **the host combines**: the folds' results read back from the backend
 //!   ([`Backend::folded`]) and combined on the host — a format's tensor-wide statistics
 //!   ([`crate::backend::Format::combine`]), the rule's sums of squares into its constants
-//!   ([`RuleConsts::combine_stats`]) — once, here.
+//!   ([`RuleConsts::combine_stats`]) — once, here;
+//! - **the matrix phase**: the workspace ([`Backend::Matrices`], held by the optimizer) lent to
+//!   each parameter that takes the phase in turn, its shape's constants combined
+//!   ([`RuleConsts::combine_matrix`]), and those parameters kept out of the others' fused pass.
 //!
 //! A backend implements the primitives ([`Backend::prepare`], [`Backend::begin_phase`],
-//! [`Backend::fold`], [`Backend::folded`], [`Backend::fused`], [`Backend::swap_wide`]) and
+//! [`Backend::fold`], [`Backend::folded`], [`Backend::fused`], [`Backend::swap_wide`]; for the
+//! matrix phase [`Backend::matrix_in`], [`Backend::matrix_op`], [`Backend::matrix_out`]) and
 //! nothing of the schedule.
 //!
 //! [`RuleConsts::combine_stats`]: crate::rule::RuleConsts::combine_stats
+//! [`RuleConsts::combine_matrix`]: crate::rule::RuleConsts::combine_matrix
 
 use crate::backend::{
-    Backend, BackendError, Dtype, Folded, MAX_STATS, ParamId, ParamLayout, ParamStep, Phase,
-    PlanRunner, SlotKind, StepWork, run_step,
+    Backend, BackendError, Dtype, Folded, MAX_STATS, MatrixOp, MatrixShape, NewtonSchulz, ParamId,
+    ParamLayout, ParamStep, Phase, PlanRunner, SlotKind, StepWork, run_step,
 };
 use crate::error::OptimError;
 use crate::fixed;
@@ -41,6 +46,10 @@ pub(crate) struct Scratch {
     kept: Vec<bool>,
     /// Which parameters ran the phase being combined.
     ran: Vec<bool>,
+    /// Which parameters took the matrix phase in the batch, and the plans of the others' fused
+    /// pass.
+    matrixed: Vec<bool>,
+    rest: Vec<Option<ParamStep>>,
 }
 
 impl Scratch {
@@ -52,6 +61,8 @@ impl Scratch {
         self.call.push(false);
         self.kept.push(false);
         self.ran.push(false);
+        self.matrixed.push(false);
+        self.rest.push(None);
     }
 
     /// A new step: nothing done, nothing met.
@@ -167,6 +178,8 @@ pub(crate) struct Batches<'a, B: Backend, F: Fn(usize) -> String> {
     pub plans: &'a [Option<ParamStep>],
     pub seed: u64,
     pub scratch: &'a mut Scratch,
+    /// The matrix phase's workspace (allocated at registration for the largest matrix).
+    pub matrices: &'a mut Option<B::Matrices>,
 }
 
 impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
@@ -250,6 +263,10 @@ impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
             non_finite: &mut scratch.call,
             kept: &mut scratch.kept,
             ran: &mut scratch.ran,
+            matrices: self.matrices.as_mut(),
+            matrixed: &mut scratch.matrixed,
+            rest: &mut scratch.rest,
+            current: None,
         }
         .run()?;
         for i in 0..self.layouts.len() {
@@ -263,11 +280,12 @@ impl<B: Backend, F: Fn(usize) -> String> Batches<'_, B, F> {
 }
 
 /// Runs one batch's plans on `backend` as the optimizer's executor does: `prepare`, the shared
-/// schedule ([`run_step`]) over the backend's primitives with the host combines, the swaps.
-/// `non_finite[i]` is set for each parameter of the batch where a non-finite value was met or a
-/// tensor-wide statistic kept its old value. For implementors' tests of a backend's primitives
-/// without an optimizer; `work`'s lent buffers must be those the executor would hand over (one
-/// per lent parameter of the batch, of its dtype and size).
+/// schedule ([`run_step`]) over the backend's primitives with the host combines, the matrix
+/// phase (a workspace allocated here for the batch's matrices), the swaps. `non_finite[i]` is
+/// set for each parameter of the batch where a non-finite value was met or a tensor-wide
+/// statistic kept its old value. For implementors' tests of a backend's primitives without an
+/// optimizer; `work`'s lent buffers must be those the executor would hand over (one per lent
+/// parameter of the batch, of its dtype and size).
 pub fn run_batch<B: Backend>(
     backend: &B,
     work: StepWork<'_, '_, '_, B>,
@@ -275,8 +293,20 @@ pub fn run_batch<B: Backend>(
 ) -> Result<(), BackendError> {
     let n = work.params.len();
     let (mut kept, mut ran) = (vec![false; n], vec![false; n]);
+    let (mut matrixed, mut rest) = (vec![false; n], vec![None; n]);
     // The executor changes the plans' constants as it combines the rule's sums.
     let mut plans = work.plans.to_vec();
+    let shapes = plans
+        .iter()
+        .zip(work.layouts)
+        .filter(|(p, _)| p.is_some_and(|p| p.plan.has_matrix()))
+        .filter_map(|(_, l)| MatrixShape::of(&l.shape));
+    let (elements, square) = shapes.fold((0, 0), |(e, s), m| (e.max(m.numel()), s.max(m.square())));
+    let mut matrices = if elements > 0 {
+        Some(backend.matrices(elements, square)?)
+    } else {
+        None
+    };
     Exec {
         backend,
         params: work.params,
@@ -288,6 +318,10 @@ pub fn run_batch<B: Backend>(
         non_finite,
         kept: &mut kept,
         ran: &mut ran,
+        matrices: matrices.as_mut(),
+        matrixed: &mut matrixed,
+        rest: &mut rest,
+        current: None,
     }
     .run()
 }
@@ -304,9 +338,17 @@ struct Exec<'e, 'r, 'l, B: Backend> {
     lent: &'e mut [(ParamId, B::Output<'l>)],
     seed: u64,
     non_finite: &'e mut [bool],
-    /// A tensor-wide statistic that would not fit kept its old value: the parameter is reported.
+    /// A tensor-wide statistic that would not fit kept its old value, or the matrix phase's
+    /// fused pass met a non-finite value: the parameter is reported.
     kept: &'e mut [bool],
     ran: &'e mut [bool],
+    /// The matrix phase's workspace (`None`: no parameter of the optimizer takes the phase).
+    matrices: Option<&'e mut B::Matrices>,
+    /// Which parameters took the matrix phase, and the plans of the others' fused pass.
+    matrixed: &'e mut [bool],
+    rest: &'e mut [Option<ParamStep>],
+    /// The parameter whose matrix phase is running.
+    current: Option<usize>,
 }
 
 impl<'r, 'l, B: Backend> Exec<'_, 'r, 'l, B> {
@@ -315,6 +357,7 @@ impl<'r, 'l, B: Backend> Exec<'_, 'r, 'l, B> {
         self.backend.prepare(&mut self.work())?;
         self.non_finite.iter_mut().for_each(|f| *f = false);
         self.kept.iter_mut().for_each(|f| *f = false);
+        self.matrixed.iter_mut().for_each(|f| *f = false);
         run_step(&mut self)?;
         for (f, k) in self.non_finite.iter_mut().zip(self.kept.iter()) {
             *f |= *k;
@@ -386,12 +429,96 @@ impl<B: Backend> PlanRunner for Exec<'_, '_, '_, B> {
             .folded(self.params, self.layouts, self.ran, phase, &mut combine)
     }
 
-    fn fused(&mut self) -> Result<(), BackendError> {
-        let non_finite = &mut *self.non_finite;
+    fn begin_matrix(&mut self) -> Result<Option<NewtonSchulz>, BackendError> {
+        let next = (0..self.plans.len())
+            .find(|&i| !self.matrixed[i] && self.plans[i].is_some_and(|p| p.plan.matrix(p.flags)));
+        let Some(i) = next else {
+            return Ok(None);
+        };
+        let name = self.backend.name();
+        // Registration refused a rule with a matrix phase on anything but a matrix, and
+        // allocated the workspace.
+        let shape = MatrixShape::of(&self.layouts[i].shape).ok_or(BackendError::Unsupported {
+            backend: name,
+            what: "a matrix phase on a tensor that is not a matrix".into(),
+        })?;
+        let matrices = self
+            .matrices
+            .as_deref_mut()
+            .ok_or_else(|| crate::backend::no_matrix_phase(name))?;
+        let Some(plan) = self.plans[i].as_mut() else {
+            return Ok(None);
+        };
+        plan.rule.combine_matrix(shape.rows, shape.cols);
+        let ns = plan.rule.newton_schulz();
+        self.matrixed[i] = true;
+        self.current = Some(i);
         let mut work = StepWork {
             params: &mut *self.params,
             layouts: self.layouts,
             plans: &*self.plans,
+            released: self.released,
+            lent: &mut *self.lent,
+            seed: self.seed,
+        };
+        self.backend.matrix_in(&mut work, i, shape, matrices)?;
+        Ok(ns)
+    }
+
+    fn matrix_op(&mut self, op: MatrixOp) -> Result<(), BackendError> {
+        let name = self.backend.name();
+        let matrices = self
+            .matrices
+            .as_deref_mut()
+            .ok_or_else(|| crate::backend::no_matrix_phase(name))?;
+        self.backend.matrix_op(matrices, op)
+    }
+
+    fn end_matrix(&mut self) -> Result<(), BackendError> {
+        let Some(i) = self.current.take() else {
+            return Ok(());
+        };
+        let name = self.backend.name();
+        let matrices = self
+            .matrices
+            .as_deref()
+            .ok_or_else(|| crate::backend::no_matrix_phase(name))?;
+        let mut work = StepWork {
+            params: &mut *self.params,
+            layouts: self.layouts,
+            plans: &*self.plans,
+            released: self.released,
+            lent: &mut *self.lent,
+            seed: self.seed,
+        };
+        // Kept apart: the others' fused pass sets every parameter's flag.
+        self.kept[i] |= self.backend.matrix_out(&mut work, i, matrices)?;
+        Ok(())
+    }
+
+    fn fused(&mut self) -> Result<(), BackendError> {
+        let non_finite = &mut *self.non_finite;
+        // The parameters that took the matrix phase have stepped.
+        let plans: &[Option<ParamStep>] = if self.matrixed.iter().any(|&m| m) {
+            for ((r, p), &m) in self
+                .rest
+                .iter_mut()
+                .zip(self.plans.iter())
+                .zip(&*self.matrixed)
+            {
+                *r = if m { None } else { *p };
+            }
+            if self.rest.iter().all(Option::is_none) {
+                return Ok(());
+            }
+            &*self.rest
+        } else {
+            &*self.plans
+        };
+        let mut work = StepWork {
+            params: &mut *self.params,
+            layouts: self.layouts,
+            plans,
             released: self.released,
             lent: &mut *self.lent,
             seed: self.seed,

@@ -48,6 +48,7 @@ mod memory;
 mod optimizer;
 mod plan;
 pub mod presets;
+mod routing;
 mod rule;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -70,5 +71,6 @@ pub use optimizer::{
     NonFinitePolicy, Optimizer, OptimizerOptions, Out, ParamInfo, ParamKey, Parts, PartsMut,
     Settings, Status, Step, StepReport, WithGradient,
 };
+pub use routing::{DEFAULT_OTHERS, Hybrid, Route, name_matches};
 pub use rule::configs::*;
-pub use rule::{Hyper, RuleState};
+pub use rule::{AdjustLr, Hyper, RuleState};

@@ -34,6 +34,10 @@ impl ParamMemory {
 pub struct MemoryReport {
     /// One entry per parameter, in registration order.
     pub params: Vec<ParamMemory>,
+    /// Bytes of the matrix phase's workspace (Muon's: four f32 matrices the size of the
+    /// largest matrix's, held between steps and shared by every parameter; 0 where no rule
+    /// takes the phase). Not model memory: not in [`MemoryReport::total`].
+    pub workspace: usize,
 }
 
 impl MemoryReport {
@@ -95,6 +99,9 @@ impl<B: Backend> Optimizer<B> {
                 }
             })
             .collect();
-        MemoryReport { params }
+        MemoryReport {
+            params,
+            workspace: self.matrix_bytes(),
+        }
     }
 }

@@ -17,7 +17,7 @@ const LAYERS: &[&[&str]] = &[
     &["rule"],
     // Formats own what a user names to choose them (Storage, MapKind, StoreRounding).
     &["format"],
-    &["config", "presets"],
+    &["config", "presets", "routing"],
     // The seam backends implement, the step plan it runs, where lent buffers come from, and
     // the step executor that runs plans over the seam.
     &["backend", "plan", "lent", "exec"],

@@ -58,6 +58,8 @@ const RULE_SCHEDULE_FREE: u32 = 6u;
 const RULE_RMSPROP: u32 = 7u;
 const RULE_ADAGRAD: u32 = 8u;
 const RULE_LAMB: u32 = 9u;
+const RULE_MUON: u32 = 10u;
+const RULE_ADALOMO: u32 = 11u;
 const ENTRY_INIT: u32 = 0u;
 const ENTRY_ACCUMULATE: u32 = 1u;
 const ENTRY_DECODE: u32 = 2u;
@@ -246,6 +248,48 @@ struct LambConsts {
 
 fn load_LambConsts(t: Tile) -> LambConsts {
     return LambConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), df(t, D_CONSTS + 8u));
+}
+
+struct MuonConsts {
+    w_momentum: f32,
+    w_nesterov: f32,
+    nesterov: u32,
+    decay: f32,
+    neg_lr_wd: f32,
+    norm: f32,
+    neg_step: f32,
+    eps: f32,
+    lr_lo: u32,
+    lr_hi: u32,
+    adjust: u32,
+    ns_a: f32,
+    ns_b: f32,
+    ns_c: f32,
+    ns_steps: u32,
+}
+
+fn load_MuonConsts(t: Tile) -> MuonConsts {
+    return MuonConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), dw(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), dw(t, D_CONSTS + 8u), dw(t, D_CONSTS + 9u), dw(t, D_CONSTS + 10u), df(t, D_CONSTS + 11u), df(t, D_CONSTS + 12u), df(t, D_CONSTS + 13u), dw(t, D_CONSTS + 14u));
+}
+
+struct AdaLomoConsts {
+    beta2t: f32,
+    one_minus_beta2t: f32,
+    eps1: f32,
+    clip_value: f32,
+    neg_step: f32,
+    decay: f32,
+    neg_step_wd: f32,
+    clip_div: f32,
+    lr_lo: u32,
+    lr_hi: u32,
+    eps2: f32,
+    clip_threshold: f32,
+    wd: f32,
+}
+
+fn load_AdaLomoConsts(t: Tile) -> AdaLomoConsts {
+    return AdaLomoConsts(df(t, D_CONSTS + 0u), df(t, D_CONSTS + 1u), df(t, D_CONSTS + 2u), df(t, D_CONSTS + 3u), df(t, D_CONSTS + 4u), df(t, D_CONSTS + 5u), df(t, D_CONSTS + 6u), df(t, D_CONSTS + 7u), dw(t, D_CONSTS + 8u), dw(t, D_CONSTS + 9u), df(t, D_CONSTS + 10u), df(t, D_CONSTS + 11u), df(t, D_CONSTS + 12u));
 }
 
 
@@ -1983,6 +2027,111 @@ fn rule_lamb_stat_input(c: LambConsts, flags: u32, k: u32, p: f32, g: f32, m: f3
     return lamb_update(c, p, mv.x, mv.y);
 }
 
+// ---- kernels/rules/muon.wgsl ----
+
+// Muon (lpmm-optim rule/muon.rs), torch.optim.Muon's order; `fmaf` where the CPU fuses. The
+// matrix phase (the Newton-Schulz iterations) has no kernel here: a device backend refuses a rule
+// that takes one (docs/BACKENDS.md), so `v0` (the phase's result) is read only by the CPU today;
+// the element-wise parts are the CPU's, for a backend that adds the phase.
+
+// torch's CPU lerp: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
+fn muon_lerp(a: f32, b: f32, w: f32) -> f32 {
+    if (abs(w) < 0.5) {
+        return fmaf(w, b - a, a);
+    }
+    return fmaf(w - 1.0, b - a, b);
+}
+
+// The update the matrix phase orthogonalises, from the new momentum; 0 where the gradient, the
+// momentum or the update is not finite.
+fn muon_update(c: MuonConsts, g: f32, m0: f32) -> f32 {
+    let m = muon_lerp(m0, g, c.w_momentum);
+    var u = m;
+    if (c.nesterov != 0u) {
+        u = muon_lerp(g, m, c.w_nesterov);
+    }
+    if (fits(g, LIMIT_F32) && fits(m, LIMIT_F32) && fits(u, LIMIT_F32)) {
+        return u;
+    }
+    return 0.0;
+}
+
+fn rule_muon_apply(c: MuonConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    u.m = muon_lerp(m0, g, c.w_momentum);
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    // v0: the matrix phase's result. param.mul_(1 - lr*wd); param.add_(update, alpha=-lr').
+    u.p = fmaf(v0, c.neg_step, mulr(p, c.decay));
+    u.d = fmaf(v0, c.neg_step, mulr(p, c.neg_lr_wd));
+    return u;
+}
+
+// Sum 0: the update (its Frobenius norm).
+fn rule_muon_stat_input(c: MuonConsts, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    return muon_update(c, g, m);
+}
+
+// ---- kernels/rules/adalomo.wgsl ----
+
+// AdaLomo (lpmm-optim rule/adalomo.rs), lomo-optim's order; `fmaf` where the CPU fuses.
+
+// The gradient, clamped where a clamp is set (a NaN stays NaN).
+fn adalomo_clamped(c: AdaLomoConsts, g: f32) -> f32 {
+    var x = g;
+    if (c.clip_value > 0.0) {
+        if (x < -c.clip_value) {
+            x = -c.clip_value;
+        }
+        if (x > c.clip_value) {
+            x = c.clip_value;
+        }
+    }
+    return x;
+}
+
+// The new second moment (given when factorized) and the unclipped update rsqrt(v) * g.
+fn adalomo_unscaled(c: AdaLomoConsts, flags: u32, g: f32, v0: f32) -> vec2<f32> {
+    var v = v0;
+    if ((flags & F_GIVEN_V) == 0u) {
+        v = fmaf(mulr(g, g) + c.eps1, c.one_minus_beta2t, mulr(v0, c.beta2t));
+    }
+    return vec2<f32>(mulr(divf(1.0, sqrtf(v)), g), v);
+}
+
+fn rule_adalomo_apply(c: AdaLomoConsts, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) -> Update {
+    var u = Update(p, 0.0, m0, v0, w0);
+    let uv = adalomo_unscaled(c, flags, adalomo_clamped(c, g), v0);
+    u.v = uv.y;
+    if ((flags & F_UPDATE_PARAM) == 0u) {
+        return u;
+    }
+    let x = divf(uv.x, c.clip_div);
+    var decayed = p;
+    var decay_delta = 0.0;
+    if (c.wd != 0.0) {
+        decayed = mulr(p, c.decay);
+        decay_delta = mulr(p, c.neg_step_wd);
+    }
+    u.p = fmaf(x, c.neg_step, decayed);
+    u.d = fmaf(x, c.neg_step, decay_delta);
+    return u;
+}
+
+// The clamped gradient.
+fn rule_adalomo_moment_input(c: AdaLomoConsts, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    return adalomo_clamped(c, g);
+}
+
+// Sum 0: the parameter; sum 1: the unclipped update.
+fn rule_adalomo_stat_input(c: AdaLomoConsts, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+    if (k == 0u) {
+        return p;
+    }
+    return adalomo_unscaled(c, flags, adalomo_clamped(c, g), v).x;
+}
+
 // Generated by `cargo xtask codegen`: the dispatch over the registered formats and rules.
 
 fn fmt_load(t: Tile, s: u32, i: u32) -> f32 {
@@ -2070,6 +2219,8 @@ fn apply_rule(t: Tile, flags: u32, p: f32, g: f32, m0: f32, v0: f32, w0: f32) ->
         case RULE_RMSPROP: { return rule_rmsprop_apply(load_RmsPropConsts(t), flags, p, g, m0, v0, w0); }
         case RULE_ADAGRAD: { return rule_adagrad_apply(load_AdagradConsts(t), flags, p, g, m0, v0, w0); }
         case RULE_LAMB: { return rule_lamb_apply(load_LambConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_MUON: { return rule_muon_apply(load_MuonConsts(t), flags, p, g, m0, v0, w0); }
+        case RULE_ADALOMO: { return rule_adalomo_apply(load_AdaLomoConsts(t), flags, p, g, m0, v0, w0); }
         default: { return Update(p, 0.0, m0, v0, w0); }
     }
 }
@@ -2078,6 +2229,7 @@ fn moment_input(t: Tile, flags: u32, s: u32, p: f32, g: f32, m: f32, v: f32, w: 
     switch rule_of(t) {
         case RULE_ADAM: { return rule_adam_moment_input(load_AdamConsts(t), flags, s, p, g, m, v, w); }
         case RULE_CAME: { return rule_came_moment_input(load_CameConsts(t), flags, s, p, g, m, v, w); }
+        case RULE_ADALOMO: { return rule_adalomo_moment_input(load_AdaLomoConsts(t), flags, s, p, g, m, v, w); }
         default: { return g; }
     }
 }
@@ -2087,6 +2239,8 @@ fn stat_input(t: Tile, flags: u32, k: u32, p: f32, g: f32, m: f32, v: f32, w: f3
         case RULE_ADAFACTOR: { return rule_adafactor_stat_input(load_AdafactorConsts(t), flags, k, p, g, m, v, w); }
         case RULE_CAME: { return rule_came_stat_input(load_CameConsts(t), flags, k, p, g, m, v, w); }
         case RULE_LAMB: { return rule_lamb_stat_input(load_LambConsts(t), flags, k, p, g, m, v, w); }
+        case RULE_MUON: { return rule_muon_stat_input(load_MuonConsts(t), flags, k, p, g, m, v, w); }
+        case RULE_ADALOMO: { return rule_adalomo_stat_input(load_AdaLomoConsts(t), flags, k, p, g, m, v, w); }
         default: { return 0.0; }
     }
 }

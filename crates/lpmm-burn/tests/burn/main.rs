@@ -8,6 +8,7 @@ mod common;
 mod cpu;
 mod cuda;
 mod linear;
+mod muon;
 mod processes;
 mod tensor;
 mod train;

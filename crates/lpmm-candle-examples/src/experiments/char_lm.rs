@@ -26,6 +26,8 @@ pub struct LmRecipe {
     pub adamw_lr: f64,
     /// Peak learning rate of the SGD presets.
     pub sgd_lr: f64,
+    /// Peak learning rate of Muon in the Muon hybrids (their AdamW part takes `adamw_lr`).
+    pub muon_lr: f64,
     /// Steps of linear warmup to the peak.
     pub warmup: usize,
     /// The last step's learning rate as a fraction of the peak (cosine decay after the warmup).
@@ -54,6 +56,7 @@ impl LmRecipe {
             },
             adamw_lr: 6e-3,
             sgd_lr: 0.3,
+            muon_lr: 0.02,
             warmup: 50,
             final_lr_fraction: 0.01,
             init_std: 0.02,
@@ -187,11 +190,11 @@ pub fn run_char_lm(
     } else {
         recipe.adamw_lr
     };
-    let config = (preset.config)(lr);
+    let config = preset.lpmm_config(lr, recipe.muon_lr);
     // The schedule's peak is the rate the preset configures (Lion's and CAME's are a fraction
-    // of the task's).
-    let lr = config.hyper.lr();
-    let mut opt = LpmmOptimizer::from_varmap(&varmap, LpmmConfig::from(config))?;
+    // of the task's); a Muon hybrid's matrices keep their rate's ratio to it.
+    let lr = config.param.hyper.lr();
+    let mut opt = LpmmOptimizer::from_varmap(&varmap, config)?;
     let budget = recipe.budget;
     let mut data_rng = Rng::new(4321); // the same data order for every preset and seed
     let starts = || {

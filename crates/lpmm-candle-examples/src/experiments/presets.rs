@@ -1,7 +1,8 @@
 //! The presets of the comparison: each with its learning rate for the tasks, its reference and
 //! what the comparison checks of it.
 
-use lpmm_optim::{Hyper, ParamConfig, presets};
+use lpmm_candle::LpmmConfig;
+use lpmm_optim::{Hybrid, Hyper, ParamConfig, Route, presets};
 use serde::Serialize;
 
 /// A preset as the comparison runs it.
@@ -24,6 +25,9 @@ pub struct Preset {
     pub schedule_free: bool,
     /// What the comparison checks of it ([`crate::judge`]).
     pub goal: Goal,
+    /// Muon for the hidden matrices (from Muon's peak learning rate and AdamW's) and `config`
+    /// for the rest: the configuration is the hybrid ([`Preset::lpmm_config`]).
+    pub hybrid: Option<fn(f64, f64) -> Hybrid>,
 }
 
 impl Preset {
@@ -42,6 +46,41 @@ impl Preset {
             micro_batches: 1,
             schedule_free: false,
             goal: Goal::Quality,
+            hybrid: None,
+        }
+    }
+
+    /// A Muon hybrid judged for quality against `reference`: `hybrid(muon_lr, adamw_lr)`, the
+    /// char model's embeddings (`tokens`, `positions`) routed to AdamW with the head.
+    const fn muon(
+        name: &'static str,
+        hybrid: fn(f64, f64) -> Hybrid,
+        reference: &'static str,
+        goal: Goal,
+    ) -> Self {
+        Preset {
+            name,
+            // What the schedule's peak is read from: the AdamW part's rate.
+            config: |lr| presets::adamw_f32(lr).build(),
+            sgd: false,
+            reference,
+            micro_batches: 1,
+            schedule_free: false,
+            goal,
+            hybrid: Some(hybrid),
+        }
+    }
+
+    /// The optimizer's configuration at the peak rates `lr` (the task's) and `muon_lr` (the
+    /// Muon hybrids' matrices).
+    pub fn lpmm_config(&self, lr: f64, muon_lr: f64) -> LpmmConfig {
+        match self.hybrid {
+            Some(h) => LpmmConfig::from(
+                h(muon_lr, lr)
+                    .route("tokens.*", Route::Others)
+                    .route("positions.*", Route::Others),
+            ),
+            None => LpmmConfig::from((self.config)(lr)),
         }
     }
 }
@@ -76,6 +115,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: false,
             goal: Goal::Reference,
+            hybrid: None,
         },
         Preset {
             name: "f32 SGDM",
@@ -85,6 +125,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: false,
             goal: Goal::Reference,
+            hybrid: None,
         },
         Preset::quality(
             "8-bit AdamW, bf16",
@@ -109,6 +150,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 4,
             schedule_free: false,
             goal: Goal::QualityAndMemory { reduction: 0.70 },
+            hybrid: None,
         },
         Preset {
             name: "bf16 AdamW, round to nearest",
@@ -118,6 +160,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: false,
             goal: Goal::NaiveBaseline,
+            hybrid: None,
         },
         Preset::quality(
             "f32 Adafactor",
@@ -143,6 +186,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 4,
             schedule_free: false,
             goal: Goal::Quality,
+            hybrid: None,
         },
         Preset::quality(
             "f32 CAME",
@@ -157,6 +201,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 4,
             schedule_free: false,
             goal: Goal::Quality,
+            hybrid: None,
         },
         Preset {
             name: "f32 schedule-free AdamW",
@@ -170,6 +215,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: true,
             goal: Goal::Quality,
+            hybrid: None,
         },
         Preset {
             name: "8-bit schedule-free AdamW",
@@ -183,6 +229,7 @@ pub fn presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: true,
             goal: Goal::Quality,
+            hybrid: None,
         },
     ]
 }
@@ -204,6 +251,7 @@ pub fn more_presets() -> Vec<Preset> {
             micro_batches: 1,
             schedule_free: false,
             goal: Goal::Reference,
+            hybrid: None,
         },
         Preset::quality(
             "f32 AdEMAMix",
@@ -299,6 +347,33 @@ pub fn more_presets() -> Vec<Preset> {
             "8-bit LAMB, f32",
             |lr| presets::lamb_8bit(lr * 10.0 / 3.0).build(),
             "f32 LAMB",
+        ),
+        // Muon for the hidden matrices (`LmRecipe::muon_lr`), AdamW for the embeddings, the
+        // head and the norms at the task's rate, the same storages in both (docs/RESULTS.md,
+        // "Muon").
+        Preset::muon(
+            "f32 Muon",
+            presets::muon_adamw_f32,
+            "f32 Muon",
+            Goal::Reference,
+        ),
+        Preset::muon(
+            "8-bit Muon, bf16 SR",
+            presets::muon_adamw_8bit_bf16_sr,
+            "f32 Muon",
+            Goal::Quality,
+        ),
+        Preset::muon(
+            "4-bit Muon, bf16 SR",
+            presets::muon_adamw_4bit_bf16_sr,
+            "f32 Muon",
+            Goal::Quality,
+        ),
+        Preset::muon(
+            "8-bit Muon, f32",
+            |muon_lr, lr| Hybrid::new(presets::muon_8bit(muon_lr), presets::adamw_8bit(lr)),
+            "f32 Muon",
+            Goal::Quality,
         ),
     ]
 }

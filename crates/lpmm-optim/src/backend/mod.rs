@@ -32,12 +32,16 @@ pub use crate::format::{
     LIMITS as FORMAT_LIMITS, Place, RegionSpec, Walked,
 };
 pub use crate::rule::{
-    FieldType, KernelStruct, Limits, MAX_STATS, Moment, RuleConsts, RuleState, StepFlags, Updated,
+    FieldType, KernelStruct, Limits, MAX_STATS, Moment, NewtonSchulz, RuleConsts, RuleState,
+    StepFlags, Updated,
 };
 
 pub use crate::exec::run_batch;
 pub use crate::fixed::{fold as fixed_fold, frac_bits as fixed_frac_bits, total as fixed_total};
-pub use crate::plan::{Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, run_step};
+pub use crate::plan::{
+    Mat, MatrixOp, MatrixShape, Phase, PlanKey, PlanRunner, STATS_PASSES, StepPlan, newton_schulz,
+    run_step,
+};
 pub use crate::vocab::{Dtype, F32_MAX_BITS, ParamId, SLOTS, SlotKind, fits};
 
 pub use crate::exact::{EXACT_WORDS, ExactSum, NORM_RUN, add_squares};
@@ -271,6 +275,14 @@ pub enum Folded<'a> {
 /// [`MAX_STATS`] 64-bit sums.
 pub const STAT_WORDS: usize = 3 * MAX_STATS;
 
+/// What a backend without the matrix phase answers to its primitives.
+pub fn no_matrix_phase(backend: &'static str) -> BackendError {
+    BackendError::Unsupported {
+        backend,
+        what: "the matrix phase (Muon's Newton-Schulz iterations: docs/BACKENDS.md)".into(),
+    }
+}
+
 /// Where model memory lives and where the step runs.
 ///
 /// Contract: results equal the CPU backend's bit for bit where the backend's arithmetic allows
@@ -287,6 +299,10 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     type Input<'a>: Copy + Send + Sync;
     /// A writable buffer of one tensor's values (decoded reads; a lent parameter).
     type Output<'a>: Send;
+    /// The workspace of the matrix phase ([`MatrixOp`]: Muon's Newton–Schulz iterations), sized
+    /// for the largest matrix registered; the step executor holds one and lends it to the
+    /// matrix primitives, one parameter at a time. `()` for a backend without the phase.
+    type Matrices: std::fmt::Debug + Send + Sync;
 
     /// A short name ("cpu", "wgpu", ...).
     fn name(&self) -> &'static str;
@@ -416,6 +432,53 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     /// Trades tensor-wide regions `a` and `b` of `slot` (after the fused pass:
     /// [`StepPlan::swaps`]).
     fn swap_wide(&self, param: &mut Self::Param, slot: SlotKind, a: usize, b: usize);
+
+    /// The matrix primitives (a parameter whose plan takes the matrix phase,
+    /// [`StepPlan::matrix`], steps through them instead of [`Backend::fused`], on its own: see
+    /// [`run_step`]). A workspace for the matrix phase of any [`MatrixShape`] with at most
+    /// `elements` elements and an `m × m` of at most `square` elements, allocated when a
+    /// parameter is registered. The default, for a backend without the phase, is
+    /// [`no_matrix_phase`]: such a parameter cannot be registered on it.
+    fn matrices(&self, _elements: usize, _square: usize) -> Result<Self::Matrices, BackendError> {
+        Err(no_matrix_phase(self.name()))
+    }
+
+    /// Bytes the workspace holds.
+    fn matrices_bytes(&self, _matrices: &Self::Matrices) -> usize {
+        0
+    }
+
+    /// Gathers parameter `index`'s matrix input ([`RuleConsts::matrix_input`] of each element,
+    /// the batch's gradient and lent buffer as [`Backend::fused`] reads them) into
+    /// [`Mat::Update`] of `matrices`, for a phase of `shape` (the parameter's). Nothing of the
+    /// parameter changes.
+    fn matrix_in(
+        &self,
+        _work: &mut StepWork<'_, '_, '_, Self>,
+        _index: usize,
+        _shape: MatrixShape,
+        _matrices: &mut Self::Matrices,
+    ) -> Result<(), BackendError> {
+        Err(no_matrix_phase(self.name()))
+    }
+
+    /// One operation on the workspace, on the shape of the last [`Backend::matrix_in`]. Its
+    /// result must not depend on the thread count.
+    fn matrix_op(&self, _matrices: &mut Self::Matrices, _op: MatrixOp) -> Result<(), BackendError> {
+        Err(no_matrix_phase(self.name()))
+    }
+
+    /// The fused pass of parameter `index` alone, each element reading its entry of
+    /// [`Mat::Update`] as the rule's `v` operand ([`crate::backend::NewtonSchulz`]); returns
+    /// whether a non-finite value was met (as [`Backend::fused`] reports it).
+    fn matrix_out(
+        &self,
+        _work: &mut StepWork<'_, '_, '_, Self>,
+        _index: usize,
+        _matrices: &Self::Matrices,
+    ) -> Result<bool, BackendError> {
+        Err(no_matrix_phase(self.name()))
+    }
 
     /// Clears the gradient accumulator of parameter `only`, or of every parameter.
     fn clear_gradients(

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Backend, BackendError, Dtype, Folded, HostRegion, HostSlot, HostValues, HostValuesMut, Init,
-    ParamLayout, Phase, SLOTS, STAT_WORDS, SlotKind, StepPlan, StepWork,
+    MatrixOp, MatrixShape, ParamLayout, Phase, SLOTS, STAT_WORDS, SlotKind, StepPlan, StepWork,
 };
 use crate::exact::{ExactSum, add_squares};
 use crate::format::{
@@ -22,9 +22,11 @@ use crate::format::{
 };
 use crate::vocab::{CHUNK, fits};
 
+mod matrix;
 mod passes;
 mod tile;
 
+pub use matrix::CpuMatrices;
 use passes::{decode_slot, fold_all, for_stepping, fused_step};
 pub use tile::Kernel;
 
@@ -233,6 +235,7 @@ impl Backend for Cpu {
     type Param = CpuParam;
     type Input<'a> = HostValues<'a>;
     type Output<'a> = HostValuesMut<'a>;
+    type Matrices = CpuMatrices;
 
     fn name(&self) -> &'static str {
         NAME
@@ -580,11 +583,11 @@ impl Backend for Cpu {
             match lent {
                 Some(l) => for_pieces_lent(pieces, l, lent_stride(layout), |piece, l| {
                     piece.saw_non_finite =
-                        fused_step(piece, layout, wide, plan, seed, released, Some(l));
+                        fused_step(piece, layout, wide, plan, seed, released, Some(l), None);
                 }),
                 None => for_pieces(pieces, |piece| {
                     piece.saw_non_finite =
-                        fused_step(piece, layout, wide, plan, seed, released, None);
+                        fused_step(piece, layout, wide, plan, seed, released, None, None);
                 }),
             }
         });
@@ -601,6 +604,37 @@ impl Backend for Cpu {
 
     fn swap_wide(&self, param: &mut CpuParam, slot: SlotKind, a: usize, b: usize) {
         param.wide[slot as usize].swap(a, b);
+    }
+
+    fn matrices(&self, elements: usize, square: usize) -> Result<CpuMatrices, BackendError> {
+        CpuMatrices::new(elements, square)
+    }
+
+    fn matrices_bytes(&self, matrices: &CpuMatrices) -> usize {
+        matrices.bytes()
+    }
+
+    fn matrix_in(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        index: usize,
+        shape: MatrixShape,
+        matrices: &mut CpuMatrices,
+    ) -> Result<(), BackendError> {
+        Cpu::gather(work, index, shape, matrices)
+    }
+
+    fn matrix_op(&self, matrices: &mut CpuMatrices, op: MatrixOp) -> Result<(), BackendError> {
+        matrices.run(op)
+    }
+
+    fn matrix_out(
+        &self,
+        work: &mut StepWork<'_, '_, '_, Self>,
+        index: usize,
+        matrices: &CpuMatrices,
+    ) -> Result<bool, BackendError> {
+        Cpu::scatter(work, index, matrices)
     }
 
     fn clear_gradients(

@@ -248,11 +248,53 @@ pub(super) fn fold_piece(
     }
 }
 
+/// The matrix phase's input of one piece ([`crate::rule::RuleConsts::matrix_input`] of each
+/// element, the gradient clipped), into `out` (the piece's elements).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gather_piece(
+    piece: &Piece,
+    layout: &ParamLayout,
+    wide: &[Vec<Box<[AtomicU32]>>; SLOTS],
+    plan: &ParamStep,
+    released: Option<HostValues<'_>>,
+    lent: Option<&[u8]>,
+    out: &mut [f32],
+) {
+    let flags = layout.step_flags(plan.flags);
+    let mut s = Scratch::new();
+    for start in (0..piece.len).step_by(CHUNK) {
+        let n = CHUNK.min(piece.len - start);
+        decode_chunk(
+            &mut s,
+            layout,
+            piece,
+            wide,
+            released,
+            lent,
+            start,
+            n,
+            false,
+            false,
+            [false; SLOTS],
+        );
+        fold_inputs(
+            plan.rule,
+            flags,
+            FoldValue::Matrix,
+            plan.clip,
+            &mut s.chunk(n),
+        );
+        out[start..start + n].copy_from_slice(&s.d[..n]);
+    }
+}
+
 /// The fused step of one piece: for each chunk, decode gradient, parameter and states, apply the
 /// rule, store the states (a quantized state gets the exact absmax of its updated block), the
 /// parameter (Kahan: add the increment), clear the gradient. With [`StepFlags::TRANSFORM`] only
-/// the parameter is stored. Returns whether a non-finite value was met (those elements were left
-/// unchanged).
+/// the parameter is stored. `matrix`: the matrix phase's result for the piece's elements, read
+/// as the rule's `v` operand (the generic path). Returns whether a non-finite value was met
+/// (those elements were left unchanged).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn fused_step(
     piece: &mut Piece,
     layout: &ParamLayout,
@@ -261,11 +303,12 @@ pub(super) fn fused_step(
     seed: u64,
     released: Option<HostValues<'_>>,
     mut lent: Option<&mut [u8]>,
+    matrix: Option<&[f32]>,
 ) -> bool {
     let flags = layout.step_flags(plan.flags);
     let transform = flags.has(StepFlags::TRANSFORM);
     let limits = layout.limits(flags);
-    if let Some(kernel) = Kernel::for_plan(&plan.plan).filter(|_| !transform)
+    if let Some(kernel) = Kernel::for_plan(&plan.plan).filter(|_| !transform && matrix.is_none())
         && let Some(bad) = specialized(
             kernel,
             piece,
@@ -308,6 +351,9 @@ pub(super) fn fused_step(
             direct.is_some(),
             in_place,
         );
+        if let Some(x) = matrix {
+            s.v[..n].copy_from_slice(&x[start..start + n]);
+        }
         {
             // The rule's operands: the stored values of the slots stepped in place, the scratch
             // for the others.

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, Init, ParamId, ParamLayout,
-    ParamStep, RuleState, SlotKind, StepFlags, StepPlan, fits,
+    Backend, BackendError, F32_MAX_BITS, HostSlot, HostValues, Init, MatrixShape, ParamId,
+    ParamLayout, ParamStep, RuleState, SlotKind, StepFlags, StepPlan, fits,
 };
 use crate::config::ParamConfig;
 use crate::coverage::{CoverageCheck, MissingGradients};
@@ -259,6 +259,10 @@ pub struct Optimizer<B: Backend = Cpu> {
     plans: Vec<Option<ParamStep>>,
     /// The step executor's scratch ([`crate::exec`]).
     exec: crate::exec::Scratch,
+    /// The matrix phase's workspace, allocated at registration for the largest matrix whose
+    /// rule takes the phase, and its capacity (elements, `m × m` elements).
+    matrices: Option<B::Matrices>,
+    matrix_capacity: (usize, usize),
     /// The parameters hold their evaluation point ([`Mode::Eval`]): no step until
     /// [`Optimizer::set_mode`] with [`Mode::Train`].
     pub(crate) eval: bool,
@@ -311,6 +315,8 @@ impl<B: Backend> Optimizer<B> {
             settings: Settings::default(),
             plans: Vec::new(),
             exec: Default::default(),
+            matrices: None,
+            matrix_capacity: (0, 0),
             eval: false,
             coverage: CoverageCheck::default(),
         })
@@ -555,8 +561,11 @@ impl<B: Backend> Optimizer<B> {
             offset: offset as u64,
             lent: matches!(init, Init::Lent),
         };
-        let param = self.backend.allocate(&layout, init, self.options.seed)?;
         let step_plan = Self::compile(&layout, &resolved);
+        if step_plan.has_matrix() {
+            self.fit_matrices(name, &layout.shape, &resolved)?;
+        }
+        let param = self.backend.allocate(&layout, init, self.options.seed)?;
         let index = self.states.len();
         self.names.insert(name.to_string(), index);
         self.states.push(ParamState {
@@ -581,6 +590,42 @@ impl<B: Backend> Optimizer<B> {
         self.plans.push(None);
         self.exec.push();
         Ok(ParamId(index))
+    }
+
+    /// A rule with a matrix phase steps matrices only, and the workspace must hold this one's
+    /// (a bigger one is allocated in place of the old, before anything is registered).
+    fn fit_matrices(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        config: &ParamConfig,
+    ) -> Result<(), OptimError> {
+        let matrix = MatrixShape::of(shape).ok_or_else(|| OptimError::NotAMatrix {
+            param: name.to_string(),
+            rule: config.hyper.name(),
+            shape: shape.to_vec(),
+        })?;
+        let (elements, square) = self.matrix_capacity;
+        if self.matrices.is_some() && matrix.numel() <= elements && matrix.square() <= square {
+            return Ok(());
+        }
+        let want = (elements.max(matrix.numel()), square.max(matrix.square()));
+        // The old workspace stays until the new one exists: a failed registration leaves the
+        // optimizer as it was.
+        let matrices = self
+            .backend
+            .matrices(want.0, want.1)
+            .map_err(OptimError::Backend)?;
+        self.matrices = Some(matrices);
+        self.matrix_capacity = want;
+        Ok(())
+    }
+
+    /// Bytes of the matrix phase's workspace (0 where no rule takes the phase).
+    pub(crate) fn matrix_bytes(&self) -> usize {
+        self.matrices
+            .as_ref()
+            .map_or(0, |m| self.backend.matrices_bytes(m))
     }
 
     /// The step plan of a parameter of `layout` with configuration `config` (its specialized

@@ -411,6 +411,7 @@ impl<B: Backend> Optimizer<B> {
             plans: &self.plans,
             seed: self.options.seed,
             scratch: &mut self.exec,
+            matrices: &mut self.matrices,
         }
         .run(released, lent);
         self.plans.iter_mut().for_each(|p| *p = None);

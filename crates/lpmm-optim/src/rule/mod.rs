@@ -157,6 +157,25 @@ pub struct Moment {
     pub eps: f32,
 }
 
+/// The matrix phase a rule takes before its fused pass (Muon's orthogonalisation,
+/// [docs/OPTIMIZERS.md] "Muon"): each element's [`Rule::matrix_input`] gathered into the
+/// parameter's matrix, then `steps` Newton–Schulz iterations `A = X Xᵀ`, `B = b A + c A A`,
+/// `X = a X + B X` on it (seen transposed when it has more rows than columns), whose result
+/// each element then reads as its `v` operand in [`Rule::apply`].
+///
+/// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NewtonSchulz {
+    /// The coefficient of `X`.
+    pub a: f32,
+    /// The coefficient of `A`.
+    pub b: f32,
+    /// The coefficient of `A A`.
+    pub c: f32,
+    /// How many iterations.
+    pub steps: u32,
+}
+
 /// What a rule keeps on the host between steps, besides the step counter (schedule-free AdamW:
 /// the largest scheduled learning rate so far and the sum of the averaging weights). Saved in
 /// checkpoints; all zeros for rules that keep nothing.
@@ -280,6 +299,30 @@ pub trait Rule:
     fn transform(&self, _eval: bool) -> Option<Self::Consts> {
         None
     }
+    /// The matrix phase the step takes before its fused pass, if any ([`NewtonSchulz`]): the
+    /// rule then steps only matrices (tensors of two dimensions), and [`Rule::apply`] reads the
+    /// phase's result of its element as `v` (the rule keeps no state 2).
+    fn newton_schulz(_c: &Self::Consts) -> Option<NewtonSchulz> {
+        None
+    }
+    /// An element's value in the matrix phase's input (the states as [`Rule::apply`] receives
+    /// them; constants combined from the rule's sums).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn matrix_input(
+        _c: &Self::Consts,
+        _f: StepFlags,
+        _p: f32,
+        _g: f32,
+        _m: f32,
+        _v: f32,
+        _w: f32,
+    ) -> f32 {
+        0.0
+    }
+    /// Sets the constants that depend on the shape of the parameter's matrix, `rows × cols`
+    /// (host code, before the matrix phase; Muon's shape-adjusted learning rate).
+    fn combine_matrix(_c: &mut Self::Consts, _rows: usize, _cols: usize) {}
 }
 
 /// Hyperparameter checks shared by the rules.
@@ -642,6 +685,23 @@ macro_rules! rules {
             pub fn combine_stats(&mut self, sums: &[f64], numel: usize) {
                 match self { $(RuleConsts::$variant(c) => <$config as Rule>::combine_stats(c, sums, numel),)* }
             }
+
+            /// The matrix phase the step takes before its fused pass, if any.
+            pub fn newton_schulz(&self) -> Option<NewtonSchulz> {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::newton_schulz(c),)* }
+            }
+
+            /// An element's value in the matrix phase's input.
+            #[inline]
+            #[allow(clippy::too_many_arguments)]
+            pub fn matrix_input(&self, f: StepFlags, p: f32, g: f32, m: f32, v: f32, w: f32) -> f32 {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::matrix_input(c, f, p, g, m, v, w),)* }
+            }
+
+            /// Sets the constants that depend on the parameter's matrix shape (host code).
+            pub fn combine_matrix(&mut self, rows: usize, cols: usize) {
+                match self { $(RuleConsts::$variant(c) => <$config as Rule>::combine_matrix(c, rows, cols),)* }
+            }
         }
 
         lpmm_formats::multiversion! {
@@ -672,6 +732,7 @@ macro_rules! rules {
                             *d = match of {
                                 FoldValue::Moment(slot) => <$config as Rule>::moment_input(&k, f, slot, p, g, m, v, w),
                                 FoldValue::Stat(s) => <$config as Rule>::stat_input(&k, f, s, p, g, m, v, w),
+                                FoldValue::Matrix => <$config as Rule>::matrix_input(&k, f, p, g, m, v, w),
                             };
                         }
                     })*
@@ -688,6 +749,8 @@ pub(crate) enum FoldValue {
     Moment(SlotKind),
     /// The input of the rule's sum `k` ([`RuleConsts::stat_input`]).
     Stat(usize),
+    /// The element's value in the matrix phase's input ([`RuleConsts::matrix_input`]).
+    Matrix,
 }
 
 /// The most tensor-wide sums a rule may ask for ([`RuleConsts::stats`]).
@@ -716,7 +779,13 @@ rules! {
     Adagrad(Adagrad) in adagrad,
     /// LAMB (You et al. 2019; `torch_optimizer.Lamb` semantics).
     Lamb(Lamb) in lamb,
+    /// Muon (Jordan et al. 2024; `torch.optim.Muon` semantics): a matrix phase.
+    Muon(Muon) in muon,
+    /// AdaLomo (Lv et al. 2023; the authors' `lomo-optim` semantics).
+    AdaLomo(AdaLomo) in adalomo,
 }
+
+pub use muon::AdjustLr;
 
 impl Hyper {
     /// `torch.optim.SGD(lr, momentum)` defaults otherwise.
@@ -773,5 +842,25 @@ impl Hyper {
     /// accumulator 0, eps 1e-10.
     pub fn adagrad(lr: f64) -> Self {
         Hyper::Adagrad(Adagrad::new(lr))
+    }
+
+    /// `torch.optim.Muon(lr)` defaults: weight decay 0.1, momentum 0.95, Nesterov, coefficients
+    /// (3.4445, -4.775, 2.0315), eps 1e-7, 5 Newton–Schulz iterations, the original shape
+    /// adjustment.
+    pub fn muon(lr: f64) -> Self {
+        Hyper::Muon(Muon::new(lr))
+    }
+
+    /// `lomo_optim.AdaLomo(model, lr)` defaults: `eps = (1e-30, 1e-3)`, clip threshold 1, decay
+    /// rate -0.8, no weight decay, no gradient clamp.
+    pub fn adalomo(lr: f64) -> Self {
+        Hyper::AdaLomo(AdaLomo::new(lr))
+    }
+
+    /// Whether the rule takes a matrix phase (steps matrices only).
+    pub fn takes_matrix(&self) -> bool {
+        self.consts(1, &RuleState::default())
+            .newton_schulz()
+            .is_some()
     }
 }

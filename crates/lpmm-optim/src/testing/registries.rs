@@ -4,7 +4,7 @@
 //! command, when the committed file is stale.
 
 use super::{
-    COVER_STEPS, MICRO_BATCHES, PRESET_STEPS, covers, hypers, preset_cases, shapes,
+    COVER_STEPS, MICRO_BATCHES, PRESET_STEPS, covers, hypers, matrix_shapes, preset_cases, shapes,
     tensor_wide_gradients,
 };
 use crate::rule::RuleConsts;
@@ -149,10 +149,24 @@ pub fn registries_doc() -> String {
     let (wide, gradients) = (covers.tensor_wide.len(), tensor_wide_gradients().len());
     w("## The conformance suite's generated cases");
     w("");
+    let matrix_rules: Vec<&str> = RuleConsts::KERNELS
+        .iter()
+        .map(|&(rule, _, _)| rule)
+        .filter(|&rule| {
+            settings
+                .iter()
+                .any(|(_, h)| h.name() == rule && h.takes_matrix())
+        })
+        .collect();
     w(&format!(
         "Each case trains the same tensors on the CPU and on the backend and compares every \
-         slot's bits after registration and after every step: {} tensors (`testing::shapes`).",
-        shapes().len()
+         slot's bits after registration and after every step: {} tensors (`testing::shapes`); \
+         for a rule that steps matrices only ({}), {} matrices (`testing::matrix_shapes`), and a \
+         backend without the matrix phase (lpmm-wgpu, lpmm-cuda: docs/BACKENDS.md) skips its \
+         cases with a message.",
+        shapes().len(),
+        code_list(matrix_rules),
+        matrix_shapes().len()
     ));
     w("");
     w("| check | configurations |");
