@@ -203,6 +203,30 @@ pub fn bf16_nearest<R>(rule: R) -> Preset<R> {
         .with_state2(bf)
 }
 
+/// Muon for a model's hidden matrices and AdamW for the rest ([`Hybrid`]), all f32: the
+/// reference for the Muon hybrids. `muon_lr` is Muon's (torch's examples: 0.02), `adamw_lr`
+/// AdamW's.
+pub fn muon_adamw_f32(muon_lr: f64, adamw_lr: f64) -> Hybrid {
+    Hybrid::new(muon_f32(muon_lr), adamw_f32(adamw_lr))
+}
+
+/// 8-bit Muon for the hidden matrices and 8-bit AdamW for the rest, both with bf16 parameters
+/// and gradients rounded stochastically ([`muon_8bit_bf16_sr`], [`adamw_8bit_bf16_sr`]).
+pub fn muon_adamw_8bit_bf16_sr(muon_lr: f64, adamw_lr: f64) -> Hybrid {
+    Hybrid::new(muon_8bit_bf16_sr(muon_lr), adamw_8bit_bf16_sr(adamw_lr))
+}
+
+/// 4-bit Muon for the hidden matrices and 4-bit AdamW for the rest, both with bf16 parameters
+/// and gradients rounded stochastically ([`muon_4bit_bf16_sr`]; AdamW's states as
+/// [`adamw_4bit`]'s).
+pub fn muon_adamw_4bit_bf16_sr(muon_lr: f64, adamw_lr: f64) -> Hybrid {
+    let bf16_sr = Storage::Bf16(StoreRounding::Stochastic);
+    Hybrid::new(
+        muon_4bit_bf16_sr(muon_lr),
+        adamw_4bit(adamw_lr).with_param(bf16_sr).with_grad(bf16_sr),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,28 +364,4 @@ mod tests {
             (Storage::F32, Storage::DYNAMIC8_UNSIGNED)
         );
     }
-}
-
-/// Muon for a model's hidden matrices and AdamW for the rest ([`Hybrid`]), all f32: the
-/// reference for the Muon hybrids. `muon_lr` is Muon's (torch's examples: 0.02), `adamw_lr`
-/// AdamW's.
-pub fn muon_adamw_f32(muon_lr: f64, adamw_lr: f64) -> Hybrid {
-    Hybrid::new(muon_f32(muon_lr), adamw_f32(adamw_lr))
-}
-
-/// 8-bit Muon for the hidden matrices and 8-bit AdamW for the rest, both with bf16 parameters
-/// and gradients rounded stochastically ([`muon_8bit_bf16_sr`], [`adamw_8bit_bf16_sr`]).
-pub fn muon_adamw_8bit_bf16_sr(muon_lr: f64, adamw_lr: f64) -> Hybrid {
-    Hybrid::new(muon_8bit_bf16_sr(muon_lr), adamw_8bit_bf16_sr(adamw_lr))
-}
-
-/// 4-bit Muon for the hidden matrices and 4-bit AdamW for the rest, both with bf16 parameters
-/// and gradients rounded stochastically ([`muon_4bit_bf16_sr`]; AdamW's states as
-/// [`adamw_4bit`]'s).
-pub fn muon_adamw_4bit_bf16_sr(muon_lr: f64, adamw_lr: f64) -> Hybrid {
-    let bf16_sr = Storage::Bf16(StoreRounding::Stochastic);
-    Hybrid::new(
-        muon_4bit_bf16_sr(muon_lr),
-        adamw_4bit(adamw_lr).with_param(bf16_sr).with_grad(bf16_sr),
-    )
 }

@@ -73,7 +73,7 @@ fn worst(optim: &burn_optim::Muon, lr: f64, cfg: &str, ns: &str) -> f64 {
             let g = Tensor::<2>::from_data(TensorData::new(grad(tid, t, n), shape), &device);
             (p, state) = optim.step(lr, p, g, state);
         }
-        let got: Vec<f32> = p.into_data().to_vec().unwrap();
+        let got: Vec<f32> = p.into_data().try_to_vec::<f32>().unwrap();
         let want = golden(&st, &format!("{cfg}.{ns}.step100.{name}"));
         let scale = want.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
         let diff = want

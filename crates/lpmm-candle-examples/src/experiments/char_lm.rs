@@ -4,7 +4,7 @@ use candle_core::{D, DType, Device, Result, Tensor};
 use candle_nn::VarMap;
 use serde::Serialize;
 
-use lpmm_candle::{LpmmConfig, LpmmOptimizer};
+use lpmm_candle::LpmmOptimizer;
 
 use super::run::{finish, train};
 use super::{Budget, CharLm, LmShape, Preset, Rng, RunResult, Text, seeded_var_builder};
