@@ -158,10 +158,10 @@ pub struct Moment {
 }
 
 /// The matrix phase a rule takes before its fused pass (Muon's orthogonalisation,
-/// [docs/OPTIMIZERS.md] "Muon"): each element's [`Rule::matrix_input`] gathered into the
+/// [docs/OPTIMIZERS.md] "Muon"): each element's matrix input (the rule's `matrix_input`) gathered into the
 /// parameter's matrix, then `steps` Newton–Schulz iterations `A = X Xᵀ`, `B = b A + c A A`,
 /// `X = a X + B X` on it (seen transposed when it has more rows than columns), whose result
-/// each element then reads as its `v` operand in [`Rule::apply`].
+/// each element then reads as its `v` operand in the rule's element-wise `apply`.
 ///
 /// [docs/OPTIMIZERS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/OPTIMIZERS.md
 #[derive(Debug, Clone, Copy, PartialEq)]
