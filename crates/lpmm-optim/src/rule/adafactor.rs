@@ -251,15 +251,7 @@ impl Rule for Adafactor {
 
     fn validate(&self) -> Result<(), OptimError> {
         check::finite_non_negative("lr", self.lr)?;
-        check::positive("eps1", self.eps.0)?;
-        check::finite_non_negative("eps2", self.eps.1)?;
-        check::positive("clip_threshold", self.clip_threshold)?;
-        if !(self.decay_rate.is_finite() && self.decay_rate < 0.0) {
-            return Err(OptimError::Hyperparameter {
-                name: "decay_rate",
-                value: self.decay_rate,
-            });
-        }
+        check::relative_moment(self.eps, self.clip_threshold, self.decay_rate)?;
         if let Some(b1) = self.beta1 {
             check::beta("beta1", b1)?;
         }

@@ -200,15 +200,7 @@ impl Rule for AdaLomo {
 
     fn validate(&self) -> Result<(), OptimError> {
         check::finite_non_negative("lr", self.lr)?;
-        check::positive("eps1", self.eps.0)?;
-        check::finite_non_negative("eps2", self.eps.1)?;
-        check::positive("clip_threshold", self.clip_threshold)?;
-        if !(self.decay_rate.is_finite() && self.decay_rate < 0.0) {
-            return Err(OptimError::Hyperparameter {
-                name: "decay_rate",
-                value: self.decay_rate,
-            });
-        }
+        check::relative_moment(self.eps, self.clip_threshold, self.decay_rate)?;
         if let Some(v) = self.clip_grad_value {
             check::positive("clip_grad_value", v)?;
         }

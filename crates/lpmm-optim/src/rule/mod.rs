@@ -348,6 +348,26 @@ pub(crate) mod check {
         Ok(())
     }
 
+    /// The hyperparameters of Adafactor's relative second moment (Adafactor, AdaLomo): `eps1`
+    /// positive, `eps2` finite and non-negative, `clip_threshold` positive, `decay_rate` finite
+    /// and negative (`beta2_t = 1 - t^decay_rate`).
+    pub fn relative_moment(
+        eps: (f64, f64),
+        clip_threshold: f64,
+        decay_rate: f64,
+    ) -> Result<(), OptimError> {
+        positive("eps1", eps.0)?;
+        finite_non_negative("eps2", eps.1)?;
+        positive("clip_threshold", clip_threshold)?;
+        if !(decay_rate.is_finite() && decay_rate < 0.0) {
+            return Err(OptimError::Hyperparameter {
+                name: "decay_rate",
+                value: decay_rate,
+            });
+        }
+        Ok(())
+    }
+
     /// In [0, 1).
     pub fn beta(name: &'static str, v: f64) -> Result<(), OptimError> {
         if (0.0..1.0).contains(&v) {
