@@ -123,7 +123,10 @@ impl LpmmOptimizer {
         }
         let id = {
             let mut shared = self.lock();
-            let config = shared.config.param;
+            let config = match &shared.hybrid {
+                Some(h) => h.config_for("", &shape),
+                None => shared.config.param,
+            };
             shared.device = Some(inner.clone());
             let engine = shared.engine(&inner)?;
             on_engine!(engine, core => core.add_external(weight.inner(), config))?

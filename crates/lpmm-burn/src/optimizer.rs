@@ -7,7 +7,9 @@ use burn_core::module::{Module, ModuleVisitor, Param};
 use burn_core::tensor::{Device, Tensor};
 use burn_optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn_optim::{GradientsParams, OptimizerRecord};
-use lpmm_optim::{CoverageCheck, MemoryReport, MissingGradientHelp, MissingGradients, StepReport};
+use lpmm_optim::{
+    CoverageCheck, Hybrid, MemoryReport, MissingGradientHelp, MissingGradients, StepReport,
+};
 
 use crate::core::{Core, Pending, Uncovered};
 use crate::lane::Lane;
@@ -117,6 +119,9 @@ pub struct LpmmOptimizer {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub config: LpmmOptimizerConfig,
+    /// Routes each parameter to one of two configurations by its module path and shape
+    /// ([`LpmmOptimizer::with_hybrid`]); `None`: every parameter takes `config.param`.
+    pub hybrid: Option<Hybrid>,
     pub engine: Option<Engine>,
     pending: Option<Pending>,
     last: Option<StepReport>,
@@ -143,6 +148,7 @@ impl LpmmOptimizer {
         LpmmOptimizer {
             shared: Arc::new(Mutex::new(Shared {
                 config,
+                hybrid: None,
                 engine: None,
                 pending: None,
                 last: None,
@@ -160,6 +166,50 @@ impl LpmmOptimizer {
     /// The configuration.
     pub fn config(&self) -> LpmmOptimizerConfig {
         self.lock().config
+    }
+
+    /// Routes each parameter to one of `hybrid`'s two configurations (Muon for the hidden
+    /// matrices, AdamW for the rest: [`lpmm_optim::presets::muon_adamw_8bit_bf16_sr`] and its
+    /// siblings) by its burn module path (`blocks.0.attn.qkv.weight`: the field names from the
+    /// model down to the parameter) and its shape, as [`Hybrid::route_of`] decides: the user's
+    /// routes first, then [`lpmm_optim::DEFAULT_OTHERS`] (`*embed*`, `*head*`, ...), then a
+    /// matrix to `hybrid.matrices` and anything else to `hybrid.others`. The configuration's own
+    /// `param` is then unused; its options (seed, clipping, non-finite policy) and
+    /// missing-gradient policy still apply. [`crate::LpmmLinear`] weights (no module path) go
+    /// by their shape: to `hybrid.matrices`.
+    ///
+    /// burn-train's per-tensor form has no module paths: there, burn's own
+    /// `ModuleOptimizer::with_group(ParamGroup::from_regex(..)?, muon, None)` routes (see
+    /// docs/BURN.md).
+    ///
+    /// Refused ([`BurnError::Config`]) once a parameter is registered (a step taken, a layer
+    /// created) or a loaded state waits, and for an invalid configuration in either route.
+    pub fn with_hybrid(self, hybrid: Hybrid) -> Result<Self, BurnError> {
+        hybrid.matrices.validate()?;
+        hybrid.others.validate()?;
+        {
+            let mut shared = self.lock();
+            let registered = match &shared.engine {
+                Some(e) => {
+                    on_engine!(e, core => !core.burn_ids.is_empty() || !core.external.is_empty())
+                }
+                None => false,
+            };
+            if registered || shared.pending.is_some() {
+                return Err(BurnError::Config(
+                    "with_hybrid: parameters are registered or a loaded state waits already; \
+                     route a new optimizer before its first step"
+                        .into(),
+                ));
+            }
+            shared.hybrid = Some(hybrid);
+        }
+        Ok(self)
+    }
+
+    /// The routing of [`LpmmOptimizer::with_hybrid`], if any.
+    pub fn hybrid(&self) -> Option<Hybrid> {
+        self.lock().hybrid.clone()
     }
 
     /// Updates `module`'s parameters with `grads` at learning rate `lr` (a number, or burn's
@@ -332,14 +382,17 @@ impl Shared {
             None => return Ok(module),
         };
         let pending = self.pending.take();
-        let base = self.config.param;
+        let routing = crate::core::Routing {
+            base: self.config.param,
+            hybrid: self.hybrid.clone(),
+        };
         let engine = self.engine(&device)?;
         let result = on_engine!(engine, core => {
             let module = match pending {
                 Some(p) => core.attach(module, p),
                 None => Ok(module),
             };
-            module.and_then(|m| core.step(&base, &lr, m, grads))
+            module.and_then(|m| core.step(&routing, &lr, m, grads))
         });
         let (module, mut report) = result?;
         report.missing_gradients = missing;

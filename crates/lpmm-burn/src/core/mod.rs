@@ -32,6 +32,23 @@ pub(crate) struct Pending {
     pub from_module: Vec<bool>,
 }
 
+/// The configuration each parameter is registered with: `base`, or the route `hybrid` gives its
+/// module path and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Routing {
+    pub base: ParamConfig,
+    pub hybrid: Option<lpmm_optim::Hybrid>,
+}
+
+impl Routing {
+    pub fn config_for(&self, path: &str, shape: &[usize]) -> ParamConfig {
+        match &self.hybrid {
+            Some(h) => h.config_for(path, shape),
+            None => self.base,
+        }
+    }
+}
+
 /// The lpmm optimizer on one lane, with the map from burn's parameter ids.
 pub(crate) struct Core<L: Lane> {
     pub lane: L,
@@ -268,7 +285,7 @@ impl<L: Lane> Core<L> {
     /// each gradient dropped as soon as its parameter has stepped.
     pub fn step<M: Module>(
         &mut self,
-        base: &ParamConfig,
+        routing: &Routing,
         lr: &ModuleLearningRate,
         module: M,
         mut grads: GradientsParams,
@@ -277,7 +294,7 @@ impl<L: Lane> Core<L> {
             core: self,
             grads: &mut grads,
             lr,
-            base,
+            routing,
             path: Vec::new(),
             given: HashMap::new(),
             error: None,
@@ -459,7 +476,7 @@ struct Gather<'a, L: Lane> {
     core: &'a mut Core<L>,
     grads: &'a mut GradientsParams,
     lr: &'a ModuleLearningRate,
-    base: &'a ParamConfig,
+    routing: &'a Routing,
     path: Vec<String>,
     given: HashMap<ParamId, L::Prim>,
     error: Option<BurnError>,
@@ -492,8 +509,9 @@ impl<L: Lane> Gather<'_, L> {
                     ));
                 }
                 let mut prim = core.lane.take(t)?;
-                let group = core.opt.add_group(*self.base)?;
-                core.add(id, &mut prim, &shape, group, *self.base)
+                let config = self.routing.config_for(&path, &shape);
+                let group = core.opt.add_group(config)?;
+                core.add(id, &mut prim, &shape, group, config)
                     .map_err(|e| BurnError::param(&name, e.to_string()))?
             }
         };
