@@ -11,6 +11,9 @@ use crate::EngineError;
 
 /// Every preset of [`lpmm_optim::presets`] by name, each made with learning rate `lr` (and for
 /// the SGD presets momentum 0.9); the Adafactor presets keep their relative step (`lr` unused).
+/// Muon's presets step matrices only (a parameter of another rank is refused when it is added,
+/// as `torch.optim.Muon` refuses it): give them a model's hidden matrices and another optimizer
+/// the rest, as torch's documentation of `Muon` does.
 pub const PRESETS: &[&str] = &[
     "sgdm_f32",
     "lpmm_sgdm",
@@ -40,6 +43,14 @@ pub const PRESETS: &[&str] = &[
     "adagrad_8bit",
     "lamb_f32",
     "lamb_8bit",
+    "muon_f32",
+    "muon_bf16",
+    "muon_8bit",
+    "muon_4bit",
+    "muon_8bit_bf16_sr",
+    "muon_4bit_bf16_sr",
+    "adalomo_f32",
+    "adalomo_bf16_sr",
 ];
 
 /// The preset `name` with learning rate `lr`.
@@ -74,6 +85,14 @@ pub fn preset(name: &str, lr: f64) -> Result<ParamConfig, EngineError> {
         "adagrad_8bit" => p::adagrad_8bit(lr).build(),
         "lamb_f32" => p::lamb_f32(lr).build(),
         "lamb_8bit" => p::lamb_8bit(lr).build(),
+        "muon_f32" => p::muon_f32(lr).build(),
+        "muon_bf16" => p::muon_bf16(lr).build(),
+        "muon_8bit" => p::muon_8bit(lr).build(),
+        "muon_4bit" => p::muon_4bit(lr).build(),
+        "muon_8bit_bf16_sr" => p::muon_8bit_bf16_sr(lr).build(),
+        "muon_4bit_bf16_sr" => p::muon_4bit_bf16_sr(lr).build(),
+        "adalomo_f32" => p::adalomo_f32(lr).build(),
+        "adalomo_bf16_sr" => p::adalomo_bf16_sr(lr).build(),
         other => {
             return Err(EngineError::Config(format!(
                 "unknown preset {other:?}; the presets are: {}",

@@ -117,7 +117,8 @@ fn engine_err(py: Python<'_>, e: EngineError) -> PyErr {
             let class = match e {
                 lpmm_optim::OptimError::Hyperparameter { .. }
                 | lpmm_optim::OptimError::StorageNotAllowed { .. }
-                | lpmm_optim::OptimError::Nesterov => "ConfigError",
+                | lpmm_optim::OptimError::Nesterov
+                | lpmm_optim::OptimError::NotAMatrix { .. } => "ConfigError",
                 lpmm_optim::OptimError::Lent { .. } => "TensorError",
                 _ => "StepError",
             };

@@ -28,13 +28,34 @@ CASES = [
     ("ademamix_8bit", torch.bfloat16, "split_f32", {}),
     ("schedule_free_adamw_8bit", torch.float32, "auto", {}),
     ("rmsprop_8bit", torch.bfloat16, "bf16_plus8_sr", {"momentum": 0.9}),
+    ("adalomo_f32", torch.float32, "auto", {"weight_decay": 0.01}),
+]
+
+# Muon steps matrices only (its matrix phase: Newton–Schulz products on lpmm-optim's CPU GEMM).
+MATRICES = {"w1": (96, 64), "w2": (64, 96), "s": (48, 48)}
+
+MATRIX_CASES = [
+    ("muon_8bit", torch.float32, "auto", {"adjust_lr": "MatchRmsAdamW"}),
+    ("muon_8bit", torch.bfloat16, "auto", {}),  # bf16 with stochastic rounding
+    ("muon_4bit", torch.float32, "auto", {"nesterov": False, "ns_steps": 3}),
 ]
 
 
 @pytest.mark.parametrize("preset,dtype,storage,hyper", CASES, ids=lambda c: str(c).replace("torch.", ""))
 def test_same_bits_as_lpmm_optim(preset, dtype, storage, hyper, tmp_path, reference_binary):
+    same_bits_as_lpmm_optim(preset, dtype, storage, hyper, SHAPES, tmp_path, reference_binary)
+
+
+@pytest.mark.parametrize(
+    "preset,dtype,storage,hyper", MATRIX_CASES, ids=lambda c: str(c).replace("torch.", "")
+)
+def test_muon_same_bits_as_lpmm_optim(preset, dtype, storage, hyper, tmp_path, reference_binary):
+    same_bits_as_lpmm_optim(preset, dtype, storage, hyper, MATRICES, tmp_path, reference_binary)
+
+
+def same_bits_as_lpmm_optim(preset, dtype, storage, hyper, shapes, tmp_path, reference_binary):
     torch.manual_seed(3)
-    params = {n: torch.nn.Parameter((torch.randn(s) * 0.5).to(dtype)) for n, s in SHAPES.items()}
+    params = {n: torch.nn.Parameter((torch.randn(s) * 0.5).to(dtype)) for n, s in shapes.items()}
     init = {n: p.detach().clone() for n, p in params.items()}
     opt = lpmm.torch.LpmmOptimizer(
         list(params.items()), preset, lr=3e-3, param_storage=storage, seed=11, **hyper

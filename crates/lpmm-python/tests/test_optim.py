@@ -23,7 +23,16 @@ CLASSES = {
     "RMSprop8bit": "rmsprop_8bit",
     "Adagrad8bit": "adagrad_8bit",
     "LAMB8bit": "lamb_8bit",
+    "Muon8bit": "muon_8bit",
+    "Muon4bit": "muon_4bit",
 }
+
+
+def stepped(preset, model):
+    """The parameters a preset steps: Muon's only the matrices (torch's Muon takes only those)."""
+    if preset.startswith("muon"):
+        return [p for p in model.parameters() if p.dim() == 2]
+    return list(model.parameters())
 
 
 def test_import_lpmm_needs_no_torch():
@@ -46,8 +55,9 @@ def test_classes_train_with_their_presets_defaults(name):
     Rust crate's), except Adafactor's relative step, whose learning rate is None."""
     cls = getattr(lpmm.torch, name)
     m = mlp()
-    opt = cls(m.parameters(), **({} if name == "Adafactor" else {"lr": 1e-3}))
-    generic = lpmm.torch.LpmmOptimizer(mlp().parameters(), CLASSES[name], lr=1e-3)
+    preset = CLASSES[name]
+    opt = cls(stepped(preset, m), **({} if name == "Adafactor" else {"lr": 1e-3}))
+    generic = lpmm.torch.LpmmOptimizer(stepped(preset, mlp()), preset, lr=1e-3)
     mine = {k: v for k, v in opt.defaults.items()}
     theirs = dict(generic.defaults)
     if name == "Adafactor":
@@ -65,11 +75,11 @@ def test_classes_train_with_their_presets_defaults(name):
 def test_every_preset_steps_and_round_trips(preset):
     m = mlp()
     lr = 0.0 if preset.startswith("adafactor") else 1e-3
-    opt = lpmm.torch.LpmmOptimizer(m.parameters(), preset, lr=lr)
+    opt = lpmm.torch.LpmmOptimizer(stepped(preset, m), preset, lr=lr)
     train(m, opt, 2)
-    assert opt.last_report["updated"] == len(list(m.parameters()))
+    assert opt.last_report["updated"] == len(stepped(preset, m))
     sd = opt.state_dict()
-    opt2 = lpmm.torch.LpmmOptimizer(m.parameters(), preset, lr=lr)
+    opt2 = lpmm.torch.LpmmOptimizer(stepped(preset, m), preset, lr=lr)
     opt2.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(opt2.state_dict()["state"][0].values(), sd["state"][0].values()))
 
@@ -176,3 +186,60 @@ def test_schedule_free_eval_and_train():
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(m.parameters(), y))
     opt.zero_grad()
     train(m, opt, 1)
+
+
+def test_muon_follows_torch_optim_muon():
+    """lpmm's f32 Muon against torch 2.15's ``torch.optim.Muon`` on the same matrices and
+    gradients, 30 steps, each configuration torch has: within 1e-2 of each tensor's largest
+    |value| (the bound of lpmm-optim's golden test, tests/muon.rs; torch orthogonalises in bf16,
+    lpmm in f32)."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("this torch has no torch.optim.Muon")
+    configs = [
+        {},
+        {"nesterov": False, "ns_steps": 3, "weight_decay": 0.01, "adjust_lr_fn": "match_rms_adamw"},
+    ]
+    for cfg in configs:
+        torch.manual_seed(4)
+        shapes = [(40, 96), (120, 36), (48, 48)]
+        ours = [torch.nn.Parameter(torch.randn(s) * 0.5) for s in shapes]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        hyper = dict(cfg)
+        if "adjust_lr_fn" in hyper:  # torch's name and value, lpmm's field
+            assert hyper.pop("adjust_lr_fn") == "match_rms_adamw"
+            hyper["adjust_lr"] = "MatchRmsAdamW"
+        a = lpmm.torch.LpmmOptimizer(ours, "muon_f32", lr=0.02, **hyper)
+        b = torch.optim.Muon(theirs, lr=0.02, **cfg)
+        gen = torch.Generator().manual_seed(9)
+        for _ in range(30):
+            for p, q in zip(ours, theirs):
+                g = torch.randn(p.shape, generator=gen) * 0.01
+                p.grad, q.grad = g.clone(), g.clone()
+            a.step()
+            b.step()
+        for p, q in zip(ours, theirs):
+            scale = q.detach().abs().max().item()
+            diff = (p.detach() - q.detach()).abs().max().item()
+            print(f"torch.optim.Muon {cfg or 'defaults'} {tuple(p.shape)}: {diff / scale:.2e}")
+            assert diff <= 1e-2 * scale, (cfg, p.shape, diff / scale)
+    # The bound can fail: AdamW's step from the same point lands far outside it.
+    c = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    lpmm_adamw = lpmm.torch.LpmmOptimizer(c, "adamw_f32", lr=0.02)
+    for p, q in zip(c, theirs):
+        p.grad = torch.ones_like(p)
+    lpmm_adamw.step()
+    assert max((p.detach() - q.detach()).abs().max().item() for p, q in zip(c, theirs)) > 1e-2
+
+
+def test_muon_refuses_what_is_not_a_matrix_naming_it():
+    m = mlp()
+    named = list(m.named_parameters())
+    with pytest.raises(lpmm.ConfigError, match=r"0\.bias"):
+        opt = lpmm.torch.Muon8bit(named, lr=1e-2)
+        train(m, opt, 1)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        lpmm.torch.Muon8bit(stepped("muon_8bit", m), adjust_lr_fn="spectral")
+    # torch's adjust_lr_fn names reach lpmm's rule.
+    opt = lpmm.torch.Muon4bit(stepped("muon_4bit", m), adjust_lr_fn="match_rms_adamw")
+    assert opt.defaults["adjust_lr"] == "MatchRmsAdamW"
+    train(m, opt, 2)

@@ -28,6 +28,8 @@ __all__ = [
     "RMSprop8bit",
     "Adagrad8bit",
     "LAMB8bit",
+    "Muon8bit",
+    "Muon4bit",
 ]
 
 
@@ -268,3 +270,66 @@ class LAMB8bit(LpmmOptimizer):
             debias=debias,
             **options,
         )
+
+
+# torch.optim.Muon's ``adjust_lr_fn`` names and lpmm's.
+_ADJUST_LR = {
+    None: "Original",
+    "original": "Original",
+    "match_rms_adamw": "MatchRmsAdamW",
+    "spectral_unclamped": "SpectralUnclamped",
+}
+
+
+class _Muon(LpmmOptimizer):
+    _PRESET = ""
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        ns_coefficients=(3.4445, -4.775, 2.0315),
+        eps=1e-7,
+        ns_steps=5,
+        adjust_lr_fn=None,
+        **options,
+    ):
+        if adjust_lr_fn not in _ADJUST_LR:
+            raise ValueError(
+                f"adjust_lr_fn {adjust_lr_fn!r}: one of None, 'original', 'match_rms_adamw', "
+                "'spectral_unclamped'"
+            )
+        super().__init__(
+            params,
+            self._PRESET,
+            lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr=_ADJUST_LR[adjust_lr_fn],
+            **options,
+        )
+
+
+class Muon8bit(_Muon):
+    """``torch.optim.Muon`` (its arguments and defaults: momentum 0.95, Nesterov, Newton–Schulz
+    coefficients (3.4445, -4.775, 2.0315), 5 iterations, eps 1e-7, ``adjust_lr_fn``) with an
+    8-bit block-wise momentum (preset ``muon_8bit``; bfloat16 parameters are stored bf16 with
+    stochastic rounding). Muon steps matrices only: a parameter that is not 2-D raises
+    :class:`lpmm.ConfigError` naming it, as torch's ``Muon`` refuses it. Give it a model's hidden
+    matrices and another optimizer (e.g. :class:`AdamW8bit`) the embeddings, output head, norms and
+    biases, as torch's documentation of ``Muon`` recommends."""
+
+    _PRESET = "muon_8bit"
+
+
+class Muon4bit(_Muon):
+    """:class:`Muon8bit` with a 4-bit block-wise momentum (preset ``muon_4bit``, blocks of 128)."""
+
+    _PRESET = "muon_4bit"

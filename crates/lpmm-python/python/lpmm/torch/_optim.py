@@ -27,6 +27,8 @@ def _plain(value, default):
         value = value.item()
     if isinstance(default, bool):
         return bool(value)
+    if isinstance(default, str):
+        return str(value)
     if isinstance(default, (list, tuple)):
         return [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
     if default is None:
