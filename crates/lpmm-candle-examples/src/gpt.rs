@@ -20,7 +20,7 @@ use candle_nn::{Embedding, Linear, Optimizer as _, VarMap};
 use lpmm_candle::nn::{QEmbedding, QLinear};
 use lpmm_candle::ops::LayerNorm;
 use lpmm_candle::{LpmmConfig, LpmmOptimizer};
-use lpmm_optim::{MissingGradientPolicy, ParamConfig, presets};
+use lpmm_optim::{Hybrid, MissingGradientPolicy, ParamConfig, presets};
 use serde::{Deserialize, Serialize};
 
 use crate::device_memory::{DeviceMemory, HostMemory, MemoryWatch};
@@ -64,6 +64,8 @@ pub struct Recipe {
     pub adamw_lr: f64,
     /// Peak learning rate of LPMM-SGDM.
     pub sgd_lr: f64,
+    /// Peak learning rate of Muon's matrices in the Muon arms (torch's examples: 0.02).
+    pub muon_lr: f64,
     /// AdamW's beta2 (beta1 0.9, eps 1e-8).
     pub beta2: f64,
     /// AdamW's decoupled weight decay (every parameter, as candle-nn's AdamW applies it).
@@ -113,6 +115,7 @@ impl Recipe {
             steps: 600,
             adamw_lr: 1e-3,
             sgd_lr: 0.1,
+            muon_lr: 0.02,
             beta2: 0.99,
             weight_decay: 0.1,
             warmup: 100,
@@ -179,6 +182,10 @@ pub enum ArmKind {
     Vars(fn(&Recipe) -> ParamConfig),
     /// An lpmm preset over lpmm's layers (the layer norms' gains as f32 `Var`s).
     Layers(fn(&Recipe) -> ParamConfig),
+    /// Muon for the blocks' matrices and AdamW for the rest (the embeddings `wte`, `wpe` and the
+    /// `head` by [`lpmm_optim::DEFAULT_OTHERS`], the gains by their shape), over `Var`s created
+    /// in the dtype AdamW's part stores.
+    Hybrid(fn(&Recipe) -> Hybrid),
 }
 
 /// One optimizer setup.
@@ -197,6 +204,23 @@ fn adamw(preset: lpmm_optim::presets::Preset<lpmm_optim::Adam>, r: &Recipe) -> P
         .betas(0.9, r.beta2)
         .weight_decay(r.weight_decay)
         .build()
+}
+
+/// `hybrid`'s Muon at `muon_lr` (torch's defaults otherwise) and its AdamW with the recipe's
+/// betas and weight decay.
+fn muon_hybrid(mut h: Hybrid, r: &Recipe) -> Hybrid {
+    let others = h.others;
+    h.others = match others.hyper {
+        lpmm_optim::Hyper::Adam(a) => {
+            others.with_hyper(lpmm_optim::Hyper::Adam(lpmm_optim::Adam {
+                betas: (0.9, r.beta2),
+                weight_decay: r.weight_decay,
+                ..a
+            }))
+        }
+        _ => others,
+    };
+    h
 }
 
 /// The arms, the f32 reference first.
@@ -231,6 +255,20 @@ pub fn arms() -> Vec<Arm> {
             key: "lpmm-sgdm-layers",
             name: "LPMM-SGDM (lpmm layers)",
             kind: ArmKind::Layers(|r| presets::lpmm_sgdm(r.sgd_lr, 0.9).build()),
+        },
+        Arm {
+            key: "muon-f32",
+            name: "lpmm Muon + AdamW, f32 (muon_adamw_f32)",
+            kind: ArmKind::Hybrid(|r| {
+                muon_hybrid(presets::muon_adamw_f32(r.muon_lr, r.adamw_lr), r)
+            }),
+        },
+        Arm {
+            key: "muon-8bit-bf16-sr",
+            name: "lpmm 8-bit Muon + 8-bit AdamW, bf16 SR (bf16 Vars)",
+            kind: ArmKind::Hybrid(|r| {
+                muon_hybrid(presets::muon_adamw_8bit_bf16_sr(r.muon_lr, r.adamw_lr), r)
+            }),
         },
     ]
 }
@@ -657,6 +695,17 @@ pub fn train(
             let opt = LpmmOptimizer::from_varmap(&varmap, config)?;
             (model, Opt::Lpmm(opt))
         }
+        ArmKind::Hybrid(hybrid) => {
+            let config = LpmmConfig::from(hybrid(recipe))
+                .with_missing_gradient(MissingGradientPolicy::Error);
+            let mut b = builder(Maker::Vars {
+                varmap: &varmap,
+                dtype: config.var_dtype(),
+            });
+            let model = Gpt::build(&mut b)?;
+            let opt = LpmmOptimizer::from_varmap(&varmap, config)?;
+            (model, Opt::Lpmm(opt))
+        }
         ArmKind::Layers(config) => {
             let mut opt = LpmmOptimizer::empty(lpmm_config(config(recipe)))?;
             let mut b = builder(Maker::Layers {
@@ -675,6 +724,8 @@ pub fn train(
     let peak_lr = match arm.kind {
         ArmKind::CandleAdamW => recipe.adamw_lr,
         ArmKind::Vars(config) | ArmKind::Layers(config) => config(recipe).hyper.lr(),
+        // AdamW's rate; lpmm-candle's set_lr keeps Muon's ratio to it.
+        ArmKind::Hybrid(hybrid) => hybrid(recipe).others.hyper.lr(),
     };
     let mut data_rng = Rng::new(4321); // the same batches for every arm and seed
     let (mut losses, mut curve) = (Vec::new(), Vec::new());
