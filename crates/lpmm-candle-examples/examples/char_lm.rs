@@ -129,10 +129,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     eprintln!();
     println!(
-        "{} (seed {seed}): {} parameters, final train loss {:.4}, val loss {:.4}, val accuracy \
-         {:.2}%, {:.1} ms/step, {:.0} s",
+        "{} (seed {seed}): {} parameters, model memory {:.3} B/param, final train loss {:.4}, \
+         val loss {:.4}, val accuracy {:.2}%, {:.1} ms/step, {:.0} s",
         preset.name,
         r.params,
+        r.bytes_per_param,
         r.final_train_loss,
         r.val_loss,
         100.0 * r.val_accuracy,

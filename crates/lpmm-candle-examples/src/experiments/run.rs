@@ -8,6 +8,7 @@ use candle_nn::{Optimizer as _, VarMap};
 use serde::Serialize;
 
 use lpmm_candle::LpmmOptimizer;
+use lpmm_optim::Storage;
 
 use super::{Digits, Mlp, Preset, Rng, seeded_var_builder};
 
@@ -74,6 +75,15 @@ fn train_step(
         .div_ceil(preset.micro_batches.clamp(1, batch.len().max(1)))
         .max(1);
     let count = batch.len().div_ceil(size) as f64;
+    // A preset without a gradient accumulator (AdaLomo's: each gradient released as it is
+    // stepped) takes its one batch's gradients straight from the backward pass.
+    let released = preset.hybrid.is_none() && (preset.config)(1e-3).grad == Storage::None;
+    if released && count == 1.0 {
+        let loss = loss_of(batch)?;
+        let mean = f64::from(loss.to_scalar::<f32>()?);
+        drop(opt.step_grads(&mut loss.backward()?)?);
+        return Ok(mean);
+    }
     let mut mean = 0.0;
     for micro in batch.chunks(size) {
         let loss = loss_of(micro)?;
