@@ -2,7 +2,7 @@
 //! what the comparison checks of it.
 
 use lpmm_candle::LpmmConfig;
-use lpmm_optim::{Hybrid, Hyper, ParamConfig, Route, presets};
+use lpmm_optim::{Hybrid, Hyper, ParamConfig, Route, Storage, StoreRounding, presets};
 use serde::Serialize;
 
 /// A preset as the comparison runs it.
@@ -241,6 +241,26 @@ pub fn presets() -> Vec<Preset> {
 /// with transformers' defaults (a step size relative to the step count and the parameters' RMS,
 /// which ignores the schedule). Lion steps at a tenth of the AdamW learning rate (its authors
 /// advise 3 to 10 times smaller).
+/// [`presets::muon_adamw_4bit_bf16_sr`] with its momentum's 4-bit map in blocks of 64 (`b64`)
+/// rather than 128, rounded by `rounding`.
+fn four_bit_momentum(muon_lr: f64, lr: f64, b64: bool, rounding: StoreRounding) -> Hybrid {
+    let mut h = presets::muon_adamw_4bit_bf16_sr(muon_lr, lr);
+    if let (
+        Storage::Quantized { map, block, .. },
+        Storage::Quantized {
+            block: b64_block, ..
+        },
+    ) = (Storage::FOUR_BIT_SIGNED, Storage::LINEAR8_GROUP64_SR)
+    {
+        h.matrices.state1 = Storage::Quantized {
+            map,
+            block: if b64 { b64_block } else { block },
+            rounding,
+        };
+    }
+    h
+}
+
 /// AdaLomo's learning rate over the task's AdamW rate: 0.1 at the char model's 6e-3 (its step is
 /// `lr * RMS(p)`). Swept with `char_lm -- --preset "f32 AdaLomo" --lr X` (X the rate itself,
 /// before this ratio was set), seed 0: 0.03 2.1118, 0.06 1.8492, 0.1 1.8184, 0.15 1.9320, 0.3
@@ -390,6 +410,26 @@ pub fn more_presets() -> Vec<Preset> {
         Preset::muon(
             "8-bit Muon, f32",
             |muon_lr, lr| Hybrid::new(presets::muon_8bit(muon_lr), presets::adamw_8bit(lr)),
+            "f32 Muon",
+            Goal::Quality,
+        ),
+        // Diagnostics of the 4-bit miss (docs/RESULTS.md, "Muon"): the momentum's map in blocks
+        // of 64, or rounded stochastically, and 4-bit momentum with f32 parameters.
+        Preset::muon(
+            "4-bit Muon B64, bf16 SR",
+            |muon_lr, lr| four_bit_momentum(muon_lr, lr, true, StoreRounding::Nearest),
+            "f32 Muon",
+            Goal::Quality,
+        ),
+        Preset::muon(
+            "4-bit Muon SR, bf16 SR",
+            |muon_lr, lr| four_bit_momentum(muon_lr, lr, false, StoreRounding::Stochastic),
+            "f32 Muon",
+            Goal::Quality,
+        ),
+        Preset::muon(
+            "4-bit Muon, f32",
+            |muon_lr, lr| Hybrid::new(presets::muon_4bit(muon_lr), presets::adamw_8bit(lr)),
             "f32 Muon",
             Goal::Quality,
         ),
