@@ -20,7 +20,7 @@ use burn_core as burn;
 
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::InMemDataset;
-use burn::module::Module;
+use burn::module::{Module, ParamGroup};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_nn::loss::CrossEntropyLossConfig;
 use burn_nn::{Linear, LinearConfig, Relu};
@@ -173,25 +173,52 @@ impl Default for Settings {
     }
 }
 
-/// The two arms: burn's AdamW and lpmm's 8-bit AdamW.
+/// The two arms the table compares: burn's AdamW and lpmm's 8-bit AdamW.
 pub const ARMS: [&str; 2] = ["burn-adamw", "lpmm-adamw8"];
 
-/// The arm's optimizer, with a handle on lpmm's when it is lpmm's. The optimizer line a burn
-/// user changes is the one in each arm.
+/// [`ARMS`] and `lpmm-muon8`: the hidden layer's weight (`l2`) with lpmm's 8-bit Muon, the rest
+/// with lpmm's 8-bit AdamW (burn's parameter groups route; Muon on the CPU only).
+pub const ALL_ARMS: [&str; 3] = ["burn-adamw", "lpmm-adamw8", "lpmm-muon8"];
+
+/// The arm's optimizer, with handles on lpmm's optimizers (none for burn's). The optimizer line
+/// a burn user changes is the one in each arm.
 pub fn optimizer(
     arm: &str,
-) -> Result<(ModuleOptimizer, Option<lpmm_burn::LpmmTensorOptimizer>), String> {
+) -> Result<(ModuleOptimizer, Vec<lpmm_burn::LpmmTensorOptimizer>), String> {
+    let adamw8 = || {
+        // `Lpmm8bitAdamWConfig::new().init()?` gives the same `ModuleOptimizer`; `build` keeps a
+        // handle on its counters.
+        lpmm_burn::Lpmm8bitAdamWConfig::new()
+            .build()
+            .map_err(|e| e.to_string())
+    };
     match arm {
-        "burn-adamw" => Ok((AdamWConfig::new().init(), None)),
+        "burn-adamw" => Ok((AdamWConfig::new().init(), Vec::new())),
         "lpmm-adamw8" => {
-            // `Lpmm8bitAdamWConfig::new().init()?` gives the same `ModuleOptimizer`; `build`
-            // keeps a handle on its counters.
-            let lpmm = lpmm_burn::Lpmm8bitAdamWConfig::new()
-                .build()
-                .map_err(|e| e.to_string())?;
-            Ok((ModuleOptimizer::from(lpmm.clone()), Some(lpmm)))
+            let lpmm = adamw8()?;
+            Ok((ModuleOptimizer::from(lpmm.clone()), vec![lpmm]))
         }
-        other => Err(format!("unknown arm {other}")),
+        "lpmm-muon8" => {
+            // Moonshot's shape adjustment: Muon's update has AdamW's RMS, so burn's one learning
+            // rate serves both groups; the weight decay and the gradients (read where burn wrote
+            // them, no accumulator) as `Lpmm8bitAdamWConfig`'s.
+            let muon = lpmm_burn::LpmmOptimizerConfig::from(
+                lpmm_optim::presets::muon_8bit(0.0)
+                    .adjust_lr(lpmm_optim::AdjustLr::MatchRmsAdamW)
+                    .weight_decay(1e-4)
+                    .with_grad(lpmm_optim::Storage::None),
+            )
+            .build()
+            .map_err(|e| e.to_string())?;
+            let adamw = adamw8()?;
+            let hidden = ParamGroup::from_path("l2.weight");
+            let optim = ModuleOptimizer::from(adamw.clone()).with_group(hidden, muon.clone(), None);
+            Ok((optim, vec![adamw, muon]))
+        }
+        other => Err(format!(
+            "unknown arm {other}; arms: {}",
+            ALL_ARMS.join(", ")
+        )),
     }
 }
 
@@ -332,7 +359,7 @@ pub fn run(
     device.seed(settings.seed);
     let model = Classifier::new(device, settings.hidden);
     let params = model.num_params();
-    let (optim, handle) = optimizer(arm)?;
+    let (optim, handles) = optimizer(arm)?;
     STEP_STARTS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -354,7 +381,7 @@ pub fn run(
         .collect();
     gaps.sort_by(f64::total_cmp);
     let ms_per_step = gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN);
-    if let Some(h) = &handle {
+    for h in &handles {
         eprintln!("lpmm: {:?}", h.stats());
     }
     let state_bytes = record_tensor_bytes(
@@ -373,7 +400,7 @@ pub fn run(
         steady_kib,
         state_bytes,
         device: lpmm_burn::wgpu::memory(device),
-        lpmm_errors: handle.map_or(0, |h| h.stats().error_count),
+        lpmm_errors: handles.iter().map(|h| h.stats().error_count).sum(),
     })
 }
 
@@ -390,6 +417,9 @@ struct Args {
     /// Backends, comma-separated.
     #[arg(long, default_value = "flex,wgpu")]
     backends: String,
+    /// Arms, comma-separated (`burn-adamw`, `lpmm-adamw8`, `lpmm-muon8`; the last on flex only).
+    #[arg(long, default_value = "burn-adamw,lpmm-adamw8")]
+    arms: String,
     /// Runs of each arm (the arms alternate, a fresh process each).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -428,9 +458,10 @@ fn main() {
     let exe = std::env::current_exe().expect("the example's path");
     let mut rows: Vec<Vec<Run>> = Vec::new();
     for backend in args.backends.split(',') {
-        let mut runs: Vec<Vec<Run>> = vec![Vec::new(); ARMS.len()];
+        let arms: Vec<&str> = args.arms.split(',').collect();
+        let mut runs: Vec<Vec<Run>> = vec![Vec::new(); arms.len()];
         for _ in 0..args.repeat {
-            for (row, arm) in runs.iter_mut().zip(ARMS) {
+            for (row, &arm) in runs.iter_mut().zip(&arms) {
                 let out = std::process::Command::new(&exe)
                     .args(["--child", &format!("{backend}/{arm}")])
                     .args(["--epochs", &args.epochs.to_string()])
@@ -508,10 +539,10 @@ fn main() {
         println!(
             "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
             r.backend,
-            if r.arm == "burn-adamw" {
-                "burn `AdamWConfig`"
-            } else {
-                "lpmm `Lpmm8bitAdamWConfig`"
+            match r.arm.as_str() {
+                "burn-adamw" => "burn `AdamWConfig`",
+                "lpmm-muon8" => "lpmm 8-bit Muon (`l2`) + `Lpmm8bitAdamWConfig`",
+                _ => "lpmm `Lpmm8bitAdamWConfig`",
             },
             span(row.iter().map(|r| 100.0 * r.val_accuracy).collect(), 1) + "%",
             span(row.iter().map(|r| r.val_loss).collect(), 3),

@@ -144,5 +144,15 @@ fn the_train_example_runs_both_arms_on_every_backend() {
             (lpmm.state_bytes as f64) < 0.45 * burn.state_bytes as f64,
             "{burn:?} {lpmm:?}"
         );
+        // burn-train with 8-bit Muon for the hidden matrix (burn's parameter groups route; the
+        // matrix phase is the CPU's): it trains, and its one 8-bit momentum holds less than
+        // 8-bit AdamW's two moments.
+        if backend == "flex" {
+            let dir = tempfile::tempdir().unwrap();
+            let muon = example::run(&device, backend, "lpmm-muon8", &settings, dir.path()).unwrap();
+            assert_eq!((muon.lpmm_errors, muon.steps), (0, 12), "{muon:?}");
+            assert!(muon.val_accuracy > 0.3, "{muon:?}");
+            assert!(muon.state_bytes < lpmm.state_bytes, "{muon:?} {lpmm:?}");
+        }
     }
 }
