@@ -668,6 +668,16 @@ pub fn train(
     // Every parameter must receive a gradient: a step that finds one without is an error.
     let lpmm_config =
         |c: ParamConfig| LpmmConfig::from(c).with_missing_gradient(MissingGradientPolicy::Error);
+    // lpmm over `Var`s created in the dtype the configuration stores.
+    let over_vars = |config: LpmmConfig| -> Result<(Gpt, Opt)> {
+        let mut b = builder(Maker::Vars {
+            varmap: &varmap,
+            dtype: config.var_dtype(),
+        });
+        let model = Gpt::build(&mut b)?;
+        let opt = LpmmOptimizer::from_varmap(&varmap, config)?;
+        Ok((model, Opt::Lpmm(opt)))
+    };
     let (model, mut opt) = match arm.kind {
         ArmKind::CandleAdamW => {
             let mut b = builder(Maker::Vars {
@@ -685,27 +695,10 @@ pub fn train(
             let opt = candle_nn::AdamW::new(varmap.all_vars(), params)?;
             (model, Opt::Candle(opt))
         }
-        ArmKind::Vars(config) => {
-            let config = lpmm_config(config(recipe));
-            let mut b = builder(Maker::Vars {
-                varmap: &varmap,
-                dtype: config.var_dtype(),
-            });
-            let model = Gpt::build(&mut b)?;
-            let opt = LpmmOptimizer::from_varmap(&varmap, config)?;
-            (model, Opt::Lpmm(opt))
-        }
-        ArmKind::Hybrid(hybrid) => {
-            let config = LpmmConfig::from(hybrid(recipe))
-                .with_missing_gradient(MissingGradientPolicy::Error);
-            let mut b = builder(Maker::Vars {
-                varmap: &varmap,
-                dtype: config.var_dtype(),
-            });
-            let model = Gpt::build(&mut b)?;
-            let opt = LpmmOptimizer::from_varmap(&varmap, config)?;
-            (model, Opt::Lpmm(opt))
-        }
+        ArmKind::Vars(config) => over_vars(lpmm_config(config(recipe)))?,
+        ArmKind::Hybrid(hybrid) => over_vars(
+            LpmmConfig::from(hybrid(recipe)).with_missing_gradient(MissingGradientPolicy::Error),
+        )?,
         ArmKind::Layers(config) => {
             let mut opt = LpmmOptimizer::empty(lpmm_config(config(recipe)))?;
             let mut b = builder(Maker::Layers {

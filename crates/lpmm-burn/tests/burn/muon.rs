@@ -118,7 +118,7 @@ fn burn_optims_muon_agrees_with_torch_within_lpmms_bound() {
 // ---------------------------------------------------------------------------------------------
 
 mod reach {
-    use crate::common::{Mlp, grads, host_grads, shapes, values};
+    use crate::common::{Mlp, grads, host_grads, read, shapes, values};
     use crate::tensor::flex;
     use burn_core::module::Module;
     use burn_core::module::ParamGroup;
@@ -165,17 +165,6 @@ mod reach {
         r.set_group_lr(0, MUON_LR).unwrap();
         r.set_group_lr(1, ADAMW_LR).unwrap();
         (r, ids)
-    }
-
-    fn read(r: &lpmm_optim::Optimizer, ids: &[ParamId]) -> Vec<Vec<u32>> {
-        ids.iter()
-            .zip(shapes())
-            .map(|(&id, s)| {
-                let mut out = vec![0f32; s.iter().product()];
-                r.read(id, SlotKind::Param, &mut out).unwrap();
-                out.into_iter().map(f32::to_bits).collect()
-            })
-            .collect()
     }
 
     fn scheduler() -> ModuleLrScheduler {
