@@ -123,10 +123,7 @@ impl LpmmOptimizer {
         }
         let id = {
             let mut shared = self.lock();
-            let config = match &shared.hybrid {
-                Some(h) => h.config_for("", &shape),
-                None => shared.config.param,
-            };
+            let config = shared.routing().config_for("", &shape);
             shared.device = Some(inner.clone());
             let engine = shared.engine(&inner)?;
             on_engine!(engine, core => core.add_external(weight.inner(), config))?

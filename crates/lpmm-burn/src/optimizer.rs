@@ -342,6 +342,14 @@ impl LpmmOptimizer {
 }
 
 impl Shared {
+    /// How parameters registered now get their configuration.
+    pub fn routing(&self) -> crate::core::Routing {
+        crate::core::Routing {
+            base: self.config.param,
+            hybrid: self.hybrid.clone(),
+        }
+    }
+
     /// The engine of `device`'s lane, created on first use.
     pub fn engine(&mut self, device: &Device) -> Result<&mut Engine, BurnError> {
         let engine = match self.engine.take() {
@@ -382,10 +390,7 @@ impl Shared {
             None => return Ok(module),
         };
         let pending = self.pending.take();
-        let routing = crate::core::Routing {
-            base: self.config.param,
-            hybrid: self.hybrid.clone(),
-        };
+        let routing = self.routing();
         let engine = self.engine(&device)?;
         let result = on_engine!(engine, core => {
             let module = match pending {

@@ -206,23 +206,6 @@ fn adamw(preset: lpmm_optim::presets::Preset<lpmm_optim::Adam>, r: &Recipe) -> P
         .build()
 }
 
-/// `hybrid`'s Muon at `muon_lr` (torch's defaults otherwise) and its AdamW with the recipe's
-/// betas and weight decay.
-fn muon_hybrid(mut h: Hybrid, r: &Recipe) -> Hybrid {
-    let others = h.others;
-    h.others = match others.hyper {
-        lpmm_optim::Hyper::Adam(a) => {
-            others.with_hyper(lpmm_optim::Hyper::Adam(lpmm_optim::Adam {
-                betas: (0.9, r.beta2),
-                weight_decay: r.weight_decay,
-                ..a
-            }))
-        }
-        _ => others,
-    };
-    h
-}
-
 /// The arms, the f32 reference first.
 pub fn arms() -> Vec<Arm> {
     vec![
@@ -260,14 +243,20 @@ pub fn arms() -> Vec<Arm> {
             key: "muon-f32",
             name: "lpmm Muon + AdamW, f32 (muon_adamw_f32)",
             kind: ArmKind::Hybrid(|r| {
-                muon_hybrid(presets::muon_adamw_f32(r.muon_lr, r.adamw_lr), r)
+                Hybrid::new(
+                    presets::muon_f32(r.muon_lr),
+                    adamw(presets::adamw_f32(r.adamw_lr), r),
+                )
             }),
         },
         Arm {
             key: "muon-8bit-bf16-sr",
             name: "lpmm 8-bit Muon + 8-bit AdamW, bf16 SR (bf16 Vars)",
             kind: ArmKind::Hybrid(|r| {
-                muon_hybrid(presets::muon_adamw_8bit_bf16_sr(r.muon_lr, r.adamw_lr), r)
+                Hybrid::new(
+                    presets::muon_8bit_bf16_sr(r.muon_lr),
+                    adamw(presets::adamw_8bit_bf16_sr(r.adamw_lr), r),
+                )
             }),
         },
     ]

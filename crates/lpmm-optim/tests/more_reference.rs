@@ -103,6 +103,25 @@ fn check_second_moments(
     }
 }
 
+/// [`run`] of `rule` in f32 with a factorized second moment (Adafactor's, AdaLomo's), the
+/// parameters and the second moment's averages within 1e-6 of `anchor`'s.
+fn run_factored(
+    st: &SafeTensors<'_>,
+    anchor: &str,
+    rule: impl Into<Hyper>,
+) -> (Optimizer, Vec<ParamId>) {
+    let config = ParamConfig::f32(rule).with_state2(Storage::Factorized);
+    let (opt, ids) = run(st, anchor, config, |_| 1e-6);
+    check_second_moments(
+        st,
+        &opt,
+        &ids,
+        (SlotKind::State2, &format!("{anchor}.exp_avg_sq")),
+        1e-6,
+    );
+    (opt, ids)
+}
+
 /// Adafactor with its defaults: the step size relative to the step count and the parameter's
 /// RMS, no first moment. lpmm differs from transformers only where torch reduces (its f32
 /// cascade sums of the squared gradient's row and column means, and `norm` for the two RMS
@@ -124,15 +143,7 @@ fn adafactor_follows_transformers() {
                 .weight_decay(0.01),
         ),
     ] {
-        let config = ParamConfig::f32(rule).with_state2(Storage::Factorized);
-        let (opt, ids) = run(&st, anchor, config, |_| 1e-6);
-        check_second_moments(
-            &st,
-            &opt,
-            &ids,
-            (SlotKind::State2, &format!("{anchor}.exp_avg_sq")),
-            1e-6,
-        );
+        let (opt, ids) = run_factored(&st, anchor, rule);
         if rule.beta1.is_some() {
             for (&id, (name, shape)) in ids.iter().zip(TENSORS) {
                 let n = shape.iter().product();
@@ -515,14 +526,6 @@ fn adalomo_follows_the_authors_implementation() {
                 .clip_threshold(0.5),
         ),
     ] {
-        let config = ParamConfig::f32(rule).with_state2(Storage::Factorized);
-        let (opt, ids) = run(&st, anchor, config, |_| 1e-6);
-        check_second_moments(
-            &st,
-            &opt,
-            &ids,
-            (SlotKind::State2, &format!("{anchor}.exp_avg_sq")),
-            1e-6,
-        );
+        run_factored(&st, anchor, rule);
     }
 }

@@ -2,7 +2,8 @@
 //! what the comparison checks of it.
 
 use lpmm_candle::LpmmConfig;
-use lpmm_optim::{Hybrid, Hyper, ParamConfig, Route, Storage, StoreRounding, presets};
+use lpmm_optim::{Hybrid, Hyper, MapKind, ParamConfig, Route, Storage, StoreRounding, presets};
+use lpmm_quant::BlockSize;
 use serde::Serialize;
 
 /// A preset as the comparison runs it.
@@ -234,30 +235,15 @@ pub fn presets() -> Vec<Preset> {
     ]
 }
 
-/// Presets outside the comparison's default run, for [`run_char_lm`](super::run_char_lm)
-/// (`examples/char_lm.rs --preset NAME`): bitsandbytes' `AdamW8bit`, `Lion8bit` and
-/// `AdEMAMix8bit` equivalents on f32 parameters, the 4-bit AdamW twin, the f32 Lion and
-/// AdEMAMix references, RMSprop, Adagrad and LAMB in f32 and with 8-bit states, and Adafactor
-/// with transformers' defaults (a step size relative to the step count and the parameters' RMS,
-/// which ignores the schedule). Lion steps at a tenth of the AdamW learning rate (its authors
-/// advise 3 to 10 times smaller).
-/// [`presets::muon_adamw_4bit_bf16_sr`] with its momentum's 4-bit map in blocks of 64 (`b64`)
-/// rather than 128, rounded by `rounding`.
-fn four_bit_momentum(muon_lr: f64, lr: f64, b64: bool, rounding: StoreRounding) -> Hybrid {
+/// [`presets::muon_adamw_4bit_bf16_sr`] with its momentum's 4-bit map in blocks of `block`,
+/// rounded by `rounding`.
+fn four_bit_momentum(muon_lr: f64, lr: f64, block: BlockSize, rounding: StoreRounding) -> Hybrid {
     let mut h = presets::muon_adamw_4bit_bf16_sr(muon_lr, lr);
-    if let (
-        Storage::Quantized { map, block, .. },
-        Storage::Quantized {
-            block: b64_block, ..
-        },
-    ) = (Storage::FOUR_BIT_SIGNED, Storage::LINEAR8_GROUP64_SR)
-    {
-        h.matrices.state1 = Storage::Quantized {
-            map,
-            block: if b64 { b64_block } else { block },
-            rounding,
-        };
-    }
+    h.matrices.state1 = Storage::Quantized {
+        map: MapKind::DynamicExponentSigned4,
+        block,
+        rounding,
+    };
     h
 }
 
@@ -267,6 +253,14 @@ fn four_bit_momentum(muon_lr: f64, lr: f64, b64: bool, rounding: StoreRounding) 
 /// 2.4153, 1.0 4.3307.
 const ADALOMO_LR_RATIO: f64 = 50.0 / 3.0;
 
+/// Presets outside the comparison's default run, for [`run_char_lm`](super::run_char_lm)
+/// (`examples/char_lm.rs --preset NAME`): bitsandbytes' `AdamW8bit`, `Lion8bit` and
+/// `AdEMAMix8bit` equivalents on f32 parameters, the 4-bit AdamW twin, the f32 Lion and
+/// AdEMAMix references, RMSprop, Adagrad and LAMB in f32 and with 8-bit states, and Adafactor
+/// with transformers' defaults (a step size relative to the step count and the parameters' RMS,
+/// which ignores the schedule), AdaLomo, and the Muon hybrids with their 4-bit diagnostics
+/// (docs/RESULTS.md). Lion steps at a tenth of the AdamW learning rate (its authors advise 3 to
+/// 10 times smaller).
 pub fn more_presets() -> Vec<Preset> {
     vec![
         Preset {
@@ -417,13 +411,15 @@ pub fn more_presets() -> Vec<Preset> {
         // of 64, or rounded stochastically, and 4-bit momentum with f32 parameters.
         Preset::muon(
             "4-bit Muon B64, bf16 SR",
-            |muon_lr, lr| four_bit_momentum(muon_lr, lr, true, StoreRounding::Nearest),
+            |muon_lr, lr| four_bit_momentum(muon_lr, lr, BlockSize::B64, StoreRounding::Nearest),
             "f32 Muon",
             Goal::Quality,
         ),
         Preset::muon(
             "4-bit Muon SR, bf16 SR",
-            |muon_lr, lr| four_bit_momentum(muon_lr, lr, false, StoreRounding::Stochastic),
+            |muon_lr, lr| {
+                four_bit_momentum(muon_lr, lr, BlockSize::B128, StoreRounding::Stochastic)
+            },
             "f32 Muon",
             Goal::Quality,
         ),
