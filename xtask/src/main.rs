@@ -713,7 +713,8 @@ fn levels_table(cases: &[Value]) -> String {
     variants.sort_by_key(|v| rank(v));
     let mut t = format!(
         "\nSIMD levels (`step/<preset>@<level>`: the level forced; `@generic`: the generic \
-         element-wise path at the best level), ns/param (torch's fused f32 AdamW ÷ this):\n\n| \
+         element-wise path at the best level; `@skip_elements`: `NonFinitePolicy::SkipElements`, \
+         no read of the gradient before the step), ns/param (torch's fused f32 AdamW ÷ this):\n\n| \
          preset | params | {} |\n|---|---|{}\n",
         variants.join(" | "),
         "---|".repeat(variants.len())
