@@ -37,13 +37,7 @@ impl CodeMap {
             }
             // NaN gives code 0, as in `nearest`.
             let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
-            let c = _mm256_andnot_si256(nan, c);
-            let mut lanes = [0u32; 8];
-            // SAFETY: `lanes` is 8 u32; the store is unaligned.
-            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), c) };
-            for (o, &l) in out[i..i + 8].iter_mut().zip(&lanes) {
-                *o = l as u8;
-            }
+            store_codes8(_mm256_andnot_si256(nan, c), &mut out[i..i + 8]);
         }
         self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
     }
@@ -136,13 +130,7 @@ impl CodeMap {
         let below = _mm256_cmpgt_epi32(_mm256_xor_si256(cut, sign), _mm256_xor_si256(r, sign));
         // `up` is -1 where the code rounds up (never at the last code).
         let up = _mm256_andnot_si256(top, below);
-        let code = _mm256_sub_epi32(lo, up);
-        let mut lanes = [0u32; 8];
-        // SAFETY: `lanes` is 8 u32; the store is unaligned.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), code) };
-        for (o, &l) in out[..8].iter_mut().zip(&lanes) {
-            *o = l as u8;
-        }
+        store_codes8(_mm256_sub_epi32(lo, up), out);
         true
     }
 
@@ -194,4 +182,22 @@ fn u32_saturating(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
     let v = _mm256_blendv_epi8(low_part, high_part, _mm256_castps_si256(high));
     let full = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(4_294_967_296.0));
     _mm256_or_si256(v, _mm256_castps_si256(full))
+}
+
+/// Stores 8 codes (32-bit lanes, each below 256) as the bytes `out[..8]`, in order: two
+/// saturating packs (exact for codes) and one 8-byte store.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn store_codes8(codes: std::arch::x86_64::__m256i, out: &mut [u8]) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= 8, "8 codes");
+    // Within each 128-bit half: 4 codes as u16, then as bytes (each half repeats its 4).
+    let words = _mm256_packus_epi32(codes, codes);
+    let bytes = _mm256_packus_epi16(words, words);
+    let both = _mm_unpacklo_epi32(
+        _mm256_castsi256_si128(bytes),
+        _mm256_extracti128_si256::<1>(bytes),
+    );
+    // SAFETY: `out` holds at least 8 bytes (asserted); the store is unaligned.
+    unsafe { _mm_storel_epi64(out.as_mut_ptr().cast(), both) };
 }
