@@ -1,8 +1,9 @@
 """The CPU step's hot loops through llvm-mca on CPUs this machine is not (docs/BENCHMARKS.md,
 "Other microarchitectures"): each case profiles `step_profile` on one thread at one SIMD level
 (`perf record`), takes the innermost loop around the hottest instruction of the named function,
-drops its branches (a straight line: both sides of a branch inside the loop are counted, so an
-estimate errs high) and asks llvm-mca for the cycles one iteration takes on each CPU model.
+keeps the basic blocks the profile saw run and drops the branches (a straight line: both sides
+of a branch taken in the profile are counted, so an estimate errs high) and asks llvm-mca for
+the cycles one iteration takes on each CPU model.
 
     cargo build --release -p lpmm-optim --example step_profile
     python3 xtask/mca.py            # every case below, every CPU below, a markdown table
@@ -88,9 +89,24 @@ def hot_loop(rows):
                 best = span
     if best is None:
         sys.exit("the hottest instruction is in no loop")
-    body = [ins for addr, _, ins in rows
-            if best[0] <= addr <= best[1] and not JUMP.match(ins) and ins]
-    return body
+    inside = [r for r in rows if best[0] <= r[0] <= best[1]]
+    # Basic blocks (cut after each jump and at each jump target); those without a sample are
+    # paths this profile did not take (e.g. the unrolled copies of a search loop that runs once
+    # per group), left out so that the straight line is the path the step runs.
+    targets = {int(m.group(2), 16) for _, _, ins in inside if (m := JUMP.match(ins))}
+    blocks, block = [], []
+    for addr, pct, ins in inside:
+        if block and addr in targets:
+            blocks.append(block)
+            block = []
+        block.append((pct, ins))
+        if JUMP.match(ins):
+            blocks.append(block)
+            block = []
+    if block:
+        blocks.append(block)
+    return [ins for b in blocks if sum(p for p, _ in b) > 0
+            for _, ins in b if ins and not JUMP.match(ins)]
 
 
 def mca(body, cpu):

@@ -61,7 +61,11 @@ fn parse_sizes(list: &str) -> Result<Vec<usize>, String> {
                 Some(d) => (d, M),
                 None => (s, 1),
             };
-            match digits.parse::<usize>().ok().and_then(|d| d.checked_mul(scale)) {
+            match digits
+                .parse::<usize>()
+                .ok()
+                .and_then(|d| d.checked_mul(scale))
+            {
                 Some(n) if n > 0 => Ok(n),
                 _ => Err(format!("{s:?} is not a size (16M, 1048576)")),
             }
