@@ -2,7 +2,8 @@
 //! bandwidth ceiling (an in-place read-modify-write over buffers of the step's sizes) measured in
 //! the same run; the Rust peers (candle-nn's AdamW, burn's AdamW with feature `burn`) at the same
 //! sizes; per-tensor overhead (10,000 tensors of 1,000 against one of 10M) and 1 vs 2 threads.
-//! Six presets also run at every lower SIMD level and on the generic path (`LEVELS`).
+//! Six presets also run at every lower SIMD level, on the generic path and skipping non-finite
+//! elements instead of the whole step (`LEVELS`).
 //!
 //! A step case `step/<preset>/<size>` is `Step::param` with an f32 gradient (gradient release: one
 //! fused pass that adds the gradient to the accumulator's content, steps, and clears the
@@ -21,7 +22,9 @@ use lpmm_benches::{
     CaseInfo, Kind, M, RmwCeiling, candle_peer::CandleAdamW, data, describe, label, quick, sizes,
 };
 use lpmm_formats::simd::{self, Level};
-use lpmm_optim::{Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, presets};
+use lpmm_optim::{
+    NonFinitePolicy, Optimizer, OptimizerOptions, ParamConfig, ParamId, Storage, presets,
+};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -161,6 +164,27 @@ fn step(c: &mut Criterion) {
                 ceiling(&mut group, &acc, n, name, &slots, &[]);
             }
             drop(opt);
+            if LEVELS.contains(&name) {
+                // The same step under `NonFinitePolicy::SkipElements`: the gradient is not read
+                // before it (torch's and bitsandbytes' steps check nothing).
+                let options =
+                    OptimizerOptions::default().with_non_finite(NonFinitePolicy::SkipElements);
+                let mut opt = Optimizer::new(options).expect("options");
+                let g = opt.add_group(config).expect("preset");
+                let id = opt
+                    .add_param("w", &shape(name, n), &init, g)
+                    .expect("parameter");
+                twin(
+                    &mut group,
+                    &mut opt,
+                    id,
+                    &grad,
+                    name,
+                    "skip_elements",
+                    n,
+                    bytes,
+                );
+            }
             ceiling(&mut group, name, n, name, &slots, &[read_only]);
         }
         peers(&mut group, n, &init, &grad);
@@ -169,9 +193,10 @@ fn step(c: &mut Criterion) {
 }
 
 /// The presets also stepped at every lower SIMD level (`step/<preset>@<level>/<size>`, the level
-/// forced as `LPMM_SIMD` would) and on the generic element-wise path at the best level
-/// (`step/<preset>@generic/<size>`: what the specialized kernels replace), each read against the
-/// same peers.
+/// forced as `LPMM_SIMD` would), on the generic element-wise path at the best level
+/// (`step/<preset>@generic/<size>`: what the specialized kernels replace) and with
+/// `NonFinitePolicy::SkipElements` (`step/<preset>@skip_elements/<size>`: no read of the gradient
+/// before the step), each read against the same peers.
 const LEVELS: [&str; 6] = [
     "adamw_f32",
     "adamw_8bit",

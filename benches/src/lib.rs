@@ -36,13 +36,41 @@ pub fn times(full: (Duration, Duration)) -> (Duration, Duration) {
 }
 
 /// Parameter counts of the step cases: 1M, 16M, 64M and 256M (well past this machine's L3),
-/// or 1M and 4M in a smoke run.
+/// or 1M and 4M in a smoke run; `LPMM_BENCH_SIZES` (labels such as `1M,16M,64M`) chooses others,
+/// e.g. to leave out 256M on a machine whose memory does not hold candle's AdamW at that size.
+///
+/// # Panics
+/// If `LPMM_BENCH_SIZES` holds something other than sizes in millions (`16M`) or plain counts.
 pub fn sizes() -> Vec<usize> {
+    if let Ok(list) = std::env::var("LPMM_BENCH_SIZES") {
+        return parse_sizes(&list).unwrap_or_else(|e| panic!("LPMM_BENCH_SIZES: {e}"));
+    }
     if quick() {
         vec![M, 4 * M]
     } else {
         vec![M, 16 * M, 64 * M, 256 * M]
     }
+}
+
+/// Sizes as `LPMM_BENCH_SIZES` lists them: `16M` (millions of 2^20) or a plain count.
+fn parse_sizes(list: &str) -> Result<Vec<usize>, String> {
+    list.split(',')
+        .map(|s| {
+            let s = s.trim();
+            let (digits, scale) = match s.strip_suffix('M') {
+                Some(d) => (d, M),
+                None => (s, 1),
+            };
+            match digits
+                .parse::<usize>()
+                .ok()
+                .and_then(|d| d.checked_mul(scale))
+            {
+                Some(n) if n > 0 => Ok(n),
+                _ => Err(format!("{s:?} is not a size (16M, 1048576)")),
+            }
+        })
+        .collect()
 }
 
 /// Short label of a size (`1M`, `256M`).
@@ -170,6 +198,20 @@ impl RmwCeiling {
                 .map(|c| c.iter().fold(0u64, |a, &w| a.wrapping_add(w)))
                 .sum();
             black_box(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_parsed_from_labels_and_counts() {
+        assert_eq!(parse_sizes("1M,16M").unwrap(), vec![M, 16 * M]);
+        assert_eq!(parse_sizes(" 4096 , 2M").unwrap(), vec![4096, 2 * M]);
+        for bad in ["", "0", "16G", "M", "-1M", "99999999999999999999M"] {
+            assert!(parse_sizes(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -526,16 +526,40 @@ fn peak_memory(root: &Path, cargo: &str) -> Option<Value> {
     Some(json!({ "passed": out.status.success(), "measurement": value }))
 }
 
+/// The CPU the run measured, as precisely as `/proc/cpuinfo` tells it: the model name, family and
+/// model (a VM's model name often leaves the microarchitecture out: "AMD EPYC"), the
+/// microarchitecture where the family and model are known, and the SIMD level lpmm detected.
 fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let level = lpmm_formats::simd::detected().name();
+    describe_cpu(&info, level)
+}
+
+fn describe_cpu(cpuinfo: &str, level: &str) -> String {
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let name = field("model name").unwrap_or_else(|| "unknown".into());
+    let number = |k: &str| field(k).and_then(|v| v.parse::<u32>().ok());
+    let (Some(family), Some(model)) = (number("cpu family"), number("model")) else {
+        return format!("{name} (SIMD level {level})");
+    };
+    let arch = match (field("vendor_id").as_deref(), family, model) {
+        (Some("AuthenticAMD"), 25, 0x10..=0x1F | 0x60..=0x7F | 0xA0..=0xAF) => "Zen 4, ",
+        (Some("AuthenticAMD"), 25, _) => "Zen 3, ",
+        (Some("AuthenticAMD"), 26, _) => "Zen 5, ",
+        (Some("GenuineIntel"), 6, 85) => "Skylake-SP/Cascade Lake, ",
+        (Some("GenuineIntel"), 6, 106 | 108) => "Ice Lake-SP, ",
+        (Some("GenuineIntel"), 6, 143) => "Sapphire Rapids, ",
+        (Some("GenuineIntel"), 6, 207) => "Emerald Rapids, ",
+        (Some("GenuineIntel"), 6, 173 | 174) => "Granite Rapids, ",
+        _ => "",
+    };
+    format!("{name} ({arch}family {family}, model {model}; SIMD level {level})")
 }
 
 fn fmt(v: &Value, digits: usize) -> String {
@@ -549,8 +573,9 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
         "candle_adamw_f32",
         "burn_adamw_f32",
     ];
-    let mut t = String::from(
-        "| case | params | ns/param | bytes/param | GB/s | ceiling GB/s | of ceiling | ÷ torch fused f32 | ÷ bnb 8-bit | ÷ candle | ÷ burn |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    let mut t = format!(
+        "CPU: {}\n\n| case | params | ns/param | bytes/param | GB/s | ceiling GB/s | of ceiling | ÷ torch fused f32 | ÷ bnb 8-bit | ÷ candle | ÷ burn |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        cpu_name()
     );
     for c in cases {
         let ratio = c["ratio_to_ceiling"]
@@ -713,7 +738,8 @@ fn levels_table(cases: &[Value]) -> String {
     variants.sort_by_key(|v| rank(v));
     let mut t = format!(
         "\nSIMD levels (`step/<preset>@<level>`: the level forced; `@generic`: the generic \
-         element-wise path at the best level), ns/param (torch's fused f32 AdamW ÷ this):\n\n| \
+         element-wise path at the best level; `@skip_elements`: `NonFinitePolicy::SkipElements`, \
+         no read of the gradient before the step), ns/param (torch's fused f32 AdamW ÷ this):\n\n| \
          preset | params | {} |\n|---|---|{}\n",
         variants.join(" | "),
         "---|".repeat(variants.len())
@@ -734,6 +760,23 @@ fn levels_table(cases: &[Value]) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The CPU line names the microarchitecture a VM's model name leaves out.
+    #[test]
+    fn the_cpu_is_named_with_its_family_and_model() {
+        let zen4 =
+            "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n";
+        assert_eq!(
+            super::describe_cpu(zen4, "avx512vbmi"),
+            "AMD EPYC (Zen 4, family 25, model 17; SIMD level avx512vbmi)"
+        );
+        let emr = "vendor_id : GenuineIntel\ncpu family : 6\nmodel : 207\nmodel name : Intel(R) Xeon(R)\n";
+        assert!(super::describe_cpu(emr, "avx2").contains("Emerald Rapids, family 6, model 207"));
+        assert_eq!(
+            super::describe_cpu("", "portable"),
+            "unknown (SIMD level portable)"
+        );
+    }
+
     use super::*;
 
     /// The levels table joins a preset's best-level case with its forced-level and generic

@@ -2,7 +2,7 @@
 //! `cargo run --release -p lpmm-optim --example step_profile -- [preset] [params] [steps]`
 //! (e.g. `perf record -g target/release/examples/step_profile adamw8bit_bf16 16777216 20`).
 
-use lpmm_optim::{Accumulated, Optimizer, OptimizerOptions, Step, presets};
+use lpmm_optim::{Accumulated, NonFinitePolicy, Optimizer, OptimizerOptions, Step, presets};
 use std::time::Instant;
 
 /// The fused step of one preset, over and over.
@@ -25,6 +25,10 @@ struct Args {
     /// each step, untimed) instead of `Step::param` with the f32 gradient.
     #[arg(long)]
     acc: bool,
+    /// `NonFinitePolicy::SkipElements` instead of the default `SkipStep`: no read of the
+    /// gradient before the step (an element with a non-finite gradient is left unchanged).
+    #[arg(long)]
+    skip_elements: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -59,7 +63,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         vec![n]
     };
-    let mut opt = Optimizer::new(OptimizerOptions::default())?;
+    let mut options = OptimizerOptions::default();
+    if args.skip_elements {
+        options = options.with_non_finite(NonFinitePolicy::SkipElements);
+    }
+    let mut opt = Optimizer::new(options)?;
     opt.settings_mut().specialized_kernels = !args.generic;
     let g = opt.add_group(config)?;
     let init: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-4).collect();

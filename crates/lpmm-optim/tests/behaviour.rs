@@ -226,6 +226,60 @@ fn gradient_release_equals_accumulate_then_step() {
     assert_eq!(a, b);
 }
 
+/// Skipping elements, a released step does not read its gradient before it (the step finds
+/// the non-finite elements as it goes): the same bits and report as accumulating the gradient
+/// and stepping, on the specialized kernels (f32 AdamW, 8-bit AdamW with bf16 parameters) and
+/// the generic path (a Kahan parameter), with an Inf and a NaN in one of the steps.
+#[test]
+fn released_steps_skipping_elements_equal_accumulate_then_step() {
+    let configs = [
+        lpmm_optim::presets::adamw_f32(1e-3).build(),
+        // An f32 accumulator, so that accumulating does not round the gradient.
+        lpmm_optim::presets::adamw_8bit_bf16(1e-3)
+            .build()
+            .with_grad(Storage::F32),
+        ParamConfig::f32(Hyper::adamw(1e-3)).with_param(Storage::Bf16Kahan),
+    ];
+    let n = 5000;
+    let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let options = OptimizerOptions::default()
+        .with_seed(5)
+        .with_non_finite(NonFinitePolicy::SkipElements);
+    for config in configs {
+        let mut one = Optimizer::new(options).unwrap();
+        let mut two = Optimizer::new(options).unwrap();
+        let g1 = one.add_group(config).unwrap();
+        let g2 = two.add_group(config).unwrap();
+        let p1 = one.add_param("w", &[n], &init, g1).unwrap();
+        let p2 = two.add_param("w", &[n], &init, g2).unwrap();
+        for t in 0..4 {
+            let mut g: Vec<f32> = (0..n)
+                .map(|i| ((i * (t + 3)) as f32 * 0.11).cos() * 0.01)
+                .collect();
+            if t == 2 {
+                g[7] = f32::INFINITY;
+                g[4000] = f32::NAN;
+            }
+            one.accumulate(p1, &g).unwrap();
+            let r1 = one.step(lpmm_optim::Accumulated).unwrap();
+            let r2 = two.step(lpmm_optim::Step::param(p2, &g)).unwrap();
+            assert_eq!(r1.non_finite, r2.non_finite, "{config:?} step {t}");
+            assert_eq!(r2.non_finite, if t == 2 { vec![p2] } else { vec![] });
+            assert!(!r1.skipped && !r2.skipped);
+        }
+        for slot in [SlotKind::Param, SlotKind::State1, SlotKind::State2] {
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            one.read(p1, slot, &mut a).unwrap();
+            two.read(p2, slot, &mut b).unwrap();
+            let differs = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(differs, None, "{config:?} {slot:?}");
+        }
+    }
+}
+
 /// A released gradient is added to an empty accumulator (`0.0 + g`), so a `-0.0` in it steps as
 /// `+0.0` does, as it would after `accumulate`: a zero parameter keeps its sign either way.
 #[test]

@@ -1,5 +1,6 @@
-//! The AVX2 kernels (8 lanes, gathers from the scalar search's tables): nearest rounding and
-//! decoding of one block, entered after run-time detection of AVX2 and FMA.
+//! The AVX2 kernels (8 lanes, gathers from the scalar search's tables): nearest rounding,
+//! stochastic rounding on uniform grids (search-free, lanes it cannot take rounded by the
+//! scalar search) and decoding of one block, entered after run-time detection of AVX2 and FMA.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;
@@ -36,18 +37,105 @@ impl CodeMap {
             }
             // NaN gives code 0, as in `nearest`.
             let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
-            let c = _mm256_andnot_si256(nan, c);
-            let mut lanes = [0u32; 8];
-            // SAFETY: `lanes` is 8 u32; the store is unaligned.
-            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), c) };
-            for (o, &l) in out[i..i + 8].iter_mut().zip(&lanes) {
-                *o = l as u8;
-            }
+            store_codes8(_mm256_andnot_si256(nan, c), &mut out[i..i + 8]);
         }
         self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
     }
 
-    /// [`CodeMap::decode_scaled`] 8 codes at a time with AVX2 gathers of the values.
+    /// [`CodeMap::stochastic_scaled`] 8 elements at a time: on a uniform grid
+    /// ([`CodeMap::stochastic_grid8`]) without a search; a group it hands over, and every group
+    /// of another map, lane by lane by [`CodeMap::stochastic`] from the same quotients.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn stochastic_scaled_avx2(
+        &self,
+        xs: &[f32],
+        absmax: f32,
+        bits: &[u32],
+        out: &mut [u8],
+    ) {
+        use std::arch::x86_64::*;
+        let n = xs.len().min(out.len()).min(bits.len());
+        let Some((origin, steps)) = self.grid.filter(|_| absmax != 0.0) else {
+            self.stochastic_scaled_portable(xs, absmax, bits, out);
+            return;
+        };
+        let whole = n - n % 8;
+        let divisor = _mm256_set1_ps(absmax);
+        for i in (0..whole).step_by(8) {
+            // SAFETY: `i + 8 <= xs.len()`; the load is unaligned.
+            let y = _mm256_div_ps(unsafe { _mm256_loadu_ps(xs.as_ptr().add(i)) }, divisor);
+            if !self.stochastic_grid8(origin, steps, y, &bits[i..i + 8], &mut out[i..i + 8]) {
+                let mut lanes = [0f32; 8];
+                // SAFETY: `lanes` is 8 f32; the store is unaligned.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
+                for (j, &y) in lanes.iter().enumerate() {
+                    out[i + j] = self.stochastic(y, bits[i + j]);
+                }
+            }
+        }
+        let rest = whole..n;
+        self.stochastic_scaled_portable(
+            &xs[rest.clone()],
+            absmax,
+            &bits[rest.clone()],
+            &mut out[rest],
+        );
+    }
+
+    /// [`CodeMap::stochastic`] of 8 lanes `y` with draws `bits[..8]` into `out[..8]` on a
+    /// uniform grid (`CodeMap::grid`) without a search, as `stochastic_grid16` does it on
+    /// AVX-512: the lower code estimated as `floor(y * steps) + origin` (clamped to the codes),
+    /// its value and the next one's computed as the grid defines them, kept only if they
+    /// bracket `y` in every lane (else nothing is written and the result is false); then `lo +
+    /// (r < F)` with `F = u32_saturating(frac * 2^32)`, `frac = (y - lo_v) / (hi_v - lo_v)` in
+    /// f32, never above `lo` at the last code.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) fn stochastic_grid8(
+        &self,
+        origin: i32,
+        steps: f32,
+        y: std::arch::x86_64::__m256,
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> bool {
+        use std::arch::x86_64::*;
+        assert!(bits.len() >= 8 && out.len() >= 8, "8 lanes");
+        let zero = _mm256_setzero_si256();
+        let last = _mm256_set1_epi32(self.values.len() as i32 - 1);
+        let k = _mm256_floor_ps(_mm256_mul_ps(y, _mm256_set1_ps(steps)));
+        // Out-of-range products convert to i32::MIN; the clamp and the check catch them.
+        let c = _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(origin));
+        let lo = _mm256_min_epi32(_mm256_max_epi32(c, zero), last);
+        let hi = _mm256_min_epi32(_mm256_add_epi32(lo, _mm256_set1_epi32(1)), last);
+        // The grid's values `f32(c - origin) / f32(steps)`, computed (the same bits as the value
+        // table: `uniform_grid` checks every one) rather than gathered: faster here.
+        let o = _mm256_set1_epi32(origin);
+        let l = _mm256_set1_ps(steps);
+        let lo_v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, o)), l);
+        let hi_v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, o)), l);
+        let top = _mm256_cmpeq_epi32(lo, last);
+        let at_or_above = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(lo_v, y));
+        let below_next = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(y, hi_v));
+        let ok = _mm256_and_si256(at_or_above, _mm256_or_si256(below_next, top));
+        if _mm256_movemask_ps(_mm256_castsi256_ps(ok)) != 0xFF {
+            return false;
+        }
+        let frac = _mm256_div_ps(_mm256_sub_ps(y, lo_v), _mm256_sub_ps(hi_v, lo_v));
+        let cut = u32_saturating(_mm256_mul_ps(frac, _mm256_set1_ps(4_294_967_296.0)));
+        // SAFETY: `bits` holds at least 8 values (asserted); the load is unaligned.
+        let r = unsafe { _mm256_loadu_si256(bits.as_ptr().cast()) };
+        // `r < cut` unsigned: both with the sign bit flipped, compared signed.
+        let sign = _mm256_set1_epi32(i32::MIN);
+        let below = _mm256_cmpgt_epi32(_mm256_xor_si256(cut, sign), _mm256_xor_si256(r, sign));
+        // `up` is -1 where the code rounds up (never at the last code).
+        let up = _mm256_andnot_si256(top, below);
+        store_codes8(_mm256_sub_epi32(lo, up), out);
+        true
+    }
+
+    /// [`CodeMap::decode_scaled`] 8 codes at a time with AVX2 gathers of the values (computed
+    /// on a uniform grid).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn decode_scaled_avx2(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         use std::arch::x86_64::*;
@@ -61,11 +149,55 @@ impl CodeMap {
             // SAFETY: `c8` is 16 bytes; the load is unaligned.
             let c8 = unsafe { _mm_loadu_si128(c8.as_ptr().cast()) };
             let c = _mm256_min_epu32(_mm256_cvtepu8_epi32(c8), last);
-            // SAFETY: every index is clamped to `values.len() - 1`.
-            let v = unsafe { _mm256_i32gather_ps::<4>(self.values.as_ptr(), c) };
+            let v = match self.grid {
+                // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
+                Some((o, l)) => _mm256_div_ps(
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(o))),
+                    _mm256_set1_ps(l),
+                ),
+                // SAFETY: every index is clamped to `values.len() - 1`.
+                None => unsafe { _mm256_i32gather_ps::<4>(self.values.as_ptr(), c) },
+            };
             // SAFETY: `i + 8 <= out.len()`; the store is unaligned.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s)) };
         }
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
+}
+
+/// `x as u32` (Rust's saturating conversion) of 8 lanes in `[0, 2^32]`: `vcvttps2dq` below 2^31,
+/// `x - 2^31` (exact there) converted with the top bit set from 2^31, all ones at 2^32 (AVX2 has
+/// no unsigned conversion).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn u32_saturating(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let two31 = _mm256_set1_ps(2_147_483_648.0);
+    let high = _mm256_cmp_ps::<_CMP_GE_OQ>(x, two31);
+    let low_part = _mm256_cvttps_epi32(x);
+    let high_part = _mm256_xor_si256(
+        _mm256_cvttps_epi32(_mm256_sub_ps(x, two31)),
+        _mm256_set1_epi32(i32::MIN),
+    );
+    let v = _mm256_blendv_epi8(low_part, high_part, _mm256_castps_si256(high));
+    let full = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(4_294_967_296.0));
+    _mm256_or_si256(v, _mm256_castps_si256(full))
+}
+
+/// Stores 8 codes (32-bit lanes, each below 256) as the bytes `out[..8]`, in order: two
+/// saturating packs (exact for codes) and one 8-byte store.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn store_codes8(codes: std::arch::x86_64::__m256i, out: &mut [u8]) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= 8, "8 codes");
+    // Within each 128-bit half: 4 codes as u16, then as bytes (each half repeats its 4).
+    let words = _mm256_packus_epi32(codes, codes);
+    let bytes = _mm256_packus_epi16(words, words);
+    let both = _mm_unpacklo_epi32(
+        _mm256_castsi256_si128(bytes),
+        _mm256_extracti128_si256::<1>(bytes),
+    );
+    // SAFETY: `out` holds at least 8 bytes (asserted); the store is unaligned.
+    unsafe { _mm_storel_epi64(out.as_mut_ptr().cast(), both) };
 }

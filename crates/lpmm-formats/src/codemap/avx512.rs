@@ -1,5 +1,5 @@
 //! The AVX-512 F/BW/VL kernels (16 lanes, gathers from the scalar search's tables): nearest and
-//! stochastic rounding and decoding of one block, the register-table nearest rounding of maps
+//! stochastic rounding (search-free on uniform grids) and decoding of one block, the register-table nearest rounding of maps
 //! of at most 16 values, and the lane helpers the VBMI kernels share. Entered after run-time
 //! detection of AVX-512 F/BW/VL/DQ.
 
@@ -195,6 +195,11 @@ impl CodeMap {
         let divisor = _mm512_set1_ps(absmax);
         for i in (0..whole).step_by(16) {
             let y = quotient_lanes(&xs[i..i + 16], absmax, divisor);
+            if let Some((origin, steps)) = self.grid
+                && self.stochastic_grid16(origin, steps, y, &bits[i..i + 16], &mut out[i..i + 16])
+            {
+                continue;
+            }
             let c = self.nearest_lanes(y);
             // SAFETY: codes from `nearest_lanes` are < values.len().
             let vc = unsafe { _mm512_i32gather_ps::<4>(c, values) };
@@ -223,6 +228,53 @@ impl CodeMap {
         self.stochastic_scaled_portable(&xs[whole..n], absmax, &bits[whole..n], &mut out[whole..n]);
     }
 
+    /// [`CodeMap::stochastic`] of 16 lanes `y` with draws `bits[..16]` into `out[..16]` on a
+    /// uniform grid (`CodeMap::grid`) without a search, as [`CodeMap::stochastic_grid64`] does
+    /// it with VBMI: the lower code estimated as `floor(y * steps) + origin` (clamped to the
+    /// codes), its value and the next one's computed as the grid defines them, kept only if
+    /// they bracket `y`. Writes nothing and returns false if that check fails in any lane; the
+    /// caller then searches.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    pub(super) fn stochastic_grid16(
+        &self,
+        origin: i32,
+        steps: f32,
+        y: std::arch::x86_64::__m512,
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> bool {
+        use std::arch::x86_64::*;
+        assert!(bits.len() >= 16 && out.len() >= 16, "16 lanes");
+        let zero = _mm512_setzero_si512();
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(y, _mm512_set1_ps(steps)),
+        );
+        // Out-of-range products convert to i32::MIN; the clamp and the check catch them.
+        let c = _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(origin));
+        let lo = _mm512_min_epi32(_mm512_max_epi32(c, zero), last);
+        let hi = _mm512_min_epi32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), last);
+        // The grid's values `f32(c - origin) / f32(steps)`, computed (the same bits as the value
+        // table: `uniform_grid` checks every one) rather than gathered: faster here.
+        let o = _mm512_set1_epi32(origin);
+        let l = _mm512_set1_ps(steps);
+        let lo_v = _mm512_div_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, o)), l);
+        let hi_v = _mm512_div_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, o)), l);
+        let top = _mm512_cmpeq_epi32_mask(lo, last);
+        let at_or_above = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(lo_v, y);
+        let below_next = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y, hi_v);
+        if at_or_above & (below_next | top) != 0xFFFF {
+            return false;
+        }
+        // SAFETY: `bits` holds at least 16 values (asserted); the load is unaligned.
+        let r = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
+        let code = stochastic_step(y, lo, lo_v, hi_v, top, r);
+        // SAFETY: `out` holds at least 16 bytes (asserted); the store is unaligned.
+        unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(code)) };
+        true
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         let n = codes.len().min(out.len());
@@ -235,7 +287,8 @@ impl CodeMap {
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
     }
 
-    /// [`CodeMap::decode_scaled`] 16 codes at a time, gathering the values.
+    /// [`CodeMap::decode_scaled`] 16 codes at a time, gathering the values (computing them on a
+    /// uniform grid).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn decode_scaled_gather(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         use std::arch::x86_64::*;
@@ -247,8 +300,15 @@ impl CodeMap {
             // SAFETY: `i + 16 <= codes.len()`; the load is unaligned.
             let c8 = unsafe { _mm_loadu_si128(codes.as_ptr().add(i).cast()) };
             let c = _mm512_min_epu32(_mm512_cvtepu8_epi32(c8), last);
-            // SAFETY: every index is clamped to `values.len() - 1`.
-            let v = unsafe { _mm512_i32gather_ps::<4>(c, self.values.as_ptr()) };
+            let v = match self.grid {
+                // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
+                Some((o, l)) => _mm512_div_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(o))),
+                    _mm512_set1_ps(l),
+                ),
+                // SAFETY: every index is clamped to `values.len() - 1`.
+                None => unsafe { _mm512_i32gather_ps::<4>(c, self.values.as_ptr()) },
+            };
             // SAFETY: `i + 16 <= out.len()`; the store is unaligned.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
         }

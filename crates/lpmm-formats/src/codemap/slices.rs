@@ -78,10 +78,19 @@ impl CodeMap {
     /// `min(xs.len(), bits.len(), out.len())` codes.
     pub fn stochastic_scaled(&self, xs: &[f32], absmax: f32, bits: &[u32], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx512() {
-            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
-            unsafe { self.stochastic_scaled_avx512(xs, absmax, bits, out) };
-            return;
+        match crate::simd::level() {
+            crate::simd::Level::Avx512 | crate::simd::Level::Avx512Vbmi => {
+                // SAFETY: the AVX-512 levels are in use only after run-time detection of
+                // AVX-512 F/BW/VL/DQ.
+                unsafe { self.stochastic_scaled_avx512(xs, absmax, bits, out) };
+                return;
+            }
+            crate::simd::Level::Avx2 => {
+                // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
+                unsafe { self.stochastic_scaled_avx2(xs, absmax, bits, out) };
+                return;
+            }
+            crate::simd::Level::Portable => {}
         }
         self.stochastic_scaled_portable(xs, absmax, bits, out);
     }

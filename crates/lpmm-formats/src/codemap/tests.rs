@@ -131,12 +131,15 @@ fn vector_kernels_equal_the_portable_ones() {
             #[cfg(target_arch = "x86_64")]
             if crate::simd::detected() >= crate::simd::Level::Avx2 {
                 let (mut c2, mut d2) = (vec![0u8; xs.len()], vec![0f32; xs.len()]);
+                let mut s2 = vec![0xAAu8; xs.len()];
                 // SAFETY: AVX2 and FMA were detected on this CPU.
                 unsafe {
                     m.nearest_scaled_avx2(&xs, absmax, &mut c2);
                     m.decode_scaled_avx2(&codes, absmax, &mut d2);
+                    m.stochastic_scaled_avx2(&xs, absmax, &bits, &mut s2);
                 }
                 assert_eq!(a, c2, "AVX2 nearest, {m:?}, absmax {absmax}");
+                assert_eq!(sa, s2, "AVX2 stochastic, {m:?}, absmax {absmax}");
                 let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits_of(&da), bits_of(&d2), "AVX2 decode, absmax {absmax}");
             }
@@ -282,6 +285,96 @@ fn uniform_grids_round_stochastically_without_a_search() {
             let mut under = xs[..64].to_vec();
             under[40] = low - 0.25;
             assert!(!take(&under), "{map:?}: below the range");
+        }
+    }
+}
+
+/// The AVX2 and AVX-512 (without VBMI) stochastic rounding on uniform grids: the search-free
+/// groups of 8 and 16 lanes give the codes of [`CodeMap::stochastic`] (values in range, the grid's
+/// values and their neighbours, NaN and out-of-range lanes), and the search-free path is the one
+/// that runs on values in range (it hands a group with a NaN or a value below the range over).
+#[test]
+fn uniform_grids_round_stochastically_on_avx2_and_avx512() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::simd::{Level, detected};
+        if detected() < Level::Avx2 {
+            eprintln!("no AVX2 on this CPU: the grid kernels did not run");
+            return;
+        }
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let maps = [
+            CodeMap::linear_signed(8).unwrap(),
+            CodeMap::linear_signed(2).unwrap(),
+            CodeMap::linear_unsigned(8).unwrap(),
+            CodeMap::linear_unsigned(3).unwrap(),
+        ];
+        for map in &maps {
+            let (o, steps) = map.grid.expect("a uniform grid");
+            let low = map.values()[0];
+            let mut xs: Vec<f32> = (0..16 * 50)
+                .map(|_| low + (1.0 - low) * (next() >> 40) as f32 / (1u64 << 24) as f32)
+                .collect();
+            for &v in map.values() {
+                xs.extend([v.next_down(), v, v.next_up()]);
+            }
+            xs.extend([f32::NAN, low - 0.25, 1.5, f32::INFINITY, -0.0, 0.3]);
+            let bits: Vec<u32> = xs
+                .iter()
+                .map(|_| next() as u32)
+                .chain([0, u32::MAX])
+                .collect();
+            for absmax in [1.0f32, 1.0 / steps, 3.0, 0.0] {
+                let mut want = vec![0u8; xs.len()];
+                map.stochastic_scaled_portable(&xs, absmax, &bits, &mut want);
+                let mut got = vec![0xAAu8; xs.len()];
+                // SAFETY: AVX2 and FMA were detected on this CPU.
+                unsafe { map.stochastic_scaled_avx2(&xs, absmax, &bits, &mut got) };
+                assert_eq!(got, want, "AVX2, {map:?}, absmax {absmax}");
+                if detected() >= Level::Avx512 {
+                    got.fill(0xAA);
+                    // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                    unsafe { map.stochastic_scaled_gather(&xs, absmax, &bits, &mut got) };
+                    assert_eq!(got, want, "AVX-512, {map:?}, absmax {absmax}");
+                }
+            }
+            // The search-free groups themselves: taken in range, handed over otherwise.
+            let take8 = |lanes: &[f32]| {
+                let mut out = [0u8; 8];
+                // SAFETY: AVX2 and FMA were detected; 8 values are loaded.
+                unsafe {
+                    let y = std::arch::x86_64::_mm256_loadu_ps(lanes.as_ptr());
+                    map.stochastic_grid8(o, steps, y, &bits[..8], &mut out)
+                }
+            };
+            assert!(take8(&xs[..8]), "{map:?}: values in range");
+            let mut bad = xs[..8].to_vec();
+            bad[3] = f32::NAN;
+            assert!(!take8(&bad), "{map:?}: NaN");
+            bad[3] = low - 0.25;
+            assert!(!take8(&bad), "{map:?}: below the range");
+            if detected() >= Level::Avx512 {
+                let take16 = |lanes: &[f32]| {
+                    let mut out = [0u8; 16];
+                    // SAFETY: AVX-512 F/BW/VL were detected; 16 values are loaded.
+                    unsafe {
+                        let y = std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr());
+                        map.stochastic_grid16(o, steps, y, &bits[..16], &mut out)
+                    }
+                };
+                assert!(take16(&xs[..16]), "{map:?}: values in range");
+                let mut bad = xs[..16].to_vec();
+                bad[11] = f32::NAN;
+                assert!(!take16(&bad), "{map:?}: NaN");
+                bad[11] = low - 0.25;
+                assert!(!take16(&bad), "{map:?}: below the range");
+            }
         }
     }
 }

@@ -6,8 +6,9 @@
 //! into an L1-sized stash before the rule and encoded from it after, by the format's own lane-level
 //! codec (`crate::format::lanes`), the one its generic chunk path calls too. A piece is walked in
 //! tiles of [`TILE`] elements (a multiple of every block a kernel takes), each touched once in
-//! memory while the next one is prefetched: the tile's gradient (read where the caller holds it, or
-//! decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
+//! memory while the next one's narrow slots (bf16, split, codes and block maxima) are prefetched
+//! (f32 streams are left to the hardware's prefetchers, which follow them better): the tile's
+//! gradient (read where the caller holds it, or decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
 //! generic path's own vectorized loop, `apply_chunk_lean`, without the absent state 3 and the
 //! increments: its bits by construction), then each slot is encoded — a quantized slot's block
 //! maxima, the exact quotient and nearest code or stochastic rounding, packing; bf16 rounding;
@@ -254,9 +255,8 @@ impl<'a> SlotLanes<'a> for F32Lanes<'a> {
     fn decode(&mut self, at: usize, stash: &mut [f32]) {
         lanes::f32::decode(&self.0[at..at + stash.len()], stash);
     }
-    fn prefetch(&self, at: usize, n: usize) {
-        prefetch(&self.0[at..at + n]);
-    }
+    // No prefetch: the hardware's stream prefetchers follow an f32 stream (32 lines a tile), and
+    // asking for its lines too made the step slower (docs/BENCHMARKS.md, "What was tried").
     fn values<'v>(&'v mut self, at: usize, stash: &'v mut [f32], moves: bool) -> &'v mut [f32] {
         if moves {
             return &mut self.0[at..at + stash.len()];
@@ -453,7 +453,8 @@ impl GradLanes<'_> {
     /// Asks for tile `at .. at + n`'s gradient to be brought into the cache.
     fn prefetch(&self, at: usize, n: usize) {
         match &self.io {
-            GradIo::Direct(g) => prefetch(&g[at..at + n]),
+            // An f32 stream: left to the hardware, as [`F32Lanes`] are.
+            GradIo::Direct(_) => {}
             GradIo::Stashed { acc, released } => {
                 if let Some(acc) = acc
                     && let Some(lanes) = acc.lanes
@@ -463,10 +464,8 @@ impl GradLanes<'_> {
                         prefetch(&region[r.start.min(region.len())..r.end.min(region.len())]);
                     }
                 }
-                match released {
-                    Some(HostValues::F32(v)) => prefetch(&v[at..at + n]),
-                    Some(HostValues::Bf16(v)) => prefetch(&v[at..at + n]),
-                    None => {}
+                if let Some(HostValues::Bf16(v)) = released {
+                    prefetch(&v[at..at + n]);
                 }
             }
         }

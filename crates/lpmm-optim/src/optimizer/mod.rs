@@ -78,7 +78,8 @@ pub enum NonFinitePolicy {
     #[default]
     SkipStep,
     /// Leave every element whose gradient is not finite unchanged (parameter and states) and update
-    /// the others (bitsandbytes skips such elements too, but zeroes their states).
+    /// the others (bitsandbytes skips such elements too, but zeroes their states). The step
+    /// finds them as it goes: the gradients are not read before it.
     SkipElements,
 }
 
@@ -133,7 +134,9 @@ pub struct StepReport {
     pub updated: usize,
     /// Whether the whole step was skipped for a non-finite gradient.
     pub skipped: bool,
-    /// Parameters whose gradient held a non-finite value.
+    /// Parameters whose gradient held a non-finite value (under
+    /// [`NonFinitePolicy::SkipElements`], as the step found them: also a parameter with an
+    /// element left unchanged because its update did not fit its slot).
     pub non_finite: Vec<ParamId>,
     /// The global gradient norm, when it was computed (clipping or the skip policy).
     pub grad_norm: Option<f64>,

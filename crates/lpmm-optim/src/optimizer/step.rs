@@ -658,9 +658,12 @@ impl<B: Backend> Optimizer<B> {
         for (i, s) in self.select.iter_mut().enumerate() {
             *s = i == id.0;
         }
-        // The gradient is `grad` plus whatever the accumulator holds: both must be finite.
-        let mut finite = self.backend.finite(grad)?;
-        if self.states[id.0].pending {
+        // The gradient is `grad` plus whatever the accumulator holds: both must be finite for the
+        // step to run whole. Skipping elements, the step itself leaves each non-finite one
+        // unchanged and reports it (below): the gradient is not read twice.
+        let skip_step = self.options.non_finite == NonFinitePolicy::SkipStep;
+        let mut finite = !skip_step || self.backend.finite(grad)?;
+        if skip_step && self.states[id.0].pending {
             self.backend.gradient_stats(
                 &mut self.params,
                 &self.layouts,
@@ -672,7 +675,7 @@ impl<B: Backend> Optimizer<B> {
         self.select[id.0] = false;
         if !finite {
             report.non_finite.push(id);
-            if self.options.non_finite == NonFinitePolicy::SkipStep {
+            if skip_step {
                 // Skipped and consumed, as a whole step does.
                 report.skipped = true;
                 self.backend

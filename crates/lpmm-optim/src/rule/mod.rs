@@ -436,35 +436,37 @@ fn apply_rule<R: Rule, const LEAN: bool>(
         &mut chunk.w[..lean],
         &mut chunk.d[..lean],
     );
-    let g_plus = chunk.g_plus;
-    let mut bad = false;
-    // Runs of 64 elements: slices of one known length, the loop's bounds checks gone.
-    let mut start = 0;
-    while start < n {
-        let r = start..n.min(start + 64);
-        let lr = r.start.min(lean)..r.end.min(lean);
-        bad |= apply_run::<R, LEAN>(
+    // One loop over the chunk (`apply_run` slices every operand to one length, so its bounds
+    // checks go): cutting it into runs of 64 elements, as this did, cost the f32 AdamW step 30%
+    // on a Zen 4 core (docs/BENCHMARKS.md, "What was tried"). The usual flags of a step are a
+    // constant there, so the rule's branches on them leave the loop.
+    if f.0 == StepFlags::UPDATE_PARAM {
+        apply_run::<R, LEAN, { StepFlags::UPDATE_PARAM }>(
             c,
             f,
             clip,
             limits,
-            g_plus,
-            &g[r.clone()],
-            &mut p[r.clone()],
-            &mut m[r.clone()],
-            &mut v[r.clone()],
-            &mut w[lr.clone()],
-            &mut d[lr],
-        );
-        start = r.end;
+            chunk.g_plus,
+            g,
+            p,
+            m,
+            v,
+            w,
+            d,
+        )
+    } else {
+        apply_run::<R, LEAN, ANY_FLAGS>(c, f, clip, limits, chunk.g_plus, g, p, m, v, w, d)
     }
-    bad
 }
 
-/// [`apply_rule`] over one run of elements.
+/// [`apply_run`]'s `FLAGS` when the step's flags are not a constant.
+const ANY_FLAGS: u32 = u32::MAX;
+
+/// [`apply_rule`]'s loop; `FLAGS`: the step's flags where they are known at compile time (`f`
+/// is then `StepFlags(FLAGS)`), or [`ANY_FLAGS`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn apply_run<R: Rule, const LEAN: bool>(
+fn apply_run<R: Rule, const LEAN: bool, const FLAGS: u32>(
     c: &R::Consts,
     f: StepFlags,
     clip: f32,
@@ -478,6 +480,11 @@ fn apply_run<R: Rule, const LEAN: bool>(
     d: &mut [f32],
 ) -> bool {
     let n = g.len();
+    let f = if FLAGS == ANY_FLAGS {
+        f
+    } else {
+        StepFlags(FLAGS)
+    };
     let lean = if LEAN { 0 } else { n };
     let (p, m, v, w, d) = (
         &mut p[..n],
