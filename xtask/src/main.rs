@@ -179,6 +179,14 @@ fn clear(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR` (relative to the workspace root, where the
+/// benches run) or `target/`. Criterion writes its results there, so the report reads them there.
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| root.join("target"), |d| root.join(d))
+}
+
 /// The bench targets of `benches/` (`cargo xtask bench` runs them all).
 const BENCHES: [&str; 5] = ["formats", "quant", "optim", "wgpu", "act"];
 
@@ -189,7 +197,8 @@ fn bench(
     filter: Option<String>,
 ) -> Result<(), String> {
     let root = workspace_root();
-    let report = root.join("target/lpmm-report");
+    let target = target_dir(&root);
+    let report = target.join("lpmm-report");
     let cases_dir = report.join("cases");
     if report_only {
         // The report describes the run it is rebuilt from.
@@ -200,7 +209,7 @@ fn bench(
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     if !report_only {
         // Results of earlier runs would be reported as if measured now.
-        clear(&root.join("target/criterion"))?;
+        clear(&target.join("criterion"))?;
         clear(&cases_dir)?;
         std::fs::create_dir_all(&cases_dir).map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&cargo);
@@ -232,7 +241,7 @@ fn bench(
         }
         run(&mut cmd, "cargo bench")?;
     }
-    let mut cases = read_cases(&root.join("target/criterion"), &cases_dir)?;
+    let mut cases = read_cases(&target.join("criterion"), &cases_dir)?;
     if peers {
         if !report_only {
             run_python_peers(&root, &cases)?;
@@ -257,7 +266,10 @@ fn bench(
     )
     .map_err(|e| e.to_string())?;
     std::fs::write(report.join("bench.md"), &table).map_err(|e| e.to_string())?;
-    println!("\n{table}\n(written to target/lpmm-report/bench.json and bench.md)");
+    println!(
+        "\n{table}\n(written to {} and bench.md)",
+        report.join("bench.json").display()
+    );
     Ok(())
 }
 
@@ -406,7 +418,7 @@ fn run_python_peers(root: &Path, cases: &[Value]) -> Result<(), String> {
     let python = match std::env::var_os("LPMM_PEERS_PYTHON") {
         Some(p) => PathBuf::from(p),
         None => {
-            let venv = root.join("target/peers-venv");
+            let venv = target_dir(root).join("peers-venv");
             let python = venv.join("bin/python");
             if !python.exists() {
                 run(
@@ -440,7 +452,7 @@ fn run_python_peers(root: &Path, cases: &[Value]) -> Result<(), String> {
     sizes.sort_unstable();
     sizes.dedup();
     let list: Vec<String> = sizes.iter().map(u64::to_string).collect();
-    let out = root.join("target/lpmm-report/peers.json");
+    let out = target_dir(root).join("lpmm-report/peers.json");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     run(
         Command::new(&python)
@@ -459,8 +471,8 @@ fn run_python_peers(root: &Path, cases: &[Value]) -> Result<(), String> {
 
 /// The cases of `target/lpmm-report/peers.json`.
 fn python_peers(root: &Path) -> Result<Vec<Value>, String> {
-    let out = root.join("target/lpmm-report/peers.json");
-    let result = read_json(&out).ok_or("no target/lpmm-report/peers.json")?;
+    let out = target_dir(root).join("lpmm-report/peers.json");
+    let result = read_json(&out).ok_or(format!("no {}", out.display()))?;
     let mut peers = Vec::new();
     for c in result["cases"].as_array().into_iter().flatten() {
         let (Some(peer), Some(params), Some(ns)) = (

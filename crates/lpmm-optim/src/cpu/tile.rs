@@ -8,9 +8,10 @@
 //! tiles of [`TILE`] elements (a multiple of every block a kernel takes), each touched once in
 //! memory while the next one's narrow slots (bf16, split, codes and block maxima) are prefetched
 //! (f32 streams are left to the hardware's prefetchers, which follow them better): the tile's
-//! gradient (read where the caller holds it, or decoded from the accumulator) and slots are decoded, the rule's loop runs over the tile (the
-//! generic path's own vectorized loop, `apply_chunk_lean`, without the absent state 3 and the
-//! increments: its bits by construction), then each slot is encoded — a quantized slot's block
+//! gradient (read where the caller holds it, or decoded from the accumulator) and slots are
+//! decoded, the rule's loop runs over the tile (the generic path's own vectorized loop,
+//! `apply_chunk_lean`, without the absent state 3 and the increments: its bits by
+//! construction), then each slot is encoded — a quantized slot's block
 //! maxima, the exact quotient and nearest code or stochastic rounding, packing; bf16 rounding;
 //! splitting — and the accumulator's tile cleared. Nothing is decoded or stored that the
 //! configuration does not have, and no pass is made that cannot change a bit: no sign check of a

@@ -79,7 +79,7 @@ pub enum NonFinitePolicy {
     SkipStep,
     /// Leave every element whose gradient is not finite unchanged (parameter and states) and update
     /// the others (bitsandbytes skips such elements too, but zeroes their states). The step
-    /// finds them as it goes: the gradients are not read before it.
+    /// finds them as it goes: without global-norm clipping the gradients are not read before it.
     SkipElements,
 }
 
