@@ -66,6 +66,22 @@ fn shape(name: &str, n: usize) -> Vec<usize> {
     }
 }
 
+/// An optimizer with `options` holding one parameter of preset `name` (`config`), `init.len()`
+/// elements in the case's shape.
+fn one_param(
+    options: OptimizerOptions,
+    config: ParamConfig,
+    name: &str,
+    init: &[f32],
+) -> (Optimizer, ParamId) {
+    let mut opt = Optimizer::new(options).expect("options");
+    let g = opt.add_group(config).expect("preset");
+    let id = opt
+        .add_param("w", &shape(name, init.len()), init, g)
+        .expect("parameter");
+    (opt, id)
+}
+
 /// Criterion settings for a case whose iteration takes up to seconds: flat sampling, ten
 /// samples, no promise of a measurement time.
 fn configure(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
@@ -85,11 +101,7 @@ fn step(c: &mut Criterion) {
         let init = data(n, 0.1);
         let grad = data(n, 1e-3);
         for (name, config) in presets() {
-            let mut opt = Optimizer::new(OptimizerOptions::default()).expect("options");
-            let g = opt.add_group(config).expect("preset");
-            let id = opt
-                .add_param("w", &shape(name, n), &init, g)
-                .expect("parameter");
+            let (mut opt, id) = one_param(OptimizerOptions::default(), config, name, &init);
             let slots = opt.memory_report().slot_totals();
             // The f32 gradient is read once; every slot is read and written once.
             let read_only = 4 * n;
@@ -169,11 +181,7 @@ fn step(c: &mut Criterion) {
                 // before it (torch's and bitsandbytes' steps check nothing).
                 let options =
                     OptimizerOptions::default().with_non_finite(NonFinitePolicy::SkipElements);
-                let mut opt = Optimizer::new(options).expect("options");
-                let g = opt.add_group(config).expect("preset");
-                let id = opt
-                    .add_param("w", &shape(name, n), &init, g)
-                    .expect("parameter");
+                let (mut opt, id) = one_param(options, config, name, &init);
                 twin(
                     &mut group,
                     &mut opt,

@@ -438,7 +438,7 @@ fn apply_rule<R: Rule, const LEAN: bool>(
     );
     // One loop over the chunk (`apply_run` slices every operand to one length, so its bounds
     // checks go): runs of 64 elements, as this took before, made f32 AdamW's step 1.4x slower
-    // on one Zen 4 core (docs/BENCHMARKS.md, the Zen 4 section). The usual flags of a step are a
+    // on one Zen 4 core (docs/BENCHMARKS.md, "What was tried"). The usual flags of a step are a
     // constant there, so the rule's branches on them leave the loop.
     if f.0 == StepFlags::UPDATE_PARAM {
         apply_run::<R, LEAN, { StepFlags::UPDATE_PARAM }>(
