@@ -200,11 +200,17 @@ fn bench(
     let target = target_dir(&root);
     let report = target.join("lpmm-report");
     let cases_dir = report.join("cases");
+    let mut cpu = cpu_name();
     if report_only {
-        // The report describes the run it is rebuilt from.
-        quick = read_json(&report.join("bench.json"))
+        // The report describes the run it is rebuilt from (its kind and the CPU it ran on).
+        let earlier = read_json(&report.join("bench.json"));
+        quick = earlier
+            .as_ref()
             .and_then(|j| j["quick"].as_bool())
             .unwrap_or(quick);
+        if let Some(c) = earlier.as_ref().and_then(|j| j["cpu"].as_str()) {
+            cpu = c.to_string();
+        }
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     if !report_only {
@@ -255,11 +261,11 @@ fn bench(
         "schema": 1,
         "quick": quick,
         "threads": threads,
-        "cpu": cpu_name(),
+        "cpu": cpu,
         "cases": cases,
         "memory": memory,
     });
-    let table = markdown(&cases, memory.as_ref());
+    let table = markdown(&cpu, &cases, memory.as_ref());
     std::fs::write(
         report.join("bench.json"),
         serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?,
@@ -578,7 +584,7 @@ fn fmt(v: &Value, digits: usize) -> String {
     v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"))
 }
 
-fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
+fn markdown(cpu: &str, cases: &[Value], memory: Option<&Value>) -> String {
     let peer_names = [
         "torch_fused_adamw_f32",
         "bnb_adamw8bit_bf16",
@@ -586,8 +592,7 @@ fn markdown(cases: &[Value], memory: Option<&Value>) -> String {
         "burn_adamw_f32",
     ];
     let mut t = format!(
-        "CPU: {}\n\n| case | params | ns/param | bytes/param | GB/s | ceiling GB/s | of ceiling | ÷ torch fused f32 | ÷ bnb 8-bit | ÷ candle | ÷ burn |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
-        cpu_name()
+        "CPU: {cpu}\n\n| case | params | ns/param | bytes/param | GB/s | ceiling GB/s | of ceiling | ÷ torch fused f32 | ÷ bnb 8-bit | ÷ candle | ÷ burn |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in cases {
         let ratio = c["ratio_to_ceiling"]
