@@ -32,8 +32,8 @@ pub use tile::Kernel;
 
 /// Elements per piece: small enough that one tensor of 128K–256K elements, as a per-tensor
 /// optimizer (burn's `ModuleOptimizer`) steps it alone, keeps two threads busy (with pieces of
-/// 2^18, 8-bit AdamW stepped a 256K tensor at 2.03 ns/param on two Zen 4 cores, 1.09 with 2^16),
-/// large enough that the per-piece dispatch is noise (1M to 64M within ±3%; `step_profile`,
+/// 2^18, 8-bit AdamW stepped a 256K tensor at 2.1 ns/param on two Zen 4 cores, 1.2 with 2^16),
+/// large enough that the per-piece dispatch is noise (1M to 64M within ±4%; `step_profile`,
 /// docs/BENCHMARKS.md), and the bookkeeping (about 0.9 KiB a piece) a rounding error.
 pub(crate) const PIECE: usize = 1 << 16;
 
