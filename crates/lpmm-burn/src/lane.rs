@@ -119,10 +119,9 @@ pub(crate) mod cpu {
         let shape = t.layout().shape().clone();
         let data = match t.dtype() {
             DType::F32 => TensorData::new(copy(&t.storage::<f32>()[start..end]), shape),
-            DType::BF16 => TensorData::new(
-                copy(&t.storage::<lpmm_formats::bf16>()[start..end]),
-                shape,
-            ),
+            DType::BF16 => {
+                TensorData::new(copy(&t.storage::<lpmm_formats::bf16>()[start..end]), shape)
+            }
             d => return Err(unsupported(&format!("a flex tensor of {d:?}"))),
         };
         Ok(burn_flex::FlexTensor::from_data(data))
