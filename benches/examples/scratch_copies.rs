@@ -1,7 +1,6 @@
 //! What stepping through chunk-sized scratch copies costs against stepping in place, with the
 //! optimizer arithmetic held fixed: f32 AdamW (torch's arithmetic, as lpmm's `Adam` computes it)
-//! over `params` parameters on all threads (rayon, pieces of 2^18 as lpmm's CPU backend cuts
-//! them), three ways:
+//! over `params` parameters on all threads (rayon, pieces of 2^18 elements), three ways:
 //!
 //! - `in_place`: one loop over the parameter, gradient and both moments;
 //! - `scratch_4096`: per chunk of 4096 (lpmm's `CHUNK`), copy the four into stack buffers, step

@@ -99,6 +99,22 @@ pub struct Classifier {
 /// When each training step began (the time per step is the difference to the next).
 pub static STEP_STARTS: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
+/// The process's minor page faults when each training step began.
+pub static STEP_FAULTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+/// Minor page faults of this process so far (`/proc/self/stat`'s tenth field; 0 where there is
+/// none): what a fresh allocation's first writes cost, where the allocator gave memory back to the
+/// system since the last step.
+pub fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let fields = &s[s.rfind(')')? + 1..];
+            fields.split_whitespace().nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
 impl Classifier {
     /// burn-nn's default initialisation, from the device's seeded generator.
     pub fn new(device: &Device, hidden: usize) -> Self {
@@ -137,6 +153,10 @@ impl TrainStep for Classifier {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(Instant::now());
+        STEP_FAULTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(minor_faults());
         let item = self.forward_classification(batch);
         TrainOutput::new(self, item.loss.backward(), item)
     }
@@ -337,6 +357,8 @@ pub struct Run {
     pub val_loss: f64,
     /// Median time between the starts of two training steps, ms.
     pub ms_per_step: f64,
+    /// Median minor page faults between the starts of two training steps.
+    pub faults_per_step: f64,
     pub peak_kib: u64,
     pub steady_kib: u64,
     /// Bytes of tensors in the last optimizer checkpoint (the optimizer state).
@@ -364,6 +386,10 @@ pub fn run(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clear();
+    STEP_FAULTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clear();
     let result = fit(model, optim, settings, dir, None);
     if let Some(e) = &result.error {
         return Err(format!("training failed: {e}"));
@@ -381,6 +407,19 @@ pub fn run(
         .collect();
     gaps.sort_by(f64::total_cmp);
     let ms_per_step = gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN);
+    let faults = STEP_FAULTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let mut fault_gaps: Vec<f64> = faults
+        .windows(2)
+        .map(|w| w[1].saturating_sub(w[0]) as f64)
+        .collect();
+    fault_gaps.sort_by(f64::total_cmp);
+    let faults_per_step = fault_gaps
+        .get(fault_gaps.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     for h in &handles {
         eprintln!("lpmm: {:?}", h.stats());
     }
@@ -396,6 +435,7 @@ pub fn run(
         val_accuracy,
         val_loss,
         ms_per_step,
+        faults_per_step,
         peak_kib: status_kib("VmHWM:"),
         steady_kib,
         state_bytes,
@@ -500,9 +540,9 @@ fn main() {
     );
     println!();
     println!(
-        "| backend | optimizer | val acc | val loss | optimizer state (KiB) | peak RSS (MiB) | steady RSS (MiB) | device: cubecl pool / lpmm-wgpu (MiB) | ms/step |"
+        "| backend | optimizer | val acc | val loss | optimizer state (KiB) | peak RSS (MiB) | steady RSS (MiB) | device: cubecl pool / lpmm-wgpu (MiB) | ms/step | page faults/step |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let span = |v: Vec<f64>, digits: usize| {
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -537,7 +577,7 @@ fn main() {
             None => "-".into(),
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
             r.backend,
             match r.arm.as_str() {
                 "burn-adamw" => "burn `AdamWConfig`",
@@ -551,6 +591,7 @@ fn main() {
             span(row.iter().map(|r| mib(r.steady_kib)).collect(), 1),
             device,
             span(row.iter().map(|r| r.ms_per_step).collect(), 2),
+            span(row.iter().map(|r| r.faults_per_step).collect(), 0),
         );
     }
 }

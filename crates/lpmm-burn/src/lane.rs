@@ -88,12 +88,44 @@ pub(crate) mod cpu {
 
     use burn_backend::DType;
     use burn_core::backend::DispatchDevice;
-    use burn_core::tensor::{Device, Tensor};
+    use burn_core::tensor::{Device, Tensor, TensorData};
     use lpmm_optim::Cpu;
     use lpmm_optim::backend::{Dtype, HostValues, HostValuesMut};
 
     use super::{Lane, lpmm_dtype};
     use crate::BurnError;
+
+    /// A contiguous copy of a flex tensor that shares its memory with another, written in
+    /// chunks on every thread.
+    #[cfg(feature = "flex")]
+    fn private_copy(t: &burn_flex::FlexTensor) -> Result<burn_flex::FlexTensor, BurnError> {
+        fn copy<T: Copy + Default + Send + Sync>(from: &[T]) -> Vec<T> {
+            use rayon::prelude::*;
+            const CHUNK: usize = 1 << 16;
+            let mut to = vec![T::default(); from.len()];
+            if from.len() <= CHUNK {
+                to.copy_from_slice(from);
+            } else {
+                to.par_chunks_mut(CHUNK)
+                    .zip(from.par_chunks(CHUNK))
+                    .for_each(|(to, from)| to.copy_from_slice(from));
+            }
+            to
+        }
+        let (start, end) = t
+            .layout()
+            .contiguous_offsets()
+            .ok_or_else(|| unsupported("a non-contiguous flex tensor"))?;
+        let shape = t.layout().shape().clone();
+        let data = match t.dtype() {
+            DType::F32 => TensorData::new(copy(&t.storage::<f32>()[start..end]), shape),
+            DType::BF16 => {
+                TensorData::new(copy(&t.storage::<lpmm_formats::bf16>()[start..end]), shape)
+            }
+            d => return Err(unsupported(&format!("a flex tensor of {d:?}"))),
+        };
+        Ok(burn_flex::FlexTensor::from_data(data))
+    }
 
     #[cfg(feature = "ndarray")]
     type NdArray = burn_core::backend::NdArray;
@@ -234,7 +266,10 @@ pub(crate) mod cpu {
                         copied = true;
                     }
                     if write && !t.is_unique() {
-                        // `storage_mut` below makes the private copy (copy on write).
+                        // The private copy burn's in-place operations would make (`storage_mut`'s
+                        // copy on write), made on every thread: a fresh allocation's pages are
+                        // faulted in as it is written, which costs as much as the copy.
+                        *t = private_copy(t)?;
                         copied = true;
                     }
                     Ok(copied)

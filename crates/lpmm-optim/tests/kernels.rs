@@ -3,7 +3,7 @@
 //! element-wise path (`Optimizer::set_specialized_kernels(false)`), at every SIMD level this CPU
 //! has, compared bit for bit in every region of every slot and in the step reports — with
 //! non-finite gradients, results that overflow their slot, subnormals, and lengths that are not
-//! multiples of 16, 256 or 4096 (and one past a piece of 2^18 elements). Then the same bits on 1,
+//! multiples of 16, 256 or 4096 (and one over several pieces of 2^16 elements). Then the same bits on 1,
 //! 2 and 8 threads.
 
 use lpmm_formats::simd::{self, Level};
@@ -151,7 +151,7 @@ fn cases() -> Vec<(&'static str, ParamConfig, Vec<Feed>)> {
 }
 
 /// Element counts: a tail of 5 lanes, not a multiple of 256, of 4096, several tiles and one
-/// past a piece (2^18 elements).
+/// over four pieces (of 2^16 elements) and part of a fifth.
 const SHAPES: [&[usize]; 5] = [&[37], &[5000], &[3, 4101], &[64, 70], &[(1 << 18) + 300]];
 
 fn gradient(k: usize, step: usize, n: usize, bounded: bool) -> Vec<f32> {

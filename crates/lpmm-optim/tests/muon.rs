@@ -251,8 +251,8 @@ fn f32_muon_follows_torch() {
     }
 }
 
-/// A training run of 8-bit Muon with bf16 parameters on a wide, a tall and a large matrix (two
-/// of the CPU's pieces of 2^18 elements: the gather and the fused pass cut it), stepped from
+/// A training run of 8-bit Muon with bf16 parameters on a wide, a tall and a large matrix (five
+/// of the CPU's pieces of 2^16 elements: the gather and the fused pass cut it), stepped from
 /// accumulated gradients: every slot's bits after `steps` steps.
 fn train_bits(steps: usize) -> Vec<Vec<u8>> {
     let mut opt = Optimizer::new(OptimizerOptions::default().with_seed(3)).unwrap();

@@ -512,7 +512,14 @@ impl<L: Lane> Gather<'_, L> {
                 let config = self.routing.config_for(&path, &shape);
                 let group = core.opt.add_group(config)?;
                 core.add(id, &mut prim, &shape, group, config)
-                    .map_err(|e| BurnError::param(&name, e.to_string()))?
+                    .map_err(|e| {
+                        // lpmm's message names the parameter by its id alone: said once, with
+                        // its path.
+                        let message = e.to_string();
+                        let prefix = format!("parameter {}: ", id.val());
+                        let reason = message.strip_prefix(&prefix).unwrap_or(&message);
+                        BurnError::param(&name, reason)
+                    })?
             }
         };
         let registered = &core.shapes[lid.index()];

@@ -247,6 +247,12 @@ mod reach {
             text.contains("b1") && text.contains("matri"),
             "whole-module: {text}"
         );
+        // The parameter is named once, with its path.
+        assert_eq!(
+            text.matches("parameter ").count(),
+            1,
+            "whole-module: {text}"
+        );
         assert!(whole.stats().params <= 1, "{:?}", whole.stats());
 
         let model = Mlp::new(&device, 5);

@@ -127,6 +127,89 @@ fn the_per_tensor_step_allocates_no_parameter_or_gradient_memory() {
     assert_eq!(handle.stats().copies, 4);
 }
 
+/// One wide weight: 300 x 400 elements, more than one chunk of the private copy a shared flex
+/// tensor gets (2^16 elements, copied on every thread).
+#[derive(Module, Debug)]
+struct Wide {
+    w: burn::module::Param<Tensor<2>>,
+}
+
+impl Wide {
+    fn new(device: &Device, dtype: DType) -> Self {
+        let mut rng = lpmm_optim::testing::Rng::new(11);
+        let values = crate::common::uniform(&mut rng, 300 * 400, 0.1);
+        let data = TensorData::new(values, [300, 400]).convert_dtype(dtype);
+        Wide {
+            w: burn::module::Param::from_tensor(Tensor::from_data(data, (device, dtype))),
+        }
+    }
+
+    fn grads(&self, step: usize, device: &Device) -> GradientsParams {
+        let mut rng = lpmm_optim::testing::Rng::new(100 + step as u64);
+        let coeffs = crate::common::uniform(&mut rng, 300 * 400, 1.0);
+        let coeffs = Tensor::<2>::from_data(TensorData::new(coeffs, [300, 400]), device);
+        let loss = (self.w.val().cast(DType::F32) * coeffs).sum();
+        GradientsParams::from_grads(loss.backward(), self)
+    }
+
+    fn bits(&self) -> Vec<u32> {
+        let data = self.w.val().into_data().convert::<f32>();
+        data.try_to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+}
+
+#[test]
+fn a_shared_tensor_larger_than_a_copy_chunk_steps_as_an_unshared_one() {
+    // burn-train's `Learner` keeps the model it steps: lpmm steps a private copy, made in chunks
+    // on every thread. Stepped with a clone kept, the tensor must end with the bits it gets
+    // stepped alone, and the clone keep its own.
+    let device = flex();
+    for (config, dtype) in [
+        (Lpmm8bitAdamWConfig::new().lpmm(), DType::F32),
+        (
+            LpmmOptimizerConfig::from(presets::adamw_8bit_bf16_sr(1e-3)).with_seed(9),
+            DType::BF16,
+        ),
+    ] {
+        let (mut shared_optim, shared_handle) = per_tensor(config);
+        let (mut alone_optim, alone_handle) = per_tensor(config);
+        let mut shared = Wide::new(&device, dtype);
+        let mut alone = Wide::new(&device, dtype);
+        for step in 0..3 {
+            let kept = shared.clone();
+            let kept_bits = kept.bits();
+            let g = shared.grads(step, &device);
+            shared = shared_optim.step(1e-3, shared, g);
+            let g = alone.grads(step, &device);
+            alone = alone_optim.step(1e-3, alone, g);
+            let differ = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+            let (now, kept_now) = (shared.bits(), kept.bits());
+            assert_eq!(
+                differ(&kept_now, &kept_bits),
+                0,
+                "{dtype:?} step {step}: the clone"
+            );
+            assert_eq!(
+                differ(&now, &alone.bits()),
+                0,
+                "{dtype:?} step {step}: elements"
+            );
+            assert!(
+                differ(&now, &kept_bits) > 0,
+                "{dtype:?} step {step}: nothing moved"
+            );
+            assert_eq!(shared.w.val().dtype(), dtype);
+        }
+        assert_eq!(shared_handle.stats().copies, 3, "{dtype:?}");
+        assert_eq!(alone_handle.stats().copies, 0, "{dtype:?}");
+        assert_eq!(shared_handle.stats().error_count, 0, "{dtype:?}");
+    }
+}
+
 #[test]
 fn global_norm_clipping_is_refused_by_the_per_tensor_form() {
     let Err(err) = Lpmm8bitAdamWConfig::new()

@@ -1,6 +1,6 @@
 //! The CPU backend: the reference implementation of every [`Backend`] operation.
 //!
-//! A parameter is held as pieces of at most 2^18 elements (a multiple of every block size); the
+//! A parameter is held as pieces of at most 2^16 elements (a multiple of every block size); the
 //! step runs the pieces of all stepping parameters in parallel (rayon), so one big tensor uses
 //! every thread and thousands of small ones are batched into a few tasks. Each piece is
 //! processed in chunks of 4096 elements with f32 scratch on the stack: nothing is allocated
@@ -30,10 +30,12 @@ pub use matrix::CpuMatrices;
 use passes::{decode_slot, fold_all, for_stepping, fused_step};
 pub use tile::Kernel;
 
-/// Elements per piece: small enough that a tensor of 1M elements keeps two threads busy (with
-/// pieces of 2^20, 8-bit AdamW ran at 3.2 ns/param at 1M against 1.8 at 64M), large enough that
-/// the per-piece dispatch is noise.
-pub(crate) const PIECE: usize = 1 << 18;
+/// Elements per piece: small enough that one tensor of 128K–256K elements, as a per-tensor
+/// optimizer (burn's `ModuleOptimizer`) steps it alone, keeps two threads busy (with pieces of
+/// 2^18, 8-bit AdamW stepped a 256K tensor at 2.1 ns/param on two Zen 4 cores, 1.2 with 2^16),
+/// large enough that the per-piece dispatch is noise (1M to 64M within ±4%; `step_profile`,
+/// docs/BENCHMARKS.md), and the bookkeeping (about 0.9 KiB a piece) a rounding error.
+pub(crate) const PIECE: usize = 1 << 16;
 
 const NAME: &str = "cpu";
 
@@ -393,13 +395,16 @@ impl Backend for Cpu {
     }
 
     fn fits(&self, values: HostValues<'_>, limit: f32) -> Result<bool, BackendError> {
-        // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one).
+        // One vectorized pass on all threads (NaN and Inf patterns exceed every finite one), in
+        // chunks of a piece; a single chunk inline (no thread-pool dispatch for a small tensor).
         let limit = limit.abs().min(f32::MAX).to_bits();
+        let f32s = |c: &[f32]| lpmm_formats::simd::abs_max_bits(c) <= limit;
+        let bf16s = |c: &[lpmm_formats::bf16]| c.iter().all(|x| fits(x.to_f32(), limit));
         Ok(match values {
-            HostValues::F32(v) => v
-                .par_chunks(1 << 16)
-                .all(|c| lpmm_formats::simd::abs_max_bits(c) <= limit),
-            HostValues::Bf16(v) => v.par_iter().all(|x| fits(x.to_f32(), limit)),
+            HostValues::F32(v) if v.len() <= PIECE => f32s(v),
+            HostValues::F32(v) => v.par_chunks(PIECE).all(f32s),
+            HostValues::Bf16(v) if v.len() <= PIECE => bf16s(v),
+            HostValues::Bf16(v) => v.par_chunks(PIECE).all(bf16s),
         })
     }
 

@@ -528,8 +528,8 @@ pub(super) fn fold_all(
 
 /// Runs `f` on every parameter of a batch that steps, with its plan, its part of the released
 /// gradient and its lent buffer: those lpmm holds in parallel (each over its pieces in parallel
-/// too), then the lent ones one after another, each over its pieces in parallel. Allocates
-/// nothing.
+/// too; a lone one inline, over its pieces in parallel), then the lent ones one after another,
+/// each over its pieces in parallel. Allocates nothing.
 pub(super) fn for_stepping<F>(work: &mut StepWork<'_, '_, '_, Cpu>, f: F)
 where
     F: Fn(&mut CpuParam, &ParamLayout, &ParamStep, Option<HostValues<'_>>, Option<&mut [u8]>)
@@ -541,18 +541,39 @@ where
         Some((i, g)) if i == index => Some(g),
         _ => None,
     };
-    work.params
-        .par_iter_mut()
-        .zip(work.layouts.par_iter())
-        .zip(work.plans.par_iter())
-        .enumerate()
-        .for_each(|(i, ((param, layout), plan))| {
-            if let Some(plan) = plan
-                && !layout.lent
-            {
-                f(param, layout, plan, extra(i), None);
-            }
-        });
+    let held = |(i, ((param, layout), plan)): (
+        usize,
+        ((&mut CpuParam, &ParamLayout), &Option<ParamStep>),
+    )| {
+        if let Some(plan) = plan
+            && !layout.lent
+        {
+            f(param, layout, plan, extra(i), None);
+        }
+    };
+    let stepping = work
+        .layouts
+        .iter()
+        .zip(work.plans.iter())
+        .filter(|(layout, plan)| plan.is_some() && !layout.lent)
+        .count();
+    if stepping > 1 {
+        work.params
+            .par_iter_mut()
+            .zip(work.layouts.par_iter())
+            .zip(work.plans.par_iter())
+            .enumerate()
+            .for_each(held);
+    } else {
+        // One parameter (or none): its pieces are the parallel work, and a dispatch to the
+        // thread pool from outside it costs two context switches.
+        work.params
+            .iter_mut()
+            .zip(work.layouts.iter())
+            .zip(work.plans.iter())
+            .enumerate()
+            .for_each(held);
+    }
     for (id, buffer) in work.lent.iter_mut() {
         let i = id.index();
         if let Some(plan) = &work.plans[i] {
