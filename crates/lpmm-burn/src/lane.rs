@@ -99,18 +99,14 @@ pub(crate) mod cpu {
     /// chunks on every thread.
     #[cfg(feature = "flex")]
     fn private_copy(t: &burn_flex::FlexTensor) -> Result<burn_flex::FlexTensor, BurnError> {
-        fn copy<T: Copy + Default + Send + Sync>(from: &[T]) -> Vec<T> {
+        fn copy<T: Copy + Send + Sync>(from: &[T]) -> Vec<T> {
             use rayon::prelude::*;
             const CHUNK: usize = 1 << 16;
-            let mut to = vec![T::default(); from.len()];
             if from.len() <= CHUNK {
-                to.copy_from_slice(from);
-            } else {
-                to.par_chunks_mut(CHUNK)
-                    .zip(from.par_chunks(CHUNK))
-                    .for_each(|(to, from)| to.copy_from_slice(from));
+                return from.to_vec();
             }
-            to
+            // rayon writes each part of the new vector in place: no pass zeroing it first.
+            from.par_iter().copied().with_min_len(CHUNK).collect()
         }
         let (start, end) = t
             .layout()
