@@ -370,6 +370,13 @@ pub struct Run {
     pub lpmm_errors: u64,
 }
 
+/// The median of `gap` between consecutive values (NaN for fewer than two).
+fn median_gap<T: Copy>(values: &[T], gap: impl Fn(T, T) -> f64) -> f64 {
+    let mut gaps: Vec<f64> = values.windows(2).map(|w| gap(w[0], w[1])).collect();
+    gaps.sort_by(f64::total_cmp);
+    gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Trains one arm on `device` (burn's `backend`) in this process and reports.
 pub fn run(
     device: &Device,
@@ -401,25 +408,12 @@ pub fn run(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
-    let mut gaps: Vec<f64> = starts
-        .windows(2)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
-        .collect();
-    gaps.sort_by(f64::total_cmp);
-    let ms_per_step = gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN);
+    let ms_per_step = median_gap(&starts, |a, b| (b - a).as_secs_f64() * 1e3);
     let faults = STEP_FAULTS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
-    let mut fault_gaps: Vec<f64> = faults
-        .windows(2)
-        .map(|w| w[1].saturating_sub(w[0]) as f64)
-        .collect();
-    fault_gaps.sort_by(f64::total_cmp);
-    let faults_per_step = fault_gaps
-        .get(fault_gaps.len() / 2)
-        .copied()
-        .unwrap_or(f64::NAN);
+    let faults_per_step = median_gap(&faults, |a, b| b.saturating_sub(a) as f64);
     for h in &handles {
         eprintln!("lpmm: {:?}", h.stats());
     }
