@@ -541,38 +541,31 @@ where
         Some((i, g)) if i == index => Some(g),
         _ => None,
     };
-    let held = |(i, ((param, layout), plan)): (
-        usize,
-        ((&mut CpuParam, &ParamLayout), &Option<ParamStep>),
-    )| {
-        if let Some(plan) = plan
-            && !layout.lent
-        {
-            f(param, layout, plan, extra(i), None);
+    let mut held = (work.layouts.iter().zip(work.plans.iter()).enumerate())
+        .filter(|(_, (layout, plan))| plan.is_some() && !layout.lent)
+        .map(|(i, _)| i);
+    match (held.next(), held.next()) {
+        (None, _) => {}
+        // One parameter: its pieces are the parallel work, and a dispatch to the thread pool
+        // from outside it costs two context switches.
+        (Some(i), None) => {
+            if let Some(plan) = &work.plans[i] {
+                f(&mut work.params[i], &work.layouts[i], plan, extra(i), None);
+            }
         }
-    };
-    let stepping = work
-        .layouts
-        .iter()
-        .zip(work.plans.iter())
-        .filter(|(layout, plan)| plan.is_some() && !layout.lent)
-        .count();
-    if stepping > 1 {
-        work.params
+        _ => work
+            .params
             .par_iter_mut()
             .zip(work.layouts.par_iter())
             .zip(work.plans.par_iter())
             .enumerate()
-            .for_each(held);
-    } else {
-        // One parameter (or none): its pieces are the parallel work, and a dispatch to the
-        // thread pool from outside it costs two context switches.
-        work.params
-            .iter_mut()
-            .zip(work.layouts.iter())
-            .zip(work.plans.iter())
-            .enumerate()
-            .for_each(held);
+            .for_each(|(i, ((param, layout), plan))| {
+                if let Some(plan) = plan
+                    && !layout.lent
+                {
+                    f(param, layout, plan, extra(i), None);
+                }
+            }),
     }
     for (id, buffer) in work.lent.iter_mut() {
         let i = id.index();
