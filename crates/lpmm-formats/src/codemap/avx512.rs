@@ -298,8 +298,10 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
             unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) }
-        } else {
+        } else if self.grid.is_none() {
             self.decode_scaled_words(&codes[..n], &[scale], n, &mut out[..n])
+        } else {
+            0 // a uniform grid's values are computed, faster than looked up
         };
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
     }

@@ -212,7 +212,8 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
             // AVX-512 level) and VBMI.
             done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
-        } else if crate::simd::avx512() {
+        } else if crate::simd::avx512() && self.grid.is_none() {
+            // (A uniform grid's values are computed faster than looked up: the one-block kernel.)
             // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
             done = unsafe { self.decode_scaled_words(&codes[..n], scales, block, &mut out[..n]) };
         }
