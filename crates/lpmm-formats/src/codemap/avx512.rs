@@ -60,7 +60,10 @@ pub(super) fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usiz
 /// them for each map's codes).
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn grid_values16(k: std::arch::x86_64::__m512i, steps: f32) -> std::arch::x86_64::__m512 {
+pub(super) fn grid_values16(
+    k: std::arch::x86_64::__m512i,
+    steps: f32,
+) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let (a, b, rb) = (
         _mm512_cvtepi32_ps(k),
