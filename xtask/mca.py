@@ -27,12 +27,21 @@ CASES = {
     "nearest 8-bit code, VBMI (8-bit AdamW)": (
         "adamw_8bit_bf16", "vbmi",
         "lpmm_formats::codemap::vbmi::<impl lpmm_formats::codemap::CodeMap>::nearest_scaled_vbmi", 64),
-    "nearest 8-bit code, AVX-512 gathers (8-bit AdamW)": (
+    "nearest 8-bit code, AVX-512 word tables (8-bit AdamW)": (
         "adamw_8bit_bf16", "avx512",
-        "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::nearest_scaled_avx512", 16),
-    "nearest 8-bit code, AVX2 gathers (8-bit AdamW)": (
+        "lpmm_formats::codemap::words::<impl lpmm_formats::codemap::CodeMap>::nearest_scaled_words", 32),
+    "nearest 8-bit code, AVX2 scalar reads (8-bit AdamW)": (
         "adamw_8bit_bf16", "avx2",
         "lpmm_formats::codemap::avx2::<impl lpmm_formats::codemap::CodeMap>::nearest_scaled_avx2", 8),
+    "decode 8-bit code, VBMI (8-bit AdamW)": (
+        "adamw_8bit_bf16", "vbmi",
+        "lpmm_formats::codemap::vbmi::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_vbmi", 64),
+    "decode 8-bit code, AVX2 scalar reads (8-bit AdamW)": (
+        "adamw_8bit_bf16", "avx2",
+        "lpmm_formats::codemap::avx2::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_avx2", 8),
+    "decode 8-bit code, AVX-512 word tables (8-bit AdamW)": (
+        "adamw_8bit_bf16", "avx512",
+        "lpmm_formats::codemap::words::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_words", 32),
     "grid stochastic rounding, AVX-512 (LPMM-SGDM)": (
         "lpmm_sgdm", "avx512",
         "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::stochastic_scaled_avx512", 16),

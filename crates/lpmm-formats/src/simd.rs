@@ -118,15 +118,20 @@ pub fn vbmi() -> bool {
 #[inline]
 pub fn level() -> Level {
     match FORCED.load(Ordering::Relaxed) {
-        UNKNOWN => {
-            let from_env = std::env::var("LPMM_SIMD")
-                .ok()
-                .and_then(|v| Level::from_name(&v));
-            force(from_env);
-            level()
-        }
+        UNKNOWN => level_from_env(),
         code => Level::from_code(code),
     }
+}
+
+/// [`level`]'s first call: reads `LPMM_SIMD`. Out of line (and not recursive), so that the
+/// check every kernel call makes inlines into it.
+#[cold]
+#[inline(never)]
+fn level_from_env() -> Level {
+    let from_env = std::env::var("LPMM_SIMD")
+        .ok()
+        .and_then(|v| Level::from_name(&v));
+    force(from_env)
 }
 
 /// Runs the kernels of `level` (at most what the CPU supports) from now on, on every thread;

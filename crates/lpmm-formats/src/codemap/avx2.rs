@@ -1,4 +1,4 @@
-//! The AVX2 kernels (8 lanes, gathers from the scalar search's tables): nearest rounding,
+//! The AVX2 kernels (8 lanes; no gathers: tables are read lane by lane): nearest rounding,
 //! stochastic rounding on uniform grids (search-free, lanes it cannot take rounded by the
 //! scalar search) and decoding of one block, entered after run-time detection of AVX2 and FMA.
 
@@ -6,8 +6,10 @@ use super::CodeMap;
 use super::search::BUCKET_SHIFT;
 
 impl CodeMap {
-    /// [`CodeMap::nearest_scaled`] 8 elements at a time with AVX2 gathers: the bucket's start
-    /// code and each scan step read the same tables the scalar search reads.
+    /// [`CodeMap::nearest_scaled`] 8 elements at a time: the quotients divided as a vector, then
+    /// each lane's search ([`CodeMap::nearest`]) with scalar reads of the same tables. Scalar
+    /// reads rather than AVX2 gathers: a gather costs as much as its loads on every AVX2 part, and
+    /// several times more on Zen 2 and on Intel parts patched for GDS ("Downfall").
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn nearest_scaled_avx2(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         use std::arch::x86_64::*;
@@ -19,25 +21,39 @@ impl CodeMap {
         }
         let whole = n - n % 8;
         let divisor = _mm256_set1_ps(absmax);
-        let one = _mm256_set1_epi32(1);
+        // With one threshold per bucket (every shipped map), `nearest` without its bounds
+        // checks: a bucket (16 bits) always indexes `start`, a `u8` code always indexes the
+        // first 256 entries of `padded`. NaN falls in buckets whose count is 0, and `NaN <= y`
+        // is false, so NaN gives code 0 as in `nearest`.
+        let tables = (self.start.get(..1 << 16), self.padded.get(..256));
+        let one_step = match tables {
+            (Some(s), Some(t)) if self.scan == 1 => <&[u8; 1 << 16]>::try_from(s)
+                .ok()
+                .zip(<&[f32; 256]>::try_from(t).ok()),
+            _ => None,
+        };
+        let mut y = [0f32; 8];
         for i in (0..whole).step_by(8) {
-            // SAFETY: `i + 8 <= xs.len()`; the load is unaligned.
-            let y = _mm256_div_ps(unsafe { _mm256_loadu_ps(xs.as_ptr().add(i)) }, divisor);
-            let bucket = _mm256_srli_epi32::<{ BUCKET_SHIFT as i32 }>(_mm256_castps_si256(y));
-            // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
-            // so each 4-byte read stays inside it.
-            let g = unsafe { _mm256_i32gather_epi32::<1>(self.start.as_ptr().cast(), bucket) };
-            let mut c = _mm256_and_si256(g, _mm256_set1_epi32(0xFF));
-            for _ in 0..self.scan {
-                // SAFETY: as in `nearest`: `c` never exceeds `thresholds.len() + steps so far`,
-                // and `padded` holds `scan` entries past the thresholds.
-                let t = unsafe { _mm256_i32gather_ps::<4>(self.padded.as_ptr(), c) };
-                let le = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(t, y));
-                c = _mm256_add_epi32(c, _mm256_and_si256(le, one));
+            // SAFETY: `i + 8 <= xs.len()`; the load is unaligned. `y` is 8 f32; the store is
+            // unaligned.
+            unsafe {
+                let q = _mm256_div_ps(_mm256_loadu_ps(xs.as_ptr().add(i)), divisor);
+                _mm256_storeu_ps(y.as_mut_ptr(), q);
             }
-            // NaN gives code 0, as in `nearest`.
-            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
-            store_codes8(_mm256_andnot_si256(nan, c), &mut out[i..i + 8]);
+            let out = &mut out[i..i + 8];
+            match one_step {
+                Some((start, thresholds)) => {
+                    for (o, &y) in out.iter_mut().zip(&y) {
+                        let c = start[(y.to_bits() >> BUCKET_SHIFT) as usize];
+                        *o = c + u8::from(thresholds[usize::from(c)] <= y);
+                    }
+                }
+                None => {
+                    for (o, &y) in out.iter_mut().zip(&y) {
+                        *o = self.nearest(y);
+                    }
+                }
+            }
         }
         self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
     }
@@ -111,9 +127,8 @@ impl CodeMap {
         // The grid's values `f32(c - origin) / f32(steps)`, computed (the same bits as the value
         // table: `uniform_grid` checks every one) rather than gathered: faster here.
         let o = _mm256_set1_epi32(origin);
-        let l = _mm256_set1_ps(steps);
-        let lo_v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, o)), l);
-        let hi_v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, o)), l);
+        let lo_v = grid_values8(_mm256_sub_epi32(lo, o), steps);
+        let hi_v = grid_values8(_mm256_sub_epi32(hi, o), steps);
         let top = _mm256_cmpeq_epi32(lo, last);
         let at_or_above = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(lo_v, y));
         let below_next = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(y, hi_v));
@@ -134,12 +149,28 @@ impl CodeMap {
         true
     }
 
-    /// [`CodeMap::decode_scaled`] 8 codes at a time with AVX2 gathers of the values (computed
-    /// on a uniform grid).
+    /// [`CodeMap::decode_scaled`] 8 codes at a time on a uniform grid (the values computed);
+    /// another map's values are read one by one (as in [`CodeMap::nearest_scaled_avx2`], not
+    /// gathered).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn decode_scaled_avx2(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
+        let Some((o, l)) = self.grid else {
+            // Eight reads (loads into lanes) and one vector multiplication a group.
+            let table = &*self.lookup;
+            let (codes, out) = (&codes[..n], &mut out[..n]);
+            for (o, c) in out.chunks_exact_mut(8).zip(codes.chunks_exact(8)) {
+                for j in 0..8 {
+                    o[j] = table[usize::from(c[j])] * scale;
+                }
+            }
+            let whole = n - n % 8;
+            for (o, &c) in out[whole..].iter_mut().zip(&codes[whole..]) {
+                *o = table[usize::from(c)] * scale;
+            }
+            return;
+        };
         let whole = n - n % 8;
         let last = _mm256_set1_epi32(self.values.len() as i32 - 1);
         let s = _mm256_set1_ps(scale);
@@ -149,20 +180,29 @@ impl CodeMap {
             // SAFETY: `c8` is 16 bytes; the load is unaligned.
             let c8 = unsafe { _mm_loadu_si128(c8.as_ptr().cast()) };
             let c = _mm256_min_epu32(_mm256_cvtepu8_epi32(c8), last);
-            let v = match self.grid {
-                // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
-                Some((o, l)) => _mm256_div_ps(
-                    _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(o))),
-                    _mm256_set1_ps(l),
-                ),
-                // SAFETY: every index is clamped to `values.len() - 1`.
-                None => unsafe { _mm256_i32gather_ps::<4>(self.values.as_ptr(), c) },
-            };
+            // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
+            let v = grid_values8(_mm256_sub_epi32(c, _mm256_set1_epi32(o)), l);
             // SAFETY: `i + 8 <= out.len()`; the store is unaligned.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s)) };
         }
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
+}
+
+/// `search::grid_value` of 8 lanes: a uniform grid's values `f32(k) / steps` without a division
+/// (the IEEE quotient's bits for `|k| <= 255` and whole `steps` in 1..=255; `uniform_grid` checks
+/// them for each map's codes).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn grid_values8(k: std::arch::x86_64::__m256i, steps: f32) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let (a, b, rb) = (
+        _mm256_cvtepi32_ps(k),
+        _mm256_set1_ps(steps),
+        _mm256_set1_ps(1.0 / steps),
+    );
+    let q0 = _mm256_mul_ps(a, rb);
+    _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q0, a), rb, q0)
 }
 
 /// `x as u32` (Rust's saturating conversion) of 8 lanes in `[0, 2^32]`: `vcvttps2dq` below 2^31,

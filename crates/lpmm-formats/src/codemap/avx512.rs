@@ -1,7 +1,7 @@
 //! The AVX-512 F/BW/VL kernels (16 lanes, gathers from the scalar search's tables): nearest and
 //! stochastic rounding (search-free on uniform grids) and decoding of one block, the
 //! register-table nearest rounding of maps of at most 16 values, and the lane helpers the VBMI
-//! kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
+//! and word-table kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;
@@ -55,20 +55,40 @@ pub(super) fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usiz
     Some(len.min(scales.len().saturating_mul(block)))
 }
 
+/// `search::grid_value` of 16 lanes: a uniform grid's values `f32(k) / steps` without a division
+/// (the IEEE quotient's bits for `|k| <= 255` and whole `steps` in 1..=255; `uniform_grid` checks
+/// them for each map's codes).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn grid_values16(
+    k: std::arch::x86_64::__m512i,
+    steps: f32,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let (a, b, rb) = (
+        _mm512_cvtepi32_ps(k),
+        _mm512_set1_ps(steps),
+        _mm512_set1_ps(1.0 / steps),
+    );
+    let q0 = _mm512_mul_ps(a, rb);
+    _mm512_fmadd_ps(_mm512_fnmadd_ps(b, q0, a), rb, q0)
+}
+
 impl CodeMap {
     /// [`CodeMap::nearest_scaled`] sixteen elements at a time: the bucket's start and each scan
     /// step are gathers from the same tables the scalar search reads, so the codes are the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn nearest_scaled_avx512(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         let n = xs.len().min(out.len());
-        let mut done = 0;
-        if self.values.len() <= 16 {
-            done = self.nearest_small_avx512(&xs[..n], &[absmax], n, &mut out[..n]);
+        let done = if self.values.len() <= 16 {
+            self.nearest_small_avx512(&xs[..n], &[absmax], n, &mut out[..n])
         } else if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
-            done = unsafe { self.nearest_scaled_vbmi(&xs[..n], &[absmax], n, &mut out[..n]) };
-        }
+            unsafe { self.nearest_scaled_vbmi(&xs[..n], &[absmax], n, &mut out[..n]) }
+        } else {
+            self.nearest_scaled_words(&xs[..n], &[absmax], n, &mut out[..n])
+        };
         self.nearest_scaled_gather(&xs[done..n], absmax, &mut out[done..n]);
     }
 
@@ -135,7 +155,7 @@ impl CodeMap {
     /// from the same tables the scalar search reads, so the codes are the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
-    fn nearest_lanes(&self, y: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    pub(super) fn nearest_lanes(&self, y: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
         use std::arch::x86_64::*;
         let bucket = _mm512_srli_epi32::<{ BUCKET_SHIFT }>(_mm512_castps_si512(y));
         // SAFETY: buckets are < 2^16 and `start` holds 2^16 entries plus 3 bytes of padding,
@@ -258,9 +278,8 @@ impl CodeMap {
         // The grid's values `f32(c - origin) / f32(steps)`, computed (the same bits as the value
         // table: `uniform_grid` checks every one) rather than gathered: faster here.
         let o = _mm512_set1_epi32(origin);
-        let l = _mm512_set1_ps(steps);
-        let lo_v = _mm512_div_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, o)), l);
-        let hi_v = _mm512_div_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, o)), l);
+        let lo_v = grid_values16(_mm512_sub_epi32(lo, o), steps);
+        let hi_v = grid_values16(_mm512_sub_epi32(hi, o), steps);
         let top = _mm512_cmpeq_epi32_mask(lo, last);
         let at_or_above = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(lo_v, y);
         let below_next = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y, hi_v);
@@ -278,12 +297,15 @@ impl CodeMap {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn decode_scaled_avx512(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
         let n = codes.len().min(out.len());
-        let mut done = 0;
-        if crate::simd::vbmi() {
+        let done = if crate::simd::vbmi() {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
-            done = unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) };
-        }
+            unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) }
+        } else if self.grid.is_none() {
+            self.decode_scaled_words(&codes[..n], &[scale], n, &mut out[..n])
+        } else {
+            0 // a uniform grid's values are computed, faster than looked up
+        };
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
     }
 
@@ -302,10 +324,7 @@ impl CodeMap {
             let c = _mm512_min_epu32(_mm512_cvtepu8_epi32(c8), last);
             let v = match self.grid {
                 // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
-                Some((o, l)) => _mm512_div_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(o))),
-                    _mm512_set1_ps(l),
-                ),
+                Some((o, l)) => grid_values16(_mm512_sub_epi32(c, _mm512_set1_epi32(o)), l),
                 // SAFETY: every index is clamped to `values.len() - 1`.
                 None => unsafe { _mm512_i32gather_ps::<4>(c, self.values.as_ptr()) },
             };

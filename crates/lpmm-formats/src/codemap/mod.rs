@@ -10,8 +10,9 @@
 //! [`CodeMap::encode`] here; the anchors' maps in `anchors.rs`; the search tables (thresholds,
 //! buckets, the key table, byte planes, the uniform grid) and the scalar search that defines
 //! every kernel's bits in `search.rs`; the slice kernels in `slices.rs`, which pick a SIMD
-//! kernel at run time: `avx2.rs` (8 lanes), `avx512.rs` (16 lanes, gathers) and `vbmi.rs` (64
-//! lanes, tables in registers). `tests.rs` holds every kernel to the portable loops' bits.
+//! kernel at run time: `avx2.rs` (8 lanes), `avx512.rs` (16 lanes, gathers), `words.rs` (32
+//! lanes, word tables in registers, without VBMI) and `vbmi.rs` (64 lanes, byte tables in
+//! registers). `tests.rs` holds every kernel to the portable loops' bits.
 
 mod anchors;
 #[cfg(target_arch = "x86_64")]
@@ -24,8 +25,12 @@ mod slices;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod vbmi;
+#[cfg(target_arch = "x86_64")]
+mod words;
 
-use search::{BUCKET_SHIFT, KeyTable, bucket_range, byte_planes, threshold, uniform_grid};
+use search::{
+    BUCKET_SHIFT, KeyTable, bucket_range, byte_planes, threshold, uniform_grid, word_planes,
+};
 
 use crate::error::FormatError;
 use crate::float::Rounding;
@@ -43,8 +48,12 @@ pub struct CodeMap {
     /// The most thresholds any bucket holds: `nearest` takes this many branch-free steps.
     scan: usize,
     /// `thresholds` followed by `scan` NaNs, so the steps never leave the table (`NaN <= y` is
-    /// false for every `y`).
+    /// false for every `y`), and by more NaNs up to 256 entries, so that any `u8` code indexes
+    /// it.
     padded: Box<[f32]>,
+    /// The value of every `u8` code (entries past the end repeat the last value): what
+    /// [`CodeMap::value`] reads, and the AVX2 decoder lane by lane.
+    lookup: Box<[f32; 256]>,
     /// The values' bytes as four planes of 256 entries (byte `p` of entry `c` at `256 p + c`;
     /// entries past the end repeat the last value, as [`CodeMap::value`] reads them): the
     /// AVX-512 VBMI decoder looks values up from registers instead of gathering them.
@@ -53,6 +62,13 @@ pub struct CodeMap {
     /// (every map whose buckets hold at most one threshold): the VBMI stochastic rounding
     /// looks thresholds up from registers. Empty otherwise.
     threshold_planes: Box<[u8]>,
+    /// The values' 16-bit halves as two planes of 256 entries (half `h` of entry `c` at
+    /// `256 h + c`; entries past the end repeat the last value): the AVX-512 kernels without
+    /// VBMI look values up from registers with word permutes.
+    words: Box<[u16]>,
+    /// `padded` as two word planes (entries past it are NaN), when it fits, as
+    /// `threshold_planes`. Empty otherwise.
+    threshold_words: Box<[u16]>,
     /// `Some((o, l))` when the map is a uniform grid: `values[c] == f32(c - o) / f32(l)` (one
     /// f32 division) for every code, as [`CodeMap::linear_signed`] (`o = l`) and
     /// [`CodeMap::linear_unsigned`] (`o = 0`) build them. The VBMI stochastic rounding then
@@ -140,19 +156,21 @@ impl CodeMap {
             // Three bytes of padding: the AVX-512 kernel gathers 4 bytes at each entry.
             .chain([0; 3])
             .collect();
-        let padded: Box<[f32]> = thresholds
-            .iter()
-            .copied()
-            .chain(std::iter::repeat_n(f32::NAN, scan))
-            .collect();
+        let fits = thresholds.len() + scan <= 256;
+        let mut padded = thresholds.to_vec();
+        padded.resize((thresholds.len() + scan).max(256), f32::NAN);
         let last = values[values.len() - 1];
         let planes = byte_planes(values, last);
-        let threshold_planes = if padded.len() <= 256 {
-            byte_planes(&padded, f32::NAN)
+        let (threshold_planes, threshold_words) = if fits {
+            (
+                byte_planes(&padded, f32::NAN),
+                word_planes(&padded, f32::NAN),
+            )
         } else {
-            Box::default()
+            (Box::default(), Box::default())
         };
-        // The key table serves the VBMI nearest kernel, which also reads `threshold_planes`.
+        // The key table serves the register-table nearest kernels, which also read
+        // `threshold_planes` (VBMI) or `threshold_words`.
         let keys = if scan == 1 && !threshold_planes.is_empty() {
             KeyTable::new(&thresholds)
         } else {
@@ -166,9 +184,14 @@ impl CodeMap {
             thresholds,
             start,
             scan,
-            padded,
+            padded: padded.into(),
+            lookup: Box::new(std::array::from_fn(|c| {
+                values.get(c).copied().unwrap_or(last)
+            })),
+            words: word_planes(values, last),
             planes,
             threshold_planes,
+            threshold_words,
         })
     }
 
@@ -195,7 +218,7 @@ impl CodeMap {
     /// The value of `code`; codes past the end decode as the last value.
     #[inline]
     pub fn value(&self, code: u8) -> f32 {
-        self.values[usize::from(code).min(self.values.len() - 1)]
+        self.lookup[usize::from(code)]
     }
 
     /// Rounds `y` to a code with the given rounding.

@@ -1,5 +1,5 @@
 //! The search tables of a map, built once from its values: the decision thresholds, the 64 KiB
-//! bucket table, the VBMI kernel's key table, byte planes of values and thresholds, the uniform
+//! bucket table, the vector kernels' key table, byte and word planes of values and thresholds, the uniform
 //! grid; and the scalar nearest and stochastic rounding that define every kernel's bits.
 
 use super::CodeMap;
@@ -88,6 +88,19 @@ pub(super) fn byte_planes(table: &[f32], fill: f32) -> Box<[u8]> {
         .collect()
 }
 
+/// The low and high 16-bit halves of 256 entries of `table` (`f32` bit patterns; entries past
+/// the end read `fill`): half `h` of entry `c` at `256 h + c`.
+pub(super) fn word_planes(table: &[f32], fill: f32) -> Box<[u16]> {
+    (0..2)
+        .flat_map(|h| {
+            (0..256).map(move |c: usize| {
+                let v = table.get(c).copied().unwrap_or(fill);
+                (v.to_bits() >> (16 * h)) as u16
+            })
+        })
+        .collect()
+}
+
 /// `Some((o, l))` if `values[c] == f32(c - o) / f32(l)` for every code `c`, with `l` the
 /// number of steps from the origin code `o` (the code of 0) to the last (see `CodeMap::grid`).
 pub(super) fn uniform_grid(values: &[f32]) -> Option<(i32, f32)> {
@@ -97,11 +110,25 @@ pub(super) fn uniform_grid(values: &[f32]) -> Option<(i32, f32)> {
         return None;
     }
     let (o, l) = (i32::try_from(origin).ok()?, steps as f32);
-    let on_grid = values
-        .iter()
-        .enumerate()
-        .all(|(c, &v)| v.to_bits() == ((c as i32 - o) as f32 / l).to_bits());
+    // The vector kernels compute the values as `grid_value` does: a map where that gave another
+    // bit than the division (none: a test checks every grid a map can have) would take the
+    // kernels' table paths instead.
+    let on_grid = values.iter().enumerate().all(|(c, &v)| {
+        let k = c as i32 - o;
+        v.to_bits() == (k as f32 / l).to_bits() && v.to_bits() == grid_value(k, l).to_bits()
+    });
     on_grid.then_some((o, l))
+}
+
+/// A uniform grid's value `f32(k) / steps` as the vector kernels compute it, without a division:
+/// `q0 = RN(k r)` with `r = RN(1 / steps)`, then one correction with the exact remainder `k -
+/// steps q0` (Markstein's; docs/FORMATS.md, "Exact shortcuts of the CUDA specialized steps", has
+/// the argument). The IEEE quotient's bits for every `|k| <= 255` and whole `steps` in 1..=255
+/// (test `grid_values_by_reciprocal_are_the_quotients`).
+pub(super) fn grid_value(k: i32, steps: f32) -> f32 {
+    let (a, r) = (k as f32, 1.0 / steps);
+    let q0 = a * r;
+    (-steps).mul_add(q0, a).mul_add(r, q0)
 }
 
 /// Buckets are the top `1 + 8 + BUCKET_MANTISSA_BITS` bits of an f32: sign, exponent and the

@@ -154,6 +154,9 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
             // AVX-512 level) and VBMI.
             done = unsafe { self.nearest_scaled_vbmi(&xs[..n], absmax, block, &mut out[..n]) };
+        } else if crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
+            done = unsafe { self.nearest_scaled_words(&xs[..n], absmax, block, &mut out[..n]) };
         }
         for (k, r) in blocks_from(done, n, block) {
             self.nearest_scaled(&xs[r.clone()], absmax[k], &mut out[r]);
@@ -209,6 +212,10 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
             // AVX-512 level) and VBMI.
             done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
+        } else if crate::simd::avx512() && self.grid.is_none() {
+            // (A uniform grid's values are computed faster than looked up: the one-block kernel.)
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
+            done = unsafe { self.decode_scaled_words(&codes[..n], scales, block, &mut out[..n]) };
         }
         for (k, r) in blocks_from(done, n, block) {
             self.decode_scaled(&codes[r.clone()], scales[k], &mut out[r]);

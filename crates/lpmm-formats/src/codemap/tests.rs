@@ -1,8 +1,6 @@
 //! Every map against its anchor and the brute-force nearest code, and every SIMD kernel against
 //! the portable loops, bit for bit.
 
-#[cfg(target_arch = "x86_64")]
-use super::vbmi::load_planes;
 use super::*;
 
 #[test]
@@ -168,6 +166,33 @@ fn vector_kernels_equal_the_portable_ones() {
                 let small = m.values.len() <= 16;
                 assert_eq!(done, if small { xs.len() / 16 * 16 } else { 0 });
                 assert_eq!(a[..done], b[..done], "register-table nearest, {m:?}");
+                // The word-table kernels (AVX-512 without VBMI) on their own.
+                b.fill(0xAA);
+                // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                let done = unsafe { m.nearest_scaled_words(&xs, &[absmax], xs.len(), &mut b) };
+                assert_eq!(
+                    done,
+                    if m.keys.is_some() {
+                        xs.len() / 32 * 32
+                    } else {
+                        0
+                    }
+                );
+                assert_eq!(
+                    a[..done],
+                    b[..done],
+                    "word-table nearest, {m:?}, absmax {absmax}"
+                );
+                db.fill(f32::NAN);
+                // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+                let done =
+                    unsafe { m.decode_scaled_words(&codes, &[absmax], codes.len(), &mut db) };
+                assert_eq!(done, codes.len() / 32 * 32);
+                assert_eq!(
+                    bits_of(&da[..done]),
+                    bits_of(&db[..done]),
+                    "word-table decode"
+                );
                 // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
                 unsafe { m.stochastic_scaled_gather(&xs, absmax, &bits, &mut sb) };
                 assert_eq!(sa, sb, "gather stochastic, {m:?}, absmax {absmax}");
@@ -265,8 +290,6 @@ fn uniform_grids_round_stochastically_without_a_search() {
             }
             // The search-free path itself: it takes a group of values in range and hands a
             // group with a NaN, or with an estimate rounded across an integer, to the search.
-            // SAFETY: AVX-512 F was detected on this CPU.
-            let values = unsafe { load_planes(&map.planes) };
             let (o, steps) = grid.unwrap();
             let take = |lanes: &[f32]| {
                 let y = std::array::from_fn(|m| {
@@ -275,7 +298,7 @@ fn uniform_grids_round_stochastically_without_a_search() {
                 });
                 let mut out = [0u8; 64];
                 // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
-                unsafe { map.stochastic_grid64(&values, o, steps, y, &bits[..64], &mut out) }
+                unsafe { map.stochastic_grid64(o, steps, y, &bits[..64], &mut out) }
             };
             assert!(take(&xs[..64]), "{map:?}: values in range");
             let mut nan = xs[..64].to_vec();
@@ -417,7 +440,12 @@ fn run_of_blocks_kernels_equal_block_by_block() {
                 m.stochastic_scaled_portable(x, a, b, &mut want.1[r.clone()]);
                 m.decode_scaled_portable(&codes[r.clone()], a, &mut want.2[r]);
             }
-            for level in [Level::Portable, Level::Avx2, Level::Avx512] {
+            for level in [
+                Level::Portable,
+                Level::Avx2,
+                Level::Avx512,
+                Level::Avx512Vbmi,
+            ] {
                 force(Some(level));
                 let mut got = (vec![0xAAu8; n], vec![0xAAu8; n], vec![f32::NAN; n]);
                 m.nearest_blocks(&xs, &scales, block, &mut got.0);
@@ -498,8 +526,8 @@ fn keyed_nearest_equals_nearest_on_every_bucket() {
     let dense = CodeMap::from_values(8, &[0.5, 0.5f32.next_up(), 0.5f32.next_up().next_up()]);
     assert!(dense.unwrap().keys.is_none());
     #[cfg(target_arch = "x86_64")]
-    if !std::is_x86_feature_detected!("avx512vbmi") {
-        eprintln!("no AVX-512 VBMI on this CPU: the keyed kernel did not run");
+    if crate::simd::detected() < crate::simd::Level::Avx512 {
+        eprintln!("no AVX-512 on this CPU: the keyed kernels did not run");
         return;
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -523,14 +551,56 @@ fn keyed_nearest_equals_nearest_on_every_bucket() {
             ys.extend([t.next_down(), t, t.next_up()]);
         }
         ys.resize(ys.len().div_ceil(64) * 64, 0.25);
-        let mut out = vec![0u8; ys.len()];
+        let check = |out: &[u8], kernel: &str| {
+            for (&y, &c) in ys.iter().zip(out) {
+                assert_eq!(
+                    c,
+                    m.nearest(y),
+                    "{kernel} {m:?}: y {y} ({:#010x})",
+                    y.to_bits()
+                );
+            }
+        };
+        let mut out = vec![0xAAu8; ys.len()];
+        // SAFETY: AVX-512 F/BW/VL were detected on this CPU.
+        let done = unsafe { m.nearest_scaled_words(&ys, &[1.0], ys.len(), &mut out) };
+        assert_eq!(done, ys.len());
+        check(&out, "word tables");
+        if !std::is_x86_feature_detected!("avx512vbmi") {
+            eprintln!("no AVX-512 VBMI on this CPU: its keyed kernel did not run");
+            continue;
+        }
+        out.fill(0xAA);
         // SAFETY: AVX-512 F/BW/VL and VBMI were detected on this CPU.
         let done = unsafe { m.nearest_scaled_vbmi(&ys, &[1.0], ys.len(), &mut out) };
         assert_eq!(done, ys.len());
-        for (&y, &c) in ys.iter().zip(&out) {
-            assert_eq!(c, m.nearest(y), "{m:?}: y {y} ({:#010x})", y.to_bits());
+        check(&out, "VBMI");
+    }
+}
+
+/// The grid values the vector kernels compute by a reciprocal and one correction are the IEEE
+/// quotients for every numerator and step count a grid of at most 256 codes can have, and for
+/// the extremes of each (a failure here would only send such a map to the table paths:
+/// `uniform_grid` checks its codes).
+#[test]
+fn grid_values_by_reciprocal_are_the_quotients() {
+    let mut pairs = 0;
+    for steps in 1..=255 {
+        let l = steps as f32;
+        for k in -255..=255 {
+            let (want, got) = (k as f32 / l, super::search::grid_value(k, l));
+            assert_eq!(got.to_bits(), want.to_bits(), "{k} / {steps}");
+            pairs += 1;
         }
     }
+    assert_eq!(pairs, 255 * 511);
+    // A plain product by the reciprocal is not the quotient for every pair: the correction is
+    // what makes it exact.
+    let off = (1..=255)
+        .flat_map(|s| (-255..=255).map(move |k| (k, s as f32)))
+        .filter(|&(k, l)| (k as f32 * (1.0 / l)).to_bits() != (k as f32 / l).to_bits())
+        .count();
+    assert!(off > 0);
 }
 
 #[test]

@@ -1,10 +1,10 @@
 //! The AVX-512 VBMI kernels (64 lanes; the value and threshold tables held in registers as
 //! byte planes and looked up with `vpermi2b`, only the bucket table gathered): nearest and
-//! stochastic rounding (with a search-free path for uniform grids) and decoding over runs of
-//! blocks. Entered after run-time detection of AVX-512 F/BW/VL and VBMI.
+//! stochastic rounding (with a search-free path for uniform grids, their values computed) and
+//! decoding over runs of blocks. Entered after run-time detection of AVX-512 F/BW/VL and VBMI.
 
 use super::CodeMap;
-use super::avx512::{lanes_for, quotient_lanes, stochastic_step};
+use super::avx512::{grid_values16, lanes_for, quotient_lanes, stochastic_step};
 use super::search::{BUCKET_SHIFT, KeyTable};
 use super::slices::BlockOf;
 
@@ -399,9 +399,9 @@ impl CodeMap {
 
     /// [`CodeMap::stochastic_scaled_vbmi`] on a uniform grid (`CodeMap::grid`): 64 lanes at a
     /// time without a search ([`CodeMap::stochastic_grid64`]); the rare groups it hands over
-    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Only the
-    /// value table is held in registers. Returns how many leading elements it rounded (a
-    /// multiple of 64); `xs` holds at most what `lanes_for` allows.
+    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Returns how
+    /// many leading elements it rounded (a multiple of 64); `xs` holds at most what `lanes_for`
+    /// allows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
     fn stochastic_grid_vbmi(
@@ -416,11 +416,10 @@ impl CodeMap {
     ) -> usize {
         use std::arch::x86_64::*;
         let whole = xs.len() - xs.len() % 64;
-        let values = load_planes(&self.planes);
         for i in (0..whole).step_by(64) {
             let y = quotients64(&xs[i..i + 64], scales, i, block);
             // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
-            if !self.stochastic_grid64(&values, origin, steps, y, &bits[i..], &mut out[i..]) {
+            if !self.stochastic_grid64(origin, steps, y, &bits[i..], &mut out[i..]) {
                 let mut lanes = [0f32; 64];
                 for (m, y) in y.into_iter().enumerate() {
                     // SAFETY: `16 m + 16 <= 64`; the store is unaligned.
@@ -445,7 +444,6 @@ impl CodeMap {
     #[inline]
     pub(super) fn stochastic_grid64(
         &self,
-        values: &[[std::arch::x86_64::__m512i; 4]; 4],
         origin: i32,
         steps: f32,
         y: [std::arch::x86_64::__m512; 4],
@@ -468,8 +466,11 @@ impl CodeMap {
         });
         let hi: [__m512i; 4] =
             std::array::from_fn(|m| _mm512_min_epi32(_mm512_add_epi32(lo[m], one), last));
-        let lo_v = lookup64(values, pack_codes(lo));
-        let hi_v = lookup64(values, pack_codes(hi));
+        // The grid's values computed (`grid_values16`, the value table's bits): faster than
+        // looking them up from the byte tables.
+        let o = _mm512_set1_epi32(origin);
+        let lo_v = lo.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
+        let hi_v = hi.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
         let mut ok = true;
         let mut top = [0; 4];
         for m in 0..4 {
