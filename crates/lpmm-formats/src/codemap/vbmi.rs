@@ -7,6 +7,7 @@ use super::CodeMap;
 use super::avx512::{grid_values16, lanes_for, quotient_lanes, stochastic_step};
 use super::search::{BUCKET_SHIFT, KeyTable};
 use super::slices::BlockOf;
+use super::words::bucket_keys;
 
 /// The quotients `x / scale` of the 64 elements `xs` (at most 64 of them are read), which start
 /// at element `start` of a run whose element `j` uses `scales[j / block]` (16 lanes share one
@@ -150,38 +151,10 @@ impl KeyLanes {
         y: [std::arch::x86_64::__m512; 4],
     ) -> Option<std::arch::x86_64::__m512i> {
         use std::arch::x86_64::*;
-        let bits = y.map(|y| _mm512_castps_si512(y));
-        // The top 16 bits of each lane (sign, exponent, 7 mantissa bits), 32 lanes a register.
-        let odd: [i16; 32] = std::array::from_fn(|j| 2 * j as i16 + 1);
-        // SAFETY: `odd` is 32 i16; the load is unaligned.
-        let odd = unsafe { _mm512_loadu_si512(odd.as_ptr().cast()) };
-        let h = [
-            _mm512_permutex2var_epi16(bits[0], odd, bits[1]),
-            _mm512_permutex2var_epi16(bits[2], odd, bits[3]),
+        let keys = [
+            bucket_keys(&self.meta, [y[0], y[1]])?,
+            bucket_keys(&self.meta, [y[2], y[3]])?,
         ];
-        let magnitude = h.map(|h| _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF)));
-        // |y| < 2: exponent at most 127.
-        let outside = _mm512_cmpge_epu16_mask(magnitude[0], _mm512_set1_epi16(0x4000))
-            | _mm512_cmpge_epu16_mask(magnitude[1], _mm512_set1_epi16(0x4000));
-        if outside != 0 {
-            return None;
-        }
-        let keys: [__m512i; 2] = std::array::from_fn(|r| {
-            // sign << 5 | (exponent & 31), the exponent 0 for magnitudes below 2^-30.
-            let index = _mm512_ternarylogic_epi32::<0xCA>(
-                _mm512_set1_epi16(0x20),
-                _mm512_srli_epi16::<10>(h[r]),
-                _mm512_srli_epi16::<7>(h[r]),
-            );
-            let tiny = _mm512_cmplt_epu16_mask(magnitude[r], _mm512_set1_epi16(97 << 7));
-            let sign = _mm512_and_si512(index, _mm512_set1_epi16(0x20));
-            let index = _mm512_mask_mov_epi16(index, tiny, sign);
-            let meta = _mm512_permutex2var_epi16(self.meta[0], index, self.meta[1]);
-            let shift = _mm512_srli_epi16::<12>(meta);
-            let base = _mm512_and_si512(meta, _mm512_set1_epi16(0xFFF));
-            let mantissa = _mm512_and_si512(h[r], _mm512_set1_epi16(0x7F));
-            _mm512_add_epi16(base, _mm512_srlv_epi16(mantissa, shift))
-        });
         // The keys' low bytes (table index) and their bits from 7 up (which half).
         let even: [u8; 64] = std::array::from_fn(|j| 2 * j as u8);
         // SAFETY: `even` is 64 bytes; the load is unaligned.

@@ -67,6 +67,40 @@ fn lookup32(halves: &[WordTable; 2], index: __m512i) -> [__m512i; 2] {
     ]
 }
 
+/// The [`KeyTable`] keys of 32 lanes `y` (two registers of 16) as 32 words in order, from the
+/// table's metadata in registers (`meta`: its 64 words); `None` if a lane is not below 2 in
+/// magnitude (NaN and ±Inf included), which the key table does not cover. Shared by the
+/// word-table and the VBMI kernels.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(super) fn bucket_keys(meta: &[__m512i; 2], y: [__m512; 2]) -> Option<__m512i> {
+    use std::arch::x86_64::*;
+    // The top 16 bits of each lane (sign, exponent, 7 mantissa bits).
+    let odd: [i16; 32] = std::array::from_fn(|j| 2 * j as i16 + 1);
+    // SAFETY: `odd` is 32 i16; the load is unaligned.
+    let odd = unsafe { _mm512_loadu_si512(odd.as_ptr().cast()) };
+    let h = _mm512_permutex2var_epi16(_mm512_castps_si512(y[0]), odd, _mm512_castps_si512(y[1]));
+    let magnitude = _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF));
+    // |y| < 2: exponent at most 127.
+    if _mm512_cmpge_epu16_mask(magnitude, _mm512_set1_epi16(0x4000)) != 0 {
+        return None;
+    }
+    // sign << 5 | (exponent & 31), the exponent 0 for magnitudes below 2^-30.
+    let index = _mm512_ternarylogic_epi32::<0xCA>(
+        _mm512_set1_epi16(0x20),
+        _mm512_srli_epi16::<10>(h),
+        _mm512_srli_epi16::<7>(h),
+    );
+    let tiny = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(97 << 7));
+    let sign = _mm512_and_si512(index, _mm512_set1_epi16(0x20));
+    let index = _mm512_mask_mov_epi16(index, tiny, sign);
+    let meta = _mm512_permutex2var_epi16(meta[0], index, meta[1]);
+    let shift = _mm512_srli_epi16::<12>(meta);
+    let base = _mm512_and_si512(meta, _mm512_set1_epi16(0xFFF));
+    let mantissa = _mm512_and_si512(h, _mm512_set1_epi16(0x7F));
+    Some(_mm512_add_epi16(base, _mm512_srlv_epi16(mantissa, shift)))
+}
+
 /// A [`KeyTable`] in registers as word tables: the bucket metadata (64 words, two registers)
 /// and the bucket counts as 256 words of two counts each (zeros past the table).
 struct KeyWords {
@@ -98,31 +132,7 @@ impl KeyWords {
     #[inline]
     fn nearest(&self, thresholds: &[WordTable; 2], y: [__m512; 2]) -> Option<__m512i> {
         use std::arch::x86_64::*;
-        // The top 16 bits of each lane (sign, exponent, 7 mantissa bits).
-        let odd: [i16; 32] = std::array::from_fn(|j| 2 * j as i16 + 1);
-        // SAFETY: `odd` is 32 i16; the load is unaligned.
-        let odd = unsafe { _mm512_loadu_si512(odd.as_ptr().cast()) };
-        let h =
-            _mm512_permutex2var_epi16(_mm512_castps_si512(y[0]), odd, _mm512_castps_si512(y[1]));
-        let magnitude = _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF));
-        // |y| < 2: exponent at most 127.
-        if _mm512_cmpge_epu16_mask(magnitude, _mm512_set1_epi16(0x4000)) != 0 {
-            return None;
-        }
-        // sign << 5 | (exponent & 31), the exponent 0 for magnitudes below 2^-30.
-        let index = _mm512_ternarylogic_epi32::<0xCA>(
-            _mm512_set1_epi16(0x20),
-            _mm512_srli_epi16::<10>(h),
-            _mm512_srli_epi16::<7>(h),
-        );
-        let tiny = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(97 << 7));
-        let sign = _mm512_and_si512(index, _mm512_set1_epi16(0x20));
-        let index = _mm512_mask_mov_epi16(index, tiny, sign);
-        let meta = _mm512_permutex2var_epi16(self.meta[0], index, self.meta[1]);
-        let shift = _mm512_srli_epi16::<12>(meta);
-        let base = _mm512_and_si512(meta, _mm512_set1_epi16(0xFFF));
-        let mantissa = _mm512_and_si512(h, _mm512_set1_epi16(0x7F));
-        let key = _mm512_add_epi16(base, _mm512_srlv_epi16(mantissa, shift));
+        let key = bucket_keys(&self.meta, y)?;
         // Count `key` is byte `key & 1` of word `key >> 1`.
         let pair = lookup_words(&self.starts, _mm512_srli_epi16::<1>(key));
         let odd_byte = _mm512_slli_epi16::<3>(_mm512_and_si512(key, _mm512_set1_epi16(1)));
