@@ -8,8 +8,8 @@ use super::search::BUCKET_SHIFT;
 impl CodeMap {
     /// [`CodeMap::nearest_scaled`] 8 elements at a time: the quotients divided as a vector, then
     /// each lane's search ([`CodeMap::nearest`]) with scalar reads of the same tables. Scalar
-    /// reads rather than AVX2 gathers: a gather costs as much as its loads on every AVX2 part, and
-    /// several times more on Zen 2 and on Intel parts patched for GDS ("Downfall").
+    /// reads rather than AVX2 gathers: a gather costs at least its loads on every AVX2 part, more
+    /// on Zen 2 (microcoded) and on Intel parts whose microcode mitigates GDS ("Downfall").
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn nearest_scaled_avx2(&self, xs: &[f32], absmax: f32, out: &mut [u8]) {
         use std::arch::x86_64::*;

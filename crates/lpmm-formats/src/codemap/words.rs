@@ -3,8 +3,8 @@
 //! with `vpermi2w` (AVX-512 BW) instead of gathered: nearest rounding from the key table and
 //! decoding, over runs of blocks. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
 //!
-//! A gather costs a load per lane (and on Intel parts patched for GDS, "Downfall", several times
-//! more); a lookup from registers costs four permutes and three blends per 32 words of a
+//! A gather costs at least a load per lane (more on Intel parts whose microcode mitigates GDS,
+//! "Downfall"); a lookup from registers costs four permutes and three blends per 32 words of a
 //! 256-entry plane, whatever the indices.
 
 use super::CodeMap;
