@@ -1,6 +1,7 @@
 //! The search tables of a map, built once from its values: the decision thresholds, the 64 KiB
-//! bucket table, the vector kernels' key table, byte and word planes of values and thresholds, the uniform
-//! grid; and the scalar nearest and stochastic rounding that define every kernel's bits.
+//! bucket table, the vector kernels' key table, byte and word planes of values and thresholds,
+//! the uniform grid and its values without a division; and the scalar nearest and stochastic
+//! rounding that define every kernel's bits.
 
 use super::CodeMap;
 
