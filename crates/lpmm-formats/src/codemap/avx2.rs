@@ -1,6 +1,7 @@
 //! The AVX2 kernels (8 lanes; no gathers: tables are read lane by lane): nearest rounding,
 //! stochastic rounding on uniform grids (search-free, lanes it cannot take rounded by the
-//! scalar search) and decoding of one block, entered after run-time detection of AVX2 and FMA.
+//! scalar search) and decoding, of one block and (on uniform grids) of runs of blocks, entered
+//! after run-time detection of AVX2 and FMA.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;

@@ -1,7 +1,8 @@
 //! The AVX-512 F/BW/VL kernels (16 lanes, gathers from the scalar search's tables): nearest and
 //! stochastic rounding (search-free on uniform grids) and decoding of one block, the
-//! register-table nearest rounding of maps of at most 16 values, and the lane helpers the VBMI
-//! and word-table kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
+//! register-table nearest rounding of maps of at most 16 values, uniform grids' stochastic
+//! rounding (64 lanes) and decoding over runs of blocks, and the lane helpers the VBMI and
+//! word-table kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;

@@ -1,7 +1,8 @@
 //! The AVX-512 VBMI kernels (64 lanes; the value and threshold tables held in registers as
 //! byte planes and looked up with `vpermi2b`, only the bucket table gathered): nearest and
-//! stochastic rounding (with a search-free path for uniform grids, their values computed) and
-//! decoding over runs of blocks. Entered after run-time detection of AVX-512 F/BW/VL and VBMI.
+//! stochastic rounding and decoding over runs of blocks (uniform grids' stochastic rounding is
+//! `avx512.rs`'s 64-lane kernel, which needs no byte permutes). Entered after run-time detection
+//! of AVX-512 F/BW/VL and VBMI.
 
 use super::CodeMap;
 use super::avx512::{lanes_for, quotients64, stochastic_step};
