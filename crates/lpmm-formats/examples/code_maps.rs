@@ -1,18 +1,18 @@
 //! The code-map kernels alone, at every SIMD level this CPU has: nearest rounding onto
 //! bitsandbytes' signed and unsigned 8-bit dynamic maps (an 8-bit AdamW step's two encodes),
 //! decoding from them, and stochastic rounding onto the signed 8-bit linear map and decoding from
-//! it (LPMM-SGDM's), over 64K roughly normal values in blocks of 256, each block divided by its
-//! absmax. Prints the best of nine timings of 200 passes, in ns per element, one thread.
+//! it (LPMM-SGDM's), over 64K roughly normal values in blocks of 256 (or the block size given as
+//! the argument: LPMM-SGDM's is 64), each block divided by its absmax. Prints the best of nine
+//! timings of 200 passes, in ns per element, one thread.
 //!
 //! ```sh
 //! cargo run --release -p lpmm-formats --example code_maps
+//! cargo run --release -p lpmm-formats --example code_maps -- 64
 //! ```
 
 use lpmm_formats::CodeMap;
 use lpmm_formats::simd::{self, Level};
 use std::time::Instant;
-
-const BLOCK: usize = 256;
 
 fn best(n: usize, mut f: impl FnMut()) -> f64 {
     (0..9)
@@ -26,14 +26,24 @@ fn best(n: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::MAX, f64::min)
 }
 
-fn absmax(values: &[f32]) -> Vec<f32> {
+fn absmax(values: &[f32], block: usize) -> Vec<f32> {
     values
-        .chunks(BLOCK)
+        .chunks(block)
         .map(|c| c.iter().fold(0f32, |m, x| m.max(x.abs())))
         .collect()
 }
 
 fn main() -> Result<(), lpmm_formats::FormatError> {
+    let block: usize = match std::env::args().nth(1) {
+        Some(a) => match a.parse() {
+            Ok(b) if b > 0 => b,
+            _ => {
+                eprintln!("usage: code_maps [block size > 0]");
+                std::process::exit(2);
+            }
+        },
+        None => 256,
+    };
     let n = 1 << 16;
     // xorshift64: the same inputs every run.
     let mut state = 0x1234_5678_9ABC_DEF0u64;
@@ -53,7 +63,7 @@ fn main() -> Result<(), lpmm_formats::FormatError> {
         .collect();
     let squares: Vec<f32> = xs.iter().map(|x| x * x).collect();
     let bits: Vec<u32> = (0..n).map(|_| next() as u32).collect();
-    let (x_max, sq_max) = (absmax(&xs), absmax(&squares));
+    let (x_max, sq_max) = (absmax(&xs, block), absmax(&squares, block));
     let signed = CodeMap::dynamic(true, 8)?;
     let unsigned = CodeMap::dynamic(false, 8)?;
     let linear = CodeMap::linear_signed(8)?;
@@ -76,23 +86,23 @@ fn main() -> Result<(), lpmm_formats::FormatError> {
     let kernels: Vec<(&str, Kernel)> = vec![
         (
             "nearest, unsigned dynamic",
-            Box::new(|c, _| unsigned.nearest_blocks(&squares, &sq_max, BLOCK, c)),
+            Box::new(|c, _| unsigned.nearest_blocks(&squares, &sq_max, block, c)),
         ),
         (
             "nearest, signed dynamic",
-            Box::new(|c, _| signed.nearest_blocks(&xs, &x_max, BLOCK, c)),
+            Box::new(|c, _| signed.nearest_blocks(&xs, &x_max, block, c)),
         ),
         (
             "decode, signed dynamic",
-            Box::new(|c, o| signed.decode_blocks(c, &x_max, BLOCK, o)),
+            Box::new(|c, o| signed.decode_blocks(c, &x_max, block, o)),
         ),
         (
             "stochastic, signed linear",
-            Box::new(|c, _| linear.stochastic_blocks(&xs, &x_max, BLOCK, &bits, c)),
+            Box::new(|c, _| linear.stochastic_blocks(&xs, &x_max, block, &bits, c)),
         ),
         (
             "decode, signed linear",
-            Box::new(|c, o| linear.decode_blocks(c, &x_max, BLOCK, o)),
+            Box::new(|c, o| linear.decode_blocks(c, &x_max, block, o)),
         ),
     ];
     for (name, mut kernel) in kernels {

@@ -1,6 +1,7 @@
 //! The AVX2 kernels (8 lanes; no gathers: tables are read lane by lane): nearest rounding,
 //! stochastic rounding on uniform grids (search-free, lanes it cannot take rounded by the
-//! scalar search) and decoding of one block, entered after run-time detection of AVX2 and FMA.
+//! scalar search) and decoding, of one block and (on uniform grids) of runs of blocks, entered
+//! after run-time detection of AVX2 and FMA.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;
@@ -58,9 +59,9 @@ impl CodeMap {
         self.nearest_scaled_portable(&xs[whole..n], absmax, &mut out[whole..n]);
     }
 
-    /// [`CodeMap::stochastic_scaled`] 8 elements at a time: on a uniform grid
-    /// ([`CodeMap::stochastic_grid8`]) without a search; a group it hands over, and every group
-    /// of another map, lane by lane by [`CodeMap::stochastic`] from the same quotients.
+    /// [`CodeMap::stochastic_scaled`] 8 elements at a time on a uniform grid
+    /// ([`CodeMap::stochastic_blocks_avx2`] with one scale); another map's elements lane by lane
+    /// by [`CodeMap::stochastic`].
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn stochastic_scaled_avx2(
         &self,
@@ -69,33 +70,67 @@ impl CodeMap {
         bits: &[u32],
         out: &mut [u8],
     ) {
-        use std::arch::x86_64::*;
         let n = xs.len().min(out.len()).min(bits.len());
-        let Some((origin, steps)) = self.grid.filter(|_| absmax != 0.0) else {
-            self.stochastic_scaled_portable(xs, absmax, bits, out);
-            return;
+        let done = if n > 0 {
+            self.stochastic_blocks_avx2(&xs[..n], &[absmax], n, &bits[..n], &mut out[..n])
+        } else {
+            0
         };
-        let whole = n - n % 8;
-        let divisor = _mm256_set1_ps(absmax);
-        for i in (0..whole).step_by(8) {
-            // SAFETY: `i + 8 <= xs.len()`; the load is unaligned.
-            let y = _mm256_div_ps(unsafe { _mm256_loadu_ps(xs.as_ptr().add(i)) }, divisor);
-            if !self.stochastic_grid8(origin, steps, y, &bits[i..i + 8], &mut out[i..i + 8]) {
-                let mut lanes = [0f32; 8];
-                // SAFETY: `lanes` is 8 f32; the store is unaligned.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
-                for (j, &y) in lanes.iter().enumerate() {
-                    out[i + j] = self.stochastic(y, bits[i + j]);
-                }
-            }
-        }
-        let rest = whole..n;
+        let rest = done..n;
         self.stochastic_scaled_portable(
             &xs[rest.clone()],
             absmax,
             &bits[rest.clone()],
             &mut out[rest],
         );
+    }
+
+    /// [`CodeMap::stochastic_blocks`] on a uniform grid (`CodeMap::grid`), 8 elements at a
+    /// time: each block's quotients divided as a vector (zeros where its scale is 0), then
+    /// [`CodeMap::stochastic_grid8`]; a group it hands over is rounded lane by lane by
+    /// [`CodeMap::stochastic`] from the same quotients. One call for a run of blocks (the
+    /// constants stay in registers). Returns how many leading elements it rounded (whole groups
+    /// of 8; none for another map, or blocks that are not a multiple of 8 long).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn stochastic_blocks_avx2(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let Some((origin, steps)) = self.grid else {
+            return 0;
+        };
+        let Some(whole) = groups_of_8(xs.len().min(out.len()).min(bits.len()), scales, block)
+        else {
+            return 0;
+        };
+        for (k, &a) in scales.iter().enumerate() {
+            let start = k * block;
+            if start >= whole {
+                break;
+            }
+            let divisor = _mm256_set1_ps(a);
+            // All ones where the scale is nonzero: a scale of 0 gives quotients of +0.
+            let keep = _mm256_cmp_ps::<_CMP_NEQ_UQ>(divisor, _mm256_setzero_ps());
+            for i in (start..(start + block).min(whole)).step_by(8) {
+                // SAFETY: `i + 8 <= whole <= xs.len()`; the load is unaligned.
+                let x = unsafe { _mm256_loadu_ps(xs.as_ptr().add(i)) };
+                let y = _mm256_and_ps(_mm256_div_ps(x, divisor), keep);
+                if !self.stochastic_grid8(origin, steps, y, &bits[i..i + 8], &mut out[i..i + 8]) {
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: `lanes` is 8 f32; the store is unaligned.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
+                    for (j, &y) in lanes.iter().enumerate() {
+                        out[i + j] = self.stochastic(y, bits[i + j]);
+                    }
+                }
+            }
+        }
+        whole
     }
 
     /// [`CodeMap::stochastic`] of 8 lanes `y` with draws `bits[..8]` into `out[..8]` on a
@@ -154,9 +189,8 @@ impl CodeMap {
     /// gathered).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn decode_scaled_avx2(&self, codes: &[u8], scale: f32, out: &mut [f32]) {
-        use std::arch::x86_64::*;
         let n = codes.len().min(out.len());
-        let Some((o, l)) = self.grid else {
+        if self.grid.is_none() {
             // Eight reads (loads into lanes) and one vector multiplication a group.
             let table = &*self.lookup;
             let (codes, out) = (&codes[..n], &mut out[..n]);
@@ -170,23 +204,60 @@ impl CodeMap {
                 *o = table[usize::from(c)] * scale;
             }
             return;
-        };
-        let whole = n - n % 8;
-        let last = _mm256_set1_epi32(self.values.len() as i32 - 1);
-        let s = _mm256_set1_ps(scale);
-        for i in (0..whole).step_by(8) {
-            let mut c8 = [0u8; 16];
-            c8[..8].copy_from_slice(&codes[i..i + 8]);
-            // SAFETY: `c8` is 16 bytes; the load is unaligned.
-            let c8 = unsafe { _mm_loadu_si128(c8.as_ptr().cast()) };
-            let c = _mm256_min_epu32(_mm256_cvtepu8_epi32(c8), last);
-            // A uniform grid's values, computed (the value table's bits: see `uniform_grid`).
-            let v = grid_values8(_mm256_sub_epi32(c, _mm256_set1_epi32(o)), l);
-            // SAFETY: `i + 8 <= out.len()`; the store is unaligned.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s)) };
         }
-        self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
+        let done = self.decode_blocks_avx2(&codes[..n], &[scale], n.max(1), &mut out[..n]);
+        self.decode_scaled_portable(&codes[done..n], scale, &mut out[done..n]);
     }
+
+    /// [`CodeMap::decode_blocks`] on a uniform grid (`CodeMap::grid`), 8 codes at a time, the
+    /// values computed (the value table's bits: see `uniform_grid`). One call for a run of
+    /// blocks. Returns how many leading values it wrote (whole groups of 8; none for another
+    /// map, or blocks that are not a multiple of 8 long).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn decode_blocks_avx2(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        block: usize,
+        out: &mut [f32],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let Some((o, l)) = self.grid else {
+            return 0;
+        };
+        let Some(whole) = groups_of_8(codes.len().min(out.len()), scales, block) else {
+            return 0;
+        };
+        let last = _mm256_set1_epi32(self.values.len() as i32 - 1);
+        let origin = _mm256_set1_epi32(o);
+        for (k, &scale) in scales.iter().enumerate() {
+            let start = k * block;
+            if start >= whole {
+                break;
+            }
+            let s = _mm256_set1_ps(scale);
+            for i in (start..(start + block).min(whole)).step_by(8) {
+                // SAFETY: `i + 8 <= whole <= codes.len()`; the load reads 8 bytes.
+                let c8 = unsafe { _mm_loadl_epi64(codes.as_ptr().add(i).cast()) };
+                let c = _mm256_min_epu32(_mm256_cvtepu8_epi32(c8), last);
+                let v = grid_values8(_mm256_sub_epi32(c, origin), l);
+                // SAFETY: `i + 8 <= whole <= out.len()`; the store is unaligned.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s)) };
+            }
+        }
+        whole
+    }
+}
+
+/// How many leading elements of `len` an 8-lane run-of-blocks kernel (element `j` scaled by
+/// `scales[j / block]`) takes: the whole groups of 8 among those with a scale, if no group
+/// straddles two blocks (`block` a multiple of 8); `None` otherwise.
+fn groups_of_8(len: usize, scales: &[f32], block: usize) -> Option<usize> {
+    if block == 0 || !block.is_multiple_of(8) && scales.len() > 1 {
+        return None;
+    }
+    let n = len.min(scales.len().saturating_mul(block));
+    Some(n - n % 8)
 }
 
 /// `search::grid_value` of 8 lanes: a uniform grid's values `f32(k) / steps` without a division

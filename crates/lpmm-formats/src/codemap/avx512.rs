@@ -1,7 +1,8 @@
 //! The AVX-512 F/BW/VL kernels (16 lanes, gathers from the scalar search's tables): nearest and
 //! stochastic rounding (search-free on uniform grids) and decoding of one block, the
-//! register-table nearest rounding of maps of at most 16 values, and the lane helpers the VBMI
-//! and word-table kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
+//! register-table nearest rounding of maps of at most 16 values, uniform grids' stochastic
+//! rounding (64 lanes) and decoding over runs of blocks, and the lane helpers the VBMI and
+//! word-table kernels share. Entered after run-time detection of AVX-512 F/BW/VL/DQ.
 
 use super::CodeMap;
 use super::search::BUCKET_SHIFT;
@@ -53,6 +54,25 @@ pub(super) fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usiz
         return None;
     }
     Some(len.min(scales.len().saturating_mul(block)))
+}
+
+/// The quotients `x / scale` of the 64 elements `xs` (at most 64 of them are read), which start
+/// at element `start` of a run whose element `j` uses `scales[j / block]` (16 lanes share one
+/// scale: see `lanes_for`), as four registers of 16.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn quotients64(
+    xs: &[f32],
+    scales: &[f32],
+    start: usize,
+    block: usize,
+) -> [std::arch::x86_64::__m512; 4] {
+    use std::arch::x86_64::*;
+    let at = BlockOf::new(block);
+    std::array::from_fn(|m| {
+        let a = scales[at.of(start + 16 * m)];
+        quotient_lanes(&xs[16 * m..16 * m + 16], a, _mm512_set1_ps(a))
+    })
 }
 
 /// `search::grid_value` of 16 lanes: a uniform grid's values `f32(k) / steps` without a division
@@ -192,6 +212,8 @@ impl CodeMap {
             done = unsafe {
                 self.stochastic_scaled_vbmi(&xs[..n], &[absmax], n, &bits[..n], &mut out[..n])
             };
+        } else if n > 0 {
+            done = self.stochastic_blocks_avx512(&xs[..n], &[absmax], n, &bits[..n], &mut out[..n]);
         }
         self.stochastic_scaled_gather(&xs[done..n], absmax, &bits[done..n], &mut out[done..n]);
     }
@@ -304,9 +326,50 @@ impl CodeMap {
         } else if self.grid.is_none() {
             self.decode_scaled_words(&codes[..n], &[scale], n, &mut out[..n])
         } else {
-            0 // a uniform grid's values are computed, faster than looked up
+            // A uniform grid's values are computed, faster than looked up.
+            self.decode_grid_runs(&codes[..n], &[scale], n.max(1), &mut out[..n])
         };
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::decode_blocks`] on a uniform grid (`CodeMap::grid`), 16 codes at a time, the
+    /// values computed (the value table's bits: see `uniform_grid`). One call for a run of
+    /// blocks. Returns how many leading values it wrote (whole groups of 16; none for another
+    /// map, or blocks that are not a multiple of 16 long).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn decode_grid_runs(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        block: usize,
+        out: &mut [f32],
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let Some((o, l)) = self.grid else {
+            return 0;
+        };
+        let Some(n) = lanes_for(codes.len().min(out.len()), scales, block) else {
+            return 0;
+        };
+        let whole = n - n % 16;
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let origin = _mm512_set1_epi32(o);
+        for (k, &scale) in scales.iter().enumerate() {
+            let start = k * block;
+            if start >= whole {
+                break;
+            }
+            let s = _mm512_set1_ps(scale);
+            for i in (start..(start + block).min(whole)).step_by(16) {
+                // SAFETY: `i + 16 <= whole <= codes.len()`; the load is unaligned.
+                let c8 = unsafe { _mm_loadu_si128(codes.as_ptr().add(i).cast()) };
+                let c = _mm512_min_epu32(_mm512_cvtepu8_epi32(c8), last);
+                let v = grid_values16(_mm512_sub_epi32(c, origin), l);
+                // SAFETY: `i + 16 <= whole <= out.len()`; the store is unaligned.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
+            }
+        }
+        whole
     }
 
     /// [`CodeMap::decode_scaled`] 16 codes at a time, gathering the values (computing them on a
@@ -332,5 +395,127 @@ impl CodeMap {
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s)) };
         }
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
+    }
+
+    /// [`CodeMap::stochastic_blocks`] at the AVX-512 level: on a uniform grid the run-of-blocks
+    /// kernel [`CodeMap::stochastic_grid_runs`]. Returns how many leading elements it rounded
+    /// (none for another map: the one-block kernels take them).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn stochastic_blocks_avx512(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> usize {
+        let Some((origin, steps)) = self.grid else {
+            return 0;
+        };
+        let Some(n) = lanes_for(xs.len().min(out.len()).min(bits.len()), scales, block) else {
+            return 0;
+        };
+        self.stochastic_grid_runs(&xs[..n], scales, block, bits, out, origin, steps)
+    }
+
+    /// [`CodeMap::stochastic_blocks`] on a uniform grid (`CodeMap::grid`), for the AVX-512 and
+    /// VBMI levels (it needs no byte permutes): 64 lanes at a time without a search ([`CodeMap::stochastic_grid64`]); the rare groups it hands over
+    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Returns how
+    /// many leading elements it rounded (a multiple of 64); `xs` holds at most what `lanes_for`
+    /// allows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn stochastic_grid_runs(
+        &self,
+        xs: &[f32],
+        scales: &[f32],
+        block: usize,
+        bits: &[u32],
+        out: &mut [u8],
+        origin: i32,
+        steps: f32,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let whole = xs.len() - xs.len() % 64;
+        for i in (0..whole).step_by(64) {
+            let y = quotients64(&xs[i..i + 64], scales, i, block);
+            // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
+            if !self.stochastic_grid64(origin, steps, y, &bits[i..], &mut out[i..]) {
+                let mut lanes = [0f32; 64];
+                for (m, y) in y.into_iter().enumerate() {
+                    // SAFETY: `16 m + 16 <= 64`; the store is unaligned.
+                    unsafe { _mm512_storeu_ps(lanes[16 * m..].as_mut_ptr(), y) };
+                }
+                for (j, &y) in lanes.iter().enumerate() {
+                    out[i + j] = self.stochastic(y, bits[i + j]);
+                }
+            }
+        }
+        whole
+    }
+
+    /// [`CodeMap::stochastic`] of 64 lanes `y` with draws `bits[..64]` into `out[..64]` on a
+    /// uniform grid (`CodeMap::grid`), without a search: the lower code is estimated as
+    /// `floor(y * steps) + origin` (clamped to the codes) and kept only if its value is `<= y`
+    /// and the next value (if any) is `> y`, which makes it the largest code whose value is
+    /// `<= y`, the `lo` of [`CodeMap::stochastic`]. Writes nothing and returns false if that
+    /// check fails in any lane (NaN, values off the grid's range, or a product `y * steps`
+    /// rounded across an integer); the caller then searches.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    pub(super) fn stochastic_grid64(
+        &self,
+        origin: i32,
+        steps: f32,
+        y: [std::arch::x86_64::__m512; 4],
+        bits: &[u32],
+        out: &mut [u8],
+    ) -> bool {
+        use std::arch::x86_64::*;
+        assert!(bits.len() >= 64 && out.len() >= 64, "64 lanes");
+        let zero = _mm512_setzero_si512();
+        let one = _mm512_set1_epi32(1);
+        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
+        let as_ps = _mm512_castsi512_ps;
+        let lo: [__m512i; 4] = std::array::from_fn(|m| {
+            let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(y[m], _mm512_set1_ps(steps)),
+            );
+            // Out-of-range products convert to i32::MIN; the clamp and the check catch them.
+            let c = _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(origin));
+            _mm512_min_epi32(_mm512_max_epi32(c, zero), last)
+        });
+        let hi: [__m512i; 4] =
+            std::array::from_fn(|m| _mm512_min_epi32(_mm512_add_epi32(lo[m], one), last));
+        // The grid's values computed (`grid_values16`, the value table's bits): faster than
+        // looking them up from the byte tables.
+        let o = _mm512_set1_epi32(origin);
+        let lo_v = lo.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
+        let hi_v = hi.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
+        let mut ok = true;
+        let mut top = [0; 4];
+        for m in 0..4 {
+            top[m] = _mm512_cmpeq_epi32_mask(lo[m], last);
+            let at_or_above = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(as_ps(lo_v[m]), y[m]);
+            let below_next = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y[m], as_ps(hi_v[m]));
+            ok &= at_or_above & (below_next | top[m]) == 0xFFFF;
+        }
+        if !ok {
+            return false;
+        }
+        for m in 0..4 {
+            let (lo_v, hi_v) = (as_ps(lo_v[m]), as_ps(hi_v[m]));
+            // SAFETY: `16 m + 16 <= 64 <= bits.len()` (asserted); the load is unaligned.
+            let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(16 * m).cast()) };
+            let code = stochastic_step(y[m], lo[m], lo_v, hi_v, top[m], r);
+            // SAFETY: `16 m + 16 <= 64 <= out.len()` (asserted); the store is unaligned.
+            unsafe {
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(16 * m).cast(),
+                    _mm512_cvtepi32_epi8(code),
+                )
+            };
+        }
+        true
     }
 }

@@ -10,9 +10,9 @@
 //! here; the anchors' maps in `anchors.rs`; the search tables (thresholds, buckets, the key table,
 //! byte and word planes, the uniform grid) and the scalar search that defines every kernel's bits
 //! in `search.rs`; the slice kernels in `slices.rs`, which pick a SIMD kernel at run time:
-//! `avx2.rs` (8 lanes), `avx512.rs` (16 lanes, gathers), `words.rs` (32 lanes, word tables in
-//! registers, without VBMI) and `vbmi.rs` (64 lanes, byte tables in registers). `tests.rs` holds
-//! every kernel to the portable loops' bits.
+//! `avx2.rs` (8 lanes), `avx512.rs` (16 lanes, gathers; 64 lanes on uniform grids), `words.rs`
+//! (32 lanes, word tables in registers, without VBMI) and `vbmi.rs` (64 lanes, byte tables in
+//! registers). `tests.rs` holds every kernel to the portable loops' bits.
 
 mod anchors;
 #[cfg(target_arch = "x86_64")]

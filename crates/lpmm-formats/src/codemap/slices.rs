@@ -190,6 +190,16 @@ impl CodeMap {
             done = unsafe {
                 self.stochastic_scaled_vbmi(&xs[..n], absmax, block, &bits[..n], &mut out[..n])
             };
+        } else if crate::simd::avx512() {
+            // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
+            done = unsafe {
+                self.stochastic_blocks_avx512(&xs[..n], absmax, block, &bits[..n], &mut out[..n])
+            };
+        } else if crate::simd::level() == crate::simd::Level::Avx2 {
+            // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
+            done = unsafe {
+                self.stochastic_blocks_avx2(&xs[..n], absmax, block, &bits[..n], &mut out[..n])
+            };
         }
         for (k, r) in blocks_from(done, n, block) {
             let (x, b) = (&xs[r.clone()], &bits[r.clone()]);
@@ -212,10 +222,18 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 F/BW/VL (the
             // AVX-512 level) and VBMI.
             done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
-        } else if crate::simd::avx512() && self.grid.is_none() {
-            // (A uniform grid's values are computed faster than looked up: the one-block kernel.)
+        } else if crate::simd::avx512() {
             // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
-            done = unsafe { self.decode_scaled_words(&codes[..n], scales, block, &mut out[..n]) };
+            done = unsafe {
+                match self.grid {
+                    // A uniform grid's values are computed, faster than looked up.
+                    Some(_) => self.decode_grid_runs(&codes[..n], scales, block, &mut out[..n]),
+                    None => self.decode_scaled_words(&codes[..n], scales, block, &mut out[..n]),
+                }
+            };
+        } else if crate::simd::level() == crate::simd::Level::Avx2 {
+            // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
+            done = unsafe { self.decode_blocks_avx2(&codes[..n], scales, block, &mut out[..n]) };
         }
         for (k, r) in blocks_from(done, n, block) {
             self.decode_scaled(&codes[r.clone()], scales[k], &mut out[r]);

@@ -1,32 +1,14 @@
 //! The AVX-512 VBMI kernels (64 lanes; the value and threshold tables held in registers as
 //! byte planes and looked up with `vpermi2b`, only the bucket table gathered): nearest and
-//! stochastic rounding (with a search-free path for uniform grids, their values computed) and
-//! decoding over runs of blocks. Entered after run-time detection of AVX-512 F/BW/VL and VBMI.
+//! stochastic rounding and decoding over runs of blocks (uniform grids' stochastic rounding is
+//! `avx512.rs`'s 64-lane kernel, which needs no byte permutes). Entered after run-time detection
+//! of AVX-512 F/BW/VL and VBMI.
 
 use super::CodeMap;
-use super::avx512::{grid_values16, lanes_for, quotient_lanes, stochastic_step};
+use super::avx512::{lanes_for, quotients64, stochastic_step};
 use super::search::{BUCKET_SHIFT, KeyTable};
 use super::slices::BlockOf;
 use super::words::bucket_keys;
-
-/// The quotients `x / scale` of the 64 elements `xs` (at most 64 of them are read), which start
-/// at element `start` of a run whose element `j` uses `scales[j / block]` (16 lanes share one
-/// scale: see `lanes_for`), as four registers of 16.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn quotients64(
-    xs: &[f32],
-    scales: &[f32],
-    start: usize,
-    block: usize,
-) -> [std::arch::x86_64::__m512; 4] {
-    use std::arch::x86_64::*;
-    let at = BlockOf::new(block);
-    std::array::from_fn(|m| {
-        let a = scales[at.of(start + 16 * m)];
-        quotient_lanes(&xs[16 * m..16 * m + 16], a, _mm512_set1_ps(a))
-    })
-}
 
 /// The 16 registers of a 256-entry byte-plane table (`planes`: 4 x 256 bytes, see
 /// `CodeMap::planes`): `[p][q]` holds entries `64 q .. 64 q + 64` of plane `p`.
@@ -302,7 +284,7 @@ impl CodeMap {
             return 0;
         };
         if let Some((origin, steps)) = self.grid {
-            return self.stochastic_grid_vbmi(&xs[..n], scales, block, bits, out, origin, steps);
+            return self.stochastic_grid_runs(&xs[..n], scales, block, bits, out, origin, steps);
         }
         if self.scan != 1 || self.threshold_planes.is_empty() {
             return 0;
@@ -368,106 +350,5 @@ impl CodeMap {
             }
         }
         whole
-    }
-
-    /// [`CodeMap::stochastic_scaled_vbmi`] on a uniform grid (`CodeMap::grid`): 64 lanes at a
-    /// time without a search ([`CodeMap::stochastic_grid64`]); the rare groups it hands over
-    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Returns how
-    /// many leading elements it rounded (a multiple of 64); `xs` holds at most what `lanes_for`
-    /// allows.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-    #[allow(clippy::too_many_arguments)]
-    fn stochastic_grid_vbmi(
-        &self,
-        xs: &[f32],
-        scales: &[f32],
-        block: usize,
-        bits: &[u32],
-        out: &mut [u8],
-        origin: i32,
-        steps: f32,
-    ) -> usize {
-        use std::arch::x86_64::*;
-        let whole = xs.len() - xs.len() % 64;
-        for i in (0..whole).step_by(64) {
-            let y = quotients64(&xs[i..i + 64], scales, i, block);
-            // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
-            if !self.stochastic_grid64(origin, steps, y, &bits[i..], &mut out[i..]) {
-                let mut lanes = [0f32; 64];
-                for (m, y) in y.into_iter().enumerate() {
-                    // SAFETY: `16 m + 16 <= 64`; the store is unaligned.
-                    unsafe { _mm512_storeu_ps(lanes[16 * m..].as_mut_ptr(), y) };
-                }
-                for (j, &y) in lanes.iter().enumerate() {
-                    out[i + j] = self.stochastic(y, bits[i + j]);
-                }
-            }
-        }
-        whole
-    }
-
-    /// [`CodeMap::stochastic`] of 64 lanes `y` with draws `bits[..64]` into `out[..64]` on a
-    /// uniform grid (`CodeMap::grid`), without a search: the lower code is estimated as
-    /// `floor(y * steps) + origin` (clamped to the codes) and kept only if its value is `<= y`
-    /// and the next value (if any) is `> y`, which makes it the largest code whose value is
-    /// `<= y`, the `lo` of [`CodeMap::stochastic`]. Writes nothing and returns false if that
-    /// check fails in any lane (NaN, values off the grid's range, or a product `y * steps`
-    /// rounded across an integer); the caller then searches.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-    #[inline]
-    pub(super) fn stochastic_grid64(
-        &self,
-        origin: i32,
-        steps: f32,
-        y: [std::arch::x86_64::__m512; 4],
-        bits: &[u32],
-        out: &mut [u8],
-    ) -> bool {
-        use std::arch::x86_64::*;
-        assert!(bits.len() >= 64 && out.len() >= 64, "64 lanes");
-        let zero = _mm512_setzero_si512();
-        let one = _mm512_set1_epi32(1);
-        let last = _mm512_set1_epi32(self.values.len() as i32 - 1);
-        let as_ps = _mm512_castsi512_ps;
-        let lo: [__m512i; 4] = std::array::from_fn(|m| {
-            let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
-                _mm512_mul_ps(y[m], _mm512_set1_ps(steps)),
-            );
-            // Out-of-range products convert to i32::MIN; the clamp and the check catch them.
-            let c = _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(origin));
-            _mm512_min_epi32(_mm512_max_epi32(c, zero), last)
-        });
-        let hi: [__m512i; 4] =
-            std::array::from_fn(|m| _mm512_min_epi32(_mm512_add_epi32(lo[m], one), last));
-        // The grid's values computed (`grid_values16`, the value table's bits): faster than
-        // looking them up from the byte tables.
-        let o = _mm512_set1_epi32(origin);
-        let lo_v = lo.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
-        let hi_v = hi.map(|c| _mm512_castps_si512(grid_values16(_mm512_sub_epi32(c, o), steps)));
-        let mut ok = true;
-        let mut top = [0; 4];
-        for m in 0..4 {
-            top[m] = _mm512_cmpeq_epi32_mask(lo[m], last);
-            let at_or_above = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(as_ps(lo_v[m]), y[m]);
-            let below_next = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y[m], as_ps(hi_v[m]));
-            ok &= at_or_above & (below_next | top[m]) == 0xFFFF;
-        }
-        if !ok {
-            return false;
-        }
-        for m in 0..4 {
-            let (lo_v, hi_v) = (as_ps(lo_v[m]), as_ps(hi_v[m]));
-            // SAFETY: `16 m + 16 <= 64 <= bits.len()` (asserted); the load is unaligned.
-            let r = unsafe { _mm512_loadu_si512(bits.as_ptr().add(16 * m).cast()) };
-            let code = stochastic_step(y[m], lo[m], lo_v, hi_v, top[m], r);
-            // SAFETY: `16 m + 16 <= 64 <= out.len()` (asserted); the store is unaligned.
-            unsafe {
-                _mm_storeu_si128(
-                    out.as_mut_ptr().add(16 * m).cast(),
-                    _mm512_cvtepi32_epi8(code),
-                )
-            };
-        }
-        true
     }
 }
