@@ -4,6 +4,7 @@
 //! after run-time detection of AVX2 and FMA.
 
 use super::CodeMap;
+use super::avx512::shared_scale_lanes;
 use super::search::BUCKET_SHIFT;
 
 impl CodeMap {
@@ -251,13 +252,9 @@ impl CodeMap {
 
 /// How many leading elements of `len` an 8-lane run-of-blocks kernel (element `j` scaled by
 /// `scales[j / block]`) takes: the whole groups of 8 among those with a scale, if no group
-/// straddles two blocks (`block` a multiple of 8); `None` otherwise.
+/// straddles two blocks; `None` otherwise.
 fn groups_of_8(len: usize, scales: &[f32], block: usize) -> Option<usize> {
-    if block == 0 || !block.is_multiple_of(8) && scales.len() > 1 {
-        return None;
-    }
-    let n = len.min(scales.len().saturating_mul(block));
-    Some(n - n % 8)
+    shared_scale_lanes(len, scales, block, 8).map(|n| n - n % 8)
 }
 
 /// `search::grid_value` of 8 lanes: a uniform grid's values `f32(k) / steps` without a division

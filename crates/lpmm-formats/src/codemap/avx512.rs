@@ -46,11 +46,21 @@ pub(super) fn stochastic_step(
     _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1))
 }
 
-/// How many leading elements of `len` a 64-lane kernel with per-block `scales` (element `j` uses
-/// `scales[j / block]`) may process: all those that have a scale, if every 16 lanes share one
-/// (`block` a multiple of 16, or a single scale); `None` otherwise.
+/// How many leading elements of `len` a kernel of 16-lane registers with per-block `scales`
+/// (element `j` uses `scales[j / block]`) may process: all those that have a scale, if every 16
+/// lanes share one (`block` a multiple of 16, or a single scale); `None` otherwise.
 pub(super) fn lanes_for(len: usize, scales: &[f32], block: usize) -> Option<usize> {
-    if block == 0 || !(block.is_multiple_of(16) || scales.len() == 1) {
+    shared_scale_lanes(len, scales, block, 16)
+}
+
+/// [`lanes_for`] for registers of `width` lanes.
+pub(super) fn shared_scale_lanes(
+    len: usize,
+    scales: &[f32],
+    block: usize,
+    width: usize,
+) -> Option<usize> {
+    if block == 0 || !(block.is_multiple_of(width) || scales.len() == 1) {
         return None;
     }
     Some(len.min(scales.len().saturating_mul(block)))
