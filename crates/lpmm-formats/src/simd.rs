@@ -162,8 +162,53 @@ pub fn force(level: Option<Level>) -> Level {
 /// double(&mut v);
 /// assert_eq!(v, [2.0, 4.0]);
 /// ```
+///
+/// A body that stores code-generation choices by level takes one `const` parameter, `true` in
+/// the AVX-512 version and `false` in the others (AVX-512 has single-instruction masked stores;
+/// AVX2's `vmaskmovps` is microcoded on AMD's cores, so a body may keep LLVM from forming it
+/// there: see lpmm-optim's `apply_run`):
+///
+/// ```
+/// lpmm_formats::multiversion! {
+///     /// Halves every element (the flag is unused here).
+///     pub fn halve<const AVX512: bool>(xs: &mut [f32]) {
+///         xs.iter_mut().for_each(|x| *x *= 0.5);
+///     }
+/// }
+/// let mut v = [1.0f32, 2.0];
+/// halve(&mut v);
+/// assert_eq!(v, [0.5, 1.0]);
+/// ```
 #[macro_export]
 macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident<const $flag:ident: bool>($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn portable<const $flag: bool>($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                portable::<true>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                portable::<false>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            match $crate::simd::level() {
+                // SAFETY: `level()` is `Avx512` or `Avx512Vbmi` only after run-time detection found
+                // every feature enabled on `avx512` (simd::detect).
+                $crate::simd::Level::Avx512 | $crate::simd::Level::Avx512Vbmi => return unsafe { avx512($($arg),*) },
+                // SAFETY: `level()` is `Avx2` (or above) only after run-time detection of AVX2 and
+                // FMA.
+                $crate::simd::Level::Avx2 => return unsafe { avx2($($arg),*) },
+                $crate::simd::Level::Portable => {}
+            }
+            portable::<false>($($arg),*)
+        }
+    };
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {

@@ -418,7 +418,7 @@ pub struct Limits {
 /// Written without branches on the data so that it vectorizes; every element gets exactly
 /// [`Rule::apply`]'s arithmetic.
 #[inline(always)]
-fn apply_rule<R: Rule, const LEAN: bool>(
+fn apply_rule<R: Rule, const LEAN: bool, const AVX512: bool>(
     c: &R::Consts,
     f: StepFlags,
     clip: f32,
@@ -441,7 +441,7 @@ fn apply_rule<R: Rule, const LEAN: bool>(
     // on one Zen 4 core (docs/BENCHMARKS.md, "What was tried"). The usual flags of a step are a
     // constant there, so the rule's branches on them leave the loop.
     if f.0 == StepFlags::UPDATE_PARAM {
-        apply_run::<R, LEAN, { StepFlags::UPDATE_PARAM }>(
+        apply_run::<R, LEAN, AVX512, { StepFlags::UPDATE_PARAM }>(
             c,
             f,
             clip,
@@ -455,7 +455,7 @@ fn apply_rule<R: Rule, const LEAN: bool>(
             d,
         )
     } else {
-        apply_run::<R, LEAN, ANY_FLAGS>(c, f, clip, limits, chunk.g_plus, g, p, m, v, w, d)
+        apply_run::<R, LEAN, AVX512, ANY_FLAGS>(c, f, clip, limits, chunk.g_plus, g, p, m, v, w, d)
     }
 }
 
@@ -466,7 +466,7 @@ const ANY_FLAGS: u32 = u32::MAX;
 /// is then `StepFlags(FLAGS)`), or [`ANY_FLAGS`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn apply_run<R: Rule, const LEAN: bool, const FLAGS: u32>(
+fn apply_run<R: Rule, const LEAN: bool, const AVX512: bool, const FLAGS: u32>(
     c: &R::Consts,
     f: StepFlags,
     clip: f32,
@@ -494,6 +494,17 @@ fn apply_run<R: Rule, const LEAN: bool, const FLAGS: u32>(
         &mut d[..lean],
     );
     let mut bad = false;
+    // `opaque(x)` is `x`, below AVX-512 through an OR with a zero the compiler cannot see: LLVM
+    // turns the store of `if ok { new } else { loaded }` to the loaded address into a masked
+    // store, which AMD's cores (Zen 2 to 4) run microcoded at AVX2 (`vmaskmovps`), far slower
+    // than the blend and plain store it stands for (f32 AdamW at AVX2 on Zen 4 took 1.4x the
+    // time); AVX-512's masked stores are single instructions, kept.
+    let zero = if AVX512 {
+        0
+    } else {
+        std::hint::black_box(0u32)
+    };
+    let opaque = |x: f32| f32::from_bits(x.to_bits() | zero);
     for i in 0..n {
         let gi = (g[i] + g_plus) * clip;
         let (p0, m0, v0) = (p[i], m[i], v[i]);
@@ -506,11 +517,11 @@ fn apply_run<R: Rule, const LEAN: bool, const FLAGS: u32>(
             & fits(mi, limits.state1)
             & fits(vi, limits.state2)
             & fits(wi, limits.state3);
-        m[i] = if ok { mi } else { m0 };
-        v[i] = if ok { vi } else { v0 };
-        p[i] = if ok { u.param } else { p0 };
+        m[i] = opaque(if ok { mi } else { m0 });
+        v[i] = opaque(if ok { vi } else { v0 });
+        p[i] = opaque(if ok { u.param } else { p0 });
         if !LEAN {
-            w[i] = if ok { wi } else { w0 };
+            w[i] = opaque(if ok { wi } else { w0 });
             d[i] = if ok { u.delta } else { 0.0 };
         }
         bad |= !ok;
@@ -733,16 +744,16 @@ macro_rules! rules {
 
         lpmm_formats::multiversion! {
             /// The rule over a chunk (see `apply_rule`), compiled per SIMD level and per rule.
-            pub(crate) fn apply_chunk(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
-                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, false>(&k, f, clip, limits, c),)* }
+            pub(crate) fn apply_chunk<const AVX512: bool>(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
+                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, false, AVX512>(&k, f, clip, limits, c),)* }
             }
         }
 
         lpmm_formats::multiversion! {
             /// [`apply_chunk`] for a parameter without state 3 whose increments are not kept
             /// (`c.w` and `c.d` are neither read nor written): the CPU's specialized kernels.
-            pub(crate) fn apply_chunk_lean(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
-                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, true>(&k, f, clip, limits, c),)* }
+            pub(crate) fn apply_chunk_lean<const AVX512: bool>(rule: RuleConsts, f: StepFlags, clip: f32, limits: Limits, c: &mut Chunk<'_>) -> bool {
+                match rule { $(RuleConsts::$variant(k) => apply_rule::<$config, true, AVX512>(&k, f, clip, limits, c),)* }
             }
         }
 
