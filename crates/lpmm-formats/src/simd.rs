@@ -210,31 +210,9 @@ macro_rules! multiversion {
         }
     };
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
-        $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            fn portable($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-            fn avx512($($arg: $ty),*) $(-> $ret)? {
-                portable($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
-            fn avx2($($arg: $ty),*) $(-> $ret)? {
-                portable($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            match $crate::simd::level() {
-                // SAFETY: `level()` is `Avx512` or `Avx512Vbmi` only after run-time detection found
-                // every feature enabled on `avx512` (simd::detect).
-                $crate::simd::Level::Avx512 | $crate::simd::Level::Avx512Vbmi => return unsafe { avx512($($arg),*) },
-                // SAFETY: `level()` is `Avx2` (or above) only after run-time detection of AVX2 and
-                // FMA.
-                $crate::simd::Level::Avx2 => return unsafe { avx2($($arg),*) },
-                $crate::simd::Level::Portable => {}
-            }
-            portable($($arg),*)
+        $crate::multiversion! {
+            $(#[$meta])*
+            $vis fn $name<const _AVX512: bool>($($arg: $ty),*) $(-> $ret)? $body
         }
     };
 }

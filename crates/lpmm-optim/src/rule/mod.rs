@@ -496,9 +496,9 @@ fn apply_run<R: Rule, const LEAN: bool, const AVX512: bool, const FLAGS: u32>(
     let mut bad = false;
     // `opaque(x)` is `x`, below AVX-512 through an OR with a zero the compiler cannot see: LLVM
     // turns the store of `if ok { new } else { loaded }` to the loaded address into a masked
-    // store, which AMD's cores (Zen 2 to 4) run microcoded at AVX2 (`vmaskmovps`), far slower
-    // than the blend and plain store it stands for (f32 AdamW at AVX2 on Zen 4 took 1.4x the
-    // time); AVX-512's masked stores are single instructions, kept.
+    // store, at AVX2 `vmaskmovps`, which AMD's Zen cores run as microcode (on a Zen 4, f32 AdamW
+    // at AVX2 took 1.4x the time of the blend and plain store it stands for); AVX-512's masked
+    // stores are single instructions, kept.
     let zero = if AVX512 {
         0
     } else {
