@@ -429,10 +429,10 @@ impl CodeMap {
     }
 
     /// [`CodeMap::stochastic_blocks`] on a uniform grid (`CodeMap::grid`), for the AVX-512 and
-    /// VBMI levels (it needs no byte permutes): 64 lanes at a time without a search ([`CodeMap::stochastic_grid64`]); the rare groups it hands over
-    /// are rounded lane by lane by [`CodeMap::stochastic`], from the same quotients. Returns how
-    /// many leading elements it rounded (a multiple of 64); `xs` holds at most what `lanes_for`
-    /// allows.
+    /// VBMI levels (it needs no byte permutes): 64 lanes at a time without a search
+    /// ([`CodeMap::stochastic_grid64`]); the rare groups it hands over are rounded lane by lane
+    /// by [`CodeMap::stochastic`], from the same quotients. Returns how many leading elements it
+    /// rounded (a multiple of 64); `xs` holds at most what `lanes_for` allows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn stochastic_grid_runs(
