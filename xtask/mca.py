@@ -44,7 +44,7 @@ CASES = {
         "lpmm_formats::codemap::words::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_words", 32),
     "grid stochastic rounding, AVX-512 (LPMM-SGDM)": (
         "lpmm_sgdm", "avx512",
-        "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::stochastic_grid_runs", 64),
+        "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::stochastic_blocks_avx512", 64),
     "grid stochastic rounding, AVX2 (LPMM-SGDM)": (
         "lpmm_sgdm", "avx2",
         "lpmm_formats::codemap::avx2::<impl lpmm_formats::codemap::CodeMap>::stochastic_blocks_avx2", 8),

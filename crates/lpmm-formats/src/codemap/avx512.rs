@@ -333,13 +333,27 @@ impl CodeMap {
             // SAFETY: `vbmi()` is true only after run-time detection of AVX-512 VBMI (and the
             // AVX-512 level, whose F/BW/VL this function was entered with).
             unsafe { self.decode_scaled_vbmi(&codes[..n], &[scale], n, &mut out[..n]) }
-        } else if self.grid.is_none() {
-            self.decode_scaled_words(&codes[..n], &[scale], n, &mut out[..n])
         } else {
-            // A uniform grid's values are computed, faster than looked up.
-            self.decode_grid_runs(&codes[..n], &[scale], n.max(1), &mut out[..n])
+            self.decode_blocks_avx512(&codes[..n], &[scale], n.max(1), &mut out[..n])
         };
         self.decode_scaled_gather(&codes[done..n], scale, &mut out[done..n]);
+    }
+
+    /// [`CodeMap::decode_blocks`] at the AVX-512 level without VBMI: a uniform grid's values
+    /// computed ([`CodeMap::decode_grid_runs`], faster than looked up), another map's from word
+    /// tables ([`CodeMap::decode_scaled_words`]). Returns how many leading values it wrote.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn decode_blocks_avx512(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        block: usize,
+        out: &mut [f32],
+    ) -> usize {
+        match self.grid {
+            Some(_) => self.decode_grid_runs(codes, scales, block, out),
+            None => self.decode_scaled_words(codes, scales, block, out),
+        }
     }
 
     /// [`CodeMap::decode_blocks`] on a uniform grid (`CodeMap::grid`), 16 codes at a time, the
@@ -407,9 +421,12 @@ impl CodeMap {
         self.decode_scaled_portable(&codes[whole..n], scale, &mut out[whole..n]);
     }
 
-    /// [`CodeMap::stochastic_blocks`] at the AVX-512 level: on a uniform grid the run-of-blocks
-    /// kernel [`CodeMap::stochastic_grid_runs`]. Returns how many leading elements it rounded
-    /// (none for another map: the one-block kernels take them).
+    /// [`CodeMap::stochastic_blocks`] on a uniform grid (`CodeMap::grid`), for the AVX-512 and
+    /// VBMI levels (it needs no byte permutes): 64 lanes at a time without a search
+    /// ([`CodeMap::stochastic_grid64`]); the rare groups it hands over are rounded lane by lane
+    /// by [`CodeMap::stochastic`], from the same quotients. Returns how many leading elements it
+    /// rounded (a multiple of 64; none for another map, or blocks `lanes_for` refuses: the
+    /// one-block kernels take them).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn stochastic_blocks_avx512(
         &self,
@@ -425,31 +442,11 @@ impl CodeMap {
         let Some(n) = lanes_for(xs.len().min(out.len()).min(bits.len()), scales, block) else {
             return 0;
         };
-        self.stochastic_grid_runs(&xs[..n], scales, block, bits, out, origin, steps)
-    }
-
-    /// [`CodeMap::stochastic_blocks`] on a uniform grid (`CodeMap::grid`), for the AVX-512 and
-    /// VBMI levels (it needs no byte permutes): 64 lanes at a time without a search
-    /// ([`CodeMap::stochastic_grid64`]); the rare groups it hands over are rounded lane by lane
-    /// by [`CodeMap::stochastic`], from the same quotients. Returns how many leading elements it
-    /// rounded (a multiple of 64); `xs` holds at most what `lanes_for` allows.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn stochastic_grid_runs(
-        &self,
-        xs: &[f32],
-        scales: &[f32],
-        block: usize,
-        bits: &[u32],
-        out: &mut [u8],
-        origin: i32,
-        steps: f32,
-    ) -> usize {
         use std::arch::x86_64::*;
-        let whole = xs.len() - xs.len() % 64;
+        let whole = n - n % 64;
         for i in (0..whole).step_by(64) {
             let y = quotients64(&xs[i..i + 64], scales, i, block);
-            // `i + 64 <= whole <= bits.len(), out.len()` (the caller's `lanes_for`).
+            // `i + 64 <= whole <= bits.len(), out.len()` (`lanes_for`).
             if !self.stochastic_grid64(origin, steps, y, &bits[i..], &mut out[i..]) {
                 let mut lanes = [0f32; 64];
                 for (m, y) in y.into_iter().enumerate() {

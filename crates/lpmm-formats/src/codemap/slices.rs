@@ -224,13 +224,7 @@ impl CodeMap {
             done = unsafe { self.decode_scaled_vbmi(&codes[..n], scales, block, &mut out[..n]) };
         } else if crate::simd::avx512() {
             // SAFETY: `avx512()` is true only after run-time detection of AVX-512 F/BW/VL/DQ.
-            done = unsafe {
-                match self.grid {
-                    // A uniform grid's values are computed, faster than looked up.
-                    Some(_) => self.decode_grid_runs(&codes[..n], scales, block, &mut out[..n]),
-                    None => self.decode_scaled_words(&codes[..n], scales, block, &mut out[..n]),
-                }
-            };
+            done = unsafe { self.decode_blocks_avx512(&codes[..n], scales, block, &mut out[..n]) };
         } else if crate::simd::level() == crate::simd::Level::Avx2 {
             // SAFETY: `Avx2` is in use only after run-time detection of AVX2 and FMA.
             done = unsafe { self.decode_blocks_avx2(&codes[..n], scales, block, &mut out[..n]) };

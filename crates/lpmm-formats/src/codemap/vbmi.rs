@@ -280,12 +280,12 @@ impl CodeMap {
         out: &mut [u8],
     ) -> usize {
         use std::arch::x86_64::*;
+        if self.grid.is_some() {
+            return self.stochastic_blocks_avx512(xs, scales, block, bits, out);
+        }
         let Some(n) = lanes_for(xs.len().min(out.len()).min(bits.len()), scales, block) else {
             return 0;
         };
-        if let Some((origin, steps)) = self.grid {
-            return self.stochastic_grid_runs(&xs[..n], scales, block, bits, out, origin, steps);
-        }
         if self.scan != 1 || self.threshold_planes.is_empty() {
             return 0;
         }
