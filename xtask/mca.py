@@ -1,9 +1,9 @@
 """The CPU step's hot loops through llvm-mca on CPUs this machine is not (docs/BENCHMARKS.md,
 "Other microarchitectures"): each case profiles `step_profile` on one thread at one SIMD level
-(`perf record`), takes the innermost loop around the hottest instruction of the named function,
-keeps the basic blocks the profile saw run and drops the branches (a straight line: both sides
-of a branch taken in the profile are counted, so an estimate errs high) and asks llvm-mca for
-the cycles one iteration takes on each CPU model.
+(`perf record`), takes the innermost loop around the hottest instruction of the named function
+(`closes_loop`), keeps the basic blocks the profile saw run often (`MIN_BLOCK`) and drops the
+branches (a straight line: both sides of a branch taken often are counted, so an estimate errs
+high) and asks llvm-mca for the cycles one iteration takes on each CPU model.
 
     cargo build --release -p lpmm-optim --example step_profile
     python3 xtask/mca.py            # every case below, every CPU below, a markdown table
@@ -41,7 +41,7 @@ CASES = {
         "lpmm_formats::codemap::avx2::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_avx2", 8),
     "decode 8-bit code, AVX-512 word tables (8-bit AdamW)": (
         "adamw_8bit_bf16", "avx512",
-        "lpmm_formats::codemap::words::<impl lpmm_formats::codemap::CodeMap>::decode_scaled_words", 32),
+        "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::decode_blocks_avx512", 32),
     "grid stochastic rounding, AVX-512 (LPMM-SGDM)": (
         "lpmm_sgdm", "avx512",
         "lpmm_formats::codemap::avx512::<impl lpmm_formats::codemap::CodeMap>::stochastic_blocks_avx512", 64),
@@ -55,6 +55,11 @@ AVX2_CPUS = AVX512_CPUS + ["alderlake"]
 # Skylake-SP (and Cascade Lake) have AVX-512 without VBMI.
 VBMI_CPUS = ["znver4", "znver5", "icelake-server", "sapphirerapids"]
 MIN_BODY = 12
+# A basic block is on the path the step runs if it holds at least this share (%) of the
+# function's samples: a rare path's block (a fallback taken once in thousands of iterations)
+# holds less, and a block that runs every iteration more. (Any sample at all made the line
+# depend on which rare block a run happened to sample.)
+MIN_BLOCK = 0.5
 
 LINE = re.compile(r"^\s*([0-9.]+)\s*:\s+([0-9a-f]+):\s+(.*)$")
 JUMP = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)")
@@ -63,8 +68,10 @@ JUMP = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)")
 def profile(binary, preset, level, params, steps):
     data = tempfile.NamedTemporaryFile(suffix=".data", delete=False).name
     env = dict(os.environ, LPMM_SIMD=level, RAYON_NUM_THREADS="1")
-    subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-o", data, binary, preset,
-                    str(params), str(steps)], env=env, check=True,
+    # A sample every 0.1 ms of CPU time (`-c` in ns): enough that the blocks kept do not change
+    # from run to run.
+    subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-c", "100000", "-o", data,
+                    binary, preset, str(params), str(steps)], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return data
 
@@ -83,6 +90,35 @@ def listing(data, symbol):
     return rows
 
 
+def closes_loop(rows, span, hot):
+    """Whether the backward jump at `span[1]` to `span[0]` closes a loop through `hot`: from
+    `span[0]`, following fall-through and jumps without leaving the span, both `hot` and the jump
+    are reached. (Not so where the jump is the exit of an inner loop laid out rotated: the code
+    before it belongs to the enclosing loop and leaves the span by an unconditional jump.)"""
+    inside = [(a, ins) for a, _, ins in rows if span[0] <= a <= span[1]]
+    index = {a: i for i, (a, _) in enumerate(inside)}
+    seen, todo = set(), [0]
+    while todo:
+        i = todo.pop()
+        if i in seen or i >= len(inside):
+            continue
+        seen.add(i)
+        addr, ins = inside[i]
+        if re.match(r"(ret|ud2)\b", ins):
+            continue
+        m = JUMP.match(ins)
+        if m and addr != span[1]:
+            target = int(m.group(2), 16)
+            if target in index:
+                todo.append(index[target])
+            if m.group(1) == "jmp":
+                continue
+        if addr != span[1]:
+            todo.append(i + 1)
+    reached = {inside[i][0] for i in seen}
+    return hot in reached and span[1] in reached
+
+
 def hot_loop(rows):
     """The instructions of the innermost loop (a backward jump's range) of at least `MIN_BODY`
     instructions around the hottest one (a shorter one is a loop inside the step's loop, e.g. the
@@ -94,14 +130,16 @@ def hot_loop(rows):
         if m and int(m.group(2), 16) <= hot <= addr:
             span = (int(m.group(2), 16), addr)
             size = sum(1 for a, _, _ in rows if span[0] <= a <= span[1])
-            if size >= MIN_BODY and (best is None or span[1] - span[0] < best[1] - best[0]):
+            if size >= MIN_BODY and closes_loop(rows, span, hot) and (
+                best is None or span[1] - span[0] < best[1] - best[0]
+            ):
                 best = span
     if best is None:
         sys.exit("the hottest instruction is in no loop")
     inside = [r for r in rows if best[0] <= r[0] <= best[1]]
-    # Basic blocks (cut after each jump and at each jump target); those without a sample are
-    # paths this profile did not take (e.g. the unrolled copies of a search loop that runs once
-    # per group), left out so that the straight line is the path the step runs.
+    # Basic blocks (cut after each jump and at each jump target); those below `MIN_BLOCK` are
+    # paths this profile took rarely or not at all (e.g. the unrolled copies of a search loop
+    # that runs once per group), left out so that the straight line is the path the step runs.
     targets = {int(m.group(2), 16) for _, _, ins in inside if (m := JUMP.match(ins))}
     blocks, block = [], []
     for addr, pct, ins in inside:
@@ -114,7 +152,7 @@ def hot_loop(rows):
             block = []
     if block:
         blocks.append(block)
-    return [ins for b in blocks if sum(p for p, _ in b) > 0
+    return [ins for b in blocks if sum(p for p, _ in b) >= MIN_BLOCK
             for _, ins in b if ins and not JUMP.match(ins)]
 
 
