@@ -59,7 +59,7 @@ MIN_BODY = 12
 # function's samples: a rare path's block (a fallback taken once in thousands of iterations)
 # holds less, and a block that runs every iteration more. (Any sample at all made the line
 # depend on which rare block a run happened to sample.)
-MIN_BLOCK = 0.5
+MIN_BLOCK = 1.0
 
 LINE = re.compile(r"^\s*([0-9.]+)\s*:\s+([0-9a-f]+):\s+(.*)$")
 JUMP = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)")
@@ -121,21 +121,24 @@ def closes_loop(rows, span, hot):
 
 def hot_loop(rows):
     """The instructions of the innermost loop (a backward jump's range) of at least `MIN_BODY`
-    instructions around the hottest one (a shorter one is a loop inside the step's loop, e.g. the
-    nearest search's scan, which runs once per group with the shipped maps)."""
-    hot = max(rows, key=lambda r: r[1])[0]
+    instructions around the hottest one that is in such a loop (a shorter one is a loop inside
+    the step's loop, e.g. the nearest search's scan, which runs once per group with the shipped
+    maps; a hot instruction outside every loop is the kernel's setup or a sample's skid)."""
     best = None
-    for addr, _, ins in rows:
-        m = JUMP.match(ins)
-        if m and int(m.group(2), 16) <= hot <= addr:
-            span = (int(m.group(2), 16), addr)
-            size = sum(1 for a, _, _ in rows if span[0] <= a <= span[1])
-            if size >= MIN_BODY and closes_loop(rows, span, hot) and (
-                best is None or span[1] - span[0] < best[1] - best[0]
-            ):
-                best = span
+    for hot, _, _ in sorted(rows, key=lambda r: -r[1])[:20]:
+        for addr, _, ins in rows:
+            m = JUMP.match(ins)
+            if m and int(m.group(2), 16) <= hot <= addr:
+                span = (int(m.group(2), 16), addr)
+                size = sum(1 for a, _, _ in rows if span[0] <= a <= span[1])
+                if size >= MIN_BODY and closes_loop(rows, span, hot) and (
+                    best is None or span[1] - span[0] < best[1] - best[0]
+                ):
+                    best = span
+        if best is not None:
+            break
     if best is None:
-        sys.exit("the hottest instruction is in no loop")
+        sys.exit("none of the hottest instructions is in a loop")
     inside = [r for r in rows if best[0] <= r[0] <= best[1]]
     # Basic blocks (cut after each jump and at each jump target); those below `MIN_BLOCK` are
     # paths this profile took rarely or not at all (e.g. the unrolled copies of a search loop
