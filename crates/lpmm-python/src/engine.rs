@@ -228,6 +228,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether parameter `index` counts as missing a gradient in a step without one (`false`:
+    /// the tensor left its param group, so torch would not step it).
+    pub fn set_expects_gradient(&mut self, index: usize, expects: bool) -> Result<(), EngineError> {
+        let id = self
+            .params
+            .get(index)
+            .ok_or_else(|| EngineError::Config(format!("no parameter {index}")))?
+            .id;
+        self.opt.set_expects_gradient(id, expects)?;
+        Ok(())
+    }
+
     /// One step of every parameter with a gradient: `params[i]` is parameter `i`'s buffer (needed
     /// where it has a gradient), `grads[i]` its gradient. Lent parameters are stepped in their
     /// buffers; held ones are written into theirs after the step.

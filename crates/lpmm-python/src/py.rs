@@ -624,6 +624,19 @@ impl Engine {
             .map_err(|e| engine_err(py, e))
     }
 
+    /// Whether registered parameter `index` counts as missing a gradient in a step without one
+    /// (`False`: a tensor removed from its param group).
+    fn set_expects_gradient(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        expects: bool,
+    ) -> PyResult<()> {
+        self.inner
+            .set_expects_gradient(index, expects)
+            .map_err(|e| engine_err(py, e))
+    }
+
     /// Sets group `group`'s hyperparameters (JSON, its preset's fields): the state moves to an
     /// optimizer with the new ones (`params`: every registered tensor).
     fn set_group_hyper(

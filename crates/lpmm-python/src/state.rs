@@ -185,6 +185,31 @@ fn load_parts(
                     format!("saved in group {}, now in group {}", m.group, e.group),
                 ));
             }
+            // Another preset of the same rule (8-bit states into a 4-bit optimizer, f32 into
+            // 8-bit) has the same hyperparameters: what tells it is the states' storage. The
+            // parameter's own storage may differ (a model saved in bf16, loaded in f32).
+            if let Some(g) = groups.get(e.group) {
+                let own = g.config.with_param(m.requested.param);
+                let saved = m.requested.with_hyper(g.config.hyper);
+                if saved != own {
+                    return Err(state_err(
+                        &e.name,
+                        format!(
+                            "saved by another preset or configuration (states {}, {}, {}; gradient {}; quantized from {} elements), this optimizer's is {}, {}, {}; {}; {}",
+                            saved.state1.describe(),
+                            saved.state2.describe(),
+                            saved.state3.describe(),
+                            saved.grad.describe(),
+                            saved.min_quantized_size,
+                            own.state1.describe(),
+                            own.state2.describe(),
+                            own.state3.describe(),
+                            own.grad.describe(),
+                            own.min_quantized_size
+                        ),
+                    ));
+                }
+            }
             Ok(m)
         })
         .collect::<Result<Vec<_>, _>>()?;

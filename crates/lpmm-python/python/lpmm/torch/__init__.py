@@ -12,10 +12,12 @@ in their tensors (CPU, float32 or bfloat16); docs/PYTHON.md has the guide.
 
 import torch as _torch  # noqa: F401  (lpmm.torch needs torch: the ImportError says so)
 
-from ._optim import LpmmOptimizer, NonFiniteGradientWarning
+from .._errors import ConfigError
+from ._optim import LpmmOptimizer, MissingGradientWarning, NonFiniteGradientWarning
 
 __all__ = [
     "LpmmOptimizer",
+    "MissingGradientWarning",
     "NonFiniteGradientWarning",
     "AdamW8bit",
     "AdamW4bit",
@@ -95,7 +97,10 @@ class Lion8bit(LpmmOptimizer):
 class Adafactor(LpmmOptimizer):
     """Adafactor (Shazeer & Stern; the arguments of transformers' ``Adafactor``) with a factorized
     second moment and an 8-bit first moment (preset ``adafactor_8bit``, ``beta1`` 0.9).
-    ``lr=None`` (default) uses the relative step; a number fixes the learning rate."""
+    ``lr=None`` (default) uses the relative step; a number fixes the learning rate.
+    ``relative_step`` may be given as transformers takes it (``relative_step=False`` with an
+    ``lr``; ``True`` with an ``lr``, or ``False`` without one, is refused as transformers
+    refuses it)."""
 
     def __init__(
         self,
@@ -107,9 +112,19 @@ class Adafactor(LpmmOptimizer):
         beta1=0.9,
         weight_decay=0.0,
         scale_parameter=True,
+        relative_step=None,
         warmup_init=False,
         **options,
     ):
+        if relative_step is None:
+            relative_step = lr is None
+        if relative_step and lr is not None:
+            raise ConfigError(
+                f"lr={lr!r} with relative_step=True: the relative step sets the learning rate "
+                "(give lr=None, or relative_step=False to fix it), as transformers' Adafactor"
+            )
+        if not relative_step and lr is None:
+            raise ConfigError("relative_step=False needs an lr (a number)")
         super().__init__(
             params,
             "adafactor_8bit",
@@ -120,7 +135,7 @@ class Adafactor(LpmmOptimizer):
             beta1=beta1,
             weight_decay=weight_decay,
             scale_parameter=scale_parameter,
-            relative_step=lr is None,
+            relative_step=bool(relative_step),
             warmup_init=warmup_init,
             **options,
         )

@@ -2,13 +2,14 @@
 
 import json
 import warnings
+import weakref
 
 import torch
 
 from .. import _lpmm
-from .._errors import AliasError, ConfigError, StateDictError, StepError, TensorError
+from .._errors import AliasError, ConfigError, LpmmError, StateDictError, StepError, TensorError
 
-__all__ = ["LpmmOptimizer", "NonFiniteGradientWarning"]
+__all__ = ["LpmmOptimizer", "MissingGradientWarning", "NonFiniteGradientWarning"]
 
 #: The state dict's per-parameter keys besides the regions.
 _META = "lpmm"
@@ -17,12 +18,25 @@ _STEP = "step"
 
 class NonFiniteGradientWarning(UserWarning):
     """A step met a NaN or infinite gradient: skipped (``non_finite="skip_step"``, the default) or
-    those elements left unchanged (``"skip_elements"``)."""
+    those elements left unchanged (``"skip_elements"``; in a block-quantized storage the
+    element is re-encoded with its block's new scale, so it may move by up to one step of the
+    block's grid)."""
 
 
-def _plain(value, default):
-    """``value`` as JSON-ready data of ``default``'s kind (torch's schedulers may store tensors or
-    numpy numbers in a param group)."""
+class MissingGradientWarning(UserWarning):
+    """Parameters of the optimizer received no gradient in a step (``missing_gradient="warn"``):
+    they were not stepped, as torch skips them."""
+
+
+#: Hyperparameters that are whole numbers or None (AdEMAMix's warm-up lengths); the other
+#: hyperparameters whose default is None are floats or None.
+_INT_OR_NONE = frozenset({"t_alpha", "t_beta3"})
+
+
+def _plain(key, value, default):
+    """``value`` of hyperparameter ``key`` as JSON-ready data of the kind lpmm's ``default`` for
+    it has (torch's schedulers may store tensors or numpy numbers in a param group; a user may
+    write ``0`` for ``0.0``). A whole-number hyperparameter given a fraction raises."""
     if isinstance(value, torch.Tensor):
         value = value.item()
     if isinstance(default, bool):
@@ -31,10 +45,13 @@ def _plain(value, default):
         return str(value)
     if isinstance(default, (list, tuple)):
         return [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
-    if default is None:
-        return None if value is None else int(value)
-    if isinstance(default, int):
-        return int(value)
+    if value is None and (default is None or key in _INT_OR_NONE):
+        return None
+    if key in _INT_OR_NONE or isinstance(default, int):
+        whole = float(value)
+        if not whole.is_integer():
+            raise ConfigError(f"{key} = {value!r}: a whole number")
+        return int(whole)
     return float(value)
 
 
@@ -109,23 +126,36 @@ class LpmmOptimizer(torch.optim.Optimizer):
                     f"{preset} ({rule}) has no hyperparameter {key!r}; its hyperparameters are: "
                     + ", ".join(defaults)
                 )
+        # The kinds of the hyperparameters are lpmm's defaults' (before the user's values).
+        self._rule_defaults = dict(defaults)
         defaults.update(hyper)
         self._preset = preset
-        self._rule_defaults = dict(defaults)
+        self._rule = rule
         self._param_storage = param_storage
         self._min_quantized_size = min_quantized_size
         self._grad_release = bool(grad_release)
+        # "warn" is a Python warning (MissingGradientWarning), raised here from the step's
+        # report; lpmm's own warning is worded for its Rust API.
+        self._warn_missing = missing_gradient == "warn"
+        self._warned = None
         self._engine = _lpmm.Engine(
             int(seed),
             None if max_grad_norm is None else float(max_grad_norm),
             non_finite,
-            missing_gradient,
+            "ignore" if self._warn_missing else missing_gradient,
         )
         self._params = []  # registered tensors, in the engine's order
+        self._groups = []  # the param-group dict of each of lpmm's groups
+        self._param_group = []  # each registered tensor's group (lpmm's index)
+        self._members = (None, None)  # (fingerprint of param_groups, id(tensor) -> group dict)
+        self._left = set()  # registered tensors out of their param group at the last step
         self._torch_index = []  # each one's index in torch's state dict
         self._index = {}  # id(tensor) -> engine index
         self._synced = []  # each group's hyperparameters as the engine has them
         self._hooks = []
+        # The grad_release hooks hold the optimizer weakly and go with it (a deleted optimizer
+        # must not step the model from a hook that outlived it).
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._broken = None  # why the optimizer cannot go on, if it cannot
         self._count = 0  # parameters in all groups, registered or not (torch's indexing)
         #: The last step's report: ``updated``, ``skipped``, ``non_finite`` (names),
@@ -137,7 +167,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
 
     def _hyper(self, group):
         """Group ``group``'s hyperparameters as JSON-ready data."""
-        return {k: _plain(group[k], d) for k, d in self._rule_defaults.items()}
+        return {k: _plain(k, group[k], d) for k, d in self._rule_defaults.items()}
 
     def add_param_group(self, param_group):
         """Adds a param group (torch's ``add_param_group``), registering its tensors with lpmm.
@@ -171,6 +201,15 @@ class LpmmOptimizer(torch.optim.Optimizer):
                     raise TensorError(
                         f"parameter {name} holds NaN or infinite values; nothing was changed", name
                     )
+                if self._rule == "Muon" and p.dim() != 2:
+                    # lpmm refuses it too, but only once the group's earlier tensors are
+                    # registered (and written, for a storage lpmm holds): refused here first.
+                    raise ConfigError(
+                        f"parameter {name} has {p.dim()} dimensions: Muon steps matrices only; "
+                        "give the other parameters to a second optimizer (AdamW8bit), as for "
+                        "torch.optim.Muon. Nothing was changed",
+                        name,
+                    )
             hyper = self._hyper(group)
             index = self._engine.add_group(
                 self._preset, json.dumps(hyper), self._param_storage, self._min_quantized_size
@@ -181,6 +220,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._synced.append(hyper)
+        self._groups.append(group)
         for name, p, k in stepped:
             try:
                 self._engine.add_param(name, p, list(p.shape), g)
@@ -190,9 +230,10 @@ class LpmmOptimizer(torch.optim.Optimizer):
                 raise
             self._index[id(p)] = len(self._params)
             self._params.append(p)
+            self._param_group.append(g)
             self._torch_index.append(k)
             if self._grad_release:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._release))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_release_hook(self)))
         self._count += len(new)
 
     def param_info(self):
@@ -212,7 +253,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
         """Passes the param groups' hyperparameters to lpmm where they changed (LR schedulers
         change ``lr``; a change of another hyperparameter moves the state to an optimizer with
         the new ones, which costs a copy of it)."""
-        for g, group in enumerate(self.param_groups):
+        for g, group in enumerate(self._groups):
             hyper = self._hyper(group)
             old = self._synced[g]
             if hyper == old:
@@ -225,6 +266,17 @@ class LpmmOptimizer(torch.optim.Optimizer):
 
     def _finish(self, report, stepped):
         self.last_report = report
+        missing = tuple(report["missing"])
+        if self._warn_missing and missing and missing != self._warned:
+            warnings.warn(
+                f"{len(missing)} parameter(s) received no gradient in this step and were not "
+                "stepped (torch's optimizers skip them too): " + ", ".join(missing) + ". Freeze "
+                "them (requires_grad=False) or leave them out of the optimizer, or pass "
+                "missing_gradient='ignore'",
+                MissingGradientWarning,
+                stacklevel=3,
+            )
+        self._warned = missing or None
         if stepped and not report["skipped"]:
             torch.autograd.graph.increment_version(stepped)
         if report["non_finite"]:
@@ -244,8 +296,19 @@ class LpmmOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_usable()
+        where = self._membership(refresh=True)
+        live = [self._live(i, where) for i in range(len(self._params))]
+        for i, on in enumerate(live):
+            # A tensor out of its group is not missing a gradient (set every step: a change of
+            # hyperparameters or a load rebuilds lpmm's optimizer, which forgets it).
+            if not on or i in self._left:
+                self._engine.set_expects_gradient(i, on)
+                if on:
+                    self._left.discard(i)
+                else:
+                    self._left.add(i)
         self._sync()
-        grads = [p.grad for p in self._params]
+        grads = [p.grad if on else None for p, on in zip(self._params, live)]
         params = [None if g is None else p for p, g in zip(self._params, grads)]
         report = self._engine.step(params, grads)
         self._finish(report, [p for p in params if p is not None])
@@ -255,15 +318,54 @@ class LpmmOptimizer(torch.optim.Optimizer):
         if self._broken:
             raise StepError(self._broken)
 
+    def _membership(self, refresh=False):
+        """``id(tensor) -> param-group dict`` of the tensors ``param_groups`` holds now (rebuilt
+        when the groups or their lengths changed, or with ``refresh``). A tensor put into
+        ``param_groups`` other than by ``add_param_group`` raises: lpmm has no state for it."""
+        groups = self.param_groups
+        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
+        if refresh or self._members[0] != key:
+            where = {}
+            for group in groups:
+                for p in group["params"]:
+                    if id(p) not in self._index and p.numel() > 0:
+                        raise ConfigError(
+                            f"a tensor of shape {tuple(p.shape)} in param_groups is not "
+                            "registered with lpmm: add parameters with add_param_group (a tensor "
+                            "put into a group's 'params' directly, or a 0-element parameter "
+                            "given data later, has no lpmm state)"
+                        )
+                    where[id(p)] = group
+            self._members = (key, where)
+        return self._members[1]
+
+    def _live(self, i, where):
+        """Whether registered tensor ``i`` is still in its param group, as torch's optimizers
+        step the tensors ``param_groups`` holds at the step (one removed from its group's
+        ``params``, or whose group was removed, is not stepped). Moved to another group: raises
+        (lpmm keeps its state under its first group's hyperparameters)."""
+        group = where.get(id(self._params[i]))
+        if group is not None and group is not self._groups[self._param_group[i]]:
+            name = self._engine.name(i)
+            raise ConfigError(
+                f"parameter {name} was moved to another param group; lpmm keeps its state under "
+                "its first group: create the optimizer again",
+                name,
+            )
+        return group is not None
+
     def _release(self, p):
         """The post-accumulate-grad hook of ``grad_release``: steps ``p`` and frees its
         gradient."""
-        if p.grad is None:
+        i = self._index.get(id(p))
+        if p.grad is None or i is None or self._params[i] is not p:
             return
         self._check_usable()
+        if not self._live(i, self._membership()):
+            return
         self._sync()
         with torch.no_grad():
-            report = self._engine.step_param(self._index[id(p)], p, p.grad)
+            report = self._engine.step_param(i, p, p.grad)
         p.grad = None
         self._finish(report, [p])
 
@@ -273,9 +375,20 @@ class LpmmOptimizer(torch.optim.Optimizer):
 
     def eval(self):
         """Parameters at their evaluation point: schedule-free AdamW's averaged weights (the
-        ``schedulefree`` package's ``optimizer.eval()``); other presets: no-op. Steps are
-        refused until ``train()``."""
+        ``schedulefree`` package's ``optimizer.eval()``); other presets' parameters do not move.
+        With any preset, steps are refused until ``train()``."""
         self._engine.set_eval(True, self._params)
+
+    def __getstate__(self):
+        # torch's optimizers pickle (``copy.deepcopy``, ``torch.save(optimizer)``) through their
+        # ``__dict__``; lpmm's state is in its engine, which does not pickle: a copy without it
+        # would be an optimizer that cannot step. Refused, with what to do instead.
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied (copy.deepcopy, "
+            "torch.save(optimizer)): its state lives in lpmm's engine. Save "
+            "optimizer.state_dict() with torch.save and load it into a new optimizer with "
+            "load_state_dict (bit-exact resume)"
+        )
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -299,8 +412,33 @@ class LpmmOptimizer(torch.optim.Optimizer):
         ``torch.load``, cast to the parameters' dtype by torch or not): the parameters' counters,
         stochastic-rounding streams and states resume bit for bit, and the param groups'
         hyperparameters are the saved ones. A state dict of another optimizer (torch's AdamW,
-        bitsandbytes', another preset) or of another model raises :class:`lpmm.StateDictError`
-        and changes nothing."""
+        bitsandbytes', another preset) or of another model, or a damaged one, raises
+        :class:`lpmm.StateDictError` and changes nothing (the param groups stay the same
+        objects)."""
+        old_groups = self.param_groups
+        old_state = self.state
+        try:
+            self._load_state_dict(state_dict)
+        except BaseException as e:
+            self.param_groups = old_groups
+            self.state = old_state
+            if isinstance(e, (LpmmError, KeyboardInterrupt, SystemExit)) or not isinstance(
+                e, Exception
+            ):
+                raise
+            # torch's own checks (another number of groups), and values of the wrong kind
+            # (metadata that is not UTF-8, an lr that is not a number, a tensor on the meta
+            # device): the state dict is not one this optimizer wrote.
+            raise StateDictError(
+                f"the state dict does not load into this optimizer ({type(e).__name__}: {e}). "
+                "Nothing was changed"
+            ) from e
+        self.state = type(old_state)()
+        self._groups = list(self.param_groups)
+        self._members = (None, None)
+        self._synced = [self._hyper(g) for g in self._groups]
+
+    def _load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise StateDictError("not an optimizer state dict (no 'state' and 'param_groups')")
         for k, entry in state_dict["state"].items():
@@ -319,33 +457,43 @@ class LpmmOptimizer(torch.optim.Optimizer):
                     f"param group {g} of the state dict has no {', '.join(missing)}: it was written "
                     f"by another optimizer or preset (this one is {self._preset}). Nothing was changed"
                 )
-        old_groups = [dict(g) for g in self.param_groups]
-        old_state = self.state
-        try:
-            super().load_state_dict(state_dict)
-            hypers = [json.dumps(self._hyper(g)) for g in self.param_groups]
-            saved = []
-            for p in self._params:
-                entry = self.state.get(p)
-                if entry is None:
-                    raise StateDictError(
-                        f"no state for parameter {self._engine.name(len(saved))}: the state dict is "
-                        "of another model"
-                    )
-                regions = {
-                    k: _from_bytes_tensor(v, k) for k, v in entry.items() if k not in (_STEP, _META)
-                }
-                meta = bytes(_from_bytes_tensor(entry[_META], _META).tolist()).decode()
-                saved.append((meta, regions))
-            self._engine.load_state(hypers, saved, self._params)
-        except BaseException:
-            for g, old in zip(self.param_groups, old_groups):
-                g.clear()
-                g.update(old)
-            self.state = old_state
-            raise
-        self.state = type(old_state)()
-        self._synced = [self._hyper(g) for g in self.param_groups]
+        # torch's load builds new group dicts (the saved ones, with this optimizer's tensors) and
+        # leaves the old ones as they were; the caller puts the old list back if this fails.
+        super().load_state_dict(state_dict)
+        hypers = [json.dumps(self._hyper(g)) for g in self.param_groups]
+        saved = []
+        for p in self._params:
+            entry = self.state.get(p)
+            if entry is None:
+                raise StateDictError(
+                    f"no state for parameter {self._engine.name(len(saved))}: the state dict is "
+                    "of another model"
+                )
+            regions = {
+                k: _from_bytes_tensor(v, k) for k, v in entry.items() if k not in (_STEP, _META)
+            }
+            meta = bytes(_from_bytes_tensor(entry[_META], _META).tolist()).decode()
+            saved.append((meta, regions))
+        self._engine.load_state(hypers, saved, self._params)
+
+
+def _release_hook(optimizer):
+    """``optimizer._release`` as a post-accumulate-grad hook that does not keep the optimizer
+    alive (a bound method would: the tensor holds its hooks)."""
+    ref = weakref.ref(optimizer)
+
+    def hook(p):
+        opt = ref()
+        if opt is not None:
+            opt._release(p)
+
+    return hook
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _bytes_tensor(data):
