@@ -11,6 +11,7 @@ use crate::vocab::{SLOTS, SlotKind};
 /// Everything that decides how one parameter tensor is stored and stepped. Made from a preset
 /// ([`crate::presets`]) or [`ParamConfig::f32`], then changed with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ParamConfig {
     /// The optimizer and its hyperparameters.

@@ -615,6 +615,29 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
     }
 
     // --- Gradients and steps.
+    {
+        /// A gradient source whose second answer (the step asks twice) is shorter than its first.
+        struct Shrinking(usize);
+        impl lpmm_optim::Gradients<Cpu> for Shrinking {
+            fn gradient(
+                &mut self,
+                _: ParamId,
+                f: &mut lpmm_optim::WithGradient<'_, Cpu>,
+            ) -> Result<(), OptimError> {
+                self.0 += 1;
+                let g = vec![0.1f32; if self.0 == 1 { 128 } else { 3 }];
+                f(Some(lpmm_optim::backend::HostValues::F32(&g)))
+            }
+        }
+        let mut o = Optimizer::new(opts()).unwrap();
+        let g = o.add_group(presets::adamw_f32(1e-3)).unwrap();
+        o.add_param("w", &[8, 16], &[0.5; 128], g).unwrap();
+        add(
+            "steps",
+            "Step::given from a Gradients source whose second answer is shorter than its first",
+            refused(o.step(lpmm_optim::Step::given(&mut Shrinking(0)))),
+        );
+    }
     let n = 300;
     let spike = |i: usize, v: f32| {
         let mut g = vec![0.01f32; n];
@@ -1074,6 +1097,34 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "set_group_lr on a missing group",
             refused(opt.set_group_lr(3, 0.1)),
         );
+        add(
+            "state access",
+            "set_lr(1e-50) (a positive rate that rounds to 0 in f32, as a registered group's may not)",
+            refused(opt.set_lr(1e-50)),
+        );
+        {
+            // Group 1's parameter has its own rate (1.0 against the group's 1e-3: `Scaled(1000)`),
+            // so 1e36 fits group 0 and not it: nothing may change.
+            let mut two = Optimizer::new(opts()).unwrap();
+            let g0 = two.add_group(presets::adamw_f32(1e-3)).unwrap();
+            let g1 = two.add_group(presets::adamw_f32(1e-3)).unwrap();
+            let a = two.add_param("a", &[4], &[0.1; 4], g0).unwrap();
+            two.add_param_with("b", &[4], &[0.1; 4], g1, presets::adamw_f32(1.0))
+                .unwrap();
+            let r = two.set_lr(1e36);
+            let lr = two.param(a).unwrap().config.hyper.lr();
+            add(
+                "state access",
+                "set_lr whose rate fits one group and not another's scaled parameter",
+                match r {
+                    Err(_) if lr == 1e-3 => {
+                        Seen::Refused(format!("{}; group 0 kept 1e-3", r.unwrap_err()))
+                    }
+                    Err(_) => Seen::Silent(format!("refused, but group 0's rate became {lr}")),
+                    Ok(()) => Seen::Silent("accepted".into()),
+                },
+            );
+        }
         let host = Parts::of(&opt)
             .export_slot(id, SlotKind::Param, None)
             .unwrap();
@@ -1344,6 +1395,42 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "notjson",
         ),
     );
+    // Keys the decoder does not know (a newer writer's field, a corrupted name): refused at
+    // every depth, not dropped, whether resealed or not (a dropped key would not reach the
+    // checksum, which covers the parsed metadata).
+    for (what, name, edit) in [
+        (
+            "an unknown key in the options",
+            "k-options",
+            (|m: &mut serde_json::Value| m["options"]["future"] = true.into())
+                as fn(&mut serde_json::Value),
+        ),
+        (
+            "an unknown key in a group's configuration",
+            "k-group",
+            |m| m["groups"][0]["future"] = 1.into(),
+        ),
+        (
+            "an unknown key in AdamW's hyperparameters (amsgrad)",
+            "k-hyper",
+            |m| m["params"][0]["requested"]["hyper"]["Adam"]["amsgrad"] = true.into(),
+        ),
+        ("an unknown key in a quantized storage", "k-storage", |m| {
+            m["params"][0]["requested"]["state1"]["Quantized"]["future"] = 1.into()
+        }),
+        ("state3 renamed state9", "k-rename", |m| {
+            let r = m["params"][0]["requested"].as_object_mut().unwrap();
+            let v = r.remove("state3").unwrap();
+            r.insert("state9".into(), v);
+        }),
+    ] {
+        add("checkpoint", what, meta_edit(&base, name, edit));
+        add(
+            "checkpoint",
+            &format!("{what}, not resealed"),
+            load_bytes(&forge(&base, false, edit, |_| {}), name),
+        );
+    }
     add(
         "checkpoint",
         "global step counter 2^53 + 1",
@@ -1639,11 +1726,131 @@ fn cases() -> Vec<(&'static str, String, Seen)> {
             "saving to a directory",
             file_refused(opt.save(dir(), Checkpoint::new())),
         );
+        // Loading into an optimizer whose parameters are lent (a framework's tensors): every
+        // check before the first write, and another update rule refused (the lent layout and
+        // step plan stay this optimizer's).
+        {
+            let lent_opt = |config: ParamConfig, seed: u64| {
+                let mut o = Optimizer::new(opts().with_seed(seed)).unwrap();
+                let g = o.add_group(config).unwrap();
+                let buffers = vec![vec![0.25f32; 64], vec![0.5f32; 64]];
+                for (k, b) in buffers.iter().enumerate() {
+                    o.add_lent_param(
+                        &format!("p{k}"),
+                        &[8, 8],
+                        lpmm_optim::backend::HostValues::F32(b),
+                        g,
+                        config,
+                    )
+                    .unwrap();
+                }
+                (o, buffers)
+            };
+            let steps = |o: &mut Optimizer, buffers: &mut Vec<Vec<f32>>, n: usize| {
+                for k in 0..n {
+                    let mut grads = vec![vec![0.01 * (k as f32 + 1.0); 64]; 2];
+                    o.step(
+                        lpmm_optim::Step::given(&mut grads).lent(lpmm_optim::Lent::Lender(buffers)),
+                    )
+                    .unwrap();
+                }
+            };
+            let state = |o: &Optimizer, bufs: &Vec<Vec<f32>>| {
+                (
+                    bufs.clone(),
+                    o.param("p0").unwrap().steps,
+                    o.param("p0").unwrap().config,
+                    o.status().options.seed,
+                )
+            };
+            let path = dir().join("lent.safetensors");
+            let adamw = presets::adamw_f32(1e-3).build();
+            for (what, from, into) in [
+                (
+                    "Lion's checkpoint into AdamW",
+                    presets::lion_8bit(1e-4).build(),
+                    adamw,
+                ),
+                (
+                    "LAMB's checkpoint into AdamW",
+                    presets::lamb_f32(1e-3).build(),
+                    adamw,
+                ),
+                (
+                    "Muon's checkpoint into SGD with momentum",
+                    presets::muon_f32(0.02).build(),
+                    presets::sgdm_f32(1e-2, 0.9).build(),
+                ),
+            ] {
+                let (mut src, mut src_bufs) = lent_opt(from, 7);
+                steps(&mut src, &mut src_bufs, 2);
+                src.save(&path, Checkpoint::new().lender(&mut src_bufs))
+                    .unwrap();
+                let (mut dst, mut bufs) = lent_opt(into, 0);
+                let before = state(&dst, &bufs);
+                let r = dst.load(
+                    &path,
+                    Checkpoint::new()
+                        .lender(&mut bufs)
+                        .policy(LoadPolicy::ReplaceConfiguration),
+                );
+                let after = state(&dst, &bufs);
+                add(
+                    "checkpoint",
+                    &format!("{what}, the parameters lent (ReplaceConfiguration)"),
+                    match r {
+                        Err(e) if before == after => {
+                            Seen::Refused(format!("{}; nothing changed", variant(&e)))
+                        }
+                        Err(_) => Seen::Silent("refused after changing the optimizer".into()),
+                        Ok(()) => Seen::Silent(
+                            "loaded, to be stepped with the other rule's kernels".into(),
+                        ),
+                    },
+                );
+            }
+            // A lender whose second buffer is too short: refused before the first is written.
+            let (mut src, mut src_bufs) = lent_opt(adamw, 3);
+            steps(&mut src, &mut src_bufs, 3);
+            src.save(&path, Checkpoint::new().lender(&mut src_bufs))
+                .unwrap();
+            let (mut dst, bufs) = lent_opt(adamw, 3);
+            let mut short = vec![bufs[0].clone(), vec![0.5f32; 10]];
+            let before = state(&dst, &short);
+            let r = dst.load(&path, Checkpoint::new().lender(&mut short));
+            let after = state(&dst, &short);
+            add(
+                "checkpoint",
+                "loading with a lender whose second buffer is too short",
+                match r {
+                    Err(e) if before == after => {
+                        Seen::Refused(format!("{}; nothing changed", variant(&e)))
+                    }
+                    Err(_) => Seen::Silent(
+                        "refused after writing the first buffer and the counters".into(),
+                    ),
+                    Ok(()) => Seen::Silent("loaded".into()),
+                },
+            );
+        }
         add(
             "saving",
             "saving into a missing directory",
             file_refused(opt.save(dir().join("no/such/dir/x"), Checkpoint::new())),
         );
+        #[cfg(unix)]
+        {
+            // Run as root, the atomic save's rename would put the checkpoint in the device's
+            // place.
+            let link = dir().join("to-dev-null");
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink("/dev/null", &link).unwrap();
+            add(
+                "saving",
+                "saving onto a path that is a device (a link to /dev/null)",
+                file_refused(opt.save(&link, Checkpoint::new())),
+            );
+        }
         let (mut b, id) = one(
             presets::adamw_f32(1e-3)
                 .with_grad(bf(StoreRounding::Nearest))
@@ -1699,4 +1906,22 @@ fn bad_inputs_are_refused_reported_or_handled_never_silent() {
     let _ = std::fs::remove_dir_all(dir());
     assert!(cases.len() >= 75, "only {} cases", cases.len());
     assert!(silent.is_empty(), "silent: {silent:#?}");
+}
+
+/// Every rule's hyperparameters refuse a key they do not know (a rule file's struct carries
+/// `#[serde(deny_unknown_fields)]`): a checkpoint with one is refused, not loaded without it.
+#[test]
+fn every_rule_refuses_unknown_hyperparameter_keys() {
+    for (name, hyper) in Hyper::conformance_cases() {
+        let mut json = serde_json::to_value(ParamConfig::f32(hyper)).unwrap();
+        let fields = json["hyper"].as_object_mut().unwrap();
+        let (rule, inner) = fields.iter_mut().next().unwrap();
+        let rule = rule.clone();
+        inner
+            .as_object_mut()
+            .unwrap_or_else(|| panic!("{name}: {rule}'s hyperparameters are not an object"))
+            .insert("not_a_field".into(), true.into());
+        let back = serde_json::from_value::<ParamConfig>(json);
+        assert!(back.is_err(), "{name} ({rule}) took an unknown key");
+    }
 }

@@ -316,6 +316,31 @@ pub trait Backend: Clone + std::fmt::Debug + Send + Sync + 'static {
     /// An output's element type and count.
     fn output_info(&self, output: &Self::Output<'_>) -> (Dtype, usize);
 
+    /// Whether a buffer of `(element type, length)` `info` can be the lent parameter of
+    /// `layout`: the storage's lendable element type and the parameter's length (what lending
+    /// it checks). Nothing is read or written.
+    fn check_lent(&self, layout: &ParamLayout, info: (Dtype, usize)) -> Result<(), BackendError> {
+        let want = layout
+            .format(SlotKind::Param)
+            .and_then(|f| f.lendable())
+            .ok_or_else(|| BackendError::Unsupported {
+                backend: self.name(),
+                what: "lending a parameter of this storage".into(),
+            })?;
+        let (dtype, len) = info;
+        if (dtype, len) != (want, layout.numel) {
+            return Err(BackendError::Buffer {
+                what: format!(
+                    "a lent parameter buffer must hold {} {} values, not {len} {}",
+                    layout.numel,
+                    want.name(),
+                    dtype.name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Allocates a parameter (slots zero-filled, quantized codes as [`Format::fresh`] says) and
     /// stores its initial value. A backend may defer the gradient accumulator's element regions
     /// to the first `accumulate` or `import` of that slot (the CPU backend does, so a parameter

@@ -289,8 +289,9 @@ impl<B: Backend> Optimizer<B> {
     /// order) and, under `how`'s [`LoadPolicy`] ([`Checkpoint::policy`]; by default
     /// [`LoadPolicy::SameConfiguration`]), the same configuration. Lent parameters' saved values
     /// go into their buffers ([`Checkpoint::lender`]; needed when the optimizer has lent
-    /// parameters). On any error nothing changes. The [`crate::Settings`] and which parameters
-    /// expect a gradient are kept.
+    /// parameters, which keep their layouts and step plans: the checkpoint must then be of the
+    /// same update rule and storages). On any error nothing changes. The [`crate::Settings`] and
+    /// which parameters expect a gradient are kept.
     pub fn load(
         &mut self,
         path: impl AsRef<Path>,
@@ -377,11 +378,39 @@ impl<B: Backend> Optimizer<B> {
         c: Canonical,
         lender: &mut dyn Lender<B>,
     ) -> Result<(), OptimError> {
+        // Everything is checked before anything changes: the storages and the step plan (a
+        // lent parameter keeps its layout and plan, so another update rule is refused, not
+        // stepped with this one's kernels), the counters, every slot, every lent buffer.
         for (i, p) in c.params.iter().enumerate() {
             let (m, layout) = (&self.states[i], &self.layouts[i]);
+            let id = ParamId(i);
             let resolved = p.requested.resolve(layout.numel, &p.shape);
             if resolved.slots() != m.config.slots() {
                 return Err(err(path, format!("parameter {} differs (storage)", m.name)));
+            }
+            if Self::compile(layout, &resolved) != m.step_plan {
+                return Err(err(
+                    path,
+                    format!(
+                        "parameter {} differs (update rule: the checkpoint's is {}, this optimizer's {}); an optimizer with lent parameters loads its own rule's checkpoints",
+                        m.name,
+                        p.requested.hyper.name(),
+                        m.config.hyper.name()
+                    ),
+                ));
+            }
+            self.check_restore(id, p.steps, p.accumulations, p.pending, p.lr_rule)
+                .map_err(|e| file_err(path, e))?;
+            crate::optimizer::check_rule_state(p.rule_state).map_err(|e| file_err(path, e))?;
+            for (slot, host) in SlotKind::ALL.into_iter().zip(&p.slots) {
+                self.check_import(id, slot, host)
+                    .map_err(|e| file_err(path, e))?;
+            }
+            if layout.lent {
+                let backend = &self.backend;
+                lender.lend_mut(id, &mut |buf| {
+                    Ok(backend.check_lent(layout, backend.output_info(&buf))?)
+                })?;
             }
         }
         self.options = c.options;
@@ -569,6 +598,17 @@ mod temp {
     /// removed first.
     pub(super) fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let (dir, prefix) = prefix(path).ok_or_else(|| std::io::Error::other("not a file path"))?;
+        // The rename replaces whatever is at `path`: never a device, a FIFO, a socket or a
+        // directory (run as root, a save to `/dev/null` would put the checkpoint in its place).
+        // A link to a regular file is replaced by the checkpoint, as any atomic save does.
+        if let Ok(meta) = fs::metadata(path)
+            && !meta.is_file()
+        {
+            return Err(std::io::Error::other(
+                "the path is not a regular file (a device, FIFO, socket or directory): a \
+                 checkpoint replaces a file",
+            ));
+        }
         clean_stale(path);
         let (mut file, tmp) = create(&dir, &prefix)?;
         let result = (|| {

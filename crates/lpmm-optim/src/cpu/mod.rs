@@ -214,25 +214,6 @@ fn unsupported(what: &str) -> BackendError {
 }
 
 /// A lent buffer must have the primary region's dtype and one value per element.
-fn check_lent(layout: &ParamLayout, info: (Dtype, usize)) -> Result<(), BackendError> {
-    let want = layout
-        .format(SlotKind::Param)
-        .and_then(|f| f.lendable())
-        .ok_or_else(|| unsupported("lending a parameter of this storage"))?;
-    if info != (want, layout.numel) {
-        return Err(BackendError::Buffer {
-            what: format!(
-                "a lent parameter buffer must hold {} {} values, not {} {}",
-                layout.numel,
-                want.name(),
-                info.1,
-                info.0.name()
-            ),
-        });
-    }
-    Ok(())
-}
-
 impl Backend for Cpu {
     type Param = CpuParam;
     type Input<'a> = HostValues<'a>;
@@ -718,7 +699,7 @@ impl Backend for Cpu {
         let lent_here = slot == SlotKind::Param && layout.lent;
         if lent_here {
             match lent {
-                Some(l) => check_lent(layout, l.info())?,
+                Some(l) => self.check_lent(layout, l.info())?,
                 None => return Err(unsupported("exporting a lent parameter without its buffer")),
             }
         }
@@ -771,7 +752,7 @@ impl Backend for Cpu {
         let mut lent = lent;
         if lent_here {
             match &lent {
-                Some(l) => check_lent(layout, l.info())?,
+                Some(l) => self.check_lent(layout, l.info())?,
                 None => return Err(unsupported("importing a lent parameter without its buffer")),
             }
         }

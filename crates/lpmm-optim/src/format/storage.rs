@@ -95,6 +95,7 @@ pub enum StoreRounding {
 
 /// How one slot of model memory (parameter, gradient accumulator or optimizer state) is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum Storage {
     /// Nothing stored (gradient slot only): gradients arrive with `Step::param` or
     /// `Step::states_only` (gradient release) and no accumulator is allocated.

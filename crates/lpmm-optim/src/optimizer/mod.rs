@@ -44,6 +44,18 @@ fn check_counter(what: impl FnOnce() -> String, value: u64) -> Result<(), OptimE
     Ok(())
 }
 
+/// A rule state a checkpoint may hold ([`RuleState::valid`]).
+pub(crate) fn check_rule_state(state: RuleState) -> Result<(), OptimError> {
+    if !state.valid() {
+        let value = state.0.into_iter().find(|x| !(x.is_finite() && *x >= 0.0));
+        return Err(OptimError::Hyperparameter {
+            name: "rule state",
+            value: value.unwrap_or(f64::NAN),
+        });
+    }
+    Ok(())
+}
+
 /// Initial values must fit the parameter's storage: finite, and within its largest magnitude
 /// (a finite f32 above bf16's range would be stored as ±Inf).
 fn check_init(name: &str, init: &[f32], storage: Storage) -> Result<(), OptimError> {
@@ -86,6 +98,7 @@ pub enum NonFinitePolicy {
 /// Settings that apply to the whole optimizer: `OptimizerOptions::default()` (seed 0, no
 /// clipping, skip a step with a non-finite gradient), changed with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct OptimizerOptions {
     /// Seed of every stochastic-rounding stream.
@@ -633,7 +646,7 @@ impl<B: Backend> Optimizer<B> {
 
     /// The step plan of a parameter of `layout` with configuration `config` (its specialized
     /// kernels on; [`Settings::specialized_kernels`] is applied when a step is planned).
-    fn compile(layout: &ParamLayout, config: &ParamConfig) -> StepPlan {
+    pub(crate) fn compile(layout: &ParamLayout, config: &ParamConfig) -> StepPlan {
         StepPlan::new(layout, &config.hyper.consts(1, &RuleState::default()))
     }
 
@@ -670,8 +683,11 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
-    /// Sets the learning rate of every parameter.
+    /// Sets the learning rate of every parameter. A rate refused for any group changes none.
     pub fn set_lr(&mut self, lr: f64) -> Result<(), OptimError> {
+        for g in 0..self.groups.len() {
+            self.check_group_lr(g, lr)?;
+        }
         for g in 0..self.groups.len() {
             self.set_group_lr(g, lr)?;
         }
@@ -683,25 +699,7 @@ impl<B: Backend> Optimizer<B> {
     /// the group's (`LrRule::Scaled`), or keeps its learning rate if the group's was 0 when it was
     /// registered (`LrRule::Fixed`).
     pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<(), OptimError> {
-        self.group_config(group)?;
-        let valid = |v: f64| v.is_finite() && v >= 0.0 && (v as f32).is_finite();
-        if !valid(lr) {
-            return Err(OptimError::Hyperparameter {
-                name: "lr",
-                value: lr,
-            });
-        }
-        // Check every resulting rate before changing anything.
-        for m in self.states.iter().filter(|m| m.group == group) {
-            if let LrRule::Scaled(k) = m.lr_rule
-                && !valid(lr * k)
-            {
-                return Err(OptimError::Hyperparameter {
-                    name: "lr",
-                    value: lr * k,
-                });
-            }
-        }
+        self.check_group_lr(group, lr)?;
         self.groups[group].hyper.set_lr(lr);
         for m in self.states.iter_mut().filter(|m| m.group == group) {
             let own = match m.lr_rule {
@@ -711,6 +709,21 @@ impl<B: Backend> Optimizer<B> {
             };
             m.config.hyper.set_lr(own);
             m.requested.hyper.set_lr(own);
+        }
+        Ok(())
+    }
+
+    /// Whether [`Optimizer::set_group_lr`] takes `lr` for `group`: the rate and every parameter's
+    /// resulting one valid as a registered rate is (finite, non-negative, and not a positive
+    /// value that rounds to 0 in f32: a group registered with it is refused, and a checkpoint
+    /// holding it would not load).
+    fn check_group_lr(&self, group: usize, lr: f64) -> Result<(), OptimError> {
+        self.group_config(group)?;
+        crate::rule::check::finite_non_negative("lr", lr)?;
+        for m in self.states.iter().filter(|m| m.group == group) {
+            if let LrRule::Scaled(k) = m.lr_rule {
+                crate::rule::check::finite_non_negative("lr", lr * k)?;
+            }
         }
         Ok(())
     }
@@ -814,29 +827,64 @@ impl<B: Backend> Optimizer<B> {
         host: &HostSlot,
         lent: Option<B::Output<'_>>,
     ) -> Result<(), OptimError> {
-        let name = self.state(id)?.name.clone();
+        if !self.check_import(id, slot, host)? {
+            return Ok(());
+        }
+        self.backend.import(
+            &mut self.params[id.0],
+            &self.layouts[id.0],
+            slot,
+            host,
+            lent,
+        )?;
+        Ok(())
+    }
+
+    /// Whether [`Optimizer::import_slot`] takes `host` for `slot` (nothing changes): `false`
+    /// where the configuration has no such slot and `host` is empty (nothing to import).
+    pub(crate) fn check_import(
+        &self,
+        id: ParamId,
+        slot: SlotKind,
+        host: &HostSlot,
+    ) -> Result<bool, OptimError> {
+        let name = &self.state(id)?.name;
         let layout = &self.layouts[id.0];
         let fail = |reason: String| OptimError::Slot {
             param: name.clone(),
             reason: format!("{} slot: {reason}", slot.name()),
         };
         match layout.format(slot) {
-            None if !host.is_empty() => {
-                return Err(fail("the configuration has no such slot".into()));
-            }
-            None => return Ok(()),
+            None if !host.is_empty() => Err(fail("the configuration has no such slot".into())),
+            None => Ok(false),
             Some(f) => f
                 .validate(host, &layout.shape, layout.numel, slot != SlotKind::Grad)
-                .map_err(fail)?,
+                .map_err(fail)
+                .map(|()| true),
         }
-        self.backend
-            .import(&mut self.params[id.0], layout, slot, host, lent)?;
-        Ok(())
     }
 
     /// Sets a parameter's counters and learning-rate rule ([`PartsMut::restore`]).
     pub(crate) fn restore(
         &mut self,
+        id: ParamId,
+        steps: u64,
+        accumulations: u64,
+        pending: bool,
+        lr_rule: LrRule,
+    ) -> Result<(), OptimError> {
+        self.check_restore(id, steps, accumulations, pending, lr_rule)?;
+        let m = &mut self.states[id.0];
+        m.steps = steps;
+        m.accumulations = accumulations;
+        m.pending = pending;
+        m.lr_rule = lr_rule;
+        Ok(())
+    }
+
+    /// Whether [`Optimizer::restore`] takes these values (nothing changes).
+    pub(crate) fn check_restore(
+        &self,
         id: ParamId,
         steps: u64,
         accumulations: u64,
@@ -860,11 +908,6 @@ impl<B: Backend> Optimizer<B> {
         if pending && self.layouts[id.0].format(SlotKind::Grad).is_none() {
             return Err(OptimError::NoAccumulator(name.clone()));
         }
-        let m = &mut self.states[id.0];
-        m.steps = steps;
-        m.accumulations = accumulations;
-        m.pending = pending;
-        m.lr_rule = lr_rule;
         Ok(())
     }
 
@@ -875,13 +918,7 @@ impl<B: Backend> Optimizer<B> {
         state: RuleState,
     ) -> Result<(), OptimError> {
         self.state(id)?;
-        if !state.valid() {
-            let value = state.0.into_iter().find(|x| !(x.is_finite() && *x >= 0.0));
-            return Err(OptimError::Hyperparameter {
-                name: "rule state",
-                value: value.unwrap_or(f64::NAN),
-            });
-        }
+        check_rule_state(state)?;
         self.states[id.0].rule_state = state;
         Ok(())
     }

@@ -595,6 +595,17 @@ impl<B: Backend> Optimizer<B> {
             for i in (0..n).filter(|&i| given[i]) {
                 let id = ParamId(i);
                 result = grads.gradient(id, &mut |g| {
+                    // The source is asked a second time: an answer that differs from the first
+                    // (checked above) is refused, not read past its end.
+                    let len = g.as_ref().map(|g| self.backend.input_info(g).1);
+                    if len != Some(self.layouts[i].numel) {
+                        return Err(OptimError::Length {
+                            param: self.states[i].name.clone(),
+                            what: "gradient (the source's second answer differs from its first)",
+                            expected: self.layouts[i].numel,
+                            actual: len.unwrap_or(0),
+                        });
+                    }
                     let Some(g) = g else { return Ok(()) };
                     self.plans.iter_mut().for_each(|p| *p = None);
                     self.plans[i] = Some(plan(&self.states[i]));

@@ -15,6 +15,7 @@ use crate::vocab::SlotKind;
 
 /// Adafactor's hyperparameters (`transformers`' names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Adafactor {
     /// The learning rate when `relative_step` is off (then the step size; with
     /// `scale_parameter` it is multiplied by the parameter's RMS). Ignored with `relative_step`.

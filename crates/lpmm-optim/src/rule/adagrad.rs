@@ -9,6 +9,7 @@ use crate::error::OptimError;
 
 /// Adagrad's hyperparameters. State 2 is the sum of squared gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Adagrad {
     /// Learning rate.
     pub lr: f64,

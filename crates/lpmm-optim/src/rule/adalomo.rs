@@ -17,6 +17,7 @@ use crate::vocab::SlotKind;
 
 /// AdaLomo's hyperparameters (`lomo_optim.AdaLomo`'s names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AdaLomo {
     /// The learning rate, multiplied by `max(eps2, RMS(p))`.
     pub lr: f64,

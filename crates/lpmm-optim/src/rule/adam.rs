@@ -10,6 +10,7 @@ use crate::vocab::SlotKind;
 
 /// Adam's and AdamW's hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Adam {
     /// Learning rate.
     pub lr: f64,

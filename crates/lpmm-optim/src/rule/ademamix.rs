@@ -12,6 +12,7 @@ use crate::error::OptimError;
 
 /// AdEMAMix's hyperparameters (bitsandbytes' names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AdEMAMix {
     /// Learning rate.
     pub lr: f64,

@@ -15,6 +15,7 @@ use crate::vocab::SlotKind;
 
 /// CAME's hyperparameters (the reference's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Came {
     /// Learning rate.
     pub lr: f64,

@@ -13,6 +13,7 @@ use crate::error::OptimError;
 
 /// LAMB's hyperparameters (`torch_optimizer.Lamb`'s names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Lamb {
     /// Learning rate.
     pub lr: f64,

@@ -9,6 +9,7 @@ use crate::error::OptimError;
 
 /// Lion's hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Lion {
     /// Learning rate.
     pub lr: f64,

@@ -63,6 +63,7 @@ impl AdjustLr {
 
 /// Muon's hyperparameters (`torch.optim.Muon`'s names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Muon {
     /// Learning rate (before the shape adjustment).
     pub lr: f64,

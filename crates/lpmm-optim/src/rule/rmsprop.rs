@@ -10,6 +10,7 @@ use crate::error::OptimError;
 /// RMSprop's hyperparameters. State 1 is the momentum buffer (with `momentum > 0`), state 2 the
 /// square average, state 3 the gradient average (`centered`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RmsProp {
     /// Learning rate.
     pub lr: f64,

@@ -16,6 +16,7 @@ use crate::error::OptimError;
 
 /// Schedule-free AdamW's hyperparameters (the package's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ScheduleFreeAdamW {
     /// Learning rate.
     pub lr: f64,

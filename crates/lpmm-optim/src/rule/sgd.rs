@@ -9,6 +9,7 @@ use crate::error::OptimError;
 
 /// SGD's hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Sgd {
     /// Learning rate.
     pub lr: f64,
