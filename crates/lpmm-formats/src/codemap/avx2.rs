@@ -91,9 +91,9 @@ impl CodeMap {
     /// where its scale is 0) into a buffer, then each group rounded from it by
     /// [`CodeMap::stochastic_grid8`] (the divisions out of the rounding's dependency chain: 1.1x
     /// faster on Zen 4 than one loop, docs/BENCHMARKS.md); a group it hands over is rounded lane
-    /// by lane by [`CodeMap::stochastic`] from the same quotients. One call for a run of blocks (the
-    /// constants stay in registers). Returns how many leading elements it rounded (whole groups
-    /// of 8; none for another map, or blocks that are not a multiple of 8 long).
+    /// by lane by [`CodeMap::stochastic`] from the same quotients. One call for a run of blocks
+    /// (the constants stay in registers). Returns how many leading elements it rounded (whole
+    /// groups of 8; none for another map, or blocks that are not a multiple of 8 long).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn stochastic_blocks_avx2(
         &self,
@@ -138,9 +138,7 @@ impl CodeMap {
                     let y = unsafe { _mm256_loadu_ps(quotients.as_ptr().add(i - run)) };
                     if !self.stochastic_grid8(origin, steps, y, &bits[i..i + 8], &mut out[i..i + 8])
                     {
-                        let mut lanes = [0f32; 8];
-                        // SAFETY: `lanes` is 8 f32; the store is unaligned.
-                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
+                        let lanes = &quotients[i - run..i - run + 8];
                         for (j, &y) in lanes.iter().enumerate() {
                             out[i + j] = self.stochastic(y, bits[i + j]);
                         }

@@ -213,7 +213,6 @@ fn unsupported(what: &str) -> BackendError {
     }
 }
 
-/// A lent buffer must have the primary region's dtype and one value per element.
 impl Backend for Cpu {
     type Param = CpuParam;
     type Input<'a> = HostValues<'a>;
