@@ -228,3 +228,53 @@ def test_missing_gradients_warn_in_python(capfd):
         warnings.simplefilter("error")
         opt.step()  # the same parameters again: warned once
     assert "lpmm warning" not in capfd.readouterr().err
+
+
+def test_threads_stepping_and_saving_one_optimizer_take_turns():
+    """Two threads stepping one optimizer and a third saving it: each call runs
+    whole (lpmm's engine takes one at a time; it raised PyO3's 'Already borrowed' where the
+    interpreter switched threads inside one), and 2 x 40 steps of one gradient are 80 steps,
+    bit for bit."""
+    import sys
+    import threading
+
+    def run(threads, with_saver):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(128, 128)) for _ in range(2)]
+        opt = lpmm.torch.AdamW8bit(ps, lr=1e-3)
+        for p in ps:
+            p.grad = torch.full_like(p, 0.01)
+        errors = []
+
+        def stepper(n):
+            try:
+                for _ in range(n):
+                    opt.step()
+            except Exception as e:  # noqa: BLE001 (collected for the assertion)
+                errors.append(e)
+
+        def saver():
+            try:
+                for _ in range(20):
+                    opt.state_dict()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=stepper, args=(80 // threads,)) for _ in range(threads)]
+        if with_saver:
+            ts.append(threading.Thread(target=saver))
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        finally:
+            sys.setswitchinterval(old)
+        assert not errors, errors[:3]
+        return [p.detach().clone() for p in ps], opt.state_dict()["state"][0]["step"].item()
+
+    (one, steps_one), (many, steps_many) = run(1, False), run(2, True)
+    assert steps_one == steps_many == 80
+    assert all(same_bits(a, b) for a, b in zip(one, many))

@@ -1,6 +1,8 @@
 """The torch optimizers: ``LpmmOptimizer`` (any preset by name) and one class per common preset."""
 
+import functools
 import json
+import threading
 import warnings
 import weakref
 
@@ -58,6 +60,19 @@ def _plain(key, value, default):
 def _torch_value(value):
     """A JSON value as a torch user reads it in a param group (tuples, not lists)."""
     return tuple(value) if isinstance(value, list) else value
+
+
+def _locked(method):
+    """``method`` under the optimizer's lock: lpmm's engine takes one call at a time, so two
+    threads stepping one optimizer (or one stepping while another saves it) take turns, as
+    torch's own optimizers would run both."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class LpmmOptimizer(torch.optim.Optimizer):
@@ -144,6 +159,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
             non_finite,
             "ignore" if self._warn_missing else missing_gradient,
         )
+        self._lock = threading.RLock()  # one engine call at a time (`_locked`)
         self._params = []  # registered tensors, in the engine's order
         self._groups = []  # the param-group dict of each of lpmm's groups
         self._param_group = []  # each registered tensor's group (lpmm's index)
@@ -169,6 +185,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
         """Group ``group``'s hyperparameters as JSON-ready data."""
         return {k: _plain(k, group[k], d) for k, d in self._rule_defaults.items()}
 
+    @_locked
     def add_param_group(self, param_group):
         """Adds a param group (torch's ``add_param_group``), registering its tensors with lpmm.
         A tensor lpmm cannot step in place, or one sharing memory with another parameter, raises
@@ -236,11 +253,13 @@ class LpmmOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_release_hook(self)))
         self._count += len(new)
 
+    @_locked
     def param_info(self):
         """Each registered parameter: its name, whether it is stepped in place in the tensor
         (``lent``), and the storage lpmm keeps its value in."""
         return [self._engine.info(i) for i in range(len(self._params))]
 
+    @_locked
     def memory(self):
         """Bytes lpmm holds, by slot: ``param`` (values lpmm holds beside or instead of the
         tensor: a Kahan compensation, an 8-bit parameter), ``grad`` (always 0: torch's
@@ -288,6 +307,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
+    @_locked
     def step(self, closure=None):
         """One step of every parameter with a gradient (a parameter whose ``.grad`` is None is
         skipped). Every tensor is checked first; a refused step changes nothing."""
@@ -354,6 +374,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
             )
         return group is not None
 
+    @_locked
     def _release(self, p):
         """The post-accumulate-grad hook of ``grad_release``: steps ``p`` and frees its
         gradient."""
@@ -369,10 +390,12 @@ class LpmmOptimizer(torch.optim.Optimizer):
         p.grad = None
         self._finish(report, [p])
 
+    @_locked
     def train(self):
         """Parameters back at their training point (schedule-free presets; others: no-op)."""
         self._engine.set_eval(False, self._params)
 
+    @_locked
     def eval(self):
         """Parameters at their evaluation point: schedule-free AdamW's averaged weights (the
         ``schedulefree`` package's ``optimizer.eval()``); other presets' parameters do not move.
@@ -392,6 +415,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
 
     # -- state -----------------------------------------------------------------------------------
 
+    @_locked
     def state_dict(self):
         """torch's state dict: ``param_groups`` as torch writes them, and per parameter
         ``step``, ``lpmm`` (its metadata as JSON bytes) and each region of its optimizer state as
@@ -407,6 +431,7 @@ class LpmmOptimizer(torch.optim.Optimizer):
             state[k] = entry
         return sd
 
+    @_locked
     def load_state_dict(self, state_dict):
         """Loads a state dict of this optimizer's ``state_dict()`` (after ``torch.save`` and
         ``torch.load``, cast to the parameters' dtype by torch or not): the parameters' counters,
