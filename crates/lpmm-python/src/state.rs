@@ -366,6 +366,34 @@ pub fn reconfigure(
     config: ParamConfig,
     buffers: &mut [Option<HostValuesMut<'_>>],
 ) -> Result<Engine, EngineError> {
+    let old = engine
+        .groups
+        .get(group)
+        .ok_or_else(|| EngineError::Config(format!("no parameter group {group}")))?;
+    let (before, after) = (old.config.hyper.states(), config.hyper.states());
+    if before != after {
+        // The states a parameter holds are set at registration (Adafactor's first moment exists
+        // only with a `beta1`): a change that adds or drops one has no state to move.
+        let names = |s: [bool; 3]| {
+            let held: Vec<String> = (0..3)
+                .filter(|&k| s[k])
+                .map(|k| format!("state{}", k + 1))
+                .collect();
+            if held.is_empty() {
+                "none".into()
+            } else {
+                held.join(", ")
+            }
+        };
+        return Err(EngineError::Config(format!(
+            "group {group}'s new hyperparameters change which states it keeps ({} before, {} \
+             after; e.g. Adafactor's beta1 between None and a number): a running optimizer cannot \
+             add or drop a state; nothing was changed (put the old value back, or create the optimizer \
+             again)",
+            names(before),
+            names(after)
+        )));
+    }
     let mut saved = save(engine, buffers)?;
     for (s, e) in saved.iter_mut().zip(&engine.params) {
         if e.group != group {

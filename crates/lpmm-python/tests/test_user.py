@@ -203,12 +203,25 @@ def test_damaged_state_dicts_raise_lpmms_error(how):
 
 
 def test_adafactor_takes_transformers_relative_step():
+    """transformers' fine-tuning recipe (a fixed lr, relative_step=False) steps at that lr: the
+    rate was dropped (Adafactor's presets take none), so the model never moved. Without a first
+    moment or parameter scaling, Adafactor's first step moves a vector's element by lr (its
+    second moment is g² + 1e-30, unfactored; the update's RMS is 1, the clipping threshold)."""
     m = torch.nn.Linear(64, 64)
     opt = lpmm.torch.Adafactor(
-        m.parameters(), scale_parameter=False, relative_step=False, warmup_init=False, lr=1e-3
+        m.parameters(),
+        scale_parameter=False,
+        relative_step=False,
+        warmup_init=False,
+        lr=1e-3,
+        beta1=None,
     )
+    assert opt.defaults["lr"] == 1e-3
+    bias = m.bias.detach().clone()
     m(torch.randn(4, 64)).sum().backward()
     opt.step()
+    moved = (m.bias.detach() - bias).abs()
+    assert torch.allclose(moved, torch.full_like(moved, 1e-3), rtol=1e-4, atol=0)
     with pytest.raises(lpmm.ConfigError, match="relative_step"):
         lpmm.torch.Adafactor(m.parameters(), lr=1e-3, relative_step=True)
     with pytest.raises(lpmm.ConfigError, match="needs an lr"):
@@ -216,6 +229,45 @@ def test_adafactor_takes_transformers_relative_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lpmm.torch.Adafactor(m.parameters())  # the relative step, as before
+
+
+def test_adafactor_takes_beta1_none_as_transformers_default():
+    """beta1=None (transformers' default) is Adafactor without a first moment: no state1 held
+    (it raised float()'s TypeError). A group edit between None and a number would add or drop a
+    state: refused as a ConfigError that changes nothing, so putting the value back steps on with
+    the bits of an optimizer that never saw the edit."""
+    ws, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 64)
+        ws.append(m.weight)
+        opts.append(lpmm.torch.Adafactor(m.parameters(), lr=1e-2, relative_step=False, beta1=None))
+    assert opts[0].memory()["state1"] == 0
+    before = ws[0].detach().clone()
+
+    def step(k):
+        for w, opt in zip(ws, opts):
+            torch.manual_seed(k)
+            for p in opt.param_groups[0]["params"]:
+                p.grad = torch.randn_like(p)
+            opt.step()
+
+    step(1)
+    assert not same_bits(ws[0], before)
+    for value in (0.9, 0.0):
+        opts[0].param_groups[0]["beta1"] = value
+        with pytest.raises(lpmm.ConfigError, match="which states it keeps"):
+            step(2)
+        opts[0].param_groups[0]["beta1"] = None
+    step(3)
+    assert same_bits(ws[0], ws[1])
+    # And the other way: a first moment cannot be dropped.
+    opt = lpmm.torch.Adafactor([matrix()], lr=1e-2, relative_step=False)
+    assert opt.memory()["state1"] > 0
+    opt.param_groups[0]["beta1"] = None
+    opt.param_groups[0]["params"][0].grad = torch.ones(64, 64)
+    with pytest.raises(lpmm.ConfigError, match="state1, state2 before, state2 after"):
+        opt.step()
 
 
 def test_missing_gradients_warn_in_python(capfd):

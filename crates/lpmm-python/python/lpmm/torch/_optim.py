@@ -30,9 +30,11 @@ class MissingGradientWarning(UserWarning):
     they were not stepped, as torch skips them."""
 
 
-#: Hyperparameters that are whole numbers or None (AdEMAMix's warm-up lengths); the other
-#: hyperparameters whose default is None are floats or None.
+#: Hyperparameters that are whole numbers or None (AdEMAMix's warm-up lengths).
 _INT_OR_NONE = frozenset({"t_alpha", "t_beta3"})
+#: Hyperparameters that are floats or None whatever their default (Adafactor's ``beta1``: None,
+#: transformers' default, is no first moment; AdaLomo's ``clip_grad_value``).
+_FLOAT_OR_NONE = frozenset({"beta1", "clip_grad_value"})
 
 
 def _plain(key, value, default):
@@ -47,7 +49,7 @@ def _plain(key, value, default):
         return str(value)
     if isinstance(default, (list, tuple)):
         return [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
-    if value is None and (default is None or key in _INT_OR_NONE):
+    if value is None and (default is None or key in _INT_OR_NONE or key in _FLOAT_OR_NONE):
         return None
     if key in _INT_OR_NONE or isinstance(default, int):
         whole = float(value)
@@ -135,6 +137,10 @@ class LpmmOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"min_quantized_size {min_quantized_size!r}: a non-negative int")
         rule, defaults = _lpmm.Engine.defaults(preset, 0.0 if lr is None else float(lr))
         defaults = json.loads(defaults)
+        if lr is not None and "lr" in defaults:
+            # The preset's learning rate is `lr` (Adafactor's presets take none: they start at the
+            # relative step, where a fixed rate given with relative_step=False was dropped).
+            defaults["lr"] = float(lr)
         for key in hyper:
             if key not in defaults:
                 raise ConfigError(
