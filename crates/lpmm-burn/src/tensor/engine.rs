@@ -30,6 +30,9 @@ pub(crate) struct Entry {
     /// tensor in place.
     pub held: bool,
     pub shape: Vec<usize>,
+    /// The configuration it was registered with, before the minimum-size and shape rules
+    /// resolved its storages (what a record carries, as the whole-module optimizer's does).
+    pub requested: ParamConfig,
     /// Steps taken (lpmm's own counter moves with it; a record carries it).
     pub steps: u64,
     /// A state still refers to it (a released one keeps its memory until the engine goes).
@@ -107,18 +110,20 @@ impl<L: Lane> Engine<L> {
     }
 
     /// Registers placeholders (one f32 element each, no gradient expected) until the next
-    /// registration gets index `stream`.
-    fn pad_to(&mut self, stream: u64, config: &ParamConfig) -> Result<(), BurnError> {
+    /// registration gets index `stream`. They are plain f32 SGD whatever the optimizer's rule: a
+    /// rule that takes only some shapes (Muon: matrices) would refuse the placeholder, and with it
+    /// every parameter after it.
+    fn pad_to(&mut self, stream: u64) -> Result<(), BurnError> {
+        let pad = lpmm_optim::presets::sgdm_f32(0.0, 0.0).build();
         while (self.opt.status().params as u64) < stream {
-            let group = self.opt.add_group(*config)?;
+            let group = self.opt.add_group(pad)?;
             let name = format!("pad{}", self.opt.status().params);
-            let id = self
-                .opt
-                .add_param_with(&name, &[1], &[0.0], group, *config)?;
+            let id = self.opt.add_param_with(&name, &[1], &[0.0], group, pad)?;
             self.entries.push(Entry {
                 group: None,
                 held: true,
                 shape: vec![1],
+                requested: pad,
                 steps: 0,
                 live: false,
             });
@@ -142,7 +147,7 @@ impl<L: Lane> Engine<L> {
                 "internal: stream {stream} is taken in this engine"
             )));
         }
-        self.pad_to(stream, config)?;
+        self.pad_to(stream)?;
         let numel: usize = shape.iter().product();
         let name = stream.to_string();
         let lent = lends(config, numel, shape, self.lane.dtype(prim));
@@ -165,6 +170,7 @@ impl<L: Lane> Engine<L> {
             group: Some(group),
             held: !lent,
             shape: shape.to_vec(),
+            requested: *config,
             steps: 0,
             live: true,
         });
@@ -244,6 +250,9 @@ impl<L: Lane> Engine<L> {
     /// tensor's). The value of a lent parameter is not read: zeros stand in for it.
     pub fn export(&self, id: ParamId) -> Result<(CanonicalParam, bool), BurnError> {
         let entry = &self.entries[id.index()];
+        // The storages in force (resolved for this shape) for the value's dtype; the record
+        // carries the requested configuration, which resolves to them again (a resolved one need
+        // not validate as a configuration: CAME's factorized state of a vector resolves to none).
         let config = self.opt.param(id)?.config;
         let numel: usize = entry.shape.iter().product();
         let lent = !entry.held;
@@ -267,7 +276,7 @@ impl<L: Lane> Engine<L> {
                 name: String::new(),
                 shape: entry.shape.clone(),
                 group: 0,
-                requested: config,
+                requested: entry.requested,
                 steps: entry.steps,
                 accumulations: 0,
                 pending: false,

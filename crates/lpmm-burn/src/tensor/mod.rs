@@ -112,8 +112,9 @@ pub struct LpmmTensorStats {
     /// `Learner` keeps the model it steps, so each step copies each parameter, as burn's own
     /// in-place operations would), or a state stepped by two clones of an optimizer.
     pub copies: u64,
-    /// Loaded states that could not be used and were re-initialised, with the reason (the first
-    /// 32).
+    /// States that could not be used and were re-initialised, with the reason (the first 32): a
+    /// loaded one (another optimizer's record, a damaged one, another shape or configuration),
+    /// or a live one whose parameter's tensor was replaced by one of another shape.
     pub reinitialised: Vec<String>,
     /// Steps that failed (the parameter and its state left unchanged), distinct messages (the
     /// first 32).
@@ -234,9 +235,7 @@ impl LpmmTensorOptimizer {
             c.reinitialised.push(reason.clone());
         }
         drop(c);
-        crate::warn(&format!(
-            "a loaded optimizer state was re-initialised: {reason}"
-        ));
+        crate::warn(&format!("an optimizer state was re-initialised: {reason}"));
     }
 
     /// The stream of a parameter met for the first time on `device` (or, with `at`, a loaded
@@ -256,6 +255,15 @@ impl LpmmTensorOptimizer {
         let s = at.unwrap_or(d.next_stream);
         d.next_stream = d.next_stream.max(s + 1);
         s
+    }
+
+    /// Gives back `stream`, the last one given out on `device`, where nothing took it.
+    fn unstream(devices: &mut [DeviceEngines], device: &Device, stream: u64) {
+        if let Some(d) = devices.iter_mut().find(|d| d.device == *device)
+            && d.next_stream == stream + 1
+        {
+            d.next_stream = stream;
+        }
     }
 
     /// An engine on `device` where `stream` is free (a new one where none is).
@@ -305,7 +313,14 @@ impl LpmmTensorOptimizer {
         let mut engine = lock(&cell);
         let (tensor, id) =
             on_any!(&mut *engine, e => register_on(e, tensor, stream, &config, loaded));
+        let taken = on_any!(&*engine, e => !e.free(stream));
         drop(engine);
+        if id.is_err() && !taken {
+            // A parameter refused at registration (Muon's non-matrix, non-finite values) keeps
+            // no stream: it is tried again at its next step, and the parameters met after it
+            // take the streams they would have had without it.
+            Self::unstream(&mut devices, &device, stream);
+        }
         drop(devices);
         let slot = id.map(|id| Slot {
             engine: cell,
@@ -367,6 +382,13 @@ impl LpmmTensorOptimizer {
     ) -> (Tensor<D>, Option<LpmmState<D>>) {
         let device = tensor.device();
         let owner = self.shared.owner;
+        let state = match state.as_ref().and_then(|s| s.other_shape(&tensor.dims())) {
+            Some(reason) => {
+                self.reinitialised(reason);
+                None
+            }
+            None => state,
+        };
         let (tensor, state) = match state {
             Some(s) if s.live_here(owner, &device) => (tensor, s),
             other => {

@@ -103,6 +103,24 @@ impl<const D: usize> LpmmState<D> {
         }
     }
 
+    /// Why a live state cannot be stepped with a parameter of `shape`, if it cannot: the module's
+    /// tensor under its id was replaced by one of another shape since its last step (its slots
+    /// are laid out for the old one, even where the element count is the same).
+    pub(crate) fn other_shape(&self, shape: &[usize]) -> Option<String> {
+        let StateInner::Live(slot) = &*self.inner else {
+            return None;
+        };
+        let engine = lock(&slot.engine);
+        let old = on_any!(&*engine, e => e.entries[slot.id.index()].shape.clone());
+        (old != shape).then(|| {
+            format!(
+                "stream {}: the parameter's shape changed from {old:?} to {shape:?} since its last \
+                 step (its tensor was replaced)",
+                slot.stream
+            )
+        })
+    }
+
     /// Whether the state is live in the slots of optimizer `owner` on `device`, held by no clone.
     pub(crate) fn live_here(&self, owner: u64, device: &Device) -> bool {
         let unique = Arc::strong_count(&self.inner) == 1 && Arc::weak_count(&self.inner) == 0;

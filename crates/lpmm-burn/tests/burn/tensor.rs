@@ -365,6 +365,12 @@ fn records_resume_bit_for_bit_in_a_new_model_and_optimizer() {
         ),
         // Lent bf16 parameters with a Kahan compensation lpmm keeps (`param.comp`).
         (LpmmOptimizerConfig::from(kahan).with_seed(9), DType::BF16),
+        // A third state, factorized for the matrices and resolved to none for the vectors (the
+        // record carried the resolved configuration, which does not validate, so it lost them).
+        (
+            LpmmOptimizerConfig::from(presets::came_8bit(0.01)).with_seed(9),
+            DType::F32,
+        ),
     ];
     for (config, dtype) in configs {
         let (mut model, mut optim) = trained_in(config, &device, 3, dtype);
@@ -522,6 +528,191 @@ fn a_parameter_whose_shape_changed_is_reinitialised_and_said() {
     assert_eq!(stats.reinitialised.len(), 1, "{stats:?}");
     assert!(stats.reinitialised[0].contains("shape"), "{stats:?}");
     assert_eq!(two.b2.val().dims(), [8]);
+}
+
+#[test]
+fn a_replaced_tensor_of_another_shape_reinitialises_its_live_state() {
+    // The module's tensor under w1's id replaced by one of the transposed shape (the same element
+    // count) between two steps: its slots are laid out for the old shape, so the state is
+    // re-initialised and said, as a loaded one of another shape is (it was stepped with them).
+    let device = flex();
+    let (mut optim, handle) = per_tensor(Lpmm8bitAdamWConfig::new().lpmm());
+    let mut m = Mlp::new(&device, 4);
+    let g = grads(&m, 0, &device);
+    m = optim.step(0.01, m, g);
+    let mut replaced = Two {
+        w1: burn_core::module::Param::initialized(
+            m.w1.id,
+            Tensor::<2>::from_data(
+                TensorData::new(vec![0.01f32; D_IN * HIDDEN], [HIDDEN, D_IN]),
+                &device,
+            )
+            .require_grad(),
+        ),
+        b2: m.b2.clone(),
+    };
+    let before = replaced.w1.val().into_data();
+    let x = Tensor::<2>::ones([2, HIDDEN], &device);
+    let loss = (x.matmul(replaced.w1.val()).sum() + replaced.b2.val().sum()).mean();
+    let g = GradientsParams::from_grads(loss.backward(), &replaced);
+    replaced = optim.step(0.01, replaced, g);
+    let stats = handle.stats();
+    assert_eq!(stats.reinitialised.len(), 1, "{stats:?}");
+    assert!(
+        stats.reinitialised[0].contains("shape changed from [64, 128] to [128, 64]"),
+        "{stats:?}"
+    );
+    assert_eq!(stats.error_count, 0, "{stats:?}");
+    assert_eq!(replaced.w1.val().dims(), [HIDDEN, D_IN]);
+    assert_ne!(
+        replaced.w1.val().into_data(),
+        before,
+        "stepped from a fresh state"
+    );
+}
+
+/// A vector met before a matrix: under Muon the vector is refused.
+#[derive(Module, Debug)]
+struct BiasFirst {
+    b: burn_core::module::Param<Tensor<1>>,
+    w: burn_core::module::Param<Tensor<2>>,
+}
+
+/// The matrix alone, under the same id.
+#[derive(Module, Debug)]
+struct MatrixOnly {
+    w: burn_core::module::Param<Tensor<2>>,
+}
+
+#[test]
+fn a_parameter_refused_at_registration_takes_no_stream_from_the_ones_after_it() {
+    // The whole module given to per-tensor Muon, a bias first: the bias is refused (not a
+    // matrix) and left unchanged; the matrix after it trains, with the bits it has where the bias
+    // is not there at all (the refused bias took a stream, and the placeholder that moved the
+    // matrix to the next one was a Muon parameter of one element, refused too: nothing trained).
+    let device = flex();
+    let w = Tensor::<2>::from_data(
+        TensorData::new(
+            (0..32 * 64)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 400.0)
+                .collect::<Vec<_>>(),
+            [32, 64],
+        ),
+        &device,
+    );
+    let b = Tensor::<1>::from_data(TensorData::new(vec![0.5f32; 64], [64]), &device);
+    let config = LpmmOptimizerConfig::from(presets::muon_8bit(0.02)).with_seed(3);
+    let mut both = BiasFirst {
+        b: burn_core::module::Param::from_tensor(b.require_grad()),
+        w: burn_core::module::Param::from_tensor(w.clone().require_grad()),
+    };
+    let mut alone = MatrixOnly {
+        w: burn_core::module::Param::initialized(both.w.id, w.require_grad()),
+    };
+    let (mut optim_both, handle) = per_tensor(config);
+    let (mut optim_alone, _) = per_tensor(config);
+    let start = both.w.val().into_data();
+    for step in 0..3 {
+        let gw = |id| {
+            let values = (0..32 * 64)
+                .map(|i| (((i + 7 * step) * 53 % 97) as f32 - 48.0) / 100.0)
+                .collect::<Vec<_>>();
+            let mut g = GradientsParams::new();
+            g.register(
+                id,
+                Tensor::<2>::from_data(TensorData::new(values, [32, 64]), &device.clone().inner()),
+            );
+            g
+        };
+        let mut g = gw(both.w.id);
+        g.register(
+            both.b.id,
+            Tensor::<1>::from_data(
+                TensorData::new(vec![0.1f32; 64], [64]),
+                &device.clone().inner(),
+            ),
+        );
+        both = optim_both.step(0.02, both, g);
+        let g = gw(alone.w.id);
+        alone = optim_alone.step(0.02, alone, g);
+    }
+    assert_ne!(both.w.val().into_data(), start, "the matrix trains");
+    assert_eq!(both.w.val().into_data(), alone.w.val().into_data());
+    assert_eq!(
+        both.b.val().into_data(),
+        TensorData::new(vec![0.5f32; 64], [64])
+    );
+    let stats = handle.stats();
+    assert_eq!(stats.params, 1, "{stats:?}");
+    assert!(stats.error_count >= 1, "{stats:?}");
+    assert!(
+        stats
+            .errors
+            .iter()
+            .all(|e| e.contains("[64]") && !e.contains("pad")),
+        "only the bias is refused: {:?}",
+        stats.errors
+    );
+}
+
+/// Two matrices.
+#[derive(Module, Debug)]
+struct TwoMatrices {
+    a: burn_core::module::Param<Tensor<2>>,
+    b: burn_core::module::Param<Tensor<2>>,
+}
+
+#[test]
+fn a_muon_record_resumes_when_its_second_matrix_steps_first() {
+    // Resumed, the first step gives only `b` a gradient: its loaded state (stream 1) is
+    // registered first, behind a placeholder at stream 0. The placeholder was a Muon parameter of
+    // one element, which Muon refuses, so `b`'s state did not import and was re-initialised.
+    let device = flex();
+    let config = LpmmOptimizerConfig::from(presets::muon_8bit(0.02)).with_seed(5);
+    let matrix = |k: usize| {
+        let values = (0..16 * 24)
+            .map(|i| (((i + k) * 37 % 101) as f32 - 50.0) / 400.0)
+            .collect::<Vec<_>>();
+        Tensor::<2>::from_data(TensorData::new(values, [16, 24]), &device)
+    };
+    let grad = |k: usize| {
+        let values = (0..16 * 24)
+            .map(|i| (((i + 3 * k) * 53 % 97) as f32 - 48.0) / 100.0)
+            .collect::<Vec<_>>();
+        Tensor::<2>::from_data(TensorData::new(values, [16, 24]), &device.clone().inner())
+    };
+    let step = |optim: &mut ModuleOptimizer, m: TwoMatrices, k: usize, both: bool| {
+        let mut g = GradientsParams::new();
+        if both {
+            g.register(m.a.id, grad(k));
+        }
+        g.register(m.b.id, grad(k + 1));
+        optim.step(0.02, m, g)
+    };
+    let mut model = TwoMatrices {
+        a: burn_core::module::Param::from_tensor(matrix(0).require_grad()),
+        b: burn_core::module::Param::from_tensor(matrix(1).require_grad()),
+    };
+    let mut optim = config.init().unwrap();
+    model = step(&mut optim, model, 0, true);
+    let bytes = optim.into_bytes().unwrap();
+    let fresh = config.build().unwrap();
+    let mut resumed = ModuleOptimizer::from(fresh.clone())
+        .from_bytes(bytes)
+        .unwrap();
+    let mut other = TwoMatrices {
+        a: burn_core::module::Param::initialized(model.a.id, model.a.val()),
+        b: burn_core::module::Param::initialized(model.b.id, model.b.val()),
+    };
+    for k in 1..3 {
+        model = step(&mut optim, model, k, k > 1);
+        other = step(&mut resumed, other, k, k > 1);
+    }
+    let stats = fresh.stats();
+    assert!(stats.reinitialised.is_empty(), "{:?}", stats.reinitialised);
+    assert_eq!(stats.error_count, 0, "{stats:?}");
+    assert_eq!(model.a.val().into_data(), other.a.val().into_data());
+    assert_eq!(model.b.val().into_data(), other.b.val().into_data());
 }
 
 #[test]
