@@ -171,6 +171,37 @@
 //! preset over f32 `Var`s also trains, but through a copy (see "What a training process holds"
 //! above), which holds more than `adamw_8bit` does (the README's "Which preset").
 //!
+//! # What goes wrong, and what happens
+//!
+//! What a careless or hostile user tried from outside the repository (`tests/hostile.rs`,
+//! `tests/user.rs`):
+//!
+//! - **A checkpoint saved under a schedule** (`set_learning_rate` between steps):
+//!   [`LpmmOptimizer::load`] takes the checkpoint's learning rates (`learning_rate()` returns the
+//!   saved one) and refuses any other difference of configuration, changing nothing.
+//! - **A write into a `Var` lpmm holds a copy of** (a `Var` not of [`LpmmConfig::var_dtype`]:
+//!   `Var::set`, `VarMap::load` after creating the optimizer): the next step is refused with an
+//!   error naming it (the step would start from lpmm's copy and lose the write); the write stays
+//!   in the `Var`. Load the weights before creating the optimizer, or create the `Var`s in
+//!   [`LpmmConfig::var_dtype`], which lpmm steps in place and which take any write.
+//! - **The same `Var` twice** (or a clone of it): refused before anything is registered. A `Var`
+//!   without elements is left out, as candle's optimizers leave it.
+//! - **A rejected learning rate** (NaN, infinite, negative): the next step is an error and changes
+//!   nothing, unless a valid rate was set since.
+//! - **Unnamed `Var`s** (`LpmmOptimizer::new(varmap.all_vars(), ..)`): ordered by shape and
+//!   values *when the optimizer is created*. A resumed run must create it from the same values
+//!   as the saved run did (before loading trained weights into the `Var`s), or two `Var`s of one
+//!   shape can trade checkpoint entries; name them ([`LpmmOptimizer::from_varmap`]) to be safe.
+//! - **The layers of [`nn`]** add their weight's gradient into lpmm's accumulator in *every*
+//!   backward pass through them, whether or not its `GradStore` is kept or its step taken: an
+//!   extra `loss.backward()` (to log a gradient norm, say), or a refused step retried after
+//!   another backward pass, counts that gradient twice. [`LpmmOptimizer::accumulate`] is not all
+//!   or nothing either: a micro-batch refused for one parameter (a non-finite gradient a
+//!   quantized accumulator cannot hold) has already been added for the parameters before it in
+//!   name order.
+//! - **An f16 `Var`** whose parameter lpmm holds in f32 or bf16 is set by a conversion to f16,
+//!   which saturates to infinity above 65504 where lpmm's value is finite.
+//!
 //! [docs/RESULTS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/RESULTS.md
 //! [`StepReport`]: lpmm_optim::StepReport
 //! [`StepReport::missing_gradients`]: lpmm_optim::StepReport::missing_gradients

@@ -49,6 +49,15 @@ fn normalize(
             bias.map(|b| b.shape())
         );
     }
+    if size == 0 {
+        // Nothing to normalise (candle's reductions refuse an empty dimension): the empty result,
+        // through the same differentiable operations.
+        let y = x.broadcast_mul(weight)?;
+        return match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        };
+    }
     if fused(x) && weight.dtype() == DType::F32 && weight.device().is_cpu() {
         let y = x.contiguous()?.apply_op2(
             &weight.contiguous()?,
@@ -93,6 +102,9 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 /// Softmax over the last dimension: the values of `candle_nn::ops::softmax_last_dim`, with a
 /// backward pass (it is `candle_nn::ops::softmax(x, D::Minus1)`, which candle differentiates).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.dims().last() == Some(&0) {
+        return Ok(x.clone()); // no entries to weigh (candle's reductions refuse the dimension)
+    }
     if fused(x) {
         x.contiguous()?.apply_op1(SoftmaxOp)
     } else {
@@ -117,6 +129,9 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
     if q > k {
         candle_core::bail!("causal_softmax: {q} queries for {k} keys");
     }
+    if k == 0 {
+        return Ok(x.clone()); // no keys to weigh
+    }
     if fused(x) {
         return x.contiguous()?.apply_op1(CausalSoftmaxOp {
             scale: scale as f32,
@@ -137,7 +152,9 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// Whether `x` takes the fused CPU kernels (f32 on the CPU).
 fn fused(x: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == DType::F32
+    // An empty last dimension has no rows to fuse (its kernels cut the data into rows of it):
+    // candle's composition gives the empty result.
+    x.device().is_cpu() && x.dtype() == DType::F32 && x.dims().last().is_some_and(|&n| n > 0)
 }
 
 /// The contiguous f32 slice of a CPU storage.
@@ -494,6 +511,21 @@ mod tests {
 
     fn tensor(n: usize, shape: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
         Tensor::from_vec(values(n, seed), shape, &Device::Cpu)?.to_dtype(dtype)
+    }
+
+    #[test]
+    fn an_empty_last_dimension_gives_an_empty_result_not_a_panic() -> Result<()> {
+        // The fused kernels cut the data into rows of the last dimension: 0 panicked there.
+        let x = Tensor::zeros((2, 0), DType::F32, &Device::Cpu)?;
+        let w = Tensor::ones(0, DType::F32, &Device::Cpu)?;
+        let b = Tensor::zeros(0, DType::F32, &Device::Cpu)?;
+        assert_eq!(rms_norm(&x, &w, 1e-5)?.dims(), [2, 0]);
+        assert_eq!(layer_norm(&x, &w, &b, 1e-5)?.dims(), [2, 0]);
+        assert_eq!(RmsNorm::new(w.clone(), 1e-5).forward(&x)?.dims(), [2, 0]);
+        assert_eq!(softmax_last_dim(&x)?.dims(), [2, 0]);
+        let scores = Tensor::zeros((1, 0, 0), DType::F32, &Device::Cpu)?;
+        assert_eq!(causal_softmax(&scores, 1.0)?.dims(), [1, 0, 0]);
+        Ok(())
     }
 
     #[test]

@@ -88,8 +88,24 @@ impl LpmmOptimizer {
     /// `Var`s whose name matches a frozen pattern ([`LpmmConfig::with_frozen`]) are left out.
     pub fn add_vars(&mut self, mut named: Vec<(String, Var)>) -> Result<()> {
         let mut inner = self.shared.lock();
-        named.retain(|(name, v)| v.dtype().is_float() && !inner.config.is_frozen(name));
+        // A Var without elements has nothing to step (candle's optimizers leave it as it is);
+        // lpmm refuses to register one, which refused the whole model.
+        named.retain(|(name, v)| {
+            v.dtype().is_float() && v.elem_count() > 0 && !inner.config.is_frozen(name)
+        });
         named.sort_by(|a, b| a.0.cmp(&b.0));
+        // The same Var twice (or a clone of it: one storage) would be stepped twice a step, or
+        // refused mid-way by its second gradient: refused before anything is registered.
+        let mut seen: std::collections::HashSet<_> =
+            inner.vars.iter().map(|e| e.var.as_tensor().id()).collect();
+        for (name, var) in &named {
+            if !seen.insert(var.as_tensor().id()) {
+                return Err(Error::Msg(format!(
+                    "Var {name} is given twice (the same Var, or a clone of it, registered already \
+                     or listed again): nothing was registered"
+                )));
+            }
+        }
         for (name, var) in named {
             inner.register(&name, var)?;
         }
@@ -210,5 +226,7 @@ impl candle_nn::Optimizer for LpmmOptimizer {
             }
         }
         inner.lr = lr;
+        // A later valid rate replaces a rejected one (the rejection was reported for that rate).
+        inner.rejected_lr = None;
     }
 }

@@ -1,7 +1,7 @@
 //! Registering `Var`s with the engine: each lent where its dtype is its storage's, the engine
 //! moved to the first `Var`'s device, and the table from lpmm's parameters back to the `Var`s.
 
-use candle_core::{DType, Device, DeviceLocation, Error, Result, Var};
+use candle_core::{CpuStorage, DType, Device, DeviceLocation, Error, Result, Var};
 use lpmm_optim::Parts;
 use lpmm_optim::backend::Dtype;
 use lpmm_optim::{Optimizer, ParamConfig, ParamId};
@@ -23,6 +23,28 @@ pub(crate) struct Entry {
     /// The `Var` is the parameter (lent); otherwise lpmm holds it and the `Var` is set to it
     /// after every step.
     pub(crate) lent: bool,
+    /// For a `Var` lpmm sets (not lent, on the CPU): a hash of the values lpmm last set it to,
+    /// which tells a write by the user since ([`contents`]).
+    pub(crate) written: std::cell::Cell<Option<u64>>,
+}
+
+/// A hash of a CPU `Var`'s values (`None` on another device), to tell whether it changed.
+pub(crate) fn contents(var: &Var) -> Option<u64> {
+    use std::hash::Hasher;
+    let (storage, layout) = var.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return None;
+    };
+    let (start, end) = layout.contiguous_offsets()?;
+    let mut h = std::hash::DefaultHasher::new();
+    match cpu {
+        CpuStorage::F32(v) => v[start..end].iter().for_each(|x| h.write_u32(x.to_bits())),
+        CpuStorage::F64(v) => v[start..end].iter().for_each(|x| h.write_u64(x.to_bits())),
+        CpuStorage::BF16(v) => v[start..end].iter().for_each(|x| h.write_u16(x.to_bits())),
+        CpuStorage::F16(v) => v[start..end].iter().for_each(|x| h.write_u16(x.to_bits())),
+        _ => return None,
+    }
+    Some(h.finish())
 }
 
 /// The `Var` of registered parameter `id` (none for the layers' own parameters): `by_id` maps
@@ -102,6 +124,7 @@ impl Inner {
             var,
             id,
             lent,
+            written: std::cell::Cell::new(None),
         });
         Ok(())
     }

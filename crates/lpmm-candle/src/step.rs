@@ -16,7 +16,7 @@ use crate::gradients::GradSource;
 use crate::lane::Lane;
 use crate::lending::{VarLender, with_lent_vars};
 use crate::optimizer::{Inner, LpmmOptimizer};
-use crate::register::Entry;
+use crate::register::{Entry, contents};
 
 /// Steps `opt` from `grads`/`shared` and every pending accumulator, the `Var`s lent.
 fn step_on<B: Lane>(
@@ -71,6 +71,29 @@ impl Inner {
             let t =
                 Tensor::from_vec(values, e.var.shape(), e.var.device())?.to_dtype(e.var.dtype())?;
             e.var.set(&t)?;
+            e.written.set(contents(&e.var));
+        }
+        Ok(())
+    }
+
+    /// Refuses a step where a `Var` lpmm holds a copy of was written since lpmm set it
+    /// (`Var::set`, `VarMap::load`): the step would start from lpmm's copy and overwrite the
+    /// write.
+    fn check_copies(&self) -> Result<()> {
+        for e in self.vars.iter().filter(|e| !e.lent) {
+            if let Some(w) = e.written.get()
+                && contents(&e.var) != Some(w)
+            {
+                return Err(Error::Msg(format!(
+                    "Var {} was written since lpmm's last step (Var::set, VarMap::load), but lpmm \
+                     holds its value in its own storage ({:?} Var, not the storage's dtype) and \
+                     would step from that, losing the write: nothing was stepped. Load the \
+                     weights before creating the optimizer, or create the Vars in \
+                     LpmmConfig::var_dtype so that lpmm steps them in place",
+                    e.name,
+                    e.var.dtype()
+                )));
+            }
         }
         Ok(())
     }
@@ -91,6 +114,7 @@ impl Inner {
         shared: Option<&GradStore>,
     ) -> Result<StepReport> {
         self.check_lr()?;
+        self.check_copies()?;
         let Inner {
             opt, vars, by_id, ..
         } = self;

@@ -540,6 +540,60 @@ fn load_state_replaces_the_configuration_only_when_asked() {
     live.load(&path, Checkpoint::new()).unwrap();
 }
 
+/// `LoadPolicy::TakeLearningRates`: a checkpoint whose only difference is the learning rates (a
+/// schedule had changed them) loads and takes them; any other difference is refused as under
+/// `SameConfiguration`, and changes nothing.
+#[test]
+fn load_takes_the_learning_rates_only_when_asked() {
+    use lpmm_optim::LoadPolicy;
+    let tmp = lpmm_optim::testing::temp_dir("lpmm-ckpt-");
+    let path = tmp.path().join("scheduled.safetensors");
+    let make = |lr: f64, wd: f64| {
+        let mut o = Optimizer::new(OptimizerOptions::default().with_seed(4)).unwrap();
+        let g = o
+            .add_group(lpmm_optim::presets::adamw_8bit(lr).weight_decay(wd))
+            .unwrap();
+        o.add_group(lpmm_optim::presets::adamw_8bit(lr / 2.0).weight_decay(wd))
+            .unwrap();
+        o.add_param("w", &[4096], &[0.2; 4096], g).unwrap();
+        o.add_param("b", &[64], &[0.1; 64], g + 1).unwrap();
+        o
+    };
+    let mut saved = make(1e-3, 0.1);
+    saved.set_group_lr(0, 3e-4).unwrap();
+    saved.set_group_lr(1, 1e-4).unwrap();
+    saved.save(&path, Checkpoint::new()).unwrap();
+    let bytes = |o: &Optimizer| Parts::of(o).canonical(None).unwrap().to_bytes().unwrap();
+
+    let mut fresh = make(1e-3, 0.1);
+    let e = fresh.load(&path, Checkpoint::new()).unwrap_err();
+    assert!(matches!(&e, OptimError::Checkpoint { .. }), "{e}");
+    fresh
+        .load(
+            &path,
+            Checkpoint::new().policy(LoadPolicy::TakeLearningRates),
+        )
+        .unwrap();
+    assert_eq!(bytes(&fresh), bytes(&saved));
+    assert_eq!(fresh.groups()[0].hyper.lr(), 3e-4);
+    assert_eq!(fresh.groups()[1].hyper.lr(), 1e-4);
+
+    // Another weight decay is another configuration: refused, nothing changed.
+    let mut other = make(1e-3, 0.2);
+    let before = bytes(&other);
+    let e = other
+        .load(
+            &path,
+            Checkpoint::new().policy(LoadPolicy::TakeLearningRates),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, OptimError::Checkpoint { reason, .. } if reason.contains("groups differ")),
+        "{e}"
+    );
+    assert_eq!(bytes(&other), before);
+}
+
 /// Every slot of every parameter, as bytes (state 3 and the factorized statistics included).
 fn all_slots(opt: &Optimizer, ids: &[(ParamId, usize)]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();

@@ -23,6 +23,7 @@ use std::path::Path;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
+use crate::ParamConfig;
 use crate::backend::{Backend, ParamId, SlotKind};
 use crate::error::OptimError;
 use crate::optimizer::{Lender, Optimizer, Parts};
@@ -58,6 +59,11 @@ pub enum LoadPolicy {
     /// The checkpoint's configuration replaces this optimizer's (e.g. a learning rate that a
     /// schedule had changed when it was saved). Names, shapes and order must still match.
     ReplaceConfiguration,
+    /// As [`LoadPolicy::SameConfiguration`] but for the learning rates (of the groups and the
+    /// parameters), which the checkpoint's replace: a run resumed after a schedule changed them
+    /// (what candle's and burn's `set_learning_rate` do), where any other difference is still
+    /// refused.
+    TakeLearningRates,
 }
 
 fn err(path: &Path, reason: impl std::fmt::Display) -> OptimError {
@@ -188,19 +194,36 @@ impl Canonical {
     }
 
     /// The first difference between this checkpoint's configuration and `opt`'s (see
-    /// [`LoadPolicy::SameConfiguration`]), if any.
-    fn configuration_difference<B: Backend>(&self, opt: &Optimizer<B>) -> Option<String> {
+    /// [`LoadPolicy::SameConfiguration`]), if any; with `any_lr`, learning rates may differ.
+    fn configuration_difference<B: Backend>(
+        &self,
+        opt: &Optimizer<B>,
+        any_lr: bool,
+    ) -> Option<String> {
+        let same = |a: &ParamConfig, b: &ParamConfig| {
+            let mut a = *a;
+            if any_lr {
+                a.hyper.set_lr(b.hyper.lr());
+            }
+            a == *b
+        };
         if self.options != opt.options {
             return Some(format!(
                 "its options {:?} differ from this optimizer's {:?}",
                 self.options, opt.options
             ));
         }
-        if self.groups != opt.groups {
+        if self.groups.len() != opt.groups.len()
+            || self
+                .groups
+                .iter()
+                .zip(&opt.groups)
+                .any(|(a, b)| !same(a, b))
+        {
             return Some("its parameter groups differ from this optimizer's".into());
         }
         for (p, m) in self.params.iter().zip(&opt.states) {
-            if p.group != m.group || p.requested != m.requested || p.lr_rule != m.lr_rule {
+            if p.group != m.group || !same(&p.requested, &m.requested) || p.lr_rule != m.lr_rule {
                 return Some(format!(
                     "parameter {}: its group, configuration or learning-rate rule differs from this optimizer's",
                     p.name
@@ -356,9 +379,12 @@ impl<B: Backend> Optimizer<B> {
                 "the checkpoint holds other parameters (names or shapes differ)",
             ));
         }
-        if policy == LoadPolicy::SameConfiguration
-            && let Some(d) = c.configuration_difference(self)
-        {
+        let any_lr = match policy {
+            LoadPolicy::ReplaceConfiguration => return Ok(()),
+            LoadPolicy::SameConfiguration => false,
+            LoadPolicy::TakeLearningRates => true,
+        };
+        if let Some(d) = c.configuration_difference(self, any_lr) {
             return Err(err(
                 path,
                 format!(

@@ -215,6 +215,12 @@ impl<B: Backend> Optimizer<B> {
         (0..self.states.len()).map(|i| self.info(i))
     }
 
+    /// The groups' configurations, in order (a group's learning rate is its hyperparameters'
+    /// `lr`: [`crate::Hyper::lr`]).
+    pub fn groups(&self) -> &[ParamConfig] {
+        &self.groups
+    }
+
     /// The optimizer as a whole: its step count, mode, options and settings.
     pub fn status(&self) -> Status {
         Status {
