@@ -82,11 +82,5 @@ pub use tensor::{LpmmTensorOptimizer, LpmmTensorStats};
 /// A warning users must see: to `tracing` where a subscriber records it, to stderr otherwise
 /// (lpmm cannot know whether a user installed a subscriber).
 pub(crate) fn warn(message: &str) {
-    if tracing::enabled!(tracing::Level::WARN) {
-        tracing::warn!("lpmm-burn: {message}");
-    } else {
-        eprintln!(
-            "lpmm-burn warning: {message}\n  (On stderr because no tracing subscriber records lpmm's warnings.)"
-        );
-    }
+    lpmm_optim::user_warning("lpmm-burn", message);
 }

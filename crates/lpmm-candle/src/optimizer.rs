@@ -165,8 +165,8 @@ impl candle_nn::Optimizer for LpmmOptimizer {
     /// Registers every floating-point `Var` (others are not trainable). Without names, the
     /// `Var`s are ordered by shape, dtype and initial values (`VarMap::all_vars` comes in hash
     /// order, different in every process) and named `var0`, `var1`, ...; `Var`s that tie (equal
-    /// shape and values) cannot be told apart, which a `tracing` warning reports. Prefer
-    /// [`LpmmOptimizer::from_varmap`], which names them by path.
+    /// shape and values) cannot be told apart, which a warning reports (`tracing`, or stderr).
+    /// Prefer [`LpmmOptimizer::from_varmap`], which names them by path.
     fn new(vars: Vec<Var>, config: LpmmConfig) -> Result<Self> {
         let mut keyed = vars
             .into_iter()
@@ -175,9 +175,11 @@ impl candle_nn::Optimizer for LpmmOptimizer {
             .collect::<Result<Vec<_>>>()?;
         keyed.sort_by(|a, b| a.0.cmp(&b.0));
         if keyed.windows(2).any(|w| w[0].0 == w[1].0) {
-            tracing::warn!(
+            lpmm_optim::user_warning(
+                "lpmm-candle",
                 "Vars with equal shapes and initial values cannot be ordered the same way in every \
-                 process; name them (LpmmOptimizer::from_varmap) for reproducible bits"
+                 process (their stochastic rounding and checkpoint entries may trade places); name \
+                 them (LpmmOptimizer::from_varmap) for reproducible bits",
             );
         }
         let mut this = Self::empty(config)?;

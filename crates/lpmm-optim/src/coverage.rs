@@ -251,12 +251,19 @@ impl CoverageCheck {
 
 /// A warning users must see: to `tracing` where a subscriber records it, to stderr otherwise.
 fn warn(message: &str) {
+    user_warning("lpmm", message);
+}
+
+/// A warning users must see, from crate `source` ("lpmm", "lpmm-burn", ...): to `tracing`
+/// (level WARN) where a subscriber records it, to stderr otherwise (lpmm cannot know whether a
+/// user installed a subscriber; most training programs do not).
+pub fn user_warning(source: &str, message: &str) {
     if tracing::enabled!(tracing::Level::WARN) {
-        tracing::warn!("lpmm: {message}");
+        tracing::warn!("{source}: {message}");
     } else {
         eprintln!(
-            "lpmm warning: {message}\n  (On stderr because no tracing subscriber records lpmm's \
-             warnings.)"
+            "{source} warning: {message}\n  (On stderr because no tracing subscriber records \
+             lpmm's warnings.)"
         );
     }
 }

@@ -61,6 +61,7 @@ pub use checkpoint::{
 pub use config::ParamConfig;
 pub use coverage::{
     CoverageCheck, MISSING_NAMES, MissingGradientHelp, MissingGradientPolicy, MissingGradients,
+    user_warning,
 };
 pub use cpu::Cpu;
 pub use error::OptimError;

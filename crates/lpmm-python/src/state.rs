@@ -387,9 +387,9 @@ pub fn reconfigure(
         };
         return Err(EngineError::Config(format!(
             "group {group}'s new hyperparameters change which states it keeps ({} before, {} \
-             after; e.g. Adafactor's beta1 between None and a number): a running optimizer cannot \
-             add or drop a state; nothing was changed (put the old value back, or create the optimizer \
-             again)",
+             after; e.g. Adafactor's beta1 between None and a number): a running optimizer \
+             cannot add or drop a state; nothing was changed (put the old value back, or create \
+             the optimizer again)",
             names(before),
             names(after)
         )));

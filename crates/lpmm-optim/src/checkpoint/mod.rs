@@ -23,8 +23,8 @@ use std::path::Path;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
-use crate::ParamConfig;
 use crate::backend::{Backend, ParamId, SlotKind};
+use crate::config::ParamConfig;
 use crate::error::OptimError;
 use crate::optimizer::{Lender, Optimizer, Parts};
 
