@@ -152,9 +152,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// Whether `x` takes the fused CPU kernels (f32 on the CPU).
 fn fused(x: &Tensor) -> bool {
-    // An empty last dimension has no rows to fuse (its kernels cut the data into rows of it):
-    // candle's composition gives the empty result.
-    x.device().is_cpu() && x.dtype() == DType::F32 && x.dims().last().is_some_and(|&n| n > 0)
+    x.device().is_cpu() && x.dtype() == DType::F32
 }
 
 /// The contiguous f32 slice of a CPU storage.

@@ -111,13 +111,15 @@ impl<const D: usize> LpmmState<D> {
             return None;
         };
         let engine = lock(&slot.engine);
-        let old = on_any!(&*engine, e => e.entries[slot.id.index()].shape.clone());
-        (old != shape).then(|| {
-            format!(
-                "stream {}: the parameter's shape changed from {old:?} to {shape:?} since its last \
-                 step (its tensor was replaced)",
-                slot.stream
-            )
+        on_any!(&*engine, e => {
+            let old = &e.entries[slot.id.index()].shape;
+            (old.as_slice() != shape).then(|| {
+                format!(
+                    "stream {}: the parameter's shape changed from {old:?} to {shape:?} since its \
+                     last step (its tensor was replaced)",
+                    slot.stream
+                )
+            })
         })
     }
 

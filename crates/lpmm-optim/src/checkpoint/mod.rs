@@ -61,8 +61,8 @@ pub enum LoadPolicy {
     ReplaceConfiguration,
     /// As [`LoadPolicy::SameConfiguration`] but for the learning rates (of the groups and the
     /// parameters), which the checkpoint's replace: a run resumed after a schedule changed them
-    /// (what candle's and burn's `set_learning_rate` do), where any other difference is still
-    /// refused.
+    /// (candle's `set_learning_rate` between steps; lpmm-candle's `load` takes this policy),
+    /// where any other difference is still refused.
     TakeLearningRates,
 }
 
