@@ -200,7 +200,8 @@
 //!   quantized accumulator cannot hold) has already been added for the parameters before it in
 //!   name order.
 //! - **An f16 `Var`** whose parameter lpmm holds in f32 or bf16 is set by a conversion to f16,
-//!   which saturates to infinity above 65504 where lpmm's value is finite.
+//!   which rounds values of magnitude 65520 and above to infinity where lpmm's value is finite:
+//!   a warning names the `Var` (`tracing`, or stderr) each time it happens (on the CPU).
 //!
 //! [docs/RESULTS.md]: https://github.com/lpmm-rs/lpmm/blob/main/docs/RESULTS.md
 //! [`StepReport`]: lpmm_optim::StepReport

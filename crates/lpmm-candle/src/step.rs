@@ -3,7 +3,7 @@
 //! evaluation points.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Error, Result, Tensor};
+use candle_core::{DType, Error, Result, Tensor};
 use lpmm_optim::Parts;
 use lpmm_optim::{Mode, SlotKind};
 use lpmm_optim::{Optimizer, StepReport};
@@ -57,6 +57,34 @@ fn accumulate_on<B: Lane>(
     Ok(())
 }
 
+/// The smallest magnitude f32 rounds to infinity in f16 (to nearest, ties to even: halfway
+/// between 65504, f16's largest, and 65536).
+const F16_OVERFLOW: f32 = 65520.0;
+
+/// How many of `values` (finite in lpmm's storage) become infinite in f16, and the largest.
+fn f16_overflow(values: &[f32]) -> Option<(usize, f32)> {
+    let over = values
+        .iter()
+        .filter(|v| v.is_finite() && v.abs() >= F16_OVERFLOW);
+    let (n, max) = over.fold((0, 0f32), |(n, m), v| (n + 1, m.max(v.abs())));
+    (n > 0).then_some((n, max))
+}
+
+/// Says so where an f16 `Var` is set to values that overflow f16 (the `Var` then holds
+/// infinities where lpmm's parameter is finite).
+fn warn_f16_overflow(name: &str, values: &[f32]) {
+    if let Some((n, max)) = f16_overflow(values) {
+        lpmm_optim::user_warning(
+            "lpmm-candle",
+            &format!(
+                "Var {name} is f16 and {n} of its values in lpmm's storage overflow f16 (up to \
+                 {max}): the Var holds infinity there while lpmm's parameter is finite; keep it \
+                 in f32 or bf16"
+            ),
+        );
+    }
+}
+
 impl Inner {
     /// Sets every `Var` that is not lent to its parameter as lpmm stores it.
     pub(crate) fn sync(&self) -> Result<()> {
@@ -68,6 +96,9 @@ impl Inner {
         for e in self.vars.iter().filter(|e| !e.lent) {
             let mut values = vec![0f32; e.var.elem_count()];
             opt.read(e.id, SlotKind::Param, &mut values).map_err(wrap)?;
+            if e.var.dtype() == DType::F16 {
+                warn_f16_overflow(&e.name, &values);
+            }
             let t =
                 Tensor::from_vec(values, e.var.shape(), e.var.device())?.to_dtype(e.var.dtype())?;
             e.var.set(&t)?;
@@ -172,5 +203,35 @@ impl LpmmOptimizer {
             }
         })?;
         inner.sync()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_overflow_counts_what_f16_rounds_to_infinity() -> Result<()> {
+        let values = [
+            1.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            -70000.0,
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        // The count agrees with candle's own conversion (which the Var is set through).
+        let t = Tensor::new(&values, &candle_core::Device::Cpu)?.to_dtype(DType::F16)?;
+        let back = t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let became_infinite = values
+            .iter()
+            .zip(&back)
+            .filter(|(v, b)| v.is_finite() && b.is_infinite())
+            .count();
+        assert_eq!(became_infinite, 2);
+        assert_eq!(f16_overflow(&values), Some((2, 70000.0)));
+        assert_eq!(f16_overflow(&values[..3]), None);
+        Ok(())
     }
 }
